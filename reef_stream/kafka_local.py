@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import string
 import subprocess
 import time
@@ -38,10 +37,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-import psutil
-
 from reef_stream.config import KAFKA_INFRA_DIR, Settings
 from reef_stream.connect import client_config
+from reef_stream.processes import free_ports, log_tail, port_is_free, process_matches, reap
 from reef_stream.errors import ConfigurationError, FatalError
 
 KAFKA_VERSION = "3.9.2"
@@ -169,55 +167,6 @@ def kafka_classpath(cache_dir: Path, progress: Progress = _quiet) -> str:
     return cached.read_text().strip()
 
 
-# --------------------------------------------------------------------------- ports and processes
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports that were free a moment ago (for tests and --port 0)."""
-    sockets, ports = [], []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-            ports.append(sock.getsockname()[1])
-    finally:
-        for sock in sockets:
-            sock.close()
-    return ports
-
-
-def _process_matches(pid: int | None, marker: str) -> bool:
-    """True if ``pid`` is a live process whose command line contains ``marker``.
-
-    Checking the command line guards against a recycled pid after a reboot.
-    """
-    if not pid:
-        return False
-    try:
-        process = psutil.Process(pid)
-        return process.status() != psutil.STATUS_ZOMBIE and marker in " ".join(process.cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
-
-
-def log_tail(path: Path, lines: int = 25) -> str:
-    if not path.exists():
-        return f"(no log at {path})"
-    text = path.read_text(errors="replace").splitlines()
-    return "\n".join(text[-lines:])
-
-
 # --------------------------------------------------------------------------- the cluster
 
 
@@ -273,7 +222,7 @@ class LocalCluster:
         return str(node.directory(self.data_dir) / "server.properties")
 
     def is_alive(self, node: Node) -> bool:
-        return _process_matches(node.pid, self._marker(node))
+        return process_matches(node.pid, self._marker(node))
 
     # ----------------------------------------------------------------- up
 
@@ -387,7 +336,7 @@ class LocalCluster:
         while True:
             for node in members:
                 if not self.is_alive(node):
-                    self._reap(node)
+                    reap(node.pid)
                     directory = node.directory(self.data_dir)
                     raise BrokerStartError(
                         f"Kafka node {node.node_id} exited while starting. Its log is "
@@ -408,14 +357,6 @@ class LocalCluster:
                 )
             time.sleep(0.5)
 
-    @staticmethod
-    def _reap(node: Node) -> None:
-        """Collect the exit status of a node we started in this process, if it was ours."""
-        try:
-            os.waitpid(node.pid, os.WNOHANG)
-        except (ChildProcessError, TypeError):
-            pass
-
     # ----------------------------------------------------------------- down, kill, status
 
     def down(self, timeout: float = 60.0, progress: Progress = _quiet) -> None:
@@ -432,7 +373,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         for node in running:
             while self.is_alive(node) and time.monotonic() < deadline:
-                self._reap(node)
+                reap(node.pid)
                 time.sleep(0.2)
             if self.is_alive(node):
                 progress(f"Node {node.node_id} did not stop within {timeout:.0f}s; killing it")
@@ -450,8 +391,8 @@ class LocalCluster:
             raise FatalError(f"Kafka node {node_id} is not running")
         os.kill(node.pid, sig)
         if sig == signal.SIGKILL:
-            while _process_matches(node.pid, self._marker(node)):
-                self._reap(node)
+            while process_matches(node.pid, self._marker(node)):
+                reap(node.pid)
                 time.sleep(0.05)
 
     def controller(self) -> int | None:

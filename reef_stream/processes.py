@@ -1,0 +1,66 @@
+"""Small helpers for the background servers reef-stream runs (Kafka nodes, Redis)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import psutil
+
+
+def port_is_free(port: int) -> bool:
+    """True if nothing listens on ``127.0.0.1:port``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports that were free a moment ago."""
+    sockets, ports = [], []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+            ports.append(sock.getsockname()[1])
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+def process_matches(pid: int | None, marker: str) -> bool:
+    """True if ``pid`` is a live process whose command line contains ``marker``.
+
+    Checking the command line guards against a pid recycled after a reboot.
+    """
+    if not pid:
+        return False
+    try:
+        process = psutil.Process(pid)
+        return process.status() != psutil.STATUS_ZOMBIE and marker in " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def reap(pid: int | None) -> None:
+    """Collect the exit status of ``pid`` if this process started it (no zombie left)."""
+    if not pid:
+        return
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    """The last ``lines`` lines of a log file, for error messages."""
+    if not path.exists():
+        return f"(no log at {path})"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

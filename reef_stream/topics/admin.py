@@ -1,0 +1,101 @@
+"""Create declared topics and verify that existing ones match their declaration.
+
+A topic that exists with other settings (partition count, replication,
+cleanup policy, retention, size limit) is never silently used: the keying of
+records and the durability guarantees depend on them. ``ensure_topics``
+raises one ``TopicMismatchError`` listing every difference instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
+
+from reef_stream.errors import RetryableError, TopicMismatchError
+from reef_stream.topics.declarations import Topic
+
+TIMEOUT_S = 30.0
+
+
+@dataclass
+class EnsureReport:
+    created: list[str] = field(default_factory=list)
+    verified: list[str] = field(default_factory=list)
+
+
+def replication_for(topic: Topic, brokers: int) -> int:
+    """The replication factor a topic gets on a cluster of ``brokers`` brokers."""
+    return topic.replication if topic.replication is not None else min(3, brokers)
+
+
+def ensure_topics(admin: AdminClient, topics: list[Topic]) -> EnsureReport:
+    """Create the missing topics and verify the existing ones. Idempotent.
+
+    Raises TopicMismatchError listing every difference between an existing
+    topic and its declaration; nothing is changed on the cluster in that case
+    except the creation of topics that did not exist.
+    """
+    metadata = _metadata(admin)
+    brokers = len(metadata.brokers)
+    missing = [t for t in topics if t.name not in metadata.topics]
+    report = EnsureReport()
+    if missing:
+        futures = admin.create_topics([
+            NewTopic(t.name, num_partitions=t.partitions,
+                     replication_factor=replication_for(t, brokers), config=dict(t.config))
+            for t in missing
+        ], operation_timeout=TIMEOUT_S, request_timeout=TIMEOUT_S)
+        for name, future in futures.items():
+            try:
+                future.result()
+                report.created.append(name)
+            except KafkaException as exc:
+                if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":  # another process was quicker
+                    raise RetryableError(f"Could not create topic {name}: {exc}") from exc
+        metadata = _metadata(admin)
+    problems = verify_topics(admin, topics, metadata)
+    if problems:
+        raise TopicMismatchError(problems)
+    report.verified = [t.name for t in topics if t.name not in report.created]
+    return report
+
+
+def verify_topics(admin: AdminClient, topics: list[Topic], metadata=None) -> list[str]:
+    """Every difference between the cluster and the declarations, as sentences."""
+    metadata = metadata or _metadata(admin)
+    brokers = len(metadata.brokers)
+    problems = []
+    present = [t for t in topics if t.name in metadata.topics]
+    problems += [f"topic {t.name} does not exist (run `reef topics create`)"
+                 for t in topics if t.name not in metadata.topics]
+    for topic in present:
+        partitions = metadata.topics[topic.name].partitions
+        if len(partitions) != topic.partitions:
+            problems.append(f"topic {topic.name} has {len(partitions)} partitions, "
+                            f"declared {topic.partitions}")
+        replicas = {len(p.replicas) for p in partitions.values()}
+        expected = replication_for(topic, brokers)
+        if replicas != {expected}:
+            found = "/".join(str(r) for r in sorted(replicas))
+            problems.append(f"topic {topic.name} has replication factor {found}, declared {expected}")
+    if not present:
+        return problems
+    resources = [ConfigResource(ResourceType.TOPIC, t.name) for t in present]
+    futures = admin.describe_configs(resources, request_timeout=TIMEOUT_S)
+    configs = {resource.name: future.result() for resource, future in futures.items()}
+    for topic in present:
+        actual = configs[topic.name]
+        for key, value in topic.config.items():
+            found = actual[key].value if key in actual else None
+            if found != value:
+                problems.append(f"topic {topic.name} has {key}={found}, declared {value}")
+    return problems
+
+
+def _metadata(admin: AdminClient):
+    try:
+        return admin.list_topics(timeout=TIMEOUT_S)
+    except KafkaException as exc:
+        raise RetryableError(f"The Kafka cluster did not answer: {exc}") from exc

@@ -1,0 +1,106 @@
+"""Every topic reef-stream uses, declared once: name, partitions, retention, size limit.
+
+Names live under a namespace (``REEF_NAMESPACE``, default ``reef``) so several
+pipelines can share one cluster. ``reef topics create`` makes these topics and
+refuses to use one that exists with different settings.
+
+| topic | key | why these settings |
+| --- | --- | --- |
+| ``<ns>.generations`` | generation id (or group id) | the bulk of the data; co-partitioned with feedback so the processor joins locally |
+| ``<ns>.feedback`` | same key as its generation | small records; same partition count as generations |
+| ``<ns>.units.<recipe>`` | unit id | one topic per recipe, read by that recipe's trainer groups |
+| ``<ns>.checkpoints`` | trainer group | one partition: checkpoint events are totally ordered |
+| ``<ns>.publications`` | model | compacted: the latest decision per model is kept forever |
+| ``<ns>.metrics`` | stage | short retention |
+| ``<ns>.dead-letters`` | source key | long retention; large records (the original bytes travel with the reason) |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MiB = 1024 * 1024
+DAY_MS = 24 * 60 * 60 * 1000
+
+#: Partitions of the topics that generations and feedback flow through; they
+#: must be equal so that a generation and its feedback land in the same one.
+DATA_PARTITIONS = 6
+
+
+@dataclass(frozen=True)
+class Topic:
+    """The declaration of one topic. ``config`` holds Kafka topic configs as strings."""
+
+    name: str
+    partitions: int
+    #: None: as many copies as the cluster can hold, up to 3 (1 on a single broker).
+    replication: int | None = None
+    config: dict[str, str] = field(default_factory=dict)
+    doc: str = ""
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.config["max.message.bytes"])
+
+
+def _delete(days: int, max_bytes: int) -> dict[str, str]:
+    return {
+        "cleanup.policy": "delete",
+        "retention.ms": str(days * DAY_MS),
+        "max.message.bytes": str(max_bytes),
+    }
+
+
+def generations(ns: str) -> str:
+    return f"{ns}.generations"
+
+
+def feedback(ns: str) -> str:
+    return f"{ns}.feedback"
+
+
+def units(ns: str, recipe: str) -> str:
+    return f"{ns}.units.{recipe}"
+
+
+def checkpoints(ns: str) -> str:
+    return f"{ns}.checkpoints"
+
+
+def publications(ns: str) -> str:
+    return f"{ns}.publications"
+
+
+def metrics(ns: str) -> str:
+    return f"{ns}.metrics"
+
+
+def dead_letters(ns: str) -> str:
+    return f"{ns}.dead-letters"
+
+
+def declare_topics(ns: str, recipes: tuple[str, ...] = ()) -> list[Topic]:
+    """The topics of a namespace, with one units topic per recipe named."""
+    topics = [
+        Topic(generations(ns), DATA_PARTITIONS, config=_delete(7, 8 * MiB),
+              doc="Generation events from serving replicas and imports"),
+        Topic(feedback(ns), DATA_PARTITIONS, config=_delete(7, 1 * MiB),
+              doc="Feedback events: rewards from workers, humans, environments, judges"),
+        Topic(checkpoints(ns), 1, config=_delete(365, 1 * MiB),
+              doc="Checkpoint events: one per acknowledged trainer step"),
+        Topic(publications(ns), 1, config={
+            "cleanup.policy": "compact",
+            "max.message.bytes": str(1 * MiB),
+            "min.compaction.lag.ms": str(DAY_MS),
+        }, doc="Publication decisions, compacted by model"),
+        Topic(metrics(ns), 3, config=_delete(3, 1 * MiB),
+              doc="Metric events from every stage"),
+        Topic(dead_letters(ns), 3, config=_delete(30, 16 * MiB),
+              doc="Records that could not be processed, with the reason"),
+    ]
+    topics += [
+        Topic(units(ns, recipe), DATA_PARTITIONS, config=_delete(7, 16 * MiB),
+              doc=f"Typed units assembled by the processor of recipe {recipe!r}")
+        for recipe in recipes
+    ]
+    return topics
