@@ -19,6 +19,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from reef_stream.config import Settings, load_settings
@@ -35,7 +36,11 @@ err_console = Console(stderr=True, highlight=False)
 
 
 def _progress(message: str) -> None:
-    console.print(f"[dim]·[/dim] {message}")
+    console.print(f"[dim]·[/dim] {escape(message)}")
+
+
+def _print_error(exc: Exception) -> None:
+    err_console.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
 
 
 def _settings(ctx: click.Context) -> Settings:
@@ -49,10 +54,10 @@ class _ReefGroup(click.Group):
         try:
             return super().invoke(ctx)
         except ConfigurationError as exc:
-            err_console.print(f"[bold red]error:[/bold red] {exc}")
+            _print_error(exc)
             sys.exit(2)
         except ReefError as exc:
-            err_console.print(f"[bold red]error:[/bold red] {exc}")
+            _print_error(exc)
             sys.exit(1)
 
 
@@ -72,7 +77,7 @@ def main(ctx: click.Context, verbose: bool) -> None:
     try:
         ctx.obj = load_settings()
     except ConfigurationError as exc:
-        err_console.print(f"[bold red]error:[/bold red] {exc}")
+        _print_error(exc)
         sys.exit(2)
 
 

@@ -148,7 +148,8 @@ def kafka_classpath(cache_dir: Path, progress: Progress = _quiet) -> str:
     progress(f"Fetching Apache Kafka {KAFKA_VERSION} from Maven Central (once; cached in ~/.m2)")
     partial = cached.with_suffix(".partial")
     result = subprocess.run(
-        [mvn, "-B", "-q", "-f", str(pom), "dependency:build-classpath",
+        [mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(pom),
+         "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:build-classpath",
          f"-Dmdep.outputFile={partial}", "-Dmdep.includeScope=runtime"],
         capture_output=True, text=True,
     )
@@ -156,7 +157,7 @@ def kafka_classpath(cache_dir: Path, progress: Progress = _quiet) -> str:
         output = (result.stdout + result.stderr).strip()
         tail = "\n".join(output.splitlines()[-15:])
         if re.search(r"Could not (resolve|transfer)|UnknownHost|Connection (refused|timed out)|"
-                     r"Network is unreachable|offline", output):
+                     r"Network is unreachable|No plugin found|offline", output):
             raise ConfigurationError(
                 "Maven could not fetch the Kafka jars: Maven Central looks unreachable from "
                 "this machine (check the network or proxy settings in ~/.m2/settings.xml), "
@@ -282,7 +283,7 @@ class LocalCluster:
             ))
             result = subprocess.run(
                 [java, *self._jvm_flags(node), "-cp", classpath, "kafka.tools.StorageTool",
-                 "format", "--ignore-formatted", "-t", cluster_id,
+                 "format", "--ignore-formatted", f"--cluster-id={cluster_id}",
                  "-c", str(directory / "server.properties")],
                 capture_output=True, text=True,
             )
@@ -432,5 +433,12 @@ class LocalCluster:
 
 
 def _kafka_cluster_id() -> str:
-    """A Kafka cluster id: a random UUID in URL-safe base64 without padding (22 chars)."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """A Kafka cluster id: a random UUID in URL-safe base64 without padding (22 chars).
+
+    Like Kafka's own ``Uuid.randomUuid``, never one starting with '-', which
+    command-line parsers would take for an option.
+    """
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id

@@ -60,7 +60,11 @@ def reap(pid: int | None) -> None:
 
 
 def log_tail(path: Path, lines: int = 25) -> str:
-    """The last ``lines`` lines of a log file, for error messages."""
+    """The end of a log file for an error message: from its last ERROR or FATAL line
+    (where the cause is, above any stack trace) if there is one, else the last lines."""
     if not path.exists():
         return f"(no log at {path})"
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    text = path.read_text(errors="replace").splitlines()
+    errors = [i for i, line in enumerate(text) if " ERROR " in line or " FATAL " in line]
+    start = errors[-1] if errors and errors[-1] >= len(text) - 200 else len(text) - lines
+    return "\n".join(text[max(start, 0):][:lines])

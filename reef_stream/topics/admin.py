@@ -8,6 +8,7 @@ raises one ``TopicMismatchError`` listing every difference instead.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaException
@@ -54,7 +55,7 @@ def ensure_topics(admin: AdminClient, topics: list[Topic]) -> EnsureReport:
             except KafkaException as exc:
                 if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":  # another process was quicker
                     raise RetryableError(f"Could not create topic {name}: {exc}") from exc
-        metadata = _metadata(admin)
+        metadata = _wait_for_metadata(admin, report.created)
     problems = verify_topics(admin, topics, metadata)
     if problems:
         raise TopicMismatchError(problems)
@@ -92,6 +93,25 @@ def verify_topics(admin: AdminClient, topics: list[Topic], metadata=None) -> lis
             if found != value:
                 problems.append(f"topic {topic.name} has {key}={found}, declared {value}")
     return problems
+
+
+def _wait_for_metadata(admin: AdminClient, names: list[str]):
+    """Metadata once every named topic is visible with a leader for each partition.
+
+    A topic whose creation was acknowledged by the controller can take a
+    moment to appear in the metadata of the broker that answers.
+    """
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        metadata = _metadata(admin)
+        ready = all(
+            name in metadata.topics and metadata.topics[name].partitions
+            and all(p.leader >= 0 for p in metadata.topics[name].partitions.values())
+            for name in names
+        )
+        if ready or time.monotonic() > deadline:
+            return metadata
+        time.sleep(0.1)
 
 
 def _metadata(admin: AdminClient):

@@ -1,0 +1,104 @@
+"""Fixtures: a real Kafka broker and a real Redis server, once per test session.
+
+By default the session starts its own single-node KRaft broker (jars from
+Maven Central, see reef_stream.kafka_local) and its own redis-server, each in
+a temporary directory on free ports, and stops them at the end. Where
+``REEF_BOOTSTRAP_SERVERS`` / ``REEF_REDIS_URL`` name existing servers, those
+are used instead. With ``REEF_TEST_DOCKER=1``, pytest-docker starts
+``infra/kafka/docker-compose.yml`` instead (for machines with Docker).
+
+Tests isolate themselves by namespace (a fresh topic prefix each), never by
+replacing the broker.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from reef_stream.config import KAFKA_INFRA_DIR, load_settings
+from reef_stream.kafka_local import LocalCluster
+from reef_stream.redis_local import LocalRedis
+
+USE_DOCKER = os.environ.get("REEF_TEST_DOCKER") == "1"
+
+
+@pytest.fixture(scope="session")
+def settings():
+    return load_settings()
+
+
+@pytest.fixture(scope="session")
+def docker_compose_file():
+    return str(KAFKA_INFRA_DIR / "docker-compose.yml")
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(settings, tmp_path_factory, request) -> str:
+    """Bootstrap address of a real Kafka cluster for the whole session."""
+    if settings.bootstrap_servers:
+        return settings.bootstrap_servers
+    if USE_DOCKER:
+        services = request.getfixturevalue("docker_services")
+        bootstrap = "127.0.0.1:19092"
+        services.wait_until_responsive(timeout=90, pause=1,
+                                       check=lambda: _kafka_answers(bootstrap))
+        return bootstrap
+    cluster = LocalCluster(tmp_path_factory.mktemp("kafka"), settings.cache_dir)
+    bootstrap = cluster.up(port=0)
+    yield bootstrap
+    cluster.down()
+
+
+@pytest.fixture(scope="session")
+def redis_url(settings, tmp_path_factory, request) -> str:
+    """URL of a real Redis server for the whole session."""
+    if settings.redis_url:
+        return settings.redis_url
+    if USE_DOCKER:
+        request.getfixturevalue("docker_services")
+        return "redis://127.0.0.1:16379/0"
+    from reef_stream.processes import free_ports
+
+    server = LocalRedis(tmp_path_factory.mktemp("redis"))
+    url = server.up(port=free_ports(1)[0])
+    yield url
+    server.down()
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A topic namespace of this test's own."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def cli_env(kafka_bootstrap, redis_url, namespace, tmp_path) -> dict[str, str]:
+    """Environment for running `reef` as a subprocess against the session's servers."""
+    env = dict(os.environ)
+    env.update(REEF_BOOTSTRAP_SERVERS=kafka_bootstrap, REEF_REDIS_URL=redis_url,
+               REEF_NAMESPACE=namespace, REEF_HOME=str(tmp_path / "home"))
+    return env
+
+
+def _kafka_answers(bootstrap: str) -> bool:
+    from confluent_kafka.admin import AdminClient
+
+    try:
+        AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=2)
+        return True
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
+def pytest_collection_modifyitems(items):
+    """Mark tests by directory so `-m "not faults"` and friends work."""
+    for item in items:
+        path = Path(str(item.fspath))
+        if "integration" in path.parts:
+            item.add_marker(pytest.mark.integration)
+        if "faults" in path.parts:
+            item.add_marker(pytest.mark.faults)

@@ -1,0 +1,65 @@
+"""Topic creation and verification against the real broker."""
+
+from __future__ import annotations
+
+import pytest
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
+
+from reef_stream.connect import client_config
+from reef_stream.errors import TopicMismatchError
+from reef_stream.topics.admin import ensure_topics, verify_topics
+from reef_stream.topics.declarations import declare_topics, generations, units
+
+
+@pytest.fixture
+def admin(kafka_bootstrap):
+    return AdminClient(client_config(kafka_bootstrap))
+
+
+def test_create_makes_every_declared_topic_with_its_settings(admin, namespace):
+    declared = declare_topics(namespace, recipes=("sao",))
+    report = ensure_topics(admin, declared)
+
+    assert sorted(report.created) == sorted(t.name for t in declared)
+    metadata = admin.list_topics(timeout=10)
+    for topic in declared:
+        assert len(metadata.topics[topic.name].partitions) == topic.partitions
+    assert units(namespace, "sao") in metadata.topics
+    assert verify_topics(admin, declared) == []
+    configs = admin.describe_configs(
+        [ConfigResource(ResourceType.TOPIC, f"{namespace}.publications")])
+    entries = next(iter(configs.values())).result()
+    assert entries["cleanup.policy"].value == "compact"
+
+
+def test_create_is_idempotent(admin, namespace):
+    declared = declare_topics(namespace)
+    ensure_topics(admin, declared)
+    again = ensure_topics(admin, declared)
+    assert again.created == []
+    assert sorted(again.verified) == sorted(t.name for t in declared)
+
+
+def test_existing_topic_with_other_settings_is_an_error_listing_every_difference(admin, namespace):
+    # Someone created the generations topic by hand, with 2 partitions and 1 day retention.
+    name = generations(namespace)
+    admin.create_topics([NewTopic(name, num_partitions=2, replication_factor=1,
+                                  config={"retention.ms": "86400000"})])[name].result()
+
+    with pytest.raises(TopicMismatchError) as caught:
+        ensure_topics(admin, declare_topics(namespace))
+
+    problems = caught.value.problems
+    assert any(f"{name} has 2 partitions, declared 6" in p for p in problems), problems
+    assert any(f"{name} has retention.ms=86400000" in p for p in problems), problems
+    assert any("max.message.bytes" in p and name in p for p in problems), problems
+    # The other topics were still created, and the mismatched one left as it was.
+    metadata = admin.list_topics(timeout=10)
+    assert f"{namespace}.feedback" in metadata.topics
+    assert len(metadata.topics[name].partitions) == 2
+
+
+def test_verify_reports_missing_topics(admin, namespace):
+    problems = verify_topics(admin, declare_topics(namespace))
+    assert len(problems) == 6
+    assert all("does not exist" in p for p in problems)
