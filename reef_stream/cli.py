@@ -14,6 +14,7 @@ configuration problem and 1 for anything else.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from reef_stream.config import Settings, load_settings
 from reef_stream.connect import KAFKA_LOGGER, bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, ReefError
 from reef_stream.kafka_local import DEFAULT_PORT as KAFKA_PORT
-from reef_stream.kafka_local import ClusterStatus, LocalCluster
+from reef_stream.kafka_local import KAFKA_VERSION, ClusterStatus, LocalCluster, check_java, kafka_classpath
 from reef_stream.redis_local import DEFAULT_PORT as REDIS_PORT
 from reef_stream.redis_local import LocalRedis
 from reef_stream.topics.declarations import declare_topics
@@ -140,6 +141,20 @@ def kafka_up(ctx: click.Context, nodes: int | None = None, port: int = KAFKA_POR
     cluster = LocalCluster.from_settings(settings, data)
     bootstrap = cluster.up(nodes=nodes, port=port, timeout=timeout, progress=_progress)
     console.print(f"bootstrap: [bold]{bootstrap}[/bold]")
+
+
+@kafka.command("fetch")
+@click.pass_context
+def kafka_fetch(ctx: click.Context) -> None:
+    """Fetch the broker's jars from Maven Central (once) and check Java.
+
+    `reef kafka up` does this itself; run it ahead to do the download early.
+    """
+    settings = _settings(ctx)
+    check_java()
+    classpath = kafka_classpath(settings.cache_dir, _progress)
+    jars = classpath.split(os.pathsep)
+    console.print(f"Apache Kafka {KAFKA_VERSION}: {len(jars)} jars, in {os.path.commonpath(jars)}")
 
 
 @kafka.command("down")
