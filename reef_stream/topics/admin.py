@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
 from reef_stream.errors import RetryableError, TopicMismatchError
@@ -83,9 +83,7 @@ def verify_topics(admin: AdminClient, topics: list[Topic], metadata=None) -> lis
             problems.append(f"topic {topic.name} has replication factor {found}, declared {expected}")
     if not present:
         return problems
-    resources = [ConfigResource(ResourceType.TOPIC, t.name) for t in present]
-    futures = admin.describe_configs(resources, request_timeout=TIMEOUT_S)
-    configs = {resource.name: future.result() for resource, future in futures.items()}
+    configs = _describe_configs(admin, [t.name for t in present])
     for topic in present:
         actual = configs[topic.name]
         for key, value in topic.config.items():
@@ -93,6 +91,25 @@ def verify_topics(admin: AdminClient, topics: list[Topic], metadata=None) -> lis
             if found != value:
                 problems.append(f"topic {topic.name} has {key}={found}, declared {value}")
     return problems
+
+
+def _describe_configs(admin: AdminClient, names: list[str]) -> dict:
+    """Topic name -> its config entries.
+
+    A broker that has not yet caught up with a topic's creation answers
+    UNKNOWN_TOPIC_OR_PART for a moment; that is retried until TIMEOUT_S.
+    """
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, name) for name in names],
+                                         request_timeout=TIMEOUT_S)
+        try:
+            return {resource.name: future.result() for resource, future in futures.items()}
+        except KafkaException as exc:
+            unknown = exc.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+            if not unknown or time.monotonic() > deadline:
+                raise RetryableError(f"Could not read the configs of {', '.join(names)}: {exc}") from exc
+            time.sleep(0.2)
 
 
 def _wait_for_metadata(admin: AdminClient, names: list[str]):
