@@ -181,6 +181,8 @@ class LocalCluster:
         self.data_dir = Path(data_dir).resolve()
         self.cache_dir = Path(cache_dir)
         self.state_file = self.data_dir / "cluster.json"
+        #: The node processes this object started, by node id.
+        self._children: dict[int, subprocess.Popen] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings, data_dir: Path | None = None) -> "LocalCluster":
@@ -322,6 +324,7 @@ class LocalCluster:
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, cwd=directory,
             )
+        self._children[node.node_id] = process
         return process.pid
 
     def wait_ready(self, members: list[Node] | None = None, timeout: float = 90.0,
@@ -336,7 +339,9 @@ class LocalCluster:
         expected = {node.node_id for node in members}
         while True:
             for node in members:
-                if not self.is_alive(node):
+                child = self._children.get(node.node_id)
+                exited = child.poll() is not None if child else not self.is_alive(node)
+                if exited:
                     reap(node.pid)
                     directory = node.directory(self.data_dir)
                     raise BrokerStartError(

@@ -39,12 +39,17 @@ def process_matches(pid: int | None, marker: str) -> bool:
     """True if ``pid`` is a live process whose command line contains ``marker``.
 
     Checking the command line guards against a pid recycled after a reboot.
+    A command line that reads empty (a process in the middle of exec'ing, as
+    the java launcher does at start) counts as a match.
     """
     if not pid:
         return False
     try:
         process = psutil.Process(pid)
-        return process.status() != psutil.STATUS_ZOMBIE and marker in " ".join(process.cmdline())
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        cmdline = process.cmdline()
+        return not cmdline or marker in " ".join(cmdline)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 
