@@ -1,9 +1,13 @@
-"""Shared by the tests: run the real `reef` command line as a subprocess."""
+"""Shared by the tests: run the real `reef` command line, read a whole topic back."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+from confluent_kafka import Consumer
+
+from reef_stream.connect import client_config
 
 
 def reef(*args: str, env: dict[str, str], timeout: float = 180,
@@ -19,3 +23,21 @@ def reef(*args: str, env: dict[str, str], timeout: float = 180,
             f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
         )
     return result
+
+
+def consume_all(bootstrap: str, topic: str, expected: int, idle_rounds: int = 5) -> list:
+    """Every message of ``topic`` from the start: reads until ``expected`` arrived and the topic went quiet."""
+    consumer = Consumer(client_config(bootstrap, {
+        "group.id": "verifier", "auto.offset.reset": "earliest", "enable.auto.commit": False}))
+    consumer.subscribe([topic])
+    messages, idle = [], 0
+    while idle < idle_rounds:
+        batch = consumer.consume(num_messages=5000, timeout=1.0)
+        idle = 0 if batch else idle + 1
+        for message in batch:
+            assert message.error() is None, message.error()
+            messages.append(message)
+        if len(messages) >= expected and not batch:
+            break
+    consumer.close()
+    return messages

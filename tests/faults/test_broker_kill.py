@@ -7,45 +7,15 @@ import threading
 import time
 from collections import Counter
 
-import pytest
-from confluent_kafka import Consumer, Producer
-from confluent_kafka.admin import AdminClient
+from confluent_kafka import Producer
 
 from reef_stream.connect import client_config
-from reef_stream.kafka_local import LocalCluster
-from reef_stream.topics.admin import ensure_topics
-from reef_stream.topics.declarations import declare_topics, generations
-from tests.helpers import reef
-
-
-@pytest.fixture
-def cluster(settings, tmp_path):
-    cluster = LocalCluster(tmp_path / "kafka", settings.cache_dir)
-    cluster.up(port=0)
-    yield cluster
-    cluster.down()
-
-
-def _consume_everything(bootstrap: str, topic: str, expected: int) -> list[bytes]:
-    consumer = Consumer(client_config(bootstrap, {
-        "group.id": "verifier", "auto.offset.reset": "earliest", "enable.auto.commit": False}))
-    consumer.subscribe([topic])
-    keys, idle = [], 0
-    while idle < 5:
-        batch = consumer.consume(num_messages=5000, timeout=1.0)
-        idle = 0 if batch else idle + 1
-        for message in batch:
-            assert message.error() is None, message.error()
-            keys.append(message.key())
-        if len(keys) >= expected and not batch:
-            break
-    consumer.close()
-    return keys
+from reef_stream.topics.declarations import generations
+from tests.helpers import consume_all, reef
 
 
 def test_acknowledged_records_survive_sigkill_of_the_broker(cluster, cli_env, namespace):
     bootstrap = cluster.bootstrap
-    ensure_topics(AdminClient(client_config(bootstrap)), declare_topics(namespace))
     topic = generations(namespace)
 
     acknowledged: list[bytes] = []
@@ -88,7 +58,7 @@ def test_acknowledged_records_survive_sigkill_of_the_broker(cluster, cli_env, na
         stop.set()
         thread.join()
 
-    keys = _consume_everything(bootstrap, topic, len(acknowledged))
+    keys = [m.key() for m in consume_all(bootstrap, topic, len(acknowledged))]
     present = set(keys)
     lost = acknowledged_before_kill - present
     assert not lost, f"{len(lost)} acknowledged records lost, e.g. {sorted(lost)[:5]}"

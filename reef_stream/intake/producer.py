@@ -1,0 +1,463 @@
+"""The producer SDK: send Generation and Feedback records without ever losing one.
+
+    producer = RecordProducer()                  # REEF_BOOTSTRAP_SERVERS or the local cluster
+    handle = producer.send(generation)           # validates, encodes, hands over; never blocks long
+    handle.wait(10)                              # True once the broker acknowledged it
+    report = producer.flush(30)                  # waits for everything outstanding
+    producer.close()
+
+Guarantees (DESIGN.md, intake):
+
+- Idempotent producer, ``acks=all``. A handle resolves ACKNOWLEDGED only when
+  every in-sync replica has the record, or FAILED with the error that will
+  never go away (topic missing, not authorised, too large).
+- A record is held until acknowledged. While the broker is unreachable, or the
+  client's in-memory queue is full, records go to a bounded on-disk ``Spool``
+  (state SPOOLED: durable on this host). The spool is replayed in order when
+  the broker answers again, and by the next producer started on the same
+  spool directory after a crash. While anything is spooled, new records are
+  spooled too, so they cannot overtake older ones.
+- When the spool's bound is reached, ``send`` blocks up to ``block_timeout``
+  seconds for room and then raises ``SpoolFull``; nothing is dropped.
+- Invalid records raise ``InvalidRecord`` from ``send``; nothing is sent.
+
+A record the caller only knows as PENDING (handed to the client, not yet
+acknowledged) is in this process's memory: a crash loses it, and the caller,
+who never saw it acknowledged, knows to send it again. A record replayed
+from the spool after a crash may already have reached the broker before the
+crash, so it can arrive twice; readers deduplicate by generation id and
+feedback source (the processor does).
+
+Keys: a generation and its feedback share one key, the ``group_id`` for
+grouped sampling and the ``generation_id`` otherwise, so that with equal
+partition counts (topics.declarations.DATA_PARTITIONS) a group's generations
+and all their feedback land in the same partition and the processor can join
+and group them without a shuffle.
+
+Threads: ``send`` may be called from any thread. A background thread serves
+delivery reports and replays the spool; handle callbacks run on it and must
+be quick.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from confluent_kafka import KafkaError, Producer
+
+from reef_stream.config import Settings, load_settings
+from reef_stream.connect import bootstrap_servers, client_config
+from reef_stream.errors import ConfigurationError, InvalidRecord, ReefError
+from reef_stream.events import DeadLetter, Feedback, Generation
+from reef_stream.intake.spool import FsyncPolicy, Spool, SpoolFull
+from reef_stream.intake.validation import check_size, validate
+from reef_stream.topics import declarations
+from reef_stream.topics.serde import SchemaRegistry
+
+__all__ = ["DeliveryState", "FlushReport", "RecordProducer", "SendHandle", "SpoolFull", "record_key"]
+
+#: librdkafka gives up on a record after this long and hands it back; it then goes to the spool.
+MESSAGE_TIMEOUT_MS = 15_000
+#: How often the background thread asks an unreachable broker whether it is back.
+PROBE_INTERVAL_S = 1.0
+#: Spooled records replayed per round of the background thread.
+REPLAY_BATCH = 2_000
+
+log = logging.getLogger(__name__)
+
+_RETRIABLE = {
+    KafkaError._MSG_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError._TRANSPORT,
+    KafkaError._ALL_BROKERS_DOWN, KafkaError.REQUEST_TIMED_OUT, KafkaError.NOT_ENOUGH_REPLICAS,
+    KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND, KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT,
+}
+
+
+class DeliveryState(enum.Enum):
+    PENDING = "pending"            # in this process's memory, on its way to the broker
+    SPOOLED = "spooled"            # on disk in the spool, durable on this host
+    ACKNOWLEDGED = "acknowledged"  # stored by the broker (acks=all)
+    FAILED = "failed"              # will never be stored; ``error`` says why
+
+
+class DeliveryError(ReefError):
+    """The broker refused a record for good (missing topic, authorisation, size)."""
+
+
+class SendHandle:
+    """What ``send`` returns: the fate of one record.
+
+    ``state`` changes PENDING → ACKNOWLEDGED, or PENDING/SPOOLED →
+    ACKNOWLEDGED, or → FAILED. ``durable`` is True once the record survives
+    this process (spooled or acknowledged).
+    """
+
+    __slots__ = ("topic", "key", "state", "error", "partition", "offset", "_owner", "_listeners")
+
+    def __init__(self, owner: "RecordProducer", topic: str, key: bytes | None):
+        self.topic = topic
+        self.key = key
+        self.state = DeliveryState.PENDING
+        self.error: Exception | None = None
+        self.partition: int | None = None
+        self.offset: int | None = None
+        self._owner = owner
+        #: Called (on the thread that changed it) after every change of state until done.
+        self._listeners: list[Callable[[SendHandle], None]] | None = None
+
+    @property
+    def done(self) -> bool:
+        """True once ACKNOWLEDGED or FAILED."""
+        return self.state in (DeliveryState.ACKNOWLEDGED, DeliveryState.FAILED)
+
+    @property
+    def durable(self) -> bool:
+        return self.state in (DeliveryState.SPOOLED, DeliveryState.ACKNOWLEDGED)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done or ``timeout``; True if ACKNOWLEDGED. Raises the error if FAILED."""
+        self._owner._wait_for(lambda: self.done, timeout)
+        if self.state is DeliveryState.FAILED:
+            raise self.error
+        return self.state is DeliveryState.ACKNOWLEDGED
+
+    def wait_durable(self, timeout: float | None = None) -> bool:
+        """Block until the record survives this process (spooled or acknowledged) or ``timeout``.
+
+        True if durable. Raises the error if the record FAILED.
+        """
+        self._owner._wait_for(lambda: self.durable or self.done, timeout)
+        if self.state is DeliveryState.FAILED:
+            raise self.error
+        return self.durable
+
+    def add_done_callback(self, callback: Callable[["SendHandle"], None]) -> None:
+        """Call ``callback(handle)`` once, when done (at once if it already is)."""
+        def once_done(handle: SendHandle) -> None:
+            if handle.done:
+                callback(handle)
+        self._owner.add_state_listener(self, once_done)
+
+    def __repr__(self) -> str:
+        where = f" {self.partition}@{self.offset}" if self.offset is not None else ""
+        return f"<SendHandle {self.topic} {self.state.value}{where}>"
+
+
+@dataclass(frozen=True)
+class FlushReport:
+    """What ``flush`` left outstanding: ``pending`` in memory, ``spooled`` on disk."""
+
+    pending: int
+    spooled: int
+    acknowledged: int
+    failed: int
+
+    @property
+    def complete(self) -> bool:
+        return self.pending == 0 and self.spooled == 0
+
+
+def record_key(event: Generation | Feedback | DeadLetter) -> bytes | None:
+    """The Kafka key of an event (see the module docstring)."""
+    if isinstance(event, (Generation, Feedback)):
+        return (event.group_id or event.generation_id).encode()
+    return event.key
+
+
+class RecordProducer:
+    """Sends typed intake records to their topics; see the module docstring.
+
+    ``spool_dir`` defaults to ``$REEF_HOME/spool/<namespace>``: one spool per
+    producing process; two live producers must not share one.
+    """
+
+    def __init__(self, bootstrap: str | None = None, *, settings: Settings | None = None,
+                 namespace: str | None = None, spool_dir: Path | None = None,
+                 spool_max_bytes: int = 1 << 30, fsync: FsyncPolicy = "batch",
+                 block_timeout: float = 30.0, config: dict | None = None,
+                 registry: SchemaRegistry | None = None):
+        settings = settings or load_settings()
+        namespace = namespace or settings.namespace
+        self.block_timeout = block_timeout
+        self._registry = registry or SchemaRegistry.default()
+        self._topics = {
+            Generation: declarations.generations(namespace),
+            Feedback: declarations.feedback(namespace),
+            DeadLetter: declarations.dead_letters(namespace),
+        }
+        limits = {t.name: t.max_message_bytes for t in declarations.declare_topics(namespace)}
+        self._limits = {topic: limits[topic] for topic in self._topics.values()}
+        self._producer = Producer(client_config(bootstrap or bootstrap_servers(settings), {
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": 5,
+            "compression.type": "lz4",
+            "message.timeout.ms": MESSAGE_TIMEOUT_MS,
+            "message.max.bytes": max(self._limits.values()) + 1024,
+            "queue.buffering.max.messages": 200_000,
+            "queue.buffering.max.kbytes": 512 * 1024,
+            "error_cb": self._on_client_error,
+            **(config or {}),
+        }))
+        self._spool = Spool(spool_dir or settings.home / "spool" / namespace,
+                            max_bytes=spool_max_bytes, fsync=fsync)
+        self._cond = threading.Condition()
+        self._in_memory = 0
+        self._acknowledged = 0
+        self._failed = 0
+        self._replaying: set[int] = set()
+        self._replay_reports: list[tuple[int, KafkaError | None, object]] = []
+        self._replay_after = 0
+        self._reachable = True
+        self._last_probe = 0.0
+        self._closed = False
+        self._pump = threading.Thread(target=self._run_pump, name="reef-producer", daemon=True)
+        self._pump.start()
+
+    # ----------------------------------------------------------------- sending
+
+    def send(self, event: Generation | Feedback | DeadLetter) -> SendHandle:
+        """Validate, encode and hand over one record; return its handle.
+
+        Raises InvalidRecord (nothing sent), SpoolFull (after ``block_timeout``
+        seconds of backpressure; nothing sent) or ConfigurationError (closed).
+        """
+        topic = self._topics.get(type(event))
+        if topic is None:
+            raise InvalidRecord(f"intake takes Generation, Feedback or DeadLetter records, "
+                                f"not {type(event).__name__}")
+        validate(event)
+        value, headers = self._registry.encode(event)
+        key = record_key(event)
+        check_size(topic, key, value, headers, self._limits[topic])
+        return self.send_raw(topic, key, value, headers)
+
+    def send_raw(self, topic: str, key: bytes | None, value: bytes,
+                 headers: list[tuple[str, bytes]]) -> SendHandle:
+        """Send bytes already encoded and validated (the import paths use ``send``)."""
+        if self._closed:
+            raise ConfigurationError("this RecordProducer is closed")
+        handle = SendHandle(self, topic, key)
+        if self._spool_is_empty():
+            try:
+                with self._cond:
+                    self._in_memory += 1
+                self._producer.produce(topic, value=value, key=key, headers=headers,
+                                       on_delivery=lambda err, msg: self._delivered(handle, err, msg, headers))
+                return handle
+            except BufferError:
+                with self._cond:
+                    self._in_memory -= 1
+            # the client's queue is full: fall through to the spool
+        self._spool_record(handle, topic, key, value, headers)
+        return handle
+
+    def _spool_record(self, handle: SendHandle, topic: str, key: bytes | None, value: bytes,
+                      headers) -> None:
+        # The state is set first: once appended, the record may be replayed and
+        # acknowledged by the pump thread before append even returns.
+        previous, handle.state = handle.state, DeliveryState.SPOOLED
+        try:
+            self._spool.append(topic, key, value, headers, timeout=self.block_timeout,
+                               attachment=handle)
+        except SpoolFull:
+            handle.state = previous
+            raise
+        self._notify(handle)
+
+    def _spool_is_empty(self) -> bool:
+        """True while records go straight to the client (nothing spooled, broker reachable)."""
+        return self._reachable and not len(self._spool)
+
+    # ----------------------------------------------------------------- delivery reports
+
+    def _delivered(self, handle: SendHandle, error: KafkaError | None, message,
+                   headers: list[tuple[str, bytes]]) -> None:
+        """Delivery report of a record sent straight from memory (runs on the pump thread).
+
+        ``headers`` are the record's own: a delivery report does not carry them.
+        """
+        if error is not None and error.code() in _RETRIABLE:
+            self._reachable = False
+            try:
+                self._spool_record(handle, message.topic(), message.key(), message.value(), headers)
+            except SpoolFull as full:
+                self._resolve(handle, DeliveryState.FAILED, full)
+            with self._cond:
+                self._in_memory -= 1
+            return
+        with self._cond:
+            self._in_memory -= 1
+        self._finish(handle, error, message)
+
+    def _replayed(self, seq: int, error: KafkaError | None, message) -> None:
+        """Delivery report of a record replayed from the spool; settled in ``_settle_replays``."""
+        self._replaying.discard(seq)
+        if error is not None and error.code() in _RETRIABLE:
+            self._reachable = False
+            self._replay_after = min(self._replay_after, seq - 1)
+            return
+        self._replay_reports.append((seq, error, message))
+
+    def _settle_replays(self) -> None:
+        """Acknowledge the replayed records reported since the last call, in one spool write."""
+        reports, self._replay_reports = self._replay_reports, []
+        if not reports:
+            return
+        handles = self._spool.ack([seq for seq, _, _ in reports])
+        for seq, error, message in reports:
+            handle = handles.get(seq)
+            if handle is not None:
+                self._finish(handle, error, message)
+                continue
+            # Spooled by an earlier producer on this directory: no caller is waiting for it.
+            with self._cond:
+                if error is None:
+                    self._acknowledged += 1
+                else:
+                    self._failed += 1
+            if error is not None:
+                log.error("a record replayed from the spool was refused for good and is dropped "
+                          "from the spool: %s (key %r)", _explain(error, message.topic()), message.key())
+
+    def _finish(self, handle: SendHandle, error: KafkaError | None, message) -> None:
+        if error is None:
+            handle.partition, handle.offset = message.partition(), message.offset()
+            self._reachable = True
+            self._resolve(handle, DeliveryState.ACKNOWLEDGED, None)
+        else:
+            self._resolve(handle, DeliveryState.FAILED, DeliveryError(_explain(error, handle.topic)))
+
+    def _resolve(self, handle: SendHandle, state: DeliveryState, error: Exception | None) -> None:
+        with self._cond:
+            handle.state, handle.error = state, error
+            if state is DeliveryState.ACKNOWLEDGED:
+                self._acknowledged += 1
+            else:
+                self._failed += 1
+        self._notify(handle)
+
+    def _notify(self, handle: SendHandle) -> None:
+        """Wake the waiters and run the listeners of ``handle`` after a change of state."""
+        with self._cond:
+            listeners = handle._listeners
+            if handle.done:
+                handle._listeners = None
+            self._cond.notify_all()
+        for listener in listeners or ():
+            listener(handle)
+
+    def add_state_listener(self, handle: SendHandle, listener: Callable[[SendHandle], None]) -> None:
+        """Call ``listener(handle)`` after each change of its state until it is done.
+
+        Called at once if the handle is already done. Listeners run on the
+        thread that changed the state (often the producer's own) and must be quick.
+        """
+        with self._cond:
+            if not handle.done:
+                handle._listeners = (handle._listeners or []) + [listener]
+                return
+        listener(handle)
+
+    def _on_client_error(self, error: KafkaError) -> None:
+        if error.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
+            self._reachable = False
+
+    # ----------------------------------------------------------------- the background thread
+
+    def _run_pump(self) -> None:
+        while not self._closed:
+            self._producer.poll(0.05)
+            self._settle_replays()
+            if len(self._spool) and not self._reachable:
+                self._probe()
+            if len(self._spool) and self._reachable:
+                self._replay()
+
+    def _probe(self) -> None:
+        if time.monotonic() - self._last_probe < PROBE_INTERVAL_S:
+            return
+        self._last_probe = time.monotonic()
+        try:
+            self._producer.list_topics(timeout=1.0)
+            self._reachable = True
+        except Exception:  # noqa: BLE001 - still unreachable
+            pass
+
+    def _replay(self) -> None:
+        """Produce the next spooled records, in order, keeping at most a batch in flight."""
+        if len(self._replaying) >= REPLAY_BATCH:
+            return
+        room = REPLAY_BATCH - len(self._replaying)
+        for entry in self._spool.unacked(after=self._replay_after, limit=room):
+            if entry.seq in self._replaying:
+                continue
+            try:
+                self._producer.produce(entry.topic, value=entry.value, key=entry.key,
+                                       headers=list(entry.headers),
+                                       on_delivery=lambda e, m, s=entry.seq: self._replayed(s, e, m))
+            except BufferError:
+                break
+            self._replaying.add(entry.seq)
+            self._replay_after = entry.seq
+            room -= 1
+            if room == 0:
+                break
+
+    # ----------------------------------------------------------------- waiting and closing
+
+    def _wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not predicate():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
+        return True
+
+    def report(self) -> FlushReport:
+        with self._cond:
+            return FlushReport(pending=self._in_memory, spooled=len(self._spool),
+                               acknowledged=self._acknowledged, failed=self._failed)
+
+    def flush(self, timeout: float = 30.0) -> FlushReport:
+        """Wait up to ``timeout`` seconds for every record to be acknowledged or failed.
+
+        Returns what is still outstanding; ``report.complete`` is True when
+        nothing is. Spooled records stay durable on disk either way.
+        """
+        self._wait_for(lambda: self._in_memory == 0 and not len(self._spool), timeout)
+        return self.report()
+
+    def close(self, timeout: float = 30.0) -> FlushReport:
+        """Flush, then stop. What is still spooled is replayed by the next producer."""
+        report = self.flush(timeout)
+        self._closed = True
+        self._pump.join()
+        self._producer.flush(0)
+        self._spool.close()
+        return report
+
+    def __enter__(self) -> "RecordProducer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _explain(error: KafkaError, topic: str) -> str:
+    code = error.code()
+    if code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+        return f"topic {topic} does not exist: run `reef topics create`"
+    if code == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+        return f"this client may not write to {topic}: check its ACLs"
+    if code in (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE):
+        return f"the record is larger than {topic} accepts"
+    return f"the broker refused the record for {topic}: {error.str()}"

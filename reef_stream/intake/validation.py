@@ -1,0 +1,150 @@
+"""Validation at the edge: a record that is wrong never reaches Kafka.
+
+``validate(event)`` raises ``InvalidRecord`` naming the field and the
+problem: a missing or empty identifier, a wrong type, a negative version, a
+NaN or infinite reward or logprob, token and logprob arrays whose lengths
+disagree, token ids outside int32. The size limit of the destination topic
+is checked by the producer after encoding (``check_size``).
+
+These are the rules every method can rely on; a method's processor may add
+its own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from reef_stream.errors import InvalidRecord
+from reef_stream.events import DeadLetter, Feedback, FinishReason, Generation, SamplingParams
+
+#: Header bytes Kafka adds per record beyond key, value and headers (generous).
+RECORD_OVERHEAD = 128
+
+
+def validate(event: Generation | Feedback | DeadLetter) -> None:
+    """Raise InvalidRecord for the first problem found in ``event``; return None if it is valid."""
+    if isinstance(event, Generation):
+        _generation(event)
+    elif isinstance(event, Feedback):
+        _feedback(event)
+    elif isinstance(event, DeadLetter):
+        _text(event, "reason", "source_topic", "stage")
+    else:
+        raise InvalidRecord(f"intake takes Generation, Feedback or DeadLetter, not {type(event).__name__}")
+
+
+def check_size(topic: str, key: bytes | None, value: bytes,
+               headers: list[tuple[str, bytes]], limit: int) -> None:
+    """Raise InvalidRecord if the encoded record is over the topic's ``max.message.bytes``."""
+    size = len(value) + len(key or b"") + sum(len(k) + len(v) for k, v in headers) + RECORD_OVERHEAD
+    if size > limit:
+        raise InvalidRecord(f"the record is {size} bytes encoded; topic {topic} accepts at most "
+                            f"{limit} bytes (max.message.bytes)")
+
+
+def _generation(g: Generation) -> None:
+    _text(g, "generation_id", "request_id", "prompt_id", "model", "replica_id")
+    _integer(g, "policy_version", minimum=0)
+    _integer(g, "group_size", minimum=1)
+    if g.group_size > 1 and not g.group_id:
+        raise InvalidRecord(f"group_size is {g.group_size} but there is no group_id; grouped "
+                            "samples need the id their group shares", field="group_id")
+    if g.group_id is not None:
+        _text(g, "group_id")
+    _integer(g, "created_at", minimum=0)
+    prompt = _tokens(g, "prompt_token_ids")
+    completion = _tokens(g, "completion_token_ids")
+    if prompt.size == 0:
+        raise InvalidRecord("is empty; a generation has at least one prompt token",
+                            field="prompt_token_ids")
+    logprobs = _array(g, "completion_logprobs", "f")
+    if logprobs.size != completion.size:
+        raise InvalidRecord(
+            f"has {logprobs.size} values for {completion.size} completion tokens; "
+            "there must be exactly one behaviour logprob per completion token",
+            field="completion_logprobs")
+    if logprobs.size and not np.isfinite(logprobs).all():
+        raise InvalidRecord(f"holds NaN or infinite values (first at index "
+                            f"{int(np.flatnonzero(~np.isfinite(logprobs))[0])})",
+                            field="completion_logprobs")
+    if logprobs.size and float(logprobs.max()) > 1e-3:
+        raise InvalidRecord(f"holds a positive value ({float(logprobs.max())}); log-probabilities "
+                            "are at most 0", field="completion_logprobs")
+    if not isinstance(g.finish_reason, FinishReason):
+        raise InvalidRecord(f"must be a FinishReason, not {g.finish_reason!r}", field="finish_reason")
+    if not isinstance(g.sampling, SamplingParams):
+        raise InvalidRecord("must be a SamplingParams", field="sampling")
+    _sampling(g.sampling)
+    for key, value in g.metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise InvalidRecord(f"entry {key!r} must map a string to a string", field="metadata")
+
+
+def _sampling(s: SamplingParams) -> None:
+    for name in ("temperature", "top_p"):
+        value = getattr(s, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            raise InvalidRecord(f"must be a finite number >= 0, not {value!r}", field=f"sampling.{name}")
+    _integer(s, "max_tokens", minimum=0, prefix="sampling.")
+    _integer(s, "top_k", minimum=-1, prefix="sampling.")
+
+
+def _feedback(f: Feedback) -> None:
+    _text(f, "feedback_id", "generation_id", "source")
+    if f.group_id is not None:
+        _text(f, "group_id")
+    _integer(f, "created_at", minimum=0)
+    _finite(f.reward, "reward")
+    for name, value in f.components.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidRecord(f"has a component named {name!r}; names are non-empty strings",
+                                field="components")
+        _finite(value, f"components.{name}")
+
+
+def _text(event, *names: str) -> None:
+    for name in names:
+        value = getattr(event, name)
+        if not isinstance(value, str):
+            raise InvalidRecord(f"must be a string, not {type(value).__name__}", field=name)
+        if not value.strip():
+            raise InvalidRecord("is empty", field=name)
+
+
+def _integer(event, name: str, minimum: int, prefix: str = "") -> None:
+    value = getattr(event, name)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise InvalidRecord(f"must be an integer, not {type(value).__name__}", field=prefix + name)
+    if value < minimum:
+        raise InvalidRecord(f"is {value}; it must be at least {minimum}", field=prefix + name)
+    if value >= 2**63:
+        raise InvalidRecord(f"is {value}, beyond a 64-bit integer", field=prefix + name)
+
+
+def _finite(value, name: str) -> None:
+    if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):
+        raise InvalidRecord(f"must be a number, not {type(value).__name__}", field=name)
+    if not math.isfinite(value):
+        raise InvalidRecord(f"is {value}; rewards must be finite numbers", field=name)
+
+
+def _array(event, name: str, kind: str) -> np.ndarray:
+    value = getattr(event, name)
+    if not isinstance(value, np.ndarray):
+        raise InvalidRecord(f"must be a numpy array, not {type(value).__name__}", field=name)
+    if value.ndim != 1:
+        raise InvalidRecord(f"must be one-dimensional, not of shape {value.shape}", field=name)
+    if value.size and value.dtype.kind not in (kind + ("iu" if kind == "f" else "u")):
+        raise InvalidRecord(f"has dtype {value.dtype}; expected {'integers' if kind == 'i' else 'floats'}",
+                            field=name)
+    return value
+
+
+def _tokens(event, name: str) -> np.ndarray:
+    tokens = _array(event, name, "i")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > np.iinfo(np.int32).max):
+        raise InvalidRecord(f"holds {int(tokens.min())}..{int(tokens.max())}; token ids are "
+                            f"between 0 and {np.iinfo(np.int32).max}", field=name)
+    return tokens

@@ -1,0 +1,142 @@
+"""The producer SDK under faults: a broker killed mid-run, a producing process killed
+mid-run, a spool filled while the broker is down. Nothing handed over is lost."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+from reef_stream.config import PROJECT_ROOT, load_settings
+from reef_stream.events import Generation
+from reef_stream.intake.producer import DeliveryState, RecordProducer
+from reef_stream.intake.spool import SpoolFull
+from reef_stream.topics.declarations import generations
+from reef_stream.topics.serde import decode
+from tests.faults.records import generation
+from tests.helpers import consume_all, reef
+
+
+def _generation_ids(bootstrap: str, namespace: str, expected: int) -> Counter:
+    messages = consume_all(bootstrap, generations(namespace), expected)
+    return Counter(decode(m.value(), m.headers(), Generation).generation_id for m in messages)
+
+
+def _local_env(cli_env):
+    return {k: v for k, v in cli_env.items() if k != "REEF_BOOTSTRAP_SERVERS"}
+
+
+def test_every_record_handed_to_send_survives_a_broker_killed_mid_run(
+        cluster, cli_env, namespace, tmp_path):
+    producer = RecordProducer(cluster.bootstrap, settings=load_settings(), namespace=namespace,
+                              spool_dir=tmp_path / "spool")
+    total, handed = 12_000, []
+    killed = threading.Event()
+
+    def kill_then_restart():
+        while len(handed) < 4_000:
+            time.sleep(0.01)
+        cluster.kill(1)
+        killed.set()
+        time.sleep(5)
+        reef("kafka", "up", "--data", str(cluster.data_dir), env=_local_env(cli_env))
+
+    chaos = threading.Thread(target=kill_then_restart)
+    chaos.start()
+    for i in range(total):
+        handed.append(producer.send(generation(i)))
+        if killed.is_set() and i % 100 == 0:
+            time.sleep(0.005)  # keep producing through the outage, a little slower
+    chaos.join()
+    report = producer.flush(120)
+    producer.close()
+
+    assert report.complete and report.failed == 0, report
+    assert all(h.state is DeliveryState.ACKNOWLEDGED for h in handed)
+    ids = _generation_ids(cluster.bootstrap, namespace, total)
+    missing = {generation(i).generation_id for i in range(total)} - set(ids)
+    assert not missing, f"{len(missing)} records lost, e.g. {sorted(missing)[:5]}"
+    duplicates = sum(n - 1 for n in ids.values())
+    print(f"\n{total} sent across a SIGKILL of the broker: all present, {duplicates} duplicates")
+
+
+def test_a_new_producer_delivers_what_a_killed_one_had_spooled(cluster, cli_env, namespace, tmp_path):
+    spool = tmp_path / "spool"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.faults.spooling_producer", cluster.bootstrap, namespace,
+         str(spool)], cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True)
+    durable: list[str] = []
+    try:
+        # Some records reach the broker, then the broker goes and the rest pile up in the spool.
+        while len(durable) < 2_000:
+            durable.append(child.stdout.readline().split()[1])
+        cluster.kill(1)
+        target = len(durable) + 3_000
+        while len(durable) < target:
+            line = child.stdout.readline()
+            assert line, "the producing process died by itself"
+            durable.append(line.split()[1])
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    finally:
+        child.kill()
+    durable += [line.split()[1] for line in child.stdout.read().splitlines()]
+
+    reef("kafka", "up", "--data", str(cluster.data_dir), env=_local_env(cli_env))
+    successor = RecordProducer(cluster.bootstrap, settings=load_settings(), namespace=namespace,
+                               spool_dir=spool)
+    report = successor.flush(120)
+    successor.close()
+
+    assert report.complete, report
+    ids = _generation_ids(cluster.bootstrap, namespace, len(durable))
+    lost = set(durable) - set(ids)
+    assert not lost, f"{len(lost)} durable records lost, e.g. {sorted(lost)[:5]}"
+    print(f"\n{len(durable)} records were durable when the producer was killed; "
+          f"the successor replayed {report.acknowledged}; all present")
+
+
+def test_a_full_spool_pushes_back_then_refuses_and_loses_nothing(cluster, cli_env, namespace, tmp_path):
+    producer = RecordProducer(cluster.bootstrap, settings=load_settings(), namespace=namespace,
+                              spool_dir=tmp_path / "spool", spool_max_bytes=200_000,
+                              block_timeout=1.0)
+    accepted = [producer.send(generation(i)) for i in range(100)]
+    assert producer.flush(30).complete
+    cluster.kill(1)
+
+    refused_at = None
+    for i in range(100, 2_000):
+        started = time.monotonic()
+        try:
+            accepted.append(producer.send(generation(i)))
+        except SpoolFull as full:
+            refused_at, waited, error = i, time.monotonic() - started, full
+            break
+    assert refused_at is not None, "the spool never filled"
+    assert waited >= 1.0, "the caller was refused without being made to wait"
+    assert "is full" in str(error) and "retry" in str(error)
+    assert all(h.durable for h in accepted if h.state is not DeliveryState.PENDING)
+
+    reef("kafka", "up", "--data", str(cluster.data_dir), env=_local_env(cli_env))
+    report = producer.flush(120)
+    producer.close()
+    assert report.complete and report.failed == 0, report
+    ids = _generation_ids(cluster.bootstrap, namespace, len(accepted))
+    assert set(ids) == {generation(i).generation_id for i in range(refused_at)}
+    print(f"\nspool full after {refused_at - 100} records with the broker down; none lost")
+
+
+def test_without_fsync_records_still_spool_and_deliver(cluster, cli_env, namespace, tmp_path):
+    # fsync="always" is what the killed-producer test above runs with.
+    producer = RecordProducer(cluster.bootstrap, settings=load_settings(), namespace=namespace,
+                              spool_dir=tmp_path / "spool", fsync="never")
+    cluster.kill(1)
+    handles = [producer.send(generation(i)) for i in range(300)]
+    assert producer.flush(2).spooled > 0
+    reef("kafka", "up", "--data", str(cluster.data_dir), env=_local_env(cli_env))
+    assert producer.flush(120).complete
+    producer.close()
+    assert all(h.state is DeliveryState.ACKNOWLEDGED for h in handles)
