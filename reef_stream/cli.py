@@ -4,6 +4,7 @@
     reef kafka up|down|status       the local Kafka cluster (1 or 3 KRaft nodes)
     reef redis up|down|status       the local Redis server
     reef topics create|verify       the declared topics of a namespace
+    reef replay|tail|lag            consumer-group cursors, records as JSON, lag
 
 Where ``REEF_BOOTSTRAP_SERVERS`` / ``REEF_REDIS_URL`` name existing servers,
 nothing is started and every command uses those (see ``reef_stream.config``).
@@ -23,6 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from reef_stream.commands.cursors import COMMANDS as CURSOR_COMMANDS
 from reef_stream.config import Settings, load_settings
 from reef_stream.connect import KAFKA_LOGGER, bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, ReefError
@@ -324,6 +326,10 @@ def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
     if problems:
         raise TopicMismatchError(problems)
     _progress("every declared topic exists with its declared settings")
+
+
+for command in CURSOR_COMMANDS:
+    main.add_command(command)
 
 
 if __name__ == "__main__":
