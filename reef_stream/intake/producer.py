@@ -208,6 +208,7 @@ class RecordProducer:
         self._spool = Spool(spool_dir or settings.home / "spool" / namespace,
                             max_bytes=spool_max_bytes, fsync=fsync)
         self._cond = threading.Condition()
+        self._waiters = 0  # threads in _wait_for: notify only when someone listens
         self._in_memory = 0
         self._acknowledged = 0
         self._failed = 0
@@ -283,7 +284,20 @@ class RecordProducer:
 
         ``headers`` are the record's own: a delivery report does not carry them.
         """
-        if error is not None and error.code() in _RETRIABLE:
+        if error is None:  # the common case, in one critical section
+            self._reachable = True
+            with self._cond:
+                self._in_memory -= 1
+                handle.partition, handle.offset = message.partition(), message.offset()
+                handle.state = DeliveryState.ACKNOWLEDGED
+                self._acknowledged += 1
+                listeners, handle._listeners = handle._listeners, None
+                if self._waiters:
+                    self._cond.notify_all()
+            for listener in listeners or ():
+                listener(handle)
+            return
+        if error.code() in _RETRIABLE:
             self._reachable = False
             try:
                 self._spool_record(handle, message.topic(), message.key(), message.value(), headers)
@@ -349,7 +363,8 @@ class RecordProducer:
             listeners = handle._listeners
             if handle.done:
                 handle._listeners = None
-            self._cond.notify_all()
+            if self._waiters:
+                self._cond.notify_all()
         for listener in listeners or ():
             listener(handle)
 
@@ -415,11 +430,15 @@ class RecordProducer:
     def _wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not predicate():
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
+            self._waiters += 1
+            try:
+                while not predicate():
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
+            finally:
+                self._waiters -= 1
         return True
 
     def report(self) -> FlushReport:

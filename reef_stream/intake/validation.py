@@ -21,6 +21,7 @@ from reef_stream.events import DeadLetter, Feedback, FinishReason, Generation, S
 
 #: Header bytes Kafka adds per record beyond key, value and headers (generous).
 RECORD_OVERHEAD = 128
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def validate(event: Generation | Feedback | DeadLetter) -> None:
@@ -65,13 +66,7 @@ def _generation(g: Generation) -> None:
             f"has {logprobs.size} values for {completion.size} completion tokens; "
             "there must be exactly one behaviour logprob per completion token",
             field="completion_logprobs")
-    if logprobs.size and not np.isfinite(logprobs).all():
-        raise InvalidRecord(f"holds NaN or infinite values (first at index "
-                            f"{int(np.flatnonzero(~np.isfinite(logprobs))[0])})",
-                            field="completion_logprobs")
-    if logprobs.size and float(logprobs.max()) > 1e-3:
-        raise InvalidRecord(f"holds a positive value ({float(logprobs.max())}); log-probabilities "
-                            "are at most 0", field="completion_logprobs")
+    _logprobs(logprobs)
     if not isinstance(g.finish_reason, FinishReason):
         raise InvalidRecord(f"must be a FinishReason, not {g.finish_reason!r}", field="finish_reason")
     if not isinstance(g.sampling, SamplingParams):
@@ -144,7 +139,30 @@ def _array(event, name: str, kind: str) -> np.ndarray:
 
 def _tokens(event, name: str) -> np.ndarray:
     tokens = _array(event, name, "i")
-    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > np.iinfo(np.int32).max):
-        raise InvalidRecord(f"holds {int(tokens.min())}..{int(tokens.max())}; token ids are "
-                            f"between 0 and {np.iinfo(np.int32).max}", field=name)
-    return tokens
+    if not tokens.size:
+        return tokens
+    if tokens.dtype == np.int32:  # the wire type: only the sign can be wrong
+        if tokens.min() >= 0:
+            return tokens
+    elif tokens.min() >= 0 and tokens.max() <= _INT32_MAX:
+        return tokens
+    raise InvalidRecord(f"holds {int(tokens.min())}..{int(tokens.max())}; token ids are "
+                        f"between 0 and {_INT32_MAX}", field=name)
+
+
+def _logprobs(logprobs: np.ndarray) -> None:
+    """Finite and at most 0. Two reductions, as this runs for every record.
+
+    A NaN or +inf makes the max fail ``<= 1e-3``; a -inf makes the sum -inf.
+    """
+    if not logprobs.size:
+        return
+    top, total = logprobs.max(), logprobs.sum(dtype=np.float64)
+    if top <= 1e-3 and np.isfinite(total):
+        return
+    bad = np.flatnonzero(~np.isfinite(logprobs))
+    if bad.size:
+        raise InvalidRecord(f"holds NaN or infinite values (first at index {int(bad[0])})",
+                            field="completion_logprobs")
+    raise InvalidRecord(f"holds a positive value ({float(top)}); log-probabilities are at most 0",
+                        field="completion_logprobs")
