@@ -1,0 +1,101 @@
+"""The producer SDK against the real broker: acknowledgement, handles, the asyncio face."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from reef_stream.config import load_settings
+from reef_stream.connect import client_config
+from reef_stream.errors import InvalidRecord
+from reef_stream.events import Feedback, Generation
+from reef_stream.intake.aio import AsyncRecordProducer
+from reef_stream.intake.producer import DeliveryError, DeliveryState, RecordProducer, record_key
+from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.declarations import declare_topics, feedback, generations
+from reef_stream.topics.serde import decode
+from tests.faults.records import generation
+from tests.helpers import consume_all
+
+
+@pytest.fixture
+def topics(kafka_bootstrap, namespace):
+    ensure_topics(AdminClient(client_config(kafka_bootstrap)), declare_topics(namespace))
+
+
+def _producer(kafka_bootstrap, namespace, tmp_path, **kwargs) -> RecordProducer:
+    return RecordProducer(kafka_bootstrap, settings=load_settings(), namespace=namespace,
+                          spool_dir=tmp_path / "spool", **kwargs)
+
+
+def test_sent_records_are_acknowledged_with_their_position(kafka_bootstrap, namespace, topics, tmp_path):
+    with _producer(kafka_bootstrap, namespace, tmp_path) as producer:
+        handles = [producer.send(generation(i)) for i in range(200)]
+        reward = Feedback(feedback_id="f1", generation_id="gen-0000007", source="exact_match",
+                          reward=1.0, created_at=1_795_000_000_000)
+        feedback_handle = producer.send(reward)
+        report = producer.flush(30)
+
+    assert report.complete and report.acknowledged == 201 and report.failed == 0
+    assert all(h.wait(0) and h.durable and h.offset is not None for h in handles)
+    messages = consume_all(kafka_bootstrap, generations(namespace), 200)
+    by_id = {decode(m.value(), m.headers(), Generation).generation_id: m for m in messages}
+    assert len(by_id) == 200
+    for handle, i in zip(handles, range(200)):
+        message = by_id[generation(i).generation_id]
+        assert (message.partition(), message.offset()) == (handle.partition, handle.offset)
+        assert message.key() == record_key(generation(i))
+
+    (sent,) = consume_all(kafka_bootstrap, feedback(namespace), 1)
+    assert decode(sent.value(), sent.headers(), Feedback).reward == 1.0
+    # Co-partitioned: the feedback sits in the same partition as its generation.
+    assert sent.partition() == by_id["gen-0000007"].partition() == feedback_handle.partition
+
+
+def test_invalid_records_raise_and_nothing_is_sent(kafka_bootstrap, namespace, topics, tmp_path):
+    import dataclasses
+
+    with _producer(kafka_bootstrap, namespace, tmp_path) as producer:
+        bad = dataclasses.replace(generation(1), policy_version=-3)
+        with pytest.raises(InvalidRecord, match="policy_version"):
+            producer.send(bad)
+        assert producer.flush(5).acknowledged == 0
+
+
+def test_a_record_for_a_missing_topic_fails_with_a_clear_error(kafka_bootstrap, namespace, tmp_path):
+    # No topics were created in this namespace.
+    producer = _producer(kafka_bootstrap, namespace, tmp_path,
+                         config={"topic.metadata.propagation.max.ms": 1000})
+    handle = producer.send(generation(1))
+    with pytest.raises(DeliveryError, match="does not exist: run `reef topics create`"):
+        handle.wait(30)
+    assert handle.state is DeliveryState.FAILED
+    report = producer.close(5)
+    assert report.failed == 1 and report.complete
+
+
+def test_callbacks_run_once_done(kafka_bootstrap, namespace, topics, tmp_path):
+    seen = []
+    with _producer(kafka_bootstrap, namespace, tmp_path) as producer:
+        handle = producer.send(generation(3))
+        handle.add_done_callback(lambda h: seen.append(h.state))
+        producer.flush(30)
+        handle.add_done_callback(lambda h: seen.append("late"))
+    assert seen == [DeliveryState.ACKNOWLEDGED, "late"]
+
+
+def test_the_asyncio_producer(kafka_bootstrap, namespace, topics, tmp_path):
+    async def run():
+        async with AsyncRecordProducer(bootstrap=kafka_bootstrap, settings=load_settings(),
+                                       namespace=namespace, spool_dir=tmp_path / "spool") as producer:
+            handles = [await producer.send(generation(i)) for i in range(50)]
+            assert all([await producer.acknowledged(h, timeout=30) for h in handles])
+            assert await producer.durable(handles[0], timeout=0)
+            with pytest.raises(InvalidRecord):
+                await producer.send("not a record")
+            return (await producer.flush(10)).acknowledged
+
+    assert asyncio.run(run()) == 50
+    assert len(consume_all(kafka_bootstrap, generations(namespace), 50)) == 50
