@@ -4,6 +4,8 @@
     reef kafka up|down|status       the local Kafka cluster (1 or 3 KRaft nodes)
     reef redis up|down|status       the local Redis server
     reef topics create|verify       the declared topics of a namespace
+    reef produce generations|feedback   import JSONL logs (native or OpenAI-style)
+    reef intake serve               HTTP intake for fleets not written in Python
     reef replay|tail|lag            consumer-group cursors, records as JSON, lag
 
 Where ``REEF_BOOTSTRAP_SERVERS`` / ``REEF_REDIS_URL`` name existing servers,
@@ -25,6 +27,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from reef_stream.commands.cursors import COMMANDS as CURSOR_COMMANDS
+from reef_stream.commands.intake import COMMANDS as INTAKE_COMMANDS
+from reef_stream.commands.produce import COMMANDS as PRODUCE_COMMANDS
 from reef_stream.config import Settings, load_settings
 from reef_stream.connect import KAFKA_LOGGER, bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, ReefError
@@ -328,7 +332,7 @@ def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
     _progress("every declared topic exists with its declared settings")
 
 
-for command in CURSOR_COMMANDS:
+for command in (*PRODUCE_COMMANDS, *INTAKE_COMMANDS, *CURSOR_COMMANDS):
     main.add_command(command)
 
 

@@ -7,6 +7,7 @@
 | ``REEF_NAMESPACE`` | ``reef`` | Prefix of every topic name (``<ns>.generations``, ...). |
 | ``REEF_HOME`` | ``~/.local/share/reef-stream`` | Where the local broker and Redis keep their data, logs, pids and ports. |
 | ``REEF_CACHE_DIR`` | ``~/.cache/reef-stream`` | Where the resolved Kafka classpath is cached (the jars themselves live in Maven's ``~/.m2``). |
+| ``REEF_INTAKE_TOKEN`` | unset | Bearer token every POST to ``reef intake serve`` must carry (``Authorization: Bearer <token>``); unset: none needed. |
 
 Nothing else in the package reads the environment.
 """
@@ -38,6 +39,7 @@ class Settings:
     namespace: str
     home: Path
     cache_dir: Path
+    intake_token: str | None = None
 
     @property
     def kafka_dir(self) -> Path:
@@ -88,4 +90,5 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
         namespace=namespace,
         home=home.expanduser(),
         cache_dir=cache_dir.expanduser(),
+        intake_token=env.get("REEF_INTAKE_TOKEN") or None,
     )

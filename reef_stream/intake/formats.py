@@ -107,10 +107,10 @@ One object with the fields of ``reef_stream.events.Feedback``::
 from __future__ import annotations
 
 import hashlib
-import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import numpy as np
 
@@ -143,6 +143,7 @@ _OPENAI_FINISH = {
     "error": FinishReason.ERROR,
 }
 _INT32_MAX = int(np.iinfo(np.int32).max)
+_FLOAT_MAX = sys.float_info.max
 
 _GENERATION_FIELDS = frozenset({
     "generation_id", "request_id", "prompt_id", "group_id", "group_size", "model",
@@ -525,21 +526,49 @@ def _seconds_to_millis(value: Any, field: str) -> EpochMillis:
 
 def _token_ids(value: Any, field: str) -> np.ndarray:
     """A list of integer token ids as int32; InvalidRecord naming the first bad item."""
-    for i, item in enumerate(_list(value, field)):
-        if not isinstance(item, int) or isinstance(item, bool) or not 0 <= item <= _INT32_MAX:
-            raise InvalidRecord(f"item {i} is {item!r}; token ids are integers from 0 to "
-                                f"{_INT32_MAX}", field=field)
-    return np.array(value, dtype=np.int32)
+    items = _list(value, field)
+    ids = _array_of(items, {int}, np.int64)
+    if ids is None or (ids.size and (ids.min() < 0 or ids.max() > _INT32_MAX)):
+        _reject_first(items, field, _is_token_id, f"token ids are integers from 0 to {_INT32_MAX}")
+    return ids.astype(np.int32)
 
 
 def _logprobs(value: Any, field: str) -> np.ndarray:
-    """A list of numbers as float32; InvalidRecord naming the first bad item (null included)."""
-    for i, item in enumerate(_list(value, field)):
-        if not isinstance(item, (int, float)) or isinstance(item, bool):
-            raise InvalidRecord(f"item {i} is {item!r}; logprobs are numbers", field=field)
-        if not math.isfinite(item):
-            raise InvalidRecord(f"item {i} is {item!r}; logprobs are finite numbers", field=field)
-    return np.array(value, dtype=np.float32)
+    """A list of finite numbers as float32; InvalidRecord naming the first bad item (null included)."""
+    items = _list(value, field)
+    values = _array_of(items, {int, float}, np.float64)
+    if values is None or not np.isfinite(values).all():
+        _reject_first(items, field, _is_finite_number, "logprobs are finite numbers")
+    return values.astype(np.float32)
+
+
+def _array_of(items: list[Any], types: set[type], dtype: type) -> np.ndarray | None:
+    """``items`` as a ``dtype`` array when each is exactly one of ``types`` and fits; else None.
+
+    The fast path (checks run in C): the slow one, item by item, only finds the
+    first bad item for the error message.
+    """
+    if not set(map(type, items)) <= types:  # exact types: a bool is not an int here
+        return None
+    try:
+        return np.array(items, dtype=dtype)
+    except OverflowError:
+        return None
+
+
+def _reject_first(items: list[Any], field: str, ok: Callable[[Any], bool],
+                  rule: str) -> NoReturn:
+    index = next(i for i, item in enumerate(items) if not ok(item))
+    raise InvalidRecord(f"item {index} is {items[index]!r}; {rule}", field=field)
+
+
+def _is_token_id(item: Any) -> bool:
+    return type(item) is int and 0 <= item <= _INT32_MAX
+
+
+def _is_finite_number(item: Any) -> bool:
+    # Comparisons are exact for ints of any size and false for NaN.
+    return type(item) in (int, float) and -_FLOAT_MAX <= item <= _FLOAT_MAX
 
 
 def _string_map(value: Any, field: str) -> dict[str, str]:

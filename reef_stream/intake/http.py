@@ -67,6 +67,7 @@ RETRY_AFTER_S = 5
 #: Seconds ``/healthz`` waits for the broker's answer.
 PROBE_TIMEOUT_S = 2.0
 
+
 @dataclass(frozen=True)
 class _Item:
     """One element of a request body: its events, or why it was rejected."""
@@ -129,14 +130,13 @@ class _Intake:
 
     async def _read(self, request: web.Request) -> bytes | web.Response:
         """The body, or the 413 answer when it is over the limit."""
-        too_large = _error(413, f"the body is over {self._max_request_bytes} bytes: send "
-                                "smaller batches")
-        if (request.content_length or 0) > self._max_request_bytes:
-            return too_large
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit
-            return too_large
+        if (request.content_length or 0) <= self._max_request_bytes:
+            try:
+                return await request.read()
+            except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit
+                pass
+        return _error(413, f"the body is over {self._max_request_bytes} bytes: send smaller "
+                           "batches")
 
     async def _send(self, items: list[_Item]) -> web.Response:
         """Send the valid records, wait until they are durable, answer with every result."""
