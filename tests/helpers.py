@@ -41,3 +41,11 @@ def consume_all(bootstrap: str, topic: str, expected: int, idle_rounds: int = 5)
             break
     consumer.close()
     return messages
+
+
+def consume_events(bootstrap: str, topic: str, expected: int, reader: type | None = None) -> list:
+    """Every message of ``topic``, decoded as ``reader`` events (see ``consume_all``)."""
+    from reef_stream.topics.serde import decode
+
+    return [decode(m.value(), m.headers(), reader, topic=m.topic(), partition=m.partition(),
+                   offset=m.offset()) for m in consume_all(bootstrap, topic, expected)]

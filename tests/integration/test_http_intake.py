@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.cli import main
@@ -36,7 +35,7 @@ from reef_stream.intake.http import make_app
 from reef_stream.processes import free_ports
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.declarations import declare_topics, feedback, generations
-from reef_stream.topics.serde import decode
+from tests.helpers import consume_events
 
 MAX_REQUEST_BYTES = 64 * 1024
 
@@ -152,21 +151,6 @@ def post_json(url: str, value: Any, token: str | None = None) -> Reply:
     return request(url, json.dumps(value).encode(), token=token)
 
 
-def consume(bootstrap: str, topic: str, count: int, reader: type) -> list:
-    consumer = Consumer(client_config(bootstrap, {
-        "group.id": "test-reader", "auto.offset.reset": "earliest", "enable.auto.commit": False}))
-    consumer.subscribe([topic])
-    messages: list = []
-    for _ in range(30):
-        messages += consumer.consume(num_messages=1000, timeout=1.0)
-        if len(messages) >= count:
-            break
-    consumer.close()
-    assert all(m.error() is None for m in messages)
-    return [decode(m.value(), m.headers(), reader, topic=m.topic(), partition=m.partition(),
-                   offset=m.offset()) for m in messages]
-
-
 # --------------------------------------------------------------------------- the tests
 
 
@@ -184,7 +168,7 @@ def test_a_valid_batch_is_answered_once_acknowledged_and_is_in_the_topic(
         (0, "g-1", "acknowledged"), (1, "cmpl-7:0", "acknowledged"),
         (1, "cmpl-7:1", "acknowledged"), (2, "g-2", "acknowledged")]
     assert all(isinstance(r["partition"], int) and r["offset"] >= 0 for r in results)
-    stored = {g.generation_id: g for g in consume(kafka_bootstrap, generations(namespace), 4,
+    stored = {g.generation_id: g for g in consume_events(kafka_bootstrap, generations(namespace), 4,
                                                   Generation)}
     assert set(stored) == {"g-1", "cmpl-7:0", "cmpl-7:1", "g-2"}
     assert (stored["cmpl-7:1"].replica_id, stored["cmpl-7:1"].group_size) == ("replica-go", 2)
@@ -214,7 +198,7 @@ def test_an_invalid_record_is_rejected_with_its_reason_and_the_valid_ones_acknow
     assert by_index[1]["field"] == "source" and "is missing" in by_index[1]["error"]
     assert by_index[2]["field"] == "reward" and "finite" in by_index[2]["error"]
     assert by_index[3]["id"] == "g-4:judge"
-    stored = consume(kafka_bootstrap, feedback(namespace), 2, Feedback)
+    stored = consume_events(kafka_bootstrap, feedback(namespace), 2, Feedback)
     assert {f.feedback_id for f in stored} == {"g-1:judge", "g-4:judge"}
 
     every_one_invalid = post_json(f"{server.url}/v1/feedback", batch[1:3])

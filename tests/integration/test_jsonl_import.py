@@ -14,7 +14,6 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner, Result
-from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.cli import main
@@ -25,6 +24,7 @@ from reef_stream.events import DeadLetter, Feedback, Generation
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.declarations import dead_letters, declare_topics, feedback, generations
 from reef_stream.topics.serde import decode
+from tests.helpers import consume_all
 
 
 def native_generation(generation_id: str, **overrides) -> dict:
@@ -105,22 +105,6 @@ def summary_counts(output: str) -> dict[str, int]:
     return counts
 
 
-def consume(bootstrap: str, topic: str, count: int) -> list:
-    """At least ``count`` messages of ``topic`` (fewer only after 30 s), then 1 s more for extras."""
-    consumer = Consumer(client_config(bootstrap, {
-        "group.id": "test-reader", "auto.offset.reset": "earliest", "enable.auto.commit": False}))
-    consumer.subscribe([topic])
-    messages: list = []
-    for _ in range(30):
-        messages += consumer.consume(num_messages=1000, timeout=1.0)
-        if len(messages) >= count:
-            break
-    messages += consumer.consume(num_messages=1000, timeout=1.0)
-    consumer.close()
-    assert all(message.error() is None for message in messages)
-    return messages
-
-
 def decoded(messages: list, reader: type) -> list:
     return [decode(m.value(), m.headers(), reader, topic=m.topic(), partition=m.partition(),
                    offset=m.offset()) for m in messages]
@@ -150,7 +134,7 @@ def test_a_generations_file_lands_in_generations_and_its_bad_lines_in_dead_lette
     assert counts["choices[].logprobs.content[].token"] == 1
 
     stored = {g.generation_id: g for g in decoded(
-        consume(kafka_bootstrap, generations(import_settings.namespace), 4), Generation)}
+        consume_all(kafka_bootstrap, generations(import_settings.namespace), 4), Generation)}
     assert set(stored) == SENT_GENERATION_IDS
     assert stored["cmpl-5:1"].completion_token_ids.tolist() == [9, 11]
     assert (stored["cmpl-5:1"].policy_version, stored["cmpl-5:1"].replica_id) == (4, "old-fleet")
@@ -158,7 +142,7 @@ def test_a_generations_file_lands_in_generations_and_its_bad_lines_in_dead_lette
     assert stored["cmpl-5:0"].sampling.temperature == 0.7
 
     letters = {letter.source_offset: letter for letter in decoded(
-        consume(kafka_bootstrap, dead_letters(import_settings.namespace), 5), DeadLetter)}
+        consume_all(kafka_bootstrap, dead_letters(import_settings.namespace), 5), DeadLetter)}
     assert set(letters) == set(REJECTED_GENERATION_LINES)
     for number, letter in letters.items():
         assert letter.source_topic == f"import:{path}" and letter.stage == "import"
@@ -193,12 +177,12 @@ def test_feedback_from_stdin_lands_in_feedback_and_its_bad_lines_in_dead_letters
     assert counts["reward"] == counts["source"] == counts["the record as a whole"] == 1
 
     stored = {f.feedback_id: f for f in decoded(
-        consume(kafka_bootstrap, feedback(import_settings.namespace), 2), Feedback)}
+        consume_all(kafka_bootstrap, feedback(import_settings.namespace), 2), Feedback)}
     assert set(stored) == {"g-1:exact_match", "g-3:judge"}
     assert stored["g-3:judge"].components == {"format": 0.5, "correct": -1.0}
 
     letters = {letter.source_offset: letter for letter in decoded(
-        consume(kafka_bootstrap, dead_letters(import_settings.namespace), 3), DeadLetter)}
+        consume_all(kafka_bootstrap, dead_letters(import_settings.namespace), 3), DeadLetter)}
     assert set(letters) == {2, 4, 5}
     assert all(letter.source_topic == "import:stdin" for letter in letters.values())
     assert "rewards must be finite" in letters[2].reason

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Producer
 
 from reef_stream.connect import client_config
-from tests.helpers import reef
+from tests.helpers import consume_all, reef
 
 
 def _local_env(cli_env, tmp_path):
@@ -15,21 +15,6 @@ def _local_env(cli_env, tmp_path):
     env = {k: v for k, v in cli_env.items() if k != "REEF_BOOTSTRAP_SERVERS"}
     env["REEF_HOME"] = str(tmp_path / "home")
     return env
-
-
-def _read_all(bootstrap: str, topic: str, expected: int) -> list[bytes]:
-    consumer = Consumer(client_config(bootstrap, {
-        "group.id": "reader", "auto.offset.reset": "earliest", "enable.auto.commit": False}))
-    consumer.subscribe([topic])
-    values = []
-    for _ in range(60):
-        for message in consumer.consume(num_messages=1000, timeout=1.0):
-            assert message.error() is None, message.error()
-            values.append(message.value())
-        if len(values) >= expected:
-            break
-    consumer.close()
-    return values
 
 
 def test_up_status_down_and_restart_keeps_every_record(cli_env, tmp_path, namespace):
@@ -60,7 +45,7 @@ def test_up_status_down_and_restart_keeps_every_record(cli_env, tmp_path, namesp
     assert "stopped" in reef("kafka", "status", env=env).stdout
     reef("kafka", "up", env=env)
     try:
-        values = _read_all(bootstrap, topic, 500)
+        values = [m.value() for m in consume_all(bootstrap, topic, 500)]
         assert sorted(values) == sorted(f"record-{i}".encode() for i in range(500))
     finally:
         reef("kafka", "down", env=env)

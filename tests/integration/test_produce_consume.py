@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.connect import client_config
@@ -13,6 +13,7 @@ from reef_stream.events import FinishReason, Generation, SamplingParams, events_
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.declarations import declare_topics, generations
 from reef_stream.topics.serde import FINGERPRINT_HEADER, decode, encode
+from tests.helpers import consume_all
 
 
 def _generation(i: int) -> Generation:
@@ -30,20 +31,6 @@ def _generation(i: int) -> Generation:
     )
 
 
-def _consume(bootstrap: str, topic: str, count: int) -> list:
-    consumer = Consumer(client_config(bootstrap, {
-        "group.id": "test-reader", "auto.offset.reset": "earliest", "enable.auto.commit": False}))
-    consumer.subscribe([topic])
-    messages = []
-    for _ in range(60):
-        messages += [m for m in consumer.consume(num_messages=1000, timeout=1.0)]
-        if len(messages) >= count:
-            break
-    consumer.close()
-    assert all(m.error() is None for m in messages)
-    return messages
-
-
 @pytest.fixture
 def topic(kafka_bootstrap, namespace):
     ensure_topics(AdminClient(client_config(kafka_bootstrap)), declare_topics(namespace))
@@ -58,7 +45,7 @@ def test_generations_round_trip_through_the_broker(kafka_bootstrap, topic):
         producer.produce(topic, value=value, key=event.generation_id.encode(), headers=headers)
     assert producer.flush(30) == 0
 
-    messages = _consume(kafka_bootstrap, topic, len(sent))
+    messages = consume_all(kafka_bootstrap, topic, len(sent))
     received = {}
     for message in messages:
         assert dict(message.headers())[FINGERPRINT_HEADER]
@@ -81,7 +68,7 @@ def test_corrupt_and_unknown_bytes_on_the_topic_give_typed_errors_with_their_loc
     producer.produce(topic, value=b"plain text, no headers", partition=0)
     assert producer.flush(30) == 0
 
-    messages = sorted(_consume(kafka_bootstrap, topic, 3), key=lambda m: m.offset())
+    messages = sorted(consume_all(kafka_bootstrap, topic, 3), key=lambda m: m.offset())
     errors = []
     for message in messages:
         with pytest.raises((CorruptRecordError, UnknownSchemaError)) as caught:
