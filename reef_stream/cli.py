@@ -7,6 +7,7 @@
     reef produce generations|feedback   import JSONL logs (native or OpenAI-style)
     reef intake serve               HTTP intake for fleets not written in Python
     reef replay|tail|lag            consumer-group cursors, records as JSON, lag
+    reef check --recipe X           a recipe's contract, or every problem with its bindings
 
 Where ``REEF_BOOTSTRAP_SERVERS`` / ``REEF_REDIS_URL`` name existing servers,
 nothing is started and every command uses those (see ``reef_stream.config``).
@@ -26,6 +27,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from reef_stream.commands.check import COMMANDS as CHECK_COMMANDS
 from reef_stream.commands.cursors import COMMANDS as CURSOR_COMMANDS
 from reef_stream.commands.intake import COMMANDS as INTAKE_COMMANDS
 from reef_stream.commands.produce import COMMANDS as PRODUCE_COMMANDS
@@ -332,7 +334,7 @@ def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
     _progress("every declared topic exists with its declared settings")
 
 
-for command in (*PRODUCE_COMMANDS, *INTAKE_COMMANDS, *CURSOR_COMMANDS):
+for command in (*PRODUCE_COMMANDS, *INTAKE_COMMANDS, *CURSOR_COMMANDS, *CHECK_COMMANDS):
     main.add_command(command)
 
 

@@ -1,0 +1,946 @@
+"""The processor: recorded generations and feedback in, typed units and explicit outcomes out.
+
+A ``Processor`` (the extension a method author writes) is three small
+protocols composed: ``Grouping`` (a generation's group and its size),
+``FeedbackPolicy`` (which feedback it wants, when it is complete, how it
+combines into a ``Score``, how long to wait, what to do when it is missing)
+and ``UnitBuilder`` (the unit event type and how to build one); built-in
+parts are in ``reef_stream.processor_parts``. ``ProcessorState`` is the
+join/group state machine that drives one: the processor runtime and
+``reef_stream.testing.run_processor`` run this same class. Its rules (every
+time is one the caller passes in, never the wall clock):
+
+1. A generation whose id was seen before (pending, or concluded within
+   ``retention_ms``) is a duplicate: dropped and counted.
+2. Every other generation gets exactly one ``Outcome``: ``UNIT``,
+   ``EXPIRED`` (no complete feedback within ``timeout_ms`` of its arrival,
+   or its group could not complete), ``TOO_STALE`` (``policy_version`` more
+   than ``max_staleness`` behind the newest checkpoint observed, at arrival
+   or later) or ``INVALID`` (ungroupable, ``group_size`` disagreeing within
+   its group, more generations than the group's size, its group already
+   emitted, feedback that does not combine), with a reason.
+3. Feedback joins its generation by id, whichever arrives first, and gets
+   exactly one ``FeedbackFate``: ``USED``, ``IGNORED`` (a source the policy
+   does not want), ``DUPLICATE`` (generation id and source seen before),
+   ``LATE`` (its generation already scored or concluded), ``UNUSED`` (held
+   for a generation that ended without using it) or ``ORPHANED`` (no
+   generation with its id within ``timeout_ms``).
+4. A generation is scored once its policy says its feedback is ``ready``; at
+   its deadline it is scored from what arrived under
+   ``MissingFeedback.COMBINE_RECEIVED``, and expires otherwise.
+5. A group is one unit once its declared ``group_size`` members are scored.
+   When it can no longer complete, or at its deadline (its members' latest),
+   its scored members form a smaller unit if ``Grouping.accept_incomplete``
+   allows, and expire otherwise. A generation for a closed group is INVALID,
+   or EXPIRED if the group closed at its deadline.
+6. A unit's id is ``unit_id(recipe, member ids)``, its members are ordered by
+   generation id, its ``created_at`` is the latest event time of its members
+   and their feedback: re-emitted after a restart, in any order, it is the same.
+
+State is kept per *key* (a group key; feedback ahead of its generation under
+``group_id or generation_id``). Each ``Step`` names the keys it changed;
+``snapshot(key)`` is that key's state as JSON-ready data, ``restore`` loads it.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import enum
+import hashlib
+import heapq
+import json
+import math
+import types
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+
+from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
+from reef_stream.events import EpochMillis, Feedback, Generation
+from reef_stream.topics.serde import FINGERPRINT_HEADER, SchemaRegistry
+
+UnitT = TypeVar("UnitT")
+EventT = TypeVar("EventT")
+UnitT_co = TypeVar("UnitT_co", covariant=True)
+
+#: How long a concluded generation (and a closed group) is remembered to recognise
+#: duplicates and late feedback: 1 hour of the caller's clock.
+DEFAULT_RETENTION_MS = 3_600_000
+
+
+# =========================================================================== the extension API
+
+
+class MissingFeedback(enum.Enum):
+    """What happens to a generation whose feedback is not ready by its deadline."""
+
+    #: It expires (a dead letter), with whatever feedback arrived.
+    EXPIRE = "expire"
+    #: It is scored from the feedback that did arrive; it expires if none did.
+    COMBINE_RECEIVED = "combine what arrived"
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """A generation's combined reward: ``reward``, its named ``components``, and the
+    ``sources`` whose feedback went into it (a non-empty subset of those received)."""
+
+    reward: float
+    components: Mapping[str, float] = field(default_factory=dict)
+    sources: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Scored:
+    """A generation with its score: one member of a unit being built."""
+
+    generation: Generation
+    score: Score
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a record was read from, carried through the state to its outcome (the
+    runtime's dead letters need it). ``offset`` is the record's own offset."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+@runtime_checkable
+class Grouping(Protocol):
+    """Which group a generation belongs to and when a group is complete. Pure.
+
+    ``description`` says it in words (``reef check`` prints it).
+    """
+
+    description: str
+
+    def key(self, generation: Generation) -> str:
+        """The group key of ``generation`` (a non-empty string). Pure, idempotent; called
+        once per generation on arrival. Raise ``InvalidRecord`` for a generation that
+        cannot be grouped (it becomes INVALID)."""
+        ...
+
+    def size(self, generation: Generation) -> int:
+        """How many scored members complete its group (at least 1). Pure, idempotent;
+        called once per generation on arrival, after ``key``. Raise ``InvalidRecord``
+        as for ``key``."""
+        ...
+
+    def accept_incomplete(self, scored: int, size: int) -> bool:
+        """Whether ``scored`` (at least 1) of ``size`` members may still be emitted as a unit
+        when the group cannot complete. Pure; called once per group that does not complete."""
+        ...
+
+
+@runtime_checkable
+class FeedbackPolicy(Protocol):
+    """Which feedback a generation needs, how it combines, and how long to wait for it. Pure.
+
+    ``timeout_ms``: how long after a generation arrives its feedback may
+    complete (and how long feedback waits for its generation).
+    ``missing``: what happens at that deadline. ``description`` says it all in words.
+    """
+
+    timeout_ms: int
+    missing: MissingFeedback
+    description: str
+
+    def wants(self, source: str) -> bool:
+        """Whether feedback from ``source`` is any use to it; other sources are IGNORED.
+        Pure; called once per feedback record on arrival, before anything else."""
+        ...
+
+    def ready(self, received: Mapping[str, Feedback]) -> bool:
+        """Whether the feedback received so far (by source) completes the generation. Pure;
+        called after each new wanted feedback record, until it returns True."""
+        ...
+
+    def combine(self, generation: Generation, received: Mapping[str, Feedback]) -> Score:
+        """The generation's score from ``received`` (by source; non-empty). Pure, idempotent;
+        called once per generation, when ``ready`` or at its deadline under
+        ``COMBINE_RECEIVED``. Raise ``InvalidRecord`` when the feedback cannot be
+        combined (the generation becomes INVALID)."""
+        ...
+
+
+@runtime_checkable
+class UnitBuilder(Protocol[UnitT_co]):
+    """The unit type a processor emits and how to build one. Pure.
+
+    ``unit_type`` is an event class of ``reef_stream.events`` style (a frozen
+    dataclass naming its Avro schema in ``SCHEMA``).
+    """
+
+    unit_type: type
+
+    def build(self, *, unit_id: str, recipe: str, group_key: str, members: tuple[Scored, ...],
+              created_at: EpochMillis) -> UnitT_co:
+        """The unit of ``members`` (ordered by generation id). Pure, deterministic in its
+        arguments; called once per emitted unit. Must return a ``unit_type``."""
+        ...
+
+
+@runtime_checkable
+class Processor(Protocol[UnitT_co]):
+    """Recorded generations + feedback -> typed units: a grouping, a feedback policy and a
+    unit builder. ``ProcessorState`` drives it; it never touches Kafka."""
+
+    grouping: Grouping
+    feedback: FeedbackPolicy
+    units: UnitBuilder[UnitT_co]
+
+
+def processor_problems(processor: Any) -> list[str]:
+    """Every way ``processor`` falls short of the ``Processor`` protocol (empty if none)."""
+    if processor is None:
+        return ["no processor"]
+    problems = []
+    parts = {"grouping": ("description", "key", "size", "accept_incomplete"),
+             "feedback": ("timeout_ms", "missing", "description", "wants", "ready", "combine"),
+             "units": ("unit_type", "build")}
+    for part, members in parts.items():
+        value = getattr(processor, part, None)
+        if value is None:
+            problems.append(f"processor {type(processor).__name__} has no {part!r}")
+            continue
+        missing = [name for name in members if not hasattr(value, name)]
+        if missing:
+            problems.append(f"processor.{part} ({type(value).__name__}) lacks {missing}")
+    if problems:
+        return problems
+    timeout = processor.feedback.timeout_ms
+    if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 1:
+        problems.append(f"processor.feedback.timeout_ms must be a positive integer, got {timeout!r}")
+    if not isinstance(processor.feedback.missing, MissingFeedback):
+        problems.append(f"processor.feedback.missing must be a MissingFeedback, "
+                        f"got {processor.feedback.missing!r}")
+    unit_type = processor.units.unit_type
+    if not (isinstance(unit_type, type) and dataclasses.is_dataclass(unit_type)
+            and isinstance(getattr(unit_type, "SCHEMA", None), str)):
+        problems.append(f"processor.units.unit_type must be an event dataclass naming its Avro "
+                        f"schema in SCHEMA, got {unit_type!r}")
+    return problems
+
+
+def unit_id(recipe: str, member_ids: Iterable[str]) -> str:
+    """The id of the unit of ``recipe`` with these members: 32 hex digits of a SHA-256 of the
+    recipe name and the sorted member generation ids. The same for the same members in any
+    order."""
+    payload = json.dumps([recipe, sorted(member_ids)], separators=(",", ":")).encode()
+    return hashlib.sha256(payload).hexdigest()[:32]
+
+
+# =========================================================================== outcomes
+
+
+class Outcome(enum.Enum):
+    """How a generation ended. Every generation (duplicates aside) gets exactly one."""
+
+    UNIT = "unit"
+    EXPIRED = "expired"
+    TOO_STALE = "too_stale"
+    INVALID = "invalid"
+
+    @property
+    def dead_letter(self) -> bool:
+        return self is not Outcome.UNIT
+
+
+class FeedbackFate(enum.Enum):
+    """How a feedback record ended. Every feedback record gets exactly one."""
+
+    USED = "used"
+    IGNORED = "ignored"
+    DUPLICATE = "duplicate"
+    LATE = "late"
+    UNUSED = "unused"
+    ORPHANED = "orphaned"
+
+    @property
+    def dead_letter(self) -> bool:
+        return self in (FeedbackFate.LATE, FeedbackFate.UNUSED, FeedbackFate.ORPHANED)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EmittedUnit(Generic[UnitT]):
+    """A unit to produce to ``<ns>.units.<recipe>`` with key ``unit_id``; ``member_ids`` sorted."""
+
+    unit_id: str
+    group_key: str
+    unit: UnitT
+    member_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GenerationOutcome:
+    """The one outcome of one generation, decided at ``at`` (the caller's time). ``reason``
+    says why (for UNIT: which unit); ``origin`` is the one given with the generation."""
+
+    generation: Generation
+    outcome: Outcome
+    reason: str
+    group_key: str
+    unit_id: str | None
+    origin: Origin | None
+    at: int
+
+    @property
+    def generation_id(self) -> str:
+        return self.generation.generation_id
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FeedbackOutcome:
+    """The one fate of one feedback record, with the reason."""
+
+    feedback: Feedback
+    fate: FeedbackFate
+    reason: str
+    origin: Origin | None
+    at: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DroppedGeneration:
+    """A duplicate generation record: dropped (counted, not dead-lettered)."""
+
+    generation: Generation
+    reason: str
+    origin: Origin | None
+    at: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Step:
+    """Everything one call to ``ProcessorState`` decided, in a deterministic order.
+
+    The runtime produces ``units``, dead-letters each outcome whose kind has
+    ``dead_letter``, counts everything (``counts``) and writes the snapshot of
+    each key in ``touched`` (deleting it where ``snapshot`` is None), all in
+    the same transaction as the input's offset.
+    """
+
+    units: tuple[EmittedUnit[Any], ...] = ()
+    generations: tuple[GenerationOutcome, ...] = ()
+    feedback: tuple[FeedbackOutcome, ...] = ()
+    duplicates: tuple[DroppedGeneration, ...] = ()
+    touched: tuple[str, ...] = ()
+
+    def counts(self) -> Counter[str]:
+        """By ``generations.<outcome>``, ``generations.duplicate``, ``feedback.<fate>``, ``units``."""
+        counts = Counter(f"generations.{o.outcome.value}" for o in self.generations)
+        counts.update(f"feedback.{o.fate.value}" for o in self.feedback)
+        counts.update({"generations.duplicate": len(self.duplicates), "units": len(self.units)})
+        return +counts
+
+
+@dataclass(slots=True, eq=False)
+class _StepBuilder:
+    units: list[EmittedUnit[Any]] = field(default_factory=list)
+    generations: list[GenerationOutcome] = field(default_factory=list)
+    feedback: list[FeedbackOutcome] = field(default_factory=list)
+    duplicates: list[DroppedGeneration] = field(default_factory=list)
+    touched: set[str] = field(default_factory=set)
+
+    def fate(self, entry: _Received, fate: FeedbackFate, reason: str, at: int) -> None:
+        self.feedback.append(FeedbackOutcome(entry.feedback, fate, reason, entry.origin, at))
+
+    def build(self) -> Step:
+        return Step(tuple(self.units), tuple(self.generations), tuple(self.feedback),
+                    tuple(self.duplicates), tuple(sorted(self.touched)))
+
+
+# =========================================================================== the state machine
+
+
+@dataclass(slots=True, eq=False)
+class _Received:
+    feedback: Feedback
+    arrived: int
+    origin: Origin | None
+    record: dict[str, str] | None = None  # the feedback, encoded once for snapshots
+
+
+@dataclass(slots=True, eq=False)
+class _Member:
+    generation: Generation
+    arrived: int
+    deadline: int
+    origin: Origin | None
+    received: dict[str, _Received] = field(default_factory=dict)  # held until scored
+    seen: set[str] = field(default_factory=set)  # every source received, for duplicates
+    score: Score | None = None
+    scored_time: int = 0  # latest event time of the generation and the feedback it used
+    record: dict[str, str] | None = None  # the generation, encoded once for snapshots
+
+
+@dataclass(slots=True)
+class _Concluded:
+    outcome: str
+    at: int
+    sources: list[str]
+    detail: str
+
+
+@dataclass(slots=True)
+class _Closed:
+    how: str  # "emitted" complete; "resolved" when it could not complete; "invalid"
+    at: int
+    detail: str
+
+
+@dataclass(slots=True, eq=False)
+class _Bucket:
+    """The state of one key: a group (declared size, members admitted, deadline, whether
+    closed), its pending members, feedback ahead of its generation, concluded generations."""
+
+    size: int | None = None
+    admitted: int = 0
+    deadline: int = 0
+    closed: _Closed | None = None
+    members: dict[str, _Member] = field(default_factory=dict)
+    orphans: dict[str, dict[str, _Received]] = field(default_factory=dict)
+    concluded: dict[str, _Concluded] = field(default_factory=dict)
+
+    def empty(self) -> bool:
+        return not (self.members or self.orphans or self.concluded or self.closed
+                    or self.size is not None)
+
+
+class ProcessorState(Generic[UnitT]):
+    """The join/group state machine of one processor over one stream (or one partition of it).
+
+    Not thread-safe: one caller at a time. Every method is non-blocking (no
+    I/O) and returns what it decided as a ``Step``. Times are integers of the
+    caller's clock in ms (use the log's record timestamps, so a replay decides
+    as the live run did): ``at`` is when a record arrived; ``tick(now)``
+    advances the clock and is the only call that expires anything.
+
+    Order of calls: after a restart, ``restore`` every saved key and
+    ``observe_checkpoint`` the newest checkpoint version first; then any
+    interleaving of ``offer_generation``, ``offer_feedback``,
+    ``observe_checkpoint`` and ``tick``. Offering a record twice is safe (the
+    second is a duplicate); ``tick`` and ``observe_checkpoint`` are idempotent.
+    """
+
+    def __init__(self, processor: Processor[UnitT], *, recipe: str,
+                 max_staleness: int | None = None, retention_ms: int = DEFAULT_RETENTION_MS):
+        problems = processor_problems(processor)
+        timeout = getattr(getattr(processor, "feedback", None), "timeout_ms", 0)
+        if isinstance(timeout, int) and retention_ms <= timeout:
+            problems.append(f"retention_ms ({retention_ms}) must exceed the feedback timeout "
+                            f"({timeout} ms)")
+        if max_staleness is not None and max_staleness < 0:
+            problems.append(f"max_staleness must be at least 0, got {max_staleness}")
+        if problems:
+            raise ConfigurationError(problems)
+        self.processor, self.recipe = processor, recipe
+        self.max_staleness, self.retention_ms = max_staleness, retention_ms
+        self._timeout: int = processor.feedback.timeout_ms
+        self._clock = 0
+        self._newest: int | None = None
+        self._buckets: dict[str, _Bucket] = {}
+        self._where: dict[str, str] = {}  # generation id -> its key, pending or concluded
+        self._orphan_at: dict[str, str] = {}  # generation id -> key holding its early feedback
+        self._active: set[str] = set()  # keys with pending members
+        self._timers: list[tuple[int, str]] = []  # heap; an entry is live iff _wake[key] == time
+        self._wake: dict[str, int] = {}
+
+    @classmethod
+    def for_recipe(cls, recipe: Any, *, retention_ms: int = DEFAULT_RETENTION_MS) -> ProcessorState:
+        """The state machine of ``recipe``'s processor, with its name and its schedule's
+        ``max_staleness``."""
+        return cls(recipe.processor, recipe=recipe.name,
+                   max_staleness=recipe.schedule.max_staleness, retention_ms=retention_ms)
+
+    # ------------------------------------------------------------------- reading (pure)
+
+    @property
+    def clock(self) -> int:
+        """The latest time passed in."""
+        return self._clock
+
+    @property
+    def newest_checkpoint_version(self) -> int | None:
+        return self._newest
+
+    def keys(self) -> list[str]:
+        """Every key holding state, sorted."""
+        return sorted(self._buckets)
+
+    def pending_generations(self) -> list[str]:
+        """Ids of the generations without an outcome yet, sorted."""
+        return sorted(g for key in self._active for g in self._buckets[key].members)
+
+    def waiting_feedback(self) -> int:
+        """How many feedback records are held without a fate yet."""
+        orphans = sum(len(self._buckets[key].orphans[g]) for g, key in self._orphan_at.items())
+        return orphans + sum(len(m.received) for key in self._active
+                             for m in self._buckets[key].members.values())
+
+    def next_deadline(self) -> int | None:
+        """The earliest time at which ``tick`` may decide something; None if nothing waits."""
+        while self._timers and self._wake.get(self._timers[0][1]) != self._timers[0][0]:
+            heapq.heappop(self._timers)
+        return self._timers[0][0] if self._timers else None
+
+    # ------------------------------------------------------------------- input
+
+    def offer(self, record: Generation | Feedback, *, at: int, origin: Origin | None = None) -> Step:
+        """``offer_generation`` or ``offer_feedback``, by the record's type."""
+        if isinstance(record, Generation):
+            return self.offer_generation(record, at=at, origin=origin)
+        if isinstance(record, Feedback):
+            return self.offer_feedback(record, at=at, origin=origin)
+        raise TypeError(f"a processor takes Generation and Feedback, not {type(record).__name__}")
+
+    def offer_generation(self, generation: Generation, *, at: int,
+                         origin: Origin | None = None) -> Step:
+        """Take one generation that arrived at ``at``. Non-blocking; a duplicate is dropped."""
+        step, gid = _StepBuilder(), generation.generation_id
+        self._clock = max(self._clock, at)
+        if gid in self._where:
+            reason = f"generation {gid} was already received"
+            step.duplicates.append(DroppedGeneration(generation, reason, origin, at))
+            return step.build()
+        member = _Member(generation, at, at + self._timeout, origin)
+        try:
+            key, size = self._group_of(generation)
+            rejection = self._admission(key, self._bucket(key, step), gid, size)
+        except InvalidRecord as error:
+            key, size = generation.group_id or gid, 0
+            rejection = Outcome.INVALID, f"cannot be grouped: {error}"
+        bucket = self._bucket(key, step)
+        self._where[gid] = key
+        self._adopt_orphans(member, step)
+        if rejection is not None:
+            outcome, reason = rejection
+            if outcome is Outcome.INVALID and size and bucket.closed is None:
+                self._invalidate(key, bucket, reason, at, step)
+            self._conclude(key, bucket, member, outcome, reason, at, step)
+            return self._done(step)
+        bucket.size, bucket.admitted = size, bucket.admitted + 1
+        bucket.deadline = max(bucket.deadline, member.deadline)
+        if stale := self._staleness(generation):
+            self._conclude(key, bucket, member, Outcome.TOO_STALE, stale, at, step)
+        else:
+            bucket.members[gid] = member
+            self._active.add(key)
+            self._try_score(key, bucket, member, at, step, final=False)
+        self._check_group(key, bucket, at, step)
+        return self._done(step)
+
+    def offer_feedback(self, feedback: Feedback, *, at: int, origin: Origin | None = None) -> Step:
+        """Take one feedback record that arrived at ``at``. Non-blocking; a duplicate (same
+        generation id and source) is dropped."""
+        step, entry = _StepBuilder(), _Received(feedback, at, origin)
+        gid, source = feedback.generation_id, feedback.source
+        self._clock = max(self._clock, at)
+        duplicate = f"feedback from {source!r} for {gid} was already received"
+        if not self.processor.feedback.wants(source):
+            step.fate(entry, FeedbackFate.IGNORED, f"the processor does not use {source!r}", at)
+            return step.build()
+        if (key := self._where.get(gid)) is not None:
+            bucket = self._bucket(key, step)
+            member = bucket.members.get(gid)
+            if member is None:  # concluded
+                concluded = bucket.concluded[gid]
+                if source in concluded.sources:
+                    step.fate(entry, FeedbackFate.DUPLICATE, duplicate, at)
+                else:
+                    concluded.sources.append(source)
+                    step.fate(entry, FeedbackFate.LATE, f"arrived after generation {gid} "
+                              f"concluded as {concluded.outcome} ({concluded.detail})", at)
+            elif source in member.seen:
+                step.fate(entry, FeedbackFate.DUPLICATE, duplicate, at)
+            elif member.score is not None:
+                member.seen.add(source)
+                step.fate(entry, FeedbackFate.LATE, f"arrived after generation {gid} was "
+                          f"scored from {list(member.score.sources)}", at)
+            else:
+                member.seen.add(source)
+                member.received[source] = entry
+                self._try_score(key, bucket, member, at, step, final=False)
+                self._check_group(key, bucket, at, step)
+            return self._done(step)
+        key = self._orphan_at.get(gid) or feedback.group_id or gid
+        waiting = self._bucket(key, step).orphans.setdefault(gid, {})
+        if source in waiting:
+            step.fate(entry, FeedbackFate.DUPLICATE, duplicate, at)
+        else:
+            waiting[source] = entry
+            self._orphan_at[gid] = key
+        return self._done(step)
+
+    def observe_checkpoint(self, policy_version: int) -> Step:
+        """Learn that a checkpoint of ``policy_version`` exists. Non-blocking, idempotent.
+        When it is the newest yet, every pending generation now more than
+        ``max_staleness`` versions behind it ends TOO_STALE."""
+        step = _StepBuilder()
+        if self._newest is not None and policy_version <= self._newest:
+            return step.build()
+        self._newest = policy_version
+        for key in sorted(self._active) if self.max_staleness is not None else ():
+            bucket = self._buckets[key]
+            for gid in sorted(bucket.members):
+                if stale := self._staleness(bucket.members[gid].generation):
+                    self._conclude(key, bucket, bucket.members[gid], Outcome.TOO_STALE, stale,
+                                   self._clock, step)
+            self._check_group(key, bucket, self._clock, step)
+        return self._done(step)
+
+    def tick(self, now: int) -> Step:
+        """Advance the clock to ``now`` and decide everything due by then: feedback and group
+        deadlines, feedback waiting in vain, forgetting what concluded ``retention_ms`` ago.
+        Non-blocking, idempotent; call it regularly (e.g. after each batch of records, with
+        the newest record timestamp)."""
+        step = _StepBuilder()
+        self._clock = now = max(self._clock, now)
+        due = set()
+        while self._timers and self._timers[0][0] <= now:
+            time, key = heapq.heappop(self._timers)
+            if self._wake.get(key) == time:
+                del self._wake[key]
+                due.add(key)
+        for key in sorted(due & self._buckets.keys()):
+            self._sweep(key, self._buckets[key], now, step)
+        return self._done(step)
+
+    # ------------------------------------------------------------------- snapshot / restore
+
+    def snapshot(self, key: str) -> dict[str, Any] | None:
+        """The state of ``key`` as JSON-ready data (dicts, lists, str, int, float, bool, None;
+        events as Avro bytes in base64 with their schema fingerprint), or None when the key
+        holds nothing (delete it from the table). Call it for each key in ``Step.touched``;
+        it changes nothing (it caches each event's encoding)."""
+        bucket = self._buckets.get(key)
+        if bucket is None or bucket.empty():
+            return None
+        return {
+            "version": 1, "size": bucket.size, "admitted": bucket.admitted,
+            "deadline": bucket.deadline,
+            "closed": (closed := bucket.closed) and {"how": closed.how, "at": closed.at,
+                                                     "detail": closed.detail},
+            "members": [_member_record(bucket.members[g]) for g in sorted(bucket.members)],
+            "orphans": [{"generation_id": g, "received": _received_records(bucket.orphans[g])}
+                        for g in sorted(bucket.orphans)],
+            "concluded": [{"generation_id": g, "outcome": c.outcome, "at": c.at,
+                           "sources": list(c.sources), "detail": c.detail}
+                          for g, c in sorted(bucket.concluded.items())],
+        }
+
+    def restore(self, key: str, snapshot: Mapping[str, Any]) -> None:
+        """Load ``key``'s state from ``snapshot``, replacing what the key held. Idempotent;
+        call it for every saved key before offering records after a restart."""
+        if snapshot.get("version") != 1:
+            raise FatalError(f"snapshot of {key!r} has unknown version {snapshot.get('version')!r}")
+        self._forget(key)
+        closed = snapshot["closed"]
+        bucket = self._buckets[key] = _Bucket(
+            size=snapshot["size"], admitted=snapshot["admitted"], deadline=snapshot["deadline"],
+            closed=None if closed is None else _Closed(**closed))
+        for record in snapshot["members"]:
+            member = _member_from(record)
+            bucket.members[member.generation.generation_id] = member
+        for record in snapshot["orphans"]:
+            bucket.orphans[record["generation_id"]] = _received_from(record["received"])
+            self._orphan_at[record["generation_id"]] = key
+        for record in snapshot["concluded"]:
+            bucket.concluded[record["generation_id"]] = _Concluded(
+                record["outcome"], record["at"], list(record["sources"]), record["detail"])
+        self._where.update(dict.fromkeys([*bucket.members, *bucket.concluded], key))
+        if bucket.members:
+            self._active.add(key)
+        self._schedule(key, bucket)
+
+    # ------------------------------------------------------------------- the rules
+
+    def _group_of(self, generation: Generation) -> tuple[str, int]:
+        key = self.processor.grouping.key(generation)
+        size = self.processor.grouping.size(generation)
+        if not isinstance(key, str) or not key:
+            raise InvalidRecord(f"the grouping gave the key {key!r}, not a non-empty string")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InvalidRecord(f"the grouping gave the size {size!r}, not a positive integer")
+        return key, size
+
+    def _admission(self, key: str, bucket: _Bucket, gid: str,
+                   size: int) -> tuple[Outcome, str] | None:
+        """Why generation ``gid`` of declared ``size`` cannot join group ``key`` (None if it can)."""
+        if (closed := bucket.closed) is not None:
+            if closed.how == "resolved":
+                return Outcome.EXPIRED, f"arrived after its group {key!r} closed: {closed.detail}"
+            return Outcome.INVALID, f"its group {key!r} is closed: {closed.detail}"
+        if bucket.size is not None and size != bucket.size:
+            return Outcome.INVALID, (f"group_size disagreement in group {key!r}: {gid} declares "
+                                     f"{size}, earlier members {bucket.size}")
+        if bucket.admitted >= size:
+            return Outcome.INVALID, f"group {key!r} has more generations than its group_size {size}"
+        return None
+
+    def _staleness(self, generation: Generation) -> str:
+        """Why ``generation`` is too stale, or "" if it is not."""
+        if self.max_staleness is None or self._newest is None:
+            return ""
+        behind = self._newest - generation.policy_version
+        if behind <= self.max_staleness:
+            return ""
+        return (f"policy_version {generation.policy_version} is {behind} versions behind the "
+                f"newest checkpoint {self._newest} (max staleness {self.max_staleness})")
+
+    def _adopt_orphans(self, member: _Member, step: _StepBuilder) -> None:
+        """Move feedback that arrived before ``member`` into it."""
+        if (key := self._orphan_at.pop(member.generation.generation_id, None)) is not None:
+            step.touched.add(key)
+            member.received = self._buckets[key].orphans.pop(member.generation.generation_id)
+            member.seen = set(member.received)
+
+    def _try_score(self, key: str, bucket: _Bucket, member: _Member, now: int,
+                   step: _StepBuilder, *, final: bool) -> None:
+        """Score ``member`` if its feedback is ready; when ``final`` (its deadline), as its
+        policy says for missing feedback."""
+        policy = self.processor.feedback
+        received = {source: r.feedback for source, r in sorted(member.received.items())}
+        if not final and not policy.ready(received):
+            return
+        if final and (policy.missing is MissingFeedback.EXPIRE or not received):
+            reason = (f"no complete feedback within {self._timeout} ms (received "
+                      f"{sorted(received) or 'none'}; {policy.description})")
+            return self._conclude(key, bucket, member, Outcome.EXPIRED, reason, now, step)
+        try:
+            score = policy.combine(member.generation, types.MappingProxyType(received))
+            problem = _score_problem(score, received)
+        except InvalidRecord as error:
+            problem = f"its feedback does not combine: {error}"
+        if problem:
+            return self._conclude(key, bucket, member, Outcome.INVALID, problem, now, step)
+        member.score = score
+        member.scored_time = max([member.generation.created_at,
+                                  *(received[s].created_at for s in score.sources)])
+        for source, entry in sorted(member.received.items()):
+            if source in score.sources:
+                step.fate(entry, FeedbackFate.USED, "in its generation's score", now)
+            else:
+                step.fate(entry, FeedbackFate.UNUSED, "its generation's score did not use it", now)
+        member.received = {}
+
+    def _check_group(self, key: str, bucket: _Bucket, now: int, step: _StepBuilder) -> None:
+        """Emit the group if complete; resolve it if it can no longer complete."""
+        if bucket.closed is not None or bucket.size is None \
+                or any(m.score is None for m in bucket.members.values()):
+            return
+        if len(bucket.members) == bucket.size:
+            self._emit(key, bucket, now, step, how="emitted")
+        elif bucket.admitted == bucket.size:
+            self._resolve(key, bucket, now, step, why="it can no longer complete")
+
+    def _resolve(self, key: str, bucket: _Bucket, now: int, step: _StepBuilder, *, why: str) -> None:
+        """Close a group that will not complete: a smaller unit if allowed, else expire it."""
+        scored, size = sum(m.score is not None for m in bucket.members.values()), bucket.size
+        if scored and self.processor.grouping.accept_incomplete(scored, size):
+            return self._emit(key, bucket, now, step, how="resolved")
+        detail = f"{why}: {scored} of {size} members scored"
+        for gid in sorted(bucket.members):
+            self._conclude(key, bucket, bucket.members[gid], Outcome.EXPIRED,
+                           f"its group {key!r} is incomplete ({detail})", now, step)
+        bucket.closed = _Closed("resolved", now, f"incomplete ({detail})")
+        step.touched.add(key)
+
+    def _emit(self, key: str, bucket: _Bucket, now: int, step: _StepBuilder, *, how: str) -> None:
+        members = [bucket.members[g] for g in sorted(bucket.members)]
+        ids = tuple(m.generation.generation_id for m in members)
+        uid, builder = unit_id(self.recipe, ids), self.processor.units
+        unit = builder.build(
+            unit_id=uid, recipe=self.recipe, group_key=key,
+            members=tuple(Scored(m.generation, m.score) for m in members),  # type: ignore[arg-type]
+            created_at=EpochMillis(max(m.scored_time for m in members)))
+        if not isinstance(unit, builder.unit_type):
+            raise FatalError(f"the processor's unit builder returned a {type(unit).__name__}, "
+                             f"not its unit_type {builder.unit_type.__name__}")
+        step.units.append(EmittedUnit(uid, key, unit, ids))
+        for member in members:
+            self._conclude(key, bucket, member, Outcome.UNIT, f"in unit {uid}", now, step, unit=uid)
+        of = f" of {bucket.size}" if how == "resolved" else ""
+        bucket.closed = _Closed(how, now, f"emitted as unit {uid} with {len(ids)}{of} members")
+
+    def _invalidate(self, key: str, bucket: _Bucket, reason: str, now: int,
+                    step: _StepBuilder) -> None:
+        for gid in sorted(bucket.members):
+            self._conclude(key, bucket, bucket.members[gid], Outcome.INVALID, reason, now, step)
+        bucket.closed = _Closed("invalid", now, reason)
+        step.touched.add(key)
+
+    def _conclude(self, key: str, bucket: _Bucket, member: _Member, outcome: Outcome,
+                  reason: str, now: int, step: _StepBuilder, *, unit: str | None = None) -> None:
+        """Give ``member`` its one outcome; feedback it held without using it is UNUSED."""
+        gid = member.generation.generation_id
+        bucket.members.pop(gid, None)
+        self._where[gid] = key
+        for _, entry in sorted(member.received.items()):
+            step.fate(entry, FeedbackFate.UNUSED,
+                      f"generation {gid} ended {outcome.value} without using it", now)
+        member.received = {}
+        bucket.concluded[gid] = _Concluded(outcome.name, now, sorted(member.seen), unit or reason)
+        step.generations.append(GenerationOutcome(member.generation, outcome, reason, key, unit,
+                                                  member.origin, now))
+        step.touched.add(key)
+
+    def _sweep(self, key: str, bucket: _Bucket, now: int, step: _StepBuilder) -> None:
+        """Everything due in ``key`` by ``now``, then its next wake-up."""
+        step.touched.add(key)
+        for gid, waiting in sorted(bucket.orphans.items()):
+            for source, entry in sorted(waiting.items()):
+                if entry.arrived + self._timeout <= now:
+                    del waiting[source]
+                    step.fate(entry, FeedbackFate.ORPHANED, f"no generation {gid} arrived "
+                              f"within {self._timeout} ms of this feedback", now)
+            if not waiting:
+                del bucket.orphans[gid]
+                self._orphan_at.pop(gid, None)
+        for gid in sorted(bucket.members):
+            member = bucket.members[gid]
+            if member.score is None and member.deadline <= now:
+                self._try_score(key, bucket, member, now, step, final=True)
+        self._check_group(key, bucket, now, step)
+        if bucket.closed is None and bucket.size is not None and bucket.deadline <= now:
+            self._resolve(key, bucket, now, step, why="its deadline passed")
+        for gid in [g for g, c in bucket.concluded.items() if c.at + self.retention_ms <= now]:
+            del bucket.concluded[gid]
+            if self._where.get(gid) == key:
+                del self._where[gid]
+        closed = bucket.closed
+        if closed is not None and closed.at + self.retention_ms <= now and not bucket.members:
+            bucket.closed, bucket.size, bucket.admitted, bucket.deadline = None, None, 0, 0
+
+    # ------------------------------------------------------------------- bookkeeping
+
+    def _bucket(self, key: str, step: _StepBuilder) -> _Bucket:
+        step.touched.add(key)
+        if (bucket := self._buckets.get(key)) is None:
+            bucket = self._buckets[key] = _Bucket()
+        return bucket
+
+    def _done(self, step: _StepBuilder) -> Step:
+        """Drop emptied keys and reschedule the touched ones; the step, frozen."""
+        for key in step.touched & self._buckets.keys():
+            bucket = self._buckets[key]
+            if not bucket.members:
+                self._active.discard(key)
+            if bucket.empty():
+                del self._buckets[key]
+                self._wake.pop(key, None)
+            else:
+                self._schedule(key, bucket)
+        return step.build()
+
+    def _schedule(self, key: str, bucket: _Bucket) -> None:
+        """Set ``key``'s wake-up to the earliest time anything in it is due."""
+        times = [m.deadline for m in bucket.members.values() if m.score is None]
+        times += [r.arrived + self._timeout for w in bucket.orphans.values() for r in w.values()]
+        times += [c.at + self.retention_ms for c in bucket.concluded.values()]
+        if bucket.closed is not None:
+            times.append(bucket.closed.at + self.retention_ms)
+        elif bucket.size is not None:
+            times.append(bucket.deadline)
+        wake = min(times, default=None)
+        if wake is None:
+            self._wake.pop(key, None)
+        elif self._wake.get(key) != wake:
+            self._wake[key] = wake
+            heapq.heappush(self._timers, (wake, key))
+
+    def _forget(self, key: str) -> None:
+        bucket = self._buckets.pop(key, None) or _Bucket()
+        self._active.discard(key)
+        self._wake.pop(key, None)
+        for index, gids in ((self._where, [*bucket.members, *bucket.concluded]),
+                            (self._orphan_at, list(bucket.orphans))):
+            for gid in gids:
+                if index.get(gid) == key:
+                    del index[gid]
+
+
+def _score_problem(score: Any, received: Mapping[str, Feedback]) -> str:
+    """Why a combined score cannot be used ("" if it can); a processor bug is fatal."""
+    if not isinstance(score, Score):
+        raise FatalError(f"the feedback policy's combine returned {type(score).__name__}, "
+                         "not a Score")
+    if not score.sources or not set(score.sources) <= set(received):
+        raise FatalError(f"the feedback policy's score names sources {list(score.sources)}; "
+                         f"they must be a non-empty subset of those received {sorted(received)}")
+    values = {"reward": score.reward, **{f"components.{k}": v for k, v in score.components.items()}}
+    bad = [name for name, value in values.items() if isinstance(value, bool)
+           or not isinstance(value, (int, float)) or not math.isfinite(value)]
+    return f"its combined score is not finite: {bad}" if bad else ""
+
+
+# =========================================================================== snapshot records
+
+
+def _event_record(event: Generation | Feedback) -> dict[str, str]:
+    """An event as its Avro bytes (base64) and writer-schema fingerprint (hex): a snapshot
+    written before a schema change still restores after it."""
+    value, headers = SchemaRegistry.default().encode(event)
+    return {"avro": base64.b64encode(value).decode("ascii"),
+            "fingerprint": dict(headers)[FINGERPRINT_HEADER].hex()}
+
+
+def _event_from(cls: type[EventT], record: Mapping[str, str]) -> EventT:
+    headers = {FINGERPRINT_HEADER: bytes.fromhex(record["fingerprint"])}
+    return SchemaRegistry.default().decode(base64.b64decode(record["avro"]), headers, cls)
+
+
+def _origin_from(record: list[Any] | None) -> Origin | None:
+    return None if record is None else Origin(*record)
+
+
+def _received_records(received: Mapping[str, _Received]) -> list[dict[str, Any]]:
+    for entry in received.values():
+        entry.record = entry.record or _event_record(entry.feedback)
+    return [{"feedback": r.record, "arrived": r.arrived,
+             "origin": r.origin and [r.origin.topic, r.origin.partition, r.origin.offset]}
+            for _, r in sorted(received.items())]
+
+
+def _received_from(records: list[Mapping[str, Any]]) -> dict[str, _Received]:
+    entries = [_Received(_event_from(Feedback, r["feedback"]), r["arrived"],
+                         _origin_from(r["origin"]), r["feedback"]) for r in records]
+    return {entry.feedback.source: entry for entry in entries}
+
+
+def _member_record(member: _Member) -> dict[str, Any]:
+    score, origin = member.score, member.origin
+    member.record = member.record or _event_record(member.generation)
+    return {
+        "generation": member.record, "arrived": member.arrived, "deadline": member.deadline,
+        "origin": origin and [origin.topic, origin.partition, origin.offset],
+        "received": _received_records(member.received), "seen": sorted(member.seen),
+        "score": score and {"reward": score.reward, "components": dict(score.components),
+                            "sources": list(score.sources)},
+        "scored_time": member.scored_time,
+    }
+
+
+def _member_from(record: Mapping[str, Any]) -> _Member:
+    score = record["score"]
+    return _Member(
+        generation=_event_from(Generation, record["generation"]), arrived=record["arrived"],
+        deadline=record["deadline"], origin=_origin_from(record["origin"]),
+        received=_received_from(record["received"]), seen=set(record["seen"]),
+        score=score and Score(score["reward"], dict(score["components"]), tuple(score["sources"])),
+        scored_time=record["scored_time"], record=record["generation"])
+
+
+def dumps_snapshot(snapshot: Mapping[str, Any]) -> bytes:
+    """A snapshot as compact UTF-8 JSON (no pickle), e.g. for a table with a raw value codec."""
+    return json.dumps(snapshot, separators=(",", ":"), allow_nan=False).encode()
+
+
+def loads_snapshot(data: bytes) -> dict[str, Any]:
+    """The snapshot ``dumps_snapshot`` wrote."""
+    return json.loads(data)

@@ -1,0 +1,96 @@
+"""``Schedule``: how a recipe's trainer turns rollout units into optimizer steps. Data only.
+
+Every size counts rollout units (one unit is one emitted group, whatever its
+number of samples). A training step takes ``units_per_step`` units, splits
+them into optimizer batches of ``optimizer_batch_size`` units (one optimizer
+update each), and each optimizer batch into micro batches of
+``micro_batch_size`` units (one forward/backward each, gradients
+accumulated). The step's units are visited ``epochs`` times, reshuffled each
+epoch with ``seed`` when ``shuffle`` is set.
+
+``max_staleness`` bounds how far behind the newest checkpoint a sample's
+behaviour policy may be: a generation whose ``policy_version`` is more than
+``max_staleness`` versions behind is dropped as too stale (by the processor,
+with a dead letter), never trained on.
+
+A schedule checks its own invariants when it is built and raises one
+``ConfigurationError`` listing every problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reef_stream.errors import ConfigurationError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Schedule:
+    """The batch geometry of a training step, in rollout units.
+
+    ``units_per_step`` must be a multiple of ``optimizer_batch_size``, which
+    must be a multiple of ``micro_batch_size``; every size and ``epochs`` are
+    at least 1; ``max_staleness`` and ``seed`` are at least 0.
+    """
+
+    units_per_step: int
+    optimizer_batch_size: int
+    micro_batch_size: int
+    epochs: int = 1
+    shuffle: bool = True
+    seed: int = 0
+    #: In policy versions: 0 trains only on samples of the newest checkpoint.
+    max_staleness: int
+
+    def __post_init__(self) -> None:
+        problems = schedule_problems(self)
+        if problems:
+            raise ConfigurationError(problems)
+
+    @property
+    def optimizer_steps_per_epoch(self) -> int:
+        """Optimizer updates per pass over a step's units."""
+        return self.units_per_step // self.optimizer_batch_size
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro batches whose gradients make one optimizer update."""
+        return self.optimizer_batch_size // self.micro_batch_size
+
+    def describe(self) -> str:
+        """One line for people (``reef check``)."""
+        return (
+            f"{self.units_per_step} units per step, optimizer batch {self.optimizer_batch_size} "
+            f"({self.optimizer_steps_per_epoch} updates per epoch), micro batch "
+            f"{self.micro_batch_size} ({self.accumulation_steps} accumulated), "
+            f"{self.epochs} epoch{'' if self.epochs == 1 else 's'}, "
+            f"shuffle {'on' if self.shuffle else 'off'} (seed {self.seed}), "
+            f"max staleness {self.max_staleness} policy version"
+            f"{'' if self.max_staleness == 1 else 's'}"
+        )
+
+
+def schedule_problems(schedule: Schedule) -> list[str]:
+    """Every invariant ``schedule`` breaks, as sentences (empty when it is consistent)."""
+    problems: list[str] = []
+    least = {"units_per_step": 1, "optimizer_batch_size": 1, "micro_batch_size": 1, "epochs": 1,
+             "seed": 0, "max_staleness": 0}
+    valid = set()
+    for name, minimum in least.items():
+        value = getattr(schedule, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            problems.append(f"schedule.{name} must be an integer, got {value!r}")
+        elif value < minimum:
+            problems.append(f"schedule.{name} must be at least {minimum}, got {value}")
+        else:
+            valid.add(name)
+    if not isinstance(schedule.shuffle, bool):
+        problems.append(f"schedule.shuffle must be True or False, got {schedule.shuffle!r}")
+    for larger, smaller in (("units_per_step", "optimizer_batch_size"),
+                            ("optimizer_batch_size", "micro_batch_size")):
+        if {larger, smaller} <= valid and getattr(schedule, larger) % getattr(schedule, smaller):
+            problems.append(
+                f"schedule.{larger} ({getattr(schedule, larger)}) must be a multiple of "
+                f"schedule.{smaller} ({getattr(schedule, smaller)})"
+            )
+    return problems

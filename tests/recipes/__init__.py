@@ -1,0 +1,1 @@
+"""Small recipes for the tests: one sound, and some with binding problems."""

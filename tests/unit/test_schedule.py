@@ -1,0 +1,72 @@
+"""Schedule: batch geometry in rollout units, checking its own invariants."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from reef_stream.errors import ConfigurationError
+from reef_stream.schedule import Schedule
+
+
+def schedule(**overrides) -> Schedule:
+    fields = dict(units_per_step=8, optimizer_batch_size=4, micro_batch_size=2, max_staleness=1)
+    fields.update(overrides)
+    return Schedule(**fields)
+
+
+def test_a_consistent_schedule_and_what_follows_from_it():
+    s = schedule(epochs=2, shuffle=False, seed=7)
+    assert (s.optimizer_steps_per_epoch, s.accumulation_steps) == (2, 2)
+    assert s.describe() == ("8 units per step, optimizer batch 4 (2 updates per epoch), micro batch "
+                            "2 (2 accumulated), 2 epochs, shuffle off (seed 7), max staleness 1 "
+                            "policy version")
+    assert schedule(units_per_step=4, optimizer_batch_size=4, micro_batch_size=4,
+                    max_staleness=0).accumulation_steps == 1
+
+
+def test_defaults_one_epoch_shuffled_with_seed_zero():
+    s = schedule()
+    assert (s.epochs, s.shuffle, s.seed) == (1, True, 0)
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(ConfigurationError) as caught:
+        schedule(units_per_step=10, optimizer_batch_size=4, micro_batch_size=3, epochs=0,
+                 max_staleness=-1)
+    assert caught.value.problems == [
+        "schedule.epochs must be at least 1, got 0",
+        "schedule.max_staleness must be at least 0, got -1",
+        "schedule.units_per_step (10) must be a multiple of schedule.optimizer_batch_size (4)",
+        "schedule.optimizer_batch_size (4) must be a multiple of schedule.micro_batch_size (3)",
+    ]
+    assert str(caught.value).startswith("4 problems:")
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    ({"units_per_step": 0}, "schedule.units_per_step must be at least 1, got 0"),
+    ({"micro_batch_size": 2.0}, "schedule.micro_batch_size must be an integer, got 2.0"),
+    ({"epochs": True}, "schedule.epochs must be an integer, got True"),
+    ({"seed": -3}, "schedule.seed must be at least 0, got -3"),
+    ({"shuffle": 1}, "schedule.shuffle must be True or False, got 1"),
+    ({"optimizer_batch_size": 3}, "schedule.units_per_step (8) must be a multiple of "
+                                  "schedule.optimizer_batch_size (3)"),
+])
+def test_each_invariant(overrides, problem):
+    with pytest.raises(ConfigurationError) as caught:
+        schedule(**overrides)
+    assert problem in caught.value.problems
+
+
+def test_a_size_that_is_not_valid_skips_the_divisibility_checks_that_need_it():
+    with pytest.raises(ConfigurationError) as caught:
+        schedule(optimizer_batch_size=0)
+    assert caught.value.problems == ["schedule.optimizer_batch_size must be at least 1, got 0"]
+
+
+def test_a_schedule_is_frozen_and_keyword_only():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        schedule().epochs = 3
+    with pytest.raises(TypeError):
+        Schedule(8, 4, 2, max_staleness=1)
