@@ -8,6 +8,7 @@
     reef intake serve               HTTP intake for fleets not written in Python
     reef replay|tail|lag            consumer-group cursors, records as JSON, lag
     reef check --recipe X           a recipe's contract, or every problem with its bindings
+    reef reward --recipe X          reward workers: score generations, emit feedback
 
 Where ``REEF_BOOTSTRAP_SERVERS`` / ``REEF_REDIS_URL`` name existing servers,
 nothing is started and every command uses those (see ``reef_stream.config``).
@@ -31,6 +32,7 @@ from reef_stream.commands.check import COMMANDS as CHECK_COMMANDS
 from reef_stream.commands.cursors import COMMANDS as CURSOR_COMMANDS
 from reef_stream.commands.intake import COMMANDS as INTAKE_COMMANDS
 from reef_stream.commands.produce import COMMANDS as PRODUCE_COMMANDS
+from reef_stream.commands.reward import COMMANDS as REWARD_COMMANDS
 from reef_stream.config import Settings, load_settings
 from reef_stream.connect import KAFKA_LOGGER, bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, ReefError
@@ -334,7 +336,8 @@ def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
     _progress("every declared topic exists with its declared settings")
 
 
-for command in (*PRODUCE_COMMANDS, *INTAKE_COMMANDS, *CURSOR_COMMANDS, *CHECK_COMMANDS):
+for command in (*PRODUCE_COMMANDS, *INTAKE_COMMANDS, *CURSOR_COMMANDS, *CHECK_COMMANDS,
+                *REWARD_COMMANDS):
     main.add_command(command)
 
 

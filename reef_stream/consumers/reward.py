@@ -1,0 +1,670 @@
+"""Reward workers: run a recipe's reward function over generations and emit Feedback.
+
+    worker = RewardWorker(recipe, bootstrap=..., namespace="reef", options=RewardOptions(concurrency=8))
+    summary = worker.run()        # blocks until stop(), --max-records, --idle-exit or a signal
+    print(summary.line())
+
+One worker is one member of a Kafka consumer group (default ``reward-<recipe
+name>``) on ``<ns>.generations``; more workers in the same group share its
+partitions. For each generation the worker:
+
+1. decodes it (``serde.decode``); an undecodable record, or one that is not a
+   ``Generation``, becomes a ``DeadLetter`` with the reason at once;
+2. calls the recipe's ``RewardFunction``, at most ``concurrency`` calls in
+   flight. Sync functions run on worker threads, coroutine functions on the
+   worker's asyncio loop. Each try has ``timeout`` seconds; a try that raises
+   or times out is retried up to ``retries`` times, after ``backoff * 2**k``
+   seconds (capped at ``MAX_BACKOFF_S``);
+3. emits the outcome through a ``RecordProducer``: ``Feedback`` built with
+   ``recipe.feedback_for`` (id ``<generation id>:<source>``, keyed like its
+   generation, so co-partitioned with it) when a try returned a ``Reward``
+   with a finite reward; otherwise a ``DeadLetter`` (stage ``reward``) naming
+   the exception, its message and the number of tries, with the generation's
+   topic, partition, offset, original bytes and headers. A failed reward is
+   never recorded as a reward of 0: it gets no Feedback at all. A result that
+   is not a ``Reward`` or has a non-finite reward is dead-lettered as invalid
+   without a retry (calling again would give the same answer).
+
+Offsets, the durability order (``_commit_done``): an outcome is sent → its
+``SendHandle`` is ACKNOWLEDGED by the broker → the generation's partition
+offset is committed, only up to the contiguous prefix of generations whose
+outcomes are acknowledged. A worker killed at any moment and restarted
+re-processes at most the uncommitted tail, so a generation may get its
+Feedback twice (same feedback id); the processor deduplicates feedback by
+generation id and source, so that is harmless. Nothing is ever skipped. A
+send that FAILED for good (e.g. the feedback topic is missing) stops the
+worker with a ``FatalError``: committing past it would lose an outcome.
+
+Rebalances: when partitions are revoked, the worker stops taking their
+records, drops those not yet started (the new owner reads them again), commits
+the done prefix and forgets the partitions; calls already running finish and
+their outcomes are still sent (duplicates of the new owner's, harmless).
+
+Stopping (``stop()``, SIGTERM/SIGINT in the command): no new records are
+taken, running calls get up to ``grace`` seconds to finish, the producer is
+flushed, done offsets are committed, then everything closes. A sync call
+still running after a timeout or the grace period cannot be interrupted: its
+thread is abandoned (a daemon thread) and its result ignored.
+
+Backpressure: at most ``2 * concurrency`` generations are taken and not yet
+settled; beyond that the worker pauses its partitions and keeps polling, so
+group heartbeats and rebalances are served while slow calls run.
+
+Threads: ``run`` owns the Kafka consumer and must be called from one thread;
+an asyncio loop on a thread of its own schedules the calls; the producer's
+delivery callbacks mark outcomes done. ``stop`` may be called from any thread
+or a signal handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import inspect
+import logging
+import math
+import numbers
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+
+from reef_stream.config import Settings, load_settings
+from reef_stream.connect import bootstrap_servers, client_config
+from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
+from reef_stream.events import DeadLetter, Generation, MessageHeader, now_ms
+from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandle
+from reef_stream.recipe import Recipe, Reward, feedback_for
+from reef_stream.topics import declarations
+from reef_stream.topics.serde import decode
+
+__all__ = ["RewardOptions", "RewardSummary", "RewardWorker", "default_group"]
+
+log = logging.getLogger(__name__)
+
+STAGE = "reward"
+#: The longest wait between two tries of one generation.
+MAX_BACKOFF_S = 30.0
+#: How often done offsets are committed while running.
+COMMIT_INTERVAL_S = 1.0
+
+
+def default_group(recipe: Recipe, namespace: str) -> str:
+    """The consumer group of a recipe's reward workers unless one is given.
+
+    Under the namespace, so two pipelines sharing a cluster never share workers.
+    """
+    return f"{namespace}.reward.{recipe.name}"
+
+
+@dataclass(frozen=True)
+class RewardOptions:
+    """How a worker runs; validated by ``problems()``.
+
+    ``retries``: extra tries after the first (0 = one try). ``max_records``:
+    stop after taking this many records. ``idle_exit``: stop after this many
+    seconds without a new record and nothing in flight.
+    """
+
+    concurrency: int = 8
+    timeout: float = 30.0
+    retries: int = 2
+    backoff: float = 0.5
+    grace: float = 30.0
+    group: str | None = None
+    max_records: int | None = None
+    idle_exit: float | None = None
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.concurrency < 1:
+            found.append(f"concurrency must be at least 1, not {self.concurrency}")
+        if not self.timeout > 0:
+            found.append(f"timeout must be more than 0 seconds, not {self.timeout}")
+        if self.retries < 0:
+            found.append(f"retries must be 0 or more, not {self.retries}")
+        if self.backoff < 0:
+            found.append(f"backoff must be 0 or more seconds, not {self.backoff}")
+        if self.grace < 0:
+            found.append(f"grace must be 0 or more seconds, not {self.grace}")
+        if self.max_records is not None and self.max_records < 1:
+            found.append(f"max records must be at least 1, not {self.max_records}")
+        if self.idle_exit is not None and not self.idle_exit > 0:
+            found.append(f"idle exit must be more than 0 seconds, not {self.idle_exit}")
+        return found
+
+
+@dataclass
+class RewardSummary:
+    """The worker's counters. ``records``: generations taken; ``rewarded``: feedback sent;
+    ``failed``: reward calls that failed on every try (dead-lettered); ``invalid``: results
+    that were not a finite ``Reward`` (dead-lettered); ``undecodable``: records that did not
+    decode as a Generation (dead-lettered); ``retried``: tries after a failed one;
+    ``timed_out``: tries that timed out; ``dropped``: records dropped on a revoke or at
+    stop before their outcome was sent (their offsets stay uncommitted)."""
+
+    group: str = ""
+    records: int = 0
+    rewarded: int = 0
+    failed: int = 0
+    invalid: int = 0
+    undecodable: int = 0
+    retried: int = 0
+    timed_out: int = 0
+    dropped: int = 0
+    committed: int = 0
+    elapsed_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, count in counts.items():
+                setattr(self, name, getattr(self, name) + count)
+
+    def line(self) -> str:
+        """One line for the log: ``reward worker <group>: records=... rewarded=... ...``."""
+        names = ("records", "rewarded", "failed", "invalid", "undecodable", "retried",
+                 "timed_out", "dropped", "committed")
+        counts = " ".join(f"{name}={getattr(self, name)}" for name in names)
+        return f"reward worker {self.group}: {counts} elapsed_s={self.elapsed_s:.1f}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Taken:
+    """One consumed generation record, with the position it came from."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[MessageHeader, ...]
+
+
+class _Partition:
+    """The outcomes of one assigned partition, in offset order: what may be committed."""
+
+    def __init__(self) -> None:
+        self.entries: deque[list] = deque()  # [offset, done, this partition]
+        self.position: int | None = None  # the next offset to consume after the done prefix
+        self.committed: int | None = None  # ``position`` as last committed (asynchronously)
+
+    def take(self, offset: int) -> list:
+        entry = [offset, False, self]
+        self.entries.append(entry)
+        return entry
+
+    def done_prefix(self) -> int | None:
+        """The next offset to consume after the contiguous done prefix (None: nothing done yet)."""
+        while self.entries and self.entries[0][1]:
+            self.position = self.entries.popleft()[0] + 1
+        return self.position
+
+
+class RewardWorker:
+    """One reward worker of a consumer group; see the module docstring.
+
+    ``spool_dir``: the producer's spool [default: the first one no live worker of the group
+    holds, under ``$REEF_HOME/spool/<ns>/<group>/``]. ``consumer_config``: extra
+    confluent-kafka settings. ``on_outcome(kind, event)``: called after each outcome is
+    handed to the producer (kind: rewarded, failed, invalid, undecodable), on the loop's or the
+    consumer's thread; it must be quick. Raises ``ConfigurationError`` for bad options or a
+    recipe without a reward function.
+    """
+
+    def __init__(self, recipe: Recipe, *, bootstrap: str | None = None,
+                 settings: Settings | None = None, namespace: str | None = None,
+                 options: RewardOptions = RewardOptions(), spool_dir: Path | None = None,
+                 consumer_config: dict | None = None,
+                 on_outcome: Callable[[str, Any], None] | None = None):
+        problems = options.problems()
+        if recipe.reward is None:
+            problems.append(f"recipe {recipe.name!r} has no reward function (Recipe(reward=...))")
+        if problems:
+            raise ConfigurationError(problems)
+        self.recipe = recipe
+        self.reward = recipe.reward
+        self.options = options
+        settings = settings or load_settings()
+        self.namespace = namespace or settings.namespace
+        self.bootstrap = bootstrap or bootstrap_servers(settings)
+        self.group = options.group or default_group(recipe, self.namespace)
+        self.topic = declarations.generations(self.namespace)
+        self.summary = RewardSummary(group=self.group)
+        self._settings = settings
+        self._spool_dir = spool_dir
+        self._spool_lock: int | None = None
+        self._consumer_config = consumer_config or {}
+        self._on_outcome = on_outcome
+        self._is_async = _is_coroutine_function(self.reward)
+        self._stop = threading.Event()
+        self._hurry = threading.Event()
+        self._lock = threading.Lock()
+        self._partitions: dict[tuple[str, int], _Partition] = {}
+        self._in_flight = 0
+        self._paused = False  # the consumer loop paused the assignment (backlog full)
+        self._last_assigned = time.monotonic()
+        self._fatal: Exception | None = None
+        self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._semaphore: asyncio.Semaphore | None = None
+
+    # ----------------------------------------------------------------- public
+
+    def stop(self, *, now: bool = False) -> None:
+        """Ask ``run`` to stop taking records and shut down cleanly; with ``now``, without
+        waiting for running calls (their generations stay uncommitted). Safe from any thread
+        and from a signal handler."""
+        if now:
+            self._hurry.set()
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        """True once ``stop`` was called (or the worker stopped itself)."""
+        return self._stop.is_set()
+
+    def run(self) -> RewardSummary:
+        """Consume, reward and emit until stopped; return the counters. Blocks.
+
+        Raises ``FatalError`` when an outcome could not be stored for good (after
+        committing what is safe) and ``ConfigurationError`` for a missing topic.
+        """
+        started = time.monotonic()
+        producer = RecordProducer(self.bootstrap, settings=self._settings,
+                                  namespace=self.namespace, spool_dir=self._claim_spool())
+        loop = asyncio.new_event_loop()
+        loop_thread = threading.Thread(target=loop.run_forever, name="reef-reward-loop",
+                                       daemon=True)
+        loop_thread.start()
+        self._loop = loop
+        self._semaphore = asyncio.run_coroutine_threadsafe(
+            _make_semaphore(self.options.concurrency), loop).result()
+        consumer = Consumer(client_config(self.bootstrap, {
+            "group.id": self.group,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            **self._consumer_config,
+        }))
+        try:
+            self._check_topic(consumer)
+            consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked,
+                               on_lost=self._revoked)
+            self._consume(consumer, producer)
+        finally:
+            self._shut_down(consumer, producer, loop, loop_thread)
+            self.summary.elapsed_s = time.monotonic() - started
+        if self._fatal is not None:
+            raise FatalError(str(self._fatal)) from self._fatal
+        return self.summary
+
+    # ----------------------------------------------------------------- the consumer loop
+
+    def _consume(self, consumer: Consumer, producer: RecordProducer) -> None:
+        backlog_limit = 2 * self.options.concurrency
+        last_activity = time.monotonic()
+        last_commit = time.monotonic()
+        while not self._stop.is_set() and self._fatal is None:
+            if time.monotonic() - last_commit >= COMMIT_INTERVAL_S:
+                self._commit_done(consumer, asynchronous=True)
+                last_commit = time.monotonic()
+            # A full backlog pauses the partitions rather than the polling, so that rebalances
+            # and group heartbeats go on while slow calls run.
+            full = self._in_flight >= backlog_limit
+            if full != self._paused:
+                assignment = consumer.assignment()
+                (consumer.pause if full else consumer.resume)(assignment)
+                self._paused = full
+            message = consumer.poll(0.05 if full else 0.1)
+            if message is None:
+                idle = self.options.idle_exit
+                quiet_since = max(last_activity, self._last_assigned)
+                if idle is not None and self._in_flight == 0 \
+                        and time.monotonic() - quiet_since >= idle:
+                    log.info("no new generation for %.1f s: stopping", idle)
+                    break
+                continue
+            last_activity = time.monotonic()
+            if message.error() is not None:
+                self._consumer_error(message.error())
+                continue
+            self._take(message, producer)
+            if self.options.max_records is not None \
+                    and self.summary.records >= self.options.max_records:
+                break
+
+    def _take(self, message: Message, producer: RecordProducer) -> None:
+        key = (message.topic(), message.partition())
+        with self._lock:
+            partition = self._partitions.get(key)
+            if partition is None:  # revoked between the fetch and now: the new owner reads it
+                return
+            entry = partition.take(message.offset())
+            self._in_flight += 1
+        self.summary.add(records=1)
+        taken = _Taken(message.topic(), message.partition(), message.offset(), message.key(),
+                       message.value(), tuple(MessageHeader(key=k, value=v)
+                                              for k, v in (message.headers() or ())))
+        try:
+            generation = decode(taken.value, message.headers(), Generation, topic=taken.topic,
+                                partition=taken.partition, offset=taken.offset)
+        except InvalidRecord as error:
+            self.summary.add(undecodable=1)
+            self._emit(producer, self._dead_letter(taken, f"undecodable generation: {error}",
+                                                   type(error).__name__), entry, "undecodable")
+            return
+        asyncio.run_coroutine_threadsafe(self._score(producer, taken, generation, entry),
+                                         self._loop)
+
+    def _consumer_error(self, error: KafkaError) -> None:
+        if error.code() == KafkaError._PARTITION_EOF:
+            return
+        if error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+            self._fatal = ConfigurationError(
+                f"topic {self.topic} does not exist: run `reef topics create`")
+            return
+        if error.fatal():
+            self._fatal = FatalError(f"the Kafka consumer failed: {error.str()}")
+            return
+        log.warning("Kafka consumer: %s", error.str())
+
+    # ----------------------------------------------------------------- scoring (on the loop)
+
+    async def _score(self, producer: RecordProducer, taken: _Taken, generation: Generation,
+                     entry: list) -> None:
+        """Try the reward function, then emit Feedback or a DeadLetter for ``taken``."""
+        async with self._semaphore:
+            if self._dropped(taken, entry):
+                return
+            tries, timeouts, last_error = 0, 0, None
+            for attempt in range(self.options.retries + 1):
+                if attempt:
+                    self.summary.add(retried=1)
+                    await asyncio.sleep(min(self.options.backoff * 2 ** (attempt - 1),
+                                            MAX_BACKOFF_S))
+                    if self._dropped(taken, entry):
+                        return
+                tries += 1
+                try:
+                    result = await asyncio.wait_for(self._call(generation), self.options.timeout)
+                except (asyncio.TimeoutError, TimeoutError) as error:
+                    timeouts += 1
+                    self.summary.add(timed_out=1)
+                    last_error = error if str(error) else TimeoutError(
+                        f"no result within {self.options.timeout:g} s")
+                    continue
+                except asyncio.CancelledError:
+                    raise
+                except Exception as error:  # noqa: BLE001 - the function's failure is the outcome
+                    last_error = error
+                    continue
+                break
+            else:
+                self.summary.add(failed=1)
+                raised = tries - timeouts
+                counts = f"{timeouts} timed out, {raised} raised" if timeouts and raised else \
+                    ("all timed out" if timeouts else "all raised")
+                reason = (f"reward function {self.reward.source!r} failed on every one of "
+                          f"{tries} tries ({counts}) for generation {generation.generation_id}; "
+                          f"last error: {type(last_error).__name__}: {last_error}")
+                self._emit(producer, self._dead_letter(taken, reason, type(last_error).__name__),
+                           entry, "failed")
+                return
+        problem = _invalid_result(result)
+        if problem is None:
+            try:
+                feedback = feedback_for(generation, result, source=self.reward.source,
+                                        created_at=now_ms())
+                sent = self._emit(producer, feedback, entry, "rewarded")
+            except InvalidRecord as error:  # e.g. a non-finite component
+                problem = str(error)
+            except Exception as error:  # noqa: BLE001 - e.g. components that are not numbers
+                problem = f"{type(error).__name__}: {error}"
+            else:
+                if sent:
+                    self.summary.add(rewarded=1)
+                return
+        self.summary.add(invalid=1)
+        reason = (f"reward function {self.reward.source!r} returned an invalid result for "
+                  f"generation {generation.generation_id} after {tries} "
+                  f"{'try' if tries == 1 else 'tries'}: {problem}")
+        self._emit(producer, self._dead_letter(taken, reason, "InvalidRecord"), entry, "invalid")
+
+    async def _call(self, generation: Generation) -> Any:
+        """One try: a coroutine function on this loop, a sync one on a daemon thread."""
+        if self._is_async:
+            return await self.reward(generation)
+        future = self._loop.create_future()
+
+        def call() -> None:
+            try:
+                result = self.reward(generation)
+            except BaseException as error:  # noqa: BLE001 - handed to the awaiting try
+                self._loop.call_soon_threadsafe(_settle, future, None, error)
+            else:
+                self._loop.call_soon_threadsafe(_settle, future, result, None)
+
+        threading.Thread(target=call, name="reef-reward-call", daemon=True).start()
+        result = await future
+        if inspect.isawaitable(result):  # a sync callable that returned an awaitable
+            result = await result
+        return result
+
+    def _dropped(self, taken: _Taken, entry: list) -> bool:
+        """True if ``taken``'s partition was revoked since it was taken (even if assigned again:
+        the new assignment reads it again from the committed offset) or the worker is closing:
+        leave it."""
+        with self._lock:
+            if self._closing or self._partitions.get((taken.topic, taken.partition)) is not entry[2]:
+                self._in_flight -= 1
+                self.summary.add(dropped=1)
+                return True
+        return False
+
+    # ----------------------------------------------------------------- emitting
+
+    def _dead_letter(self, taken: _Taken, reason: str, error_type: str) -> DeadLetter:
+        return DeadLetter(reason=reason, error_type=error_type, source_topic=taken.topic,
+                          source_partition=taken.partition, source_offset=taken.offset,
+                          key=taken.key, value=taken.value, headers=taken.headers,
+                          stage=STAGE, created_at=now_ms())
+
+    def _emit(self, producer: RecordProducer, event: Any, entry: list, outcome: str) -> bool:
+        """Send the outcome of a record; it counts as done once the broker acknowledged it.
+
+        False if it was not sent (the worker is closing, or the producer could not take it).
+        Raises ``InvalidRecord`` (nothing sent, the entry still open) for an invalid Feedback.
+        """
+        with self._lock:
+            closing = self._closing
+        if closing:
+            self._leave(dropped=True)
+            return False
+        try:
+            handle = producer.send(event)
+        except InvalidRecord:
+            raise
+        except Exception as error:  # noqa: BLE001 - SpoolFull, closed: the outcome is not stored
+            with self._lock:
+                if self._fatal is None:
+                    self._fatal = FatalError(f"an outcome could not be sent ({type(error).__name__}: "
+                                             f"{error}); its offset stays uncommitted")
+            self._leave(dropped=True)
+            self._stop.set()
+            return False
+        handle.add_done_callback(lambda h: self._settled(h, entry))
+        if self._on_outcome is not None:
+            self._on_outcome(outcome, event)
+        return True
+
+    def _settled(self, handle: SendHandle, entry: list) -> None:
+        """Delivery callback (producer thread): mark the record done, or stop the worker."""
+        if handle.state is DeliveryState.ACKNOWLEDGED:
+            with self._lock:
+                entry[1] = True
+                self._in_flight -= 1
+            return
+        with self._lock:
+            self._in_flight -= 1
+            if self._fatal is None:
+                self._fatal = FatalError(f"an outcome could not be stored ({handle.error}); "
+                                         "its offset stays uncommitted")
+        self._stop.set()
+
+    def _leave(self, dropped: bool) -> None:
+        with self._lock:
+            self._in_flight -= 1
+        if dropped:
+            self.summary.add(dropped=1)
+
+    # ----------------------------------------------------------------- offsets and rebalances
+
+    def _commit_done(self, consumer: Consumer, *, asynchronous: bool,
+                     only: set[tuple[str, int]] | None = None) -> None:
+        """Commit, per partition, the offset after the contiguous prefix of acknowledged outcomes.
+
+        This is the last step of the durability order: outcome sent → acknowledged → committed.
+        Asynchronous commits (while running) skip positions already sent; synchronous ones (on
+        revoke and at stop) send every position, so a failed asynchronous commit is repaired.
+        """
+        positions = []
+        with self._lock:
+            for (topic, number), partition in self._partitions.items():
+                if only is not None and (topic, number) not in only:
+                    continue
+                position = partition.done_prefix()
+                if position is None or (asynchronous and position == partition.committed):
+                    continue  # a synchronous commit repeats it: an asynchronous one may have failed
+                partition.committed = position
+                positions.append(TopicPartition(topic, number, position))
+        if not positions:
+            return
+        try:
+            consumer.commit(offsets=positions, asynchronous=asynchronous)
+            self.summary.add(committed=len(positions))
+        except Exception as error:  # noqa: BLE001 - a later commit covers these offsets
+            log.warning("committing %s failed: %s", positions, error)
+            with self._lock:
+                for position in positions:
+                    partition = self._partitions.get((position.topic, position.partition))
+                    if partition is not None:
+                        partition.committed = None
+
+    def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        with self._lock:
+            for tp in partitions:
+                self._partitions.setdefault((tp.topic, tp.partition), _Partition())
+            self._last_assigned = time.monotonic()
+        self._paused = False  # a new assignment starts unpaused; the loop pauses it if still full
+        log.info("assigned %s", sorted(tp.partition for tp in partitions))
+
+    def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        keys = {(tp.topic, tp.partition) for tp in partitions}
+        self._commit_done(consumer, asynchronous=False, only=keys)
+        with self._lock:
+            for key in keys:
+                self._partitions.pop(key, None)
+        log.info("revoked %s", sorted(tp.partition for tp in partitions))
+
+    # ----------------------------------------------------------------- start and stop
+
+    def _check_topic(self, consumer: Consumer) -> None:
+        metadata = consumer.list_topics(self.topic, timeout=10)
+        topic = metadata.topics.get(self.topic)
+        if topic is None or topic.error is not None:
+            raise ConfigurationError(f"topic {self.topic} does not exist: run `reef topics create`")
+
+    def _claim_spool(self) -> Path:
+        """A spool directory no live worker of this group uses (two producers must not share
+        one); a restarted worker takes over the first free one and replays what it holds."""
+        if self._spool_dir is not None:
+            return self._spool_dir
+        base = self._settings.home / "spool" / self.namespace / self.group
+        base.mkdir(parents=True, exist_ok=True)
+        for slot in range(1024):
+            fd = os.open(base / f"{slot}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            self._spool_lock = fd
+            return base / str(slot)
+        raise ConfigurationError(f"1024 reward workers already use spools under {base}")
+
+    def _shut_down(self, consumer: Consumer, producer: RecordProducer,
+                   loop: asyncio.AbstractEventLoop, loop_thread: threading.Thread) -> None:
+        """Stop in the durability order: running calls finish (up to ``grace``) → their outcomes
+        are flushed → done offsets are committed → the clients close."""
+        deadline = time.monotonic() + self.options.grace
+        while self._in_flight > 0 and time.monotonic() < deadline and self._fatal is None \
+                and not self._hurry.is_set():
+            time.sleep(0.01)
+        with self._lock:
+            self._closing = True
+        producer.flush(max(5.0, deadline - time.monotonic()))
+        self._commit_done(consumer, asynchronous=False)
+        with self._lock:
+            abandoned = self._in_flight
+        if abandoned:
+            log.warning("%d generations had no stored outcome at stop; their offsets stay "
+                        "uncommitted and the group reads them again", abandoned)
+        try:
+            consumer.close()
+        finally:
+            loop.call_soon_threadsafe(_cancel_all, loop)
+            loop_thread.join(5)
+            producer.close(5)
+            if self._spool_lock is not None:
+                os.close(self._spool_lock)
+
+
+async def _make_semaphore(size: int) -> asyncio.Semaphore:
+    return asyncio.Semaphore(size)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the try timed out meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+    loop.call_soon(loop.stop)
+
+
+def _is_coroutine_function(function: Any) -> bool:
+    if inspect.iscoroutinefunction(function):
+        return True
+    inner = getattr(function, "function", None)  # NamedReward
+    return inner is not None and inspect.iscoroutinefunction(inner)
+
+
+def _invalid_result(result: Any) -> str | None:
+    """Why ``result`` is not a usable reward, or None."""
+    if not isinstance(result, Reward):
+        return f"expected a reef_stream.recipe.Reward, got {type(result).__name__}"
+    value = result.reward
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return f"reward must be a number, not {type(value).__name__}"
+    if not math.isfinite(value):
+        return f"reward is {value}; rewards must be finite"
+    return None
+
+
+if __name__ == "__main__":
+    from reef_stream.commands.reward import main
+
+    main()
