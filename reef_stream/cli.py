@@ -9,6 +9,7 @@
     reef replay|tail|lag            consumer-group cursors, records as JSON, lag
     reef check --recipe X           a recipe's contract, or every problem with its bindings
     reef reward --recipe X          reward workers: score generations, emit feedback
+    reef process --recipe X         the processor: generations + feedback -> typed units
 
 Where ``REEF_BOOTSTRAP_SERVERS`` / ``REEF_REDIS_URL`` name existing servers,
 nothing is started and every command uses those (see ``reef_stream.config``).
@@ -31,6 +32,7 @@ from rich.table import Table
 from reef_stream.commands.check import COMMANDS as CHECK_COMMANDS
 from reef_stream.commands.cursors import COMMANDS as CURSOR_COMMANDS
 from reef_stream.commands.intake import COMMANDS as INTAKE_COMMANDS
+from reef_stream.commands.process import COMMANDS as PROCESS_COMMANDS
 from reef_stream.commands.produce import COMMANDS as PRODUCE_COMMANDS
 from reef_stream.commands.reward import COMMANDS as REWARD_COMMANDS
 from reef_stream.config import Settings, load_settings
@@ -337,7 +339,7 @@ def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
 
 
 for command in (*PRODUCE_COMMANDS, *INTAKE_COMMANDS, *CURSOR_COMMANDS, *CHECK_COMMANDS,
-                *REWARD_COMMANDS):
+                *REWARD_COMMANDS, *PROCESS_COMMANDS):
     main.add_command(command)
 
 
