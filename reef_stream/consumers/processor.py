@@ -91,12 +91,20 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    TIMESTAMP_NOT_AVAILABLE,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.connect import client_config
 from reef_stream.errors import FatalError, InvalidRecord
-from reef_stream.events import DeadLetter, Feedback, Generation, MessageHeader, now_ms
+from reef_stream.events import Checkpoint, DeadLetter, Feedback, Generation, MessageHeader, now_ms
 from reef_stream.processor import (
     FeedbackOutcome,
     GenerationOutcome,
@@ -177,6 +185,12 @@ class ProcessorRuntime:
         self._callback_error: BaseException | None = None
         self._consumer: Consumer | None = None
         self._producer: Producer | None = None
+        self.checkpoints_topic = declarations.checkpoints(namespace)
+        self._checkpoints: Consumer | None = None
+        #: The newest policy version among this recipe's Checkpoint events, and the one
+        #: every partition's state has observed (None: apply it at the next batch).
+        self.newest_checkpoint: int | None = None
+        self._observed: int | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -208,6 +222,11 @@ class ProcessorRuntime:
         }))
         self._consumer.subscribe([self.generations, self.feedback], on_assign=self._on_assign,
                                  on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        self._checkpoints = Consumer(client_config(self.bootstrap, {
+            "group.id": f"{self.group}.checkpoints", "enable.auto.commit": False,
+            "isolation.level": "read_committed"}))
+        self._checkpoints.assign([TopicPartition(self.checkpoints_topic, p, OFFSET_BEGINNING)
+                                  for p in range(self._partition_count(self.checkpoints_topic))])
         log.info("processing %s + %s -> %s (recipe %s, group %s, instance %s, %d partitions)",
                  self.generations, self.feedback, self.units_topic, self.recipe.name,
                  self.group, self.instance, partitions)
@@ -219,6 +238,7 @@ class ProcessorRuntime:
                     raise self._callback_error
                 if ready is not None and self._parts:
                     ready.set()
+                self._read_checkpoints()
                 self._process(messages)
                 if time.monotonic() - last_log >= self.log_every_s:
                     last_log = time.monotonic()
@@ -227,6 +247,7 @@ class ProcessorRuntime:
             self._log_counts()
             consumer, self._consumer = self._consumer, None
             consumer.close()
+            self._checkpoints.close()
             self._producer.flush(10)
 
     def _log_counts(self) -> None:
@@ -265,6 +286,7 @@ class ProcessorRuntime:
                              "count and every member the range assignor")
         started = time.monotonic()
         self._parts = self._restore(sorted(gens))
+        self._observed = None  # restored states have not seen the newest checkpoint
         self._start_positions(assigned)
         log.info("assigned partitions %s; state restored in %.2f s (%d keys)", sorted(gens),
                  time.monotonic() - started, sum(len(p.state.keys()) for p in self._parts.values()))
@@ -345,6 +367,11 @@ class ProcessorRuntime:
         steps: list[tuple[int, Step]] = []
         bad: list[Any] = []
         positions: dict[tuple[str, int], int] = {}
+        if self.newest_checkpoint is not None and self._observed != self.newest_checkpoint:
+            # Generations now more than max_staleness behind end TOO_STALE, in this transaction.
+            steps += [(p, part.state.observe_checkpoint(self.newest_checkpoint))
+                      for p, part in self._parts.items()]
+            self._observed = self.newest_checkpoint
         for p, part in self._parts.items():
             caught_up: set[str] | None = None
             while True:
@@ -385,6 +412,31 @@ class ProcessorRuntime:
         if not positions and not steps:
             return
         self._commit(steps, bad, positions)
+
+    def _read_checkpoints(self) -> None:
+        """Take in the Checkpoint events published since the last call (never blocks).
+
+        Only this recipe's checkpoints count; the newest policy version among
+        them is what staleness is measured against. A checkpoint event that
+        does not decode is skipped with a warning: the trainer owns that topic.
+        """
+        for message in self._checkpoints.consume(100, timeout=0):
+            if message.error() is not None:
+                continue
+            try:
+                checkpoint = self.registry.decode(
+                    message.value(), message.headers(), Checkpoint, topic=message.topic(),
+                    partition=message.partition(), offset=message.offset())
+            except InvalidRecord as error:
+                log.warning("skipping a checkpoint event: %s", error)
+                continue
+            if checkpoint.recipe == self.recipe.name and (
+                    self.newest_checkpoint is None or checkpoint.policy_version > self.newest_checkpoint):
+                self.newest_checkpoint = checkpoint.policy_version
+
+    def _partition_count(self, topic: str) -> int:
+        metadata = self._consumer.list_topics(topic, timeout=30).topics[topic]
+        return len(metadata.partitions)
 
     def _caught_up(self, p: int) -> set[str]:
         """The topics whose partition ``p`` has nothing unread, as of the last fetch."""

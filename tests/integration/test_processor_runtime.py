@@ -36,7 +36,7 @@ from reef_stream.schedule import Schedule
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.serde import SchemaRegistry
-from tests.helpers import consume_all
+from tests.helpers import consume_all, consume_events
 from tests.recipes.parts import GroupBaseline
 
 TIMEOUT_MS = 3_000
@@ -273,3 +273,53 @@ def test_shuffled_generations_and_feedback_end_in_exactly_one_outcome(kafka_boot
     print(f"\n{len(work.generations)} generations, {counts['Feedback']} feedback: "
           f"{len(back.units)} units, dead letters {dict(back.kinds)}, in {elapsed:.1f} s; "
           f"{runtime.transactions} transactions")
+
+
+def test_generations_behind_the_newest_checkpoint_end_too_stale(kafka_bootstrap, namespace):
+    """max_staleness is 2: with checkpoint 5 published, version 4 trains, version 0 does not."""
+    import dataclasses
+
+    from reef_stream.events import Checkpoint
+
+    create_topics(kafka_bootstrap, namespace)
+    registry = SchemaRegistry.default()
+    producer = Producer(client_config(kafka_bootstrap))
+    for recipe, version in (("rt", 5), ("another-recipe", 50)):  # only this recipe's counts
+        value, headers = registry.encode(Checkpoint(
+            checkpoint_id=f"ckpt-{recipe}", recipe=recipe, trainer_group="trainers", step=5,
+            model="tiny", policy_version=version, uri="file:///tmp/ckpt", sha256="00" * 32,
+            offsets=(), trained_unit_count=40, created_at=1_795_000_000_000))
+        producer.produce(declarations.checkpoints(namespace), value=value, headers=headers)
+    assert producer.flush(30) == 0
+
+    runtime = ProcessorRuntime(RECIPE, bootstrap=kafka_bootstrap, namespace=namespace)
+    thread = threading.Thread(target=runtime.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while runtime.newest_checkpoint is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert runtime.newest_checkpoint == 5
+        fresh = [dataclasses.replace(generation(f"fresh-{i}", "fresh", 4), policy_version=4)
+                 for i in range(4)]
+        stale = [generation(f"stale-{i}", "stale", 4) for i in range(4)]  # policy_version 0
+        records = fresh + stale + [feedback(g.generation_id, g.group_id, 1.0) for g in fresh + stale]
+        produce(kafka_bootstrap, namespace, [records])
+
+        units: list[RolloutUnit] = []
+        letters: list[DeadLetter] = []
+        while time.monotonic() < deadline and (not units or len(letters) < 4):
+            time.sleep(0.5)
+            units = [u for u in consume_events(kafka_bootstrap, declarations.units(namespace, "rt"),
+                                               1, RolloutUnit)]
+            letters = [d for d in consume_events(kafka_bootstrap, declarations.dead_letters(namespace),
+                                                 4, DeadLetter) if d.stage == "processor"]
+    finally:
+        runtime.stop()
+        thread.join(30)
+
+    assert [sorted(m.generation_id for m in u.members) for u in units] == [
+        [f"fresh-{i}" for i in range(4)]]
+    too_stale = [d for d in letters if "stale" in d.error_type]
+    assert len(too_stale) == 4, [(d.error_type, d.reason) for d in letters]
+    assert all("5" in d.reason for d in too_stale), [d.reason for d in too_stale]
