@@ -12,7 +12,7 @@ from collections import Counter
 
 from reef_stream.config import PROJECT_ROOT, load_settings
 from reef_stream.events import Generation
-from reef_stream.intake.producer import DeliveryState, RecordProducer
+from reef_stream.intake.producer import MESSAGE_TIMEOUT_MS, DeliveryState, RecordProducer
 from reef_stream.intake.spool import SpoolFull
 from reef_stream.topics.declarations import generations
 from reef_stream.topics.serde import decode
@@ -135,7 +135,12 @@ def test_without_fsync_records_still_spool_and_deliver(cluster, cli_env, namespa
                               spool_dir=tmp_path / "spool", fsync="never")
     cluster.kill(1)
     handles = [producer.send(generation(i)) for i in range(300)]
-    assert producer.flush(2).spooled > 0
+    # Records go to the spool once the client reports every broker down, at
+    # the latest when librdkafka gives them back after MESSAGE_TIMEOUT_MS.
+    deadline = time.monotonic() + MESSAGE_TIMEOUT_MS / 1000 + 15
+    while not any(h.state is DeliveryState.SPOOLED for h in handles) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert producer.report().spooled > 0
     reef("kafka", "up", "--data", str(cluster.data_dir), env=_local_env(cli_env))
     assert producer.flush(120).complete
     producer.close()

@@ -31,7 +31,13 @@ def test_three_node_cluster_survives_losing_its_controller(cli_env, settings, tm
         reef("topics", "create", env=env)
         admin = AdminClient(client_config(bootstrap))
         topic = generations(namespace)
-        partitions = admin.list_topics(topic, timeout=10).topics[topic].partitions
+        # The broker this client asks may learn of the new topic a moment after
+        # the one that created it: metadata is eventually consistent.
+        deadline = time.monotonic() + 30
+        partitions = {}
+        while not partitions and time.monotonic() < deadline:
+            partitions = admin.list_topics(topic, timeout=10).topics[topic].partitions
+            time.sleep(0 if partitions else 0.5)
         assert {len(p.replicas) for p in partitions.values()} == {3}
         configs = next(iter(admin.describe_configs(
             [ConfigResource(ResourceType.TOPIC, topic)]).values())).result()
