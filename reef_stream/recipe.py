@@ -52,15 +52,28 @@ _RECIPE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}\Z")
 
 @dataclass(frozen=True, slots=True)
 class Backend:
-    """What the training backend of a recipe can do (the backend itself is the trainer's).
+    """What the training backend of a recipe can do, and the model it trains.
 
     ``loss_families``: the families it has a loss for. ``data_parallel_size``:
     how many ranks share each optimizer batch.
+
+    ``model``: a zero-argument callable building the torch module to train
+    (see ``reef_stream.training.CausalLM`` for what it must compute); the
+    trainer seeds torch with the schedule's seed before calling it, so the
+    initial weights are reproducible. ``optimizer``: called with the
+    model's parameters, returns a torch optimizer (default: AdamW, lr 1e-3).
+    ``losses``: the loss to run per family, when not the family's
+    ``reference``. ``model_name``: what publications and replicas call the
+    model (default: the trainer group).
     """
 
     name: str
     loss_families: tuple[LossFamily[Any], ...]
     data_parallel_size: int = 1
+    model: Callable[[], Any] | None = None
+    optimizer: Callable[[Any], Any] | None = None
+    losses: Mapping[LossFamily[Any], Callable[[Any], Any]] = field(default_factory=dict)
+    model_name: str | None = None
 
     def supports(self, family: LossFamily[Any]) -> bool:
         """Whether it has a loss for this very family."""
@@ -277,6 +290,18 @@ def _backend_problems(backend: Any) -> list[str]:
     if not_families:
         problems.append(f"backend {backend.name!r} lists {not_families} as loss families; "
                         "give LossFamily objects (e.g. reef_stream.losses.POLICY_GRADIENT)")
+    if backend.model is not None and not callable(backend.model):
+        problems.append(f"backend {backend.name!r} model must be a callable building a torch "
+                        f"module, got {backend.model!r}")
+    if backend.optimizer is not None and not callable(backend.optimizer):
+        problems.append(f"backend {backend.name!r} optimizer must be a callable taking the "
+                        f"model's parameters, got {backend.optimizer!r}")
+    for family, loss in dict(backend.losses).items():
+        if not any(family is known for known in backend.loss_families):
+            problems.append(f"backend {backend.name!r} has a loss for {family!r}, which is not "
+                            "among its loss_families")
+        if not callable(loss):
+            problems.append(f"backend {backend.name!r} loss for {family!r} is not callable")
     if not isinstance(backend.data_parallel_size, int) or backend.data_parallel_size < 1:
         problems.append(f"backend {backend.name!r} data_parallel_size must be a positive "
                         f"integer, got {backend.data_parallel_size!r}")

@@ -8,7 +8,7 @@ refuses to use one that exists with different settings.
 | --- | --- | --- |
 | ``<ns>.generations`` | generation id (or group id) | the bulk of the data; co-partitioned with feedback so the processor joins locally |
 | ``<ns>.feedback`` | same key as its generation | small records; same partition count as generations |
-| ``<ns>.units.<recipe>`` | unit id | one topic per recipe, read by that recipe's trainer groups |
+| ``<ns>.units.<recipe>`` | unit id | one topic per recipe, read by that recipe's trainer groups; broker timestamps (LogAppendTime) |
 | ``<ns>.checkpoints`` | trainer group | one partition: checkpoint events are totally ordered |
 | ``<ns>.publications`` | model | compacted: the latest decision per model is kept forever |
 | ``<ns>.metrics`` | stage | short retention |
@@ -99,7 +99,11 @@ def declare_topics(ns: str, recipes: tuple[str, ...] = ()) -> list[Topic]:
               doc="Records that could not be processed, with the reason"),
     ]
     topics += [
-        Topic(units(ns, recipe), DATA_PARTITIONS, config=_delete(7, 16 * MiB),
+        # LogAppendTime: the broker stamps each unit, so timestamps never go backwards
+        # within a partition and the trainer can merge partitions in one order that
+        # is a function of the log alone (reef_stream.unit_order).
+        Topic(units(ns, recipe), DATA_PARTITIONS,
+              config={**_delete(7, 16 * MiB), "message.timestamp.type": "LogAppendTime"},
               doc=f"Typed units assembled by the processor of recipe {recipe!r}")
         for recipe in recipes
     ]

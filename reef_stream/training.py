@@ -1,0 +1,277 @@
+"""The torch backend of the trainer: a step's units and an objective's result -> optimizer updates.
+
+``TorchBackend`` builds the recipe's model and optimizer (seeded, so every
+trainer of a group starts from the same weights), prepares them with
+``accelerate``, and runs one training step exactly as the ``Schedule`` says:
+
+    for epoch in range(epochs):                 # units reshuffled per epoch, seeded by
+        for optimizer batch in the step:        #   (schedule.seed, step, epoch)
+            for micro batch in the batch:       # forward, the family's loss, backward
+                ...                             #   (gradients scaled by micro/optimizer units)
+            optimizer.step()
+
+Nothing in a step depends on time or on the order data arrived in, so the
+same units from the same checkpoint give bitwise the same weights (on the
+same hardware and torch build).
+
+The model contract (``CausalLM``): ``model(input_ids, attention_mask)``
+returns next-token logits; for the ``value_regression`` family the model also
+has ``value(input_ids, attention_mask)``. How the inputs of each loss family
+are built from a micro batch is ``INPUT_BUILDERS``.
+
+This module and ``reef_stream.losses`` / ``models`` / ``checkpoints`` are the
+only ones that import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from reef_stream.errors import ConfigurationError, FatalError
+from reef_stream.events import Sample
+from reef_stream.losses import (
+    POLICY_GRADIENT, VALUE_REGRESSION, LossFamily, PolicyGradientInputs, ValueRegressionInputs,
+)
+from reef_stream.objective import Advantages, ObjectiveResult, PerSampleAdvantages
+
+__all__ = ["CausalLM", "INPUT_BUILDERS", "SampleBatch", "TorchBackend", "collate",
+           "completion_logprobs", "unit_members"]
+
+
+class CausalLM(Protocol):
+    """What the trainer needs of a model.
+
+    ``__call__(input_ids: long[B, L], attention_mask: bool[B, L]) -> float[B, L, V]``:
+    next-token logits at every position (position ``i`` predicts token ``i + 1``).
+    For ``value_regression``: ``value(input_ids, attention_mask) -> float[B]``.
+    """
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SampleBatch:
+    """A micro batch of B samples: prompt then completion per row, right-padded.
+
+    Shapes: ``input_ids: long[B, L]``, ``attention_mask: bool[B, L]``;
+    ``completion_ids: long[B, T]``, ``completion_mask: bool[B, T]``,
+    ``behaviour_logprobs: float[B, T]`` (T: the longest completion);
+    ``completion_start: long[B]`` (index in ``input_ids`` of each first
+    completion token).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    completion_start: torch.Tensor
+
+
+def collate(samples: Sequence[Sample]) -> SampleBatch:
+    """The padded tensors of ``samples`` (read without copying the token arrays twice)."""
+    if not samples:
+        raise FatalError("collate needs at least one sample")
+    prompt_lens = np.array([len(s.prompt_token_ids) for s in samples])
+    completion_lens = np.array([len(s.completion_token_ids) for s in samples])
+    width, t = int((prompt_lens + completion_lens).max()), max(int(completion_lens.max()), 1)
+    input_ids = np.zeros((len(samples), width), dtype=np.int64)
+    completion_ids = np.zeros((len(samples), t), dtype=np.int64)
+    behaviour = np.zeros((len(samples), t), dtype=np.float32)
+    for row, sample in enumerate(samples):
+        p, c = prompt_lens[row], completion_lens[row]
+        input_ids[row, :p] = sample.prompt_token_ids
+        input_ids[row, p:p + c] = sample.completion_token_ids
+        completion_ids[row, :c] = sample.completion_token_ids
+        behaviour[row, :c] = sample.completion_logprobs
+    positions = np.arange(width)[None, :]
+    return SampleBatch(
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(positions < (prompt_lens + completion_lens)[:, None]),
+        completion_ids=torch.from_numpy(completion_ids),
+        # A completion token at position 0 (no prompt) has nothing predicting it.
+        completion_mask=torch.from_numpy((np.arange(t)[None, :] < completion_lens[:, None])
+                                         & ((prompt_lens[:, None] + np.arange(t)[None, :]) > 0)),
+        behaviour_logprobs=torch.from_numpy(behaviour),
+        completion_start=torch.from_numpy(prompt_lens.astype(np.int64)),
+    )
+
+
+def completion_logprobs(logits: torch.Tensor, batch: SampleBatch) -> torch.Tensor:
+    """``float[B, T]``: the log-probability the model gives each completion token (0 on padding)."""
+    t = batch.completion_ids.shape[1]
+    positions = (batch.completion_start[:, None] + torch.arange(t)[None, :] - 1).clamp(
+        0, logits.shape[1] - 1)
+    rows = torch.log_softmax(logits.float(), dim=-1).gather(
+        1, positions[:, :, None].expand(-1, -1, logits.shape[-1]))
+    chosen = rows.gather(2, batch.completion_ids[:, :, None]).squeeze(-1)
+    return chosen * batch.completion_mask
+
+
+# --------------------------------------------------------------------------- family inputs
+
+#: Builds a family's loss inputs from the model, a micro batch, the step's advantages and the
+#: advantage rows of the micro batch's samples.
+InputsBuilder = Callable[[Any, SampleBatch, Advantages, np.ndarray], Any]
+
+
+def _advantage_rows(advantages: Advantages, rows: np.ndarray, batch: SampleBatch) -> torch.Tensor:
+    t = batch.completion_ids.shape[1]
+    if isinstance(advantages, PerSampleAdvantages):
+        values = torch.as_tensor(np.asarray(advantages.values)[rows], dtype=torch.float32)
+        return values[:, None].expand(-1, t) * batch.completion_mask
+    values = torch.as_tensor(np.asarray(advantages.values)[rows][:, :t], dtype=torch.float32)
+    mask = torch.as_tensor(np.asarray(advantages.mask)[rows][:, :t], dtype=torch.bool)
+    if values.shape[1] < t:
+        raise FatalError(f"per-token advantages are {values.shape[1]} tokens wide, but a "
+                         f"completion has {t} tokens")
+    return values * (mask & batch.completion_mask)
+
+
+def policy_gradient_inputs(model: Any, batch: SampleBatch, advantages: Advantages,
+                           rows: np.ndarray) -> PolicyGradientInputs:
+    """Current logprobs from a forward pass; behaviour logprobs as the generations recorded."""
+    logits = model(batch.input_ids, batch.attention_mask)
+    return PolicyGradientInputs(
+        logprobs=completion_logprobs(logits, batch),
+        behaviour_logprobs=batch.behaviour_logprobs,
+        advantages=_advantage_rows(advantages, rows, batch),
+        mask=batch.completion_mask)
+
+
+def value_regression_inputs(model: Any, batch: SampleBatch, advantages: Advantages,
+                            rows: np.ndarray) -> ValueRegressionInputs:
+    """One prediction per sample (``model.value``); the objective's per-sample advantages are
+    the regression targets."""
+    if not isinstance(advantages, PerSampleAdvantages):
+        raise FatalError("value_regression takes PerSampleAdvantages as its targets")
+    if not hasattr(model, "value"):
+        raise ConfigurationError("the value_regression family needs a model with "
+                                 "value(input_ids, attention_mask) -> float[B]")
+    predictions = model.value(batch.input_ids, batch.attention_mask)
+    return ValueRegressionInputs(
+        predictions=predictions,
+        targets=torch.as_tensor(np.asarray(advantages.values)[rows], dtype=torch.float32),
+        mask=torch.ones_like(predictions, dtype=torch.bool))
+
+
+INPUT_BUILDERS: Mapping[LossFamily[Any], InputsBuilder] = {
+    POLICY_GRADIENT: policy_gradient_inputs,
+    VALUE_REGRESSION: value_regression_inputs,
+}
+
+
+def unit_members(unit: Any) -> tuple[Sample, ...]:
+    """The samples of a unit, in advantage-row order (a unit type lists them as ``members``)."""
+    members = getattr(unit, "members", None)
+    if members is None:
+        raise ConfigurationError(f"unit type {type(unit).__name__} has no `members`; the torch "
+                                 "backend trains units whose members are Sample records")
+    return tuple(members)
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+class TorchBackend:
+    """The recipe's model and optimizer, prepared with accelerate, and one step of training.
+
+    Built once per trainer process. ``train_step`` blocks for the step's
+    computation; ``state`` / ``restore`` move everything a checkpoint holds.
+    ``between_micro_batches`` (optional) is called after every micro batch
+    (the trainer's fault-injection point).
+    """
+
+    def __init__(self, recipe: Any, *, between_micro_batches: Callable[[int], None] | None = None
+                 ) -> None:
+        from accelerate import Accelerator
+
+        backend, schedule = recipe.backend, recipe.schedule
+        if backend.model is None:
+            raise ConfigurationError(
+                f"recipe {recipe.name!r}: its backend has no model; give "
+                "Backend(model=<callable building a torch module>) to train it")
+        family = recipe.objective.loss_family
+        self.builder = INPUT_BUILDERS.get(family)
+        if self.builder is None:
+            raise ConfigurationError(f"the torch backend cannot build inputs for loss family "
+                                     f"{family.name!r}")
+        self.loss = dict(backend.losses).get(family, family.reference)
+        self.schedule = schedule
+        torch.manual_seed(schedule.seed)
+        model = backend.model()
+        optimizer = (backend.optimizer(model.parameters()) if backend.optimizer
+                     else torch.optim.AdamW(model.parameters(), lr=1e-3))
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.between_micro_batches = between_micro_batches
+
+    # ----------------------------------------------------------------- state
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
+        """Weights, optimizer state and RNG states, as a checkpoint stores them."""
+        weights = self.accelerator.unwrap_model(self.model).state_dict()
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+        return weights, self.optimizer.state_dict(), rng
+
+    def restore(self, weights: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any],
+                rng: Mapping[str, torch.Tensor]) -> None:
+        """Put a checkpoint's weights, optimizer state and RNG states back."""
+        self.accelerator.unwrap_model(self.model).load_state_dict(dict(weights))
+        self.optimizer.load_state_dict(dict(optimizer))
+        torch.set_rng_state(rng["torch"])
+        cuda = [rng[k] for k in sorted(rng) if k.startswith("cuda.")]
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda)
+
+    # ----------------------------------------------------------------- one step
+
+    def train_step(self, units: Sequence[Any], result: ObjectiveResult[Any], step: int
+                   ) -> dict[str, float]:
+        """Train on ``units`` (exactly ``schedule.units_per_step``) with ``result``'s advantages.
+
+        Returns the step's metrics: mean loss, the loss's own metrics
+        (averaged over micro batches) and the objective's (prefixed
+        ``objective.``). Deterministic given the units, the result, ``step``
+        and the backend's state.
+        """
+        schedule = self.schedule
+        members = [unit_members(u) for u in units]
+        starts = np.cumsum([0] + [len(m) for m in members])
+        if result.advantages.num_samples != starts[-1]:
+            raise FatalError(f"the objective returned {result.advantages.num_samples} advantage "
+                             f"rows for {starts[-1]} samples")
+        self.model.train()
+        totals: dict[str, float] = {}
+        micro_batches = 0
+        for epoch in range(schedule.epochs):
+            order = np.arange(len(units))
+            if schedule.shuffle:
+                order = np.random.default_rng([schedule.seed, step, epoch]).permutation(len(units))
+            for first in range(0, len(order), schedule.optimizer_batch_size):
+                batch_units = order[first:first + schedule.optimizer_batch_size]
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in range(0, len(batch_units), schedule.micro_batch_size):
+                    chosen = batch_units[micro:micro + schedule.micro_batch_size]
+                    rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in chosen])
+                    samples = [s for i in chosen for s in members[i]]
+                    inputs = self.builder(self.model, collate(samples), result.advantages, rows)
+                    output = self.loss(inputs)
+                    self.accelerator.backward(output.loss * (len(chosen) / len(batch_units)))
+                    micro_batches += 1
+                    totals["loss"] = totals.get("loss", 0.0) + float(output.loss.detach())
+                    for name, value in output.metrics.items():
+                        totals[name] = totals.get(name, 0.0) + float(value)
+                    if self.between_micro_batches:
+                        self.between_micro_batches(micro_batches)
+                self.optimizer.step()
+        metrics = {name: value / micro_batches for name, value in totals.items()}
+        metrics.update({f"objective.{k}": v for k, v in result.metrics.items()})
+        return metrics

@@ -1,0 +1,81 @@
+"""The torch backend without a broker: collation, completion logprobs, deterministic steps."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from reef_stream.errors import ConfigurationError
+from reef_stream.events import Sample
+from reef_stream.recipe import Backend, Recipe
+from reef_stream.training import TorchBackend, collate, completion_logprobs
+from tests.recipes.trainable import recipe
+from tests.unit_log import rollout_unit
+
+
+def _sample(prompt, completion):
+    return Sample(generation_id="g", prompt_id="p", policy_version=0,
+                  prompt_token_ids=np.array(prompt, dtype=np.int32),
+                  completion_token_ids=np.array(completion, dtype=np.int32),
+                  completion_logprobs=np.full(len(completion), -1.0, dtype=np.float32), reward=1.0)
+
+
+def test_collate_pads_and_completion_logprobs_read_the_predicting_position():
+    batch = collate([_sample([1, 2], [3, 4, 5]), _sample([6], [7])])
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]]
+    assert batch.completion_mask.tolist() == [[True, True, True], [True, False, False]]
+    assert batch.behaviour_logprobs.tolist() == [[-1, -1, -1], [-1, 0, 0]]
+    # Logits that put all mass on "the position's own index": token 3 is predicted at position 1.
+    logits = torch.full((2, 5, 10), -1e9)
+    for position in range(5):
+        logits[:, position, position + 2] = 0.0   # position i predicts token i + 2
+    logprobs = completion_logprobs(logits, batch)
+    assert logprobs[0].tolist() == [0.0, 0.0, 0.0]      # 3 at 1, 4 at 2, 5 at 3: all predicted
+    assert logprobs[1, 0] < -1e8 and logprobs[1, 1:].tolist() == [0.0, 0.0]  # 7 at 0: not
+
+
+def _step(backend, units, step, state):
+    result = recipe.objective.compute(units, state)
+    return backend.train_step(units, result, step), result.proposed_state
+
+
+def test_the_same_units_from_the_same_state_give_bitwise_the_same_weights():
+    units = [rollout_unit(i) for i in range(8)]
+    runs = []
+    for _ in range(2):
+        backend, state = TorchBackend(recipe), recipe.objective.initial_state()
+        before = {k: v.clone() for k, v in backend.state()[0].items()}
+        for step in range(2):
+            metrics, state = _step(backend, units[step * 4:(step + 1) * 4], step + 1, state)
+            assert np.isfinite(metrics["loss"]) and "objective.reward_mean" in metrics
+        runs.append(backend.state()[0])
+    assert any(not torch.equal(before[k], runs[0][k]) for k in before), "training changed nothing"
+    for name in runs[0]:
+        assert torch.equal(runs[0][name], runs[1][name]), name
+
+
+def test_restoring_a_state_continues_exactly():
+    units = [rollout_unit(i) for i in range(8)]
+    straight, state = TorchBackend(recipe), recipe.objective.initial_state()
+    _, mid_state = _step(straight, units[:4], 1, state)
+    saved = straight.state()
+    saved = ({k: v.clone() for k, v in saved[0].items()}, copy.deepcopy(saved[1]),
+             {k: v.clone() for k, v in saved[2].items()})
+    _step(straight, units[4:], 2, mid_state)
+
+    resumed = TorchBackend(recipe)
+    resumed.restore(*saved)
+    _step(resumed, units[4:], 2, mid_state)
+    for name, tensor in straight.state()[0].items():
+        assert torch.equal(tensor, resumed.state()[0][name]), name
+
+
+def test_a_recipe_without_a_model_cannot_train():
+    bare = Recipe(name="bare", processor=recipe.processor, objective=recipe.objective,
+                  schedule=recipe.schedule,
+                  backend=Backend(name="torch", loss_families=recipe.backend.loss_families))
+    with pytest.raises(ConfigurationError, match="has no model"):
+        TorchBackend(bare)

@@ -1,0 +1,25 @@
+"""Deterministic rollout units for the trainer's tests and benchmark: unit ``i`` is always the same."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reef_stream.events import RolloutUnit, Sample
+from reef_stream.processor import unit_id
+
+
+def rollout_unit(i: int, *, recipe: str = "trainable", policy_version: int = 0, group_size: int = 4,
+                 vocab: int = 64, prompt_len: int = 6, completion_len: int = 10) -> RolloutUnit:
+    """Group ``i``: ``group_size`` samples with seeded tokens, logprobs and rewards."""
+    rng = np.random.default_rng(i)
+    members = []
+    for k in range(group_size):
+        completion = rng.integers(0, vocab, completion_len).astype(np.int32)
+        members.append(Sample(
+            generation_id=f"g{i}-{k}", prompt_id=f"p{i}", policy_version=policy_version,
+            prompt_token_ids=rng.integers(0, vocab, prompt_len).astype(np.int32),
+            completion_token_ids=completion,
+            completion_logprobs=(-rng.random(completion_len) * 4 - 0.1).astype(np.float32),
+            reward=float(rng.random() < 0.5)))
+    return RolloutUnit(unit_id=unit_id(recipe, [m.generation_id for m in members]), recipe=recipe,
+                       group_key=f"p{i}", members=tuple(members), created_at=1_700_000_000_000 + i)
