@@ -44,6 +44,7 @@ from safetensors.torch import save as st_save
 
 from reef_stream.errors import FatalError, ReefError
 from reef_stream.events import TopicOffset
+from reef_stream.failpoints import failpoint
 
 __all__ = ["CheckpointContents", "CheckpointError", "CheckpointStore", "StoredCheckpoint",
            "default_store_url", "load", "load_weights", "unit_hash", "verify"]
@@ -131,6 +132,7 @@ class CheckpointStore:
             for name, data in files.items():
                 self._write_file(f"{staging}/{name}", data)
                 entries[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+                failpoint("checkpoint.mid-write", step=contents.step)
             manifest = json.dumps({"format": 1, "step": contents.step, "files": entries},
                                   sort_keys=True, indent=1).encode()
             if self.fs.exists(final):  # an earlier, incomplete attempt at this step

@@ -35,6 +35,7 @@ from reef_stream.commands.intake import COMMANDS as INTAKE_COMMANDS
 from reef_stream.commands.process import COMMANDS as PROCESS_COMMANDS
 from reef_stream.commands.produce import COMMANDS as PRODUCE_COMMANDS
 from reef_stream.commands.reward import COMMANDS as REWARD_COMMANDS
+from reef_stream.commands.train import COMMANDS as TRAIN_COMMANDS
 from reef_stream.config import Settings, load_settings
 from reef_stream.connect import KAFKA_LOGGER, bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, ReefError
@@ -339,7 +340,7 @@ def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
 
 
 for command in (*PRODUCE_COMMANDS, *INTAKE_COMMANDS, *CURSOR_COMMANDS, *CHECK_COMMANDS,
-                *REWARD_COMMANDS, *PROCESS_COMMANDS):
+                *REWARD_COMMANDS, *PROCESS_COMMANDS, *TRAIN_COMMANDS):
     main.add_command(command)
 
 

@@ -23,3 +23,34 @@ def rollout_unit(i: int, *, recipe: str = "trainable", policy_version: int = 0, 
             reward=float(rng.random() < 0.5)))
     return RolloutUnit(unit_id=unit_id(recipe, [m.generation_id for m in members]), recipe=recipe,
                        group_key=f"p{i}", members=tuple(members), created_at=1_700_000_000_000 + i)
+
+
+def create_topics(bootstrap: str, namespace: str, recipe: str = "trainable") -> None:
+    """Every topic of ``namespace``, with the units topic of ``recipe``."""
+    from confluent_kafka.admin import AdminClient
+
+    from reef_stream.connect import client_config
+    from reef_stream.topics.admin import ensure_topics
+    from reef_stream.topics.declarations import declare_topics
+
+    ensure_topics(AdminClient(client_config(bootstrap)), declare_topics(namespace, (recipe,)))
+
+
+def produce_units(bootstrap: str, namespace: str, records, *, recipe: str = "trainable") -> None:
+    """Append ``records`` (units, or raw ``bytes`` that do not decode) to the units topic in this
+    order of broker time (one flush per record: each gets a later LogAppendTime)."""
+    from confluent_kafka import Producer
+
+    from reef_stream.connect import client_config
+    from reef_stream.topics.declarations import units as units_topic
+    from reef_stream.topics.serde import SchemaRegistry
+
+    registry, topic = SchemaRegistry.default(), units_topic(namespace, recipe)
+    producer = Producer(client_config(bootstrap, {"acks": "all", "enable.idempotence": True}))
+    for record in records:
+        if isinstance(record, bytes):
+            producer.produce(topic, key=b"garbage", value=record)
+        else:
+            value, headers = registry.encode(record)
+            producer.produce(topic, key=record.unit_id.encode(), value=value, headers=headers)
+        assert producer.flush(30) == 0

@@ -1,0 +1,423 @@
+"""The trainer: a consumer group over ``<ns>.units.<recipe>`` whose acknowledgements are checkpoints.
+
+    trainer = Trainer(recipe, bootstrap=..., namespace="reef", group="run-1")
+    summary = trainer.run()      # blocks until stop(), max_steps, idle_exit or a signal
+
+What a step is. The trainer reads every partition of the units topic
+(manually assigned: a step must not depend on a rebalance) and merges them
+into one order that is a function of the log alone
+(``reef_stream.unit_order.PartitionMerge``). Taking units in that order, it
+skips a unit whose id it already trained (a unit the processor re-emitted
+after a crash; counted), drops a unit whose behaviour policy is more than
+``schedule.max_staleness`` versions behind its own (counted and
+dead-lettered, never trained silently), dead-letters one that does not
+decode, and keeps the rest until it holds ``schedule.units_per_step``. Those
+units, the objective's result on them and ``TorchBackend.train_step`` make
+the step. So the units of step N are a pure function of the log and the
+checkpoint of step N-1, and a restarted trainer rebuilds the same steps.
+
+Acknowledgement (``_acknowledge``, the one place the order is written down):
+
+1. the checkpoint is written durably: weights, optimizer and RNG state, the
+   algorithm state the objective proposed, the next offset of every
+   partition, the hashes of every unit id trained so far;
+2. a ``Checkpoint`` event (id, step, URI, sha256, offsets, metrics) is
+   produced to ``<ns>.checkpoints`` and acknowledged by the broker;
+3. the offsets are committed for the group.
+
+Only then does the proposed algorithm state become the trainer's. A failure
+at any point aborts the step: the trainer goes back to the newest durable
+checkpoint (``_resume``) as if it had restarted, so nothing is half-applied.
+
+Resume (``_resume``, at start and after a failed step). The newest complete
+checkpoint in the store is loaded and verified; its offsets win over the
+group's committed ones. If the group's committed offsets differ from the
+checkpoint's, the process died between steps 1 and 3: the Checkpoint event
+is produced again (same checkpoint id: readers deduplicate) and the offsets
+committed, completing that acknowledgement. Without a checkpoint the model
+starts from the schedule's seed and the group's committed offsets, or the
+beginning of the topic.
+
+Several groups may train on one units topic independently (each its own
+store, default ``$REEF_HOME/checkpoints/<ns>/<recipe>/<group>``). Dead
+letters of dropped units are sent at the step that consumes them and may
+repeat after a crash (at least once).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from reef_stream.checkpoints import (
+    CheckpointContents, CheckpointError, CheckpointStore, StoredCheckpoint, default_store_url, load,
+    unit_hash,
+)
+from reef_stream.config import Settings, load_settings
+from reef_stream.connect import client_config
+from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
+from reef_stream.events import Checkpoint, DeadLetter, MessageHeader, TopicOffset, now_ms
+from reef_stream.failpoints import failpoint
+from reef_stream.metrics import (
+    STAGE_TRAINER, TRAINER_DATA_SECONDS, TRAINER_STEP_SECONDS, TRAINER_STEPS,
+    TRAINER_UNITS_DUPLICATE, TRAINER_UNITS_INVALID, TRAINER_UNITS_STALE, TRAINER_UNITS_TRAINED,
+    MetricsWriter,
+)
+from reef_stream.objective import state_from_record, state_record
+from reef_stream.recipe import Recipe
+from reef_stream.topics import declarations
+from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.training import TorchBackend, unit_members
+from reef_stream.unit_order import Ordered, PartitionMerge
+
+log = logging.getLogger(__name__)
+
+#: Most messages taken from the client per poll.
+CONSUME_BATCH = 1_000
+#: Seconds the broker has to acknowledge a Checkpoint event before the step is aborted.
+ACK_TIMEOUT_S = 30.0
+#: Seconds between attempts to resume after a failed step.
+RETRY_BACKOFF_S = 2.0
+
+
+@dataclass
+class TrainerSummary:
+    """What one run did. ``resumed_from``: the checkpoint step it started from (0: none)."""
+
+    resumed_from: int = 0
+    steps: int = 0
+    last_step: int = 0
+    units_trained: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    invalid: int = 0
+    resume_seconds: float = 0.0
+    first_step_seconds: float | None = None
+    data_seconds: float = 0.0
+    step_seconds: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def line(self) -> str:
+        first = ("" if self.first_step_seconds is None
+                 else f", first step {self.first_step_seconds:.2f} s after start")
+        return (f"trained {self.steps} steps (now at step {self.last_step}, resumed from "
+                f"{self.resumed_from}), {self.units_trained} units; skipped {self.duplicates} "
+                f"duplicates, dropped {self.stale} stale and {self.invalid} invalid units; "
+                f"resumed in {self.resume_seconds:.2f} s{first}")
+
+
+class Trainer:
+    """One trainer process of group ``group`` (see the module docstring).
+
+    ``checkpoints``: the store URL. ``keep``: checkpoints retained (0: all).
+    ``model_name``: what Checkpoint events call the model (default: the
+    backend's ``model_name``, else the group). ``max_steps``: stop once the
+    trainer is at this step. ``idle_exit``: stop after this many seconds
+    without a new unit (units of an unfinished step stay unacknowledged).
+    """
+
+    def __init__(self, recipe: Recipe, *, bootstrap: str, namespace: str, group: str,
+                 checkpoints: str | None = None, keep: int = 5, model_name: str | None = None,
+                 max_steps: int | None = None, idle_exit: float | None = None,
+                 settings: Settings | None = None) -> None:
+        settings = settings or load_settings()
+        self.recipe, self.bootstrap, self.ns, self.group = recipe, bootstrap, namespace, group
+        self.topic = declarations.units(namespace, recipe.name)
+        self.store = CheckpointStore(checkpoints or default_store_url(
+            settings.home, namespace, recipe.name, group))
+        self.keep, self.max_steps, self.idle_exit = keep, max_steps, idle_exit
+        self.model_name = model_name or recipe.backend.model_name or group
+        self.registry = SchemaRegistry.default()
+        self.summary = TrainerSummary()
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        # Set by _resume:
+        self.backend: TorchBackend | None = None
+        self.step = 0
+        self.algorithm_state: Any = None
+        self.trained: set[int] = set()
+        self.offsets: dict[int, int] = {}
+        self.pending: list[Any] = []
+        self.pending_ids: set[str] = set()
+
+    def stop(self) -> None:
+        """Stop after the step in progress (if any) is acknowledged. Any thread; a signal handler."""
+        self._stop.set()
+
+    # ----------------------------------------------------------------- the loop
+
+    def run(self) -> TrainerSummary:
+        """Train until stopped; returns the summary. Blocks. Call once."""
+        self._ensure_topics()
+        self.producer = Producer(client_config(self.bootstrap, {
+            "acks": "all", "enable.idempotence": True, "linger.ms": 5}))
+        self.metrics = MetricsWriter(self.producer, self.ns, STAGE_TRAINER,
+                                     {"recipe": self.recipe.name, "group": self.group})
+        self.consumer = Consumer(client_config(self.bootstrap, {
+            "group.id": self.group, "enable.auto.commit": False,
+            "isolation.level": "read_committed", "enable.partition.eof": True,
+            "auto.offset.reset": "earliest", "fetch.wait.max.ms": 100}))
+        try:
+            self.partitions = self._partitions()
+            if self.recipe.evaluator is not None and getattr(self.recipe.evaluator, "warning", None):
+                log.info("candidate evaluator %s decides what is published (reef evaluate)",
+                         self.recipe.evaluator.name)
+            self._resume()
+            self.summary.resumed_from = self.step
+            self.summary.resume_seconds = time.monotonic() - self._started
+            log.info("group %s at step %d (%s); resumed in %.2f s", self.group, self.step,
+                     self.store.url, self.summary.resume_seconds)
+            last_unit = time.monotonic()
+            while not self._done():
+                failpoint("trainer.fetching", step=self.step + 1)
+                try:
+                    if self._poll_and_train():
+                        last_unit = time.monotonic()
+                except (RetryableError, CheckpointError, KafkaException) as error:
+                    log.error("step %d aborted: %s; resuming from the newest checkpoint",
+                              self.step + 1, error)
+                    time.sleep(RETRY_BACKOFF_S)
+                    self._resume()
+                if self.idle_exit is not None and time.monotonic() - last_unit > self.idle_exit:
+                    log.info("no new unit for %.0f s: leaving", self.idle_exit)
+                    break
+        finally:
+            self.consumer.close()
+            self.producer.flush(10)
+        self.summary.last_step = self.step
+        return self.summary
+
+    def _done(self) -> bool:
+        return self._stop.is_set() or (self.max_steps is not None and self.step >= self.max_steps)
+
+    def _poll_and_train(self) -> bool:
+        """Take what the client has, hand over what is settled; True when a unit was taken."""
+        started = time.monotonic()
+        before = now_ms()
+        messages = self.consumer.consume(CONSUME_BATCH, timeout=0.2)
+        for message in messages:
+            error = message.error()
+            if error is None:
+                _, timestamp = message.timestamp()
+                self.merge.add(message.partition(), message.offset(), timestamp, message)
+            elif error.code() == KafkaError._PARTITION_EOF:
+                self.merge.at_end(message.partition())
+            elif error.fatal() or error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise ConfigurationError(f"reading {self.topic}: {error.str()}")
+            else:
+                log.warning("reading %s: %s", self.topic, error.str())
+        drained_at = before if len(messages) < CONSUME_BATCH else 0
+        took = False
+        self.summary.data_seconds += time.monotonic() - started
+        while not self._done() and (record := self.merge.pop(drained_at)) is not None:
+            took = True
+            self._take(record)
+        return took
+
+    def _take(self, record: Ordered) -> None:
+        """One unit, in log order: skip, drop or keep it; a full step is trained and acknowledged."""
+        started = time.monotonic()
+        message = record.item
+        self.offsets[record.partition] = record.offset + 1
+        try:
+            unit = self.registry.decode(message.value(), message.headers(),
+                                        self.recipe.objective.unit_type, topic=message.topic(),
+                                        partition=message.partition(), offset=message.offset())
+            unit_members(unit)
+        except (InvalidRecord, ConfigurationError) as error:
+            self.summary.invalid += 1
+            self._dead_letter(message, f"unit cannot be trained: {error}", type(error).__name__)
+            return
+        finally:
+            self.summary.data_seconds += time.monotonic() - started
+        if unit_hash(unit.unit_id) in self.trained or unit.unit_id in self.pending_ids:
+            self.summary.duplicates += 1
+            return
+        oldest = min((m.policy_version for m in unit_members(unit)), default=self.step)
+        if self.step - oldest > self.recipe.schedule.max_staleness:
+            self.summary.stale += 1
+            self._dead_letter(message, (
+                f"unit {unit.unit_id} is too stale: its oldest sample is from policy version "
+                f"{oldest}, {self.step - oldest} behind the trainer's {self.step} (max_staleness "
+                f"{self.recipe.schedule.max_staleness})"), "TooStale")
+            return
+        self.pending.append(unit)
+        self.pending_ids.add(unit.unit_id)
+        if len(self.pending) == self.recipe.schedule.units_per_step:
+            self._train_step()
+
+    # ----------------------------------------------------------------- one step
+
+    def _train_step(self) -> None:
+        started = time.monotonic()
+        step, units = self.step + 1, self.pending
+        result = self.recipe.objective.compute(units, self.algorithm_state)
+        metrics = self.backend.train_step(units, result, step)
+        failpoint("trainer.before-checkpoint", step=step)
+        weights, optimizer, rng = self.backend.state()
+        new_ids = np.array([unit_hash(u.unit_id) for u in units], dtype=np.uint64)
+        trained = np.union1d(np.fromiter(self.trained, dtype=np.uint64, count=len(self.trained)),
+                             new_ids)
+        contents = CheckpointContents(
+            step=step, policy_version=step, model=self.model_name, recipe=self.recipe.name,
+            trainer_group=self.group, weights=weights, optimizer=optimizer, rng=rng,
+            algorithm_state=state_record(result.proposed_state),
+            offsets=self._offset_list(), trained_units=trained,
+            step_units=tuple(u.unit_id for u in units), metrics=metrics, created_at=now_ms())
+        self._acknowledge(contents)
+        # Acknowledged: the proposed state is now the trainer's.
+        self.algorithm_state = result.proposed_state
+        self.trained.update(int(h) for h in new_ids)
+        self.step = step
+        self.pending, self.pending_ids = [], set()
+        seconds = time.monotonic() - started
+        self._count_step(len(units), seconds, metrics)
+        pruned = self.store.prune(self.keep)
+        log.info("step %d: %d units, loss %.4f, %.2f s%s", step, len(units),
+                 metrics.get("loss", float("nan")), seconds,
+                 f"; pruned steps {pruned}" if pruned else "")
+
+    def _acknowledge(self, contents: CheckpointContents) -> StoredCheckpoint:
+        """Acknowledge a trained step, in this order; any failure raises and aborts the step.
+
+        1. Write the checkpoint durably (``CheckpointStore.write``: every file
+           fsynced, the manifest last). From here a restart resumes after this step.
+        2. Produce its ``Checkpoint`` event and wait for the broker's
+           acknowledgement (acks=all, idempotent producer).
+        3. Commit the offsets the checkpoint holds, synchronously.
+
+        A crash between 1 and 3 is completed by the next ``_resume`` (it
+        re-produces the event, same id, and commits). Nothing before 1 is
+        visible outside this process.
+        """
+        stored = self.store.write(contents)
+        failpoint("trainer.after-checkpoint", step=contents.step)
+        self._produce_checkpoint_event(stored, contents)
+        failpoint("trainer.after-event", step=contents.step)
+        self.consumer.commit(offsets=[TopicPartition(self.topic, o.partition, o.offset)
+                                      for o in contents.offsets], asynchronous=False)
+        failpoint("trainer.after-commit", step=contents.step)
+        return stored
+
+    def _produce_checkpoint_event(self, stored: StoredCheckpoint,
+                                  contents: CheckpointContents) -> None:
+        event = Checkpoint(
+            checkpoint_id=stored.checkpoint_id, recipe=self.recipe.name, trainer_group=self.group,
+            step=contents.step, model=contents.model, policy_version=contents.policy_version,
+            uri=stored.uri, sha256=stored.sha256, offsets=contents.offsets,
+            trained_unit_count=len(contents.trained_units),
+            metrics={k: float(v) for k, v in contents.metrics.items() if np.isfinite(v)},
+            created_at=contents.created_at or now_ms())
+        value, headers = self.registry.encode(event)
+        failures: list[str] = []
+
+        def delivered(error: KafkaError | None, _message: Any) -> None:
+            if error is not None:
+                failures.append(error.str())
+
+        self.producer.produce(declarations.checkpoints(self.ns), key=self.group.encode(),
+                              value=value, headers=headers, on_delivery=delivered)
+        if self.producer.flush(ACK_TIMEOUT_S) or failures:
+            raise RetryableError(f"the Checkpoint event of step {contents.step} was not "
+                                 f"acknowledged: {failures or 'timed out'}")
+
+    # ----------------------------------------------------------------- resume
+
+    def _resume(self) -> None:
+        """Load the newest checkpoint (or start fresh), finish its acknowledgement if it was
+        interrupted, and position the consumer at its offsets. Blocks; idempotent."""
+        self.backend = TorchBackend(self.recipe, between_micro_batches=self._micro_batch_done)
+        self.algorithm_state = self.recipe.objective.initial_state()
+        self.step, self.trained, self.offsets = 0, set(), {}
+        self.pending, self.pending_ids = [], set()
+        latest = self.store.latest()
+        committed = {tp.partition: tp.offset for tp in self.consumer.committed(
+            [TopicPartition(self.topic, p) for p in self.partitions], timeout=30) if tp.offset >= 0}
+        if latest is not None:
+            contents = load(latest.uri, latest.sha256)
+            if contents.recipe != self.recipe.name or contents.trainer_group != self.group:
+                raise ConfigurationError(
+                    f"the checkpoint store {self.store.url} holds checkpoints of recipe "
+                    f"{contents.recipe!r}, group {contents.trainer_group!r}, not recipe "
+                    f"{self.recipe.name!r}, group {self.group!r}: give this group its own store")
+            self.backend.restore(contents.weights, contents.optimizer, contents.rng)
+            state_type = type(self.recipe.objective.initial_state())
+            self.algorithm_state = state_from_record(state_type, contents.algorithm_state)
+            self.trained = {int(h) for h in contents.trained_units}
+            self.step = contents.step
+            self.offsets = {o.partition: o.offset for o in contents.offsets if o.topic == self.topic}
+            if any(committed.get(p) != o for p, o in self.offsets.items()):
+                log.warning("step %d's acknowledgement was interrupted (committed %s, checkpoint "
+                            "%s): completing it", self.step, committed, self.offsets)
+                self._produce_checkpoint_event(latest, contents)
+                self.consumer.commit(offsets=[TopicPartition(self.topic, p, o)
+                                              for p, o in self.offsets.items()], asynchronous=False)
+        elif committed:
+            log.warning("group %s has committed offsets %s but no checkpoint in %s: starting "
+                        "from fresh weights at those offsets", self.group, committed, self.store.url)
+            self.offsets = dict(committed)
+        start = {p: self.offsets.get(p, OFFSET_BEGINNING) for p in self.partitions}
+        self.consumer.assign([TopicPartition(self.topic, p, o) for p, o in start.items()])
+        self.merge = PartitionMerge(self.partitions)
+
+    def _micro_batch_done(self, count: int) -> None:
+        failpoint("trainer.in-step", step=self.step + 1)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _offset_list(self) -> tuple[TopicOffset, ...]:
+        return tuple(TopicOffset(topic=self.topic, partition=p, offset=o)
+                     for p, o in sorted(self.offsets.items()))
+
+    def _ensure_topics(self) -> None:
+        admin = AdminClient(client_config(self.bootstrap))
+        ensure_topics(admin, declarations.declare_topics(self.ns, (self.recipe.name,)))
+
+    def _partitions(self) -> list[int]:
+        metadata = self.consumer.list_topics(self.topic, timeout=30).topics.get(self.topic)
+        if metadata is None or metadata.error is not None or not metadata.partitions:
+            raise ConfigurationError(f"units topic {self.topic} is missing or unreadable "
+                                     f"({metadata.error if metadata else 'no metadata'})")
+        return sorted(metadata.partitions)
+
+    def _dead_letter(self, message: Any, reason: str, error_type: str) -> None:
+        letter = DeadLetter(
+            reason=reason, error_type=error_type, source_topic=message.topic(),
+            source_partition=message.partition(), source_offset=message.offset(),
+            key=message.key(), value=message.value(),
+            headers=tuple(MessageHeader(key=k, value=v) for k, v in (message.headers() or [])),
+            stage=STAGE_TRAINER, created_at=now_ms())
+        value, headers = self.registry.encode(letter)
+        self.producer.produce(declarations.dead_letters(self.ns), key=message.key(), value=value,
+                              headers=headers)
+
+    def _count_step(self, units: int, seconds: float, metrics: dict[str, float]) -> None:
+        summary = self.summary
+        summary.steps += 1
+        summary.units_trained += units
+        summary.step_seconds += seconds
+        summary.metrics = metrics
+        if summary.first_step_seconds is None:
+            summary.first_step_seconds = time.monotonic() - self._started
+            log.info("first step after start: %.2f s (resume %.2f s)",
+                     summary.first_step_seconds, summary.resume_seconds)
+        write = self.metrics.write
+        write(TRAINER_STEPS, self.step)
+        write(TRAINER_UNITS_TRAINED, summary.units_trained)
+        write(TRAINER_UNITS_DUPLICATE, summary.duplicates)
+        write(TRAINER_UNITS_STALE, summary.stale)
+        write(TRAINER_UNITS_INVALID, summary.invalid)
+        write(TRAINER_STEP_SECONDS, seconds)
+        write(TRAINER_DATA_SECONDS, summary.data_seconds)
+        for name, value in metrics.items():
+            if np.isfinite(value):
+                write(name, value)
+        self.producer.poll(0)
