@@ -177,7 +177,6 @@ class Trainer:
                      self.store.url, self.summary.resume_seconds)
             last_unit = time.monotonic()
             while not self._done():
-                failpoint("trainer.fetching", step=self.step + 1)
                 try:
                     if self._poll_and_train():
                         last_unit = time.monotonic()
@@ -224,6 +223,7 @@ class Trainer:
 
     def _take(self, record: Ordered) -> None:
         """One unit, in log order: skip, drop or keep it; a full step is trained and acknowledged."""
+        failpoint("trainer.fetching", step=self.step + 1)
         started = time.monotonic()
         message = record.item
         self.offsets[record.partition] = record.offset + 1

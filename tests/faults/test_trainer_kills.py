@@ -1,0 +1,150 @@
+"""The trainer SIGKILLed at 20+ moments -- while fetching, inside a step, while writing the
+checkpoint, between the checkpoint and its event, between the event and the commit, and at
+random times -- and restarted each time, over a fixed log of units: its final weights are
+bitwise those of a trainer that never stopped, and each unit was trained exactly once.
+
+Prints the time from each restart to its first resumed step (recovery), never asserts it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import torch
+from confluent_kafka import Consumer, TopicPartition
+
+from reef_stream.checkpoints import CheckpointStore, load
+from reef_stream.connect import client_config
+from reef_stream.events import Checkpoint
+from reef_stream.topics.declarations import checkpoints, units
+from tests.helpers import consume_events
+from tests.unit_log import create_topics, produce_units, rollout_unit
+
+RECIPE = "tests.recipes.trainable"
+STEPS = 10
+KILLS = 20
+PHASES = ["trainer.fetching", "trainer.in-step", "trainer.before-checkpoint",
+          "checkpoint.mid-write", "trainer.after-checkpoint", "trainer.after-event",
+          "trainer.after-commit"]
+
+
+def _start(cli_env, group: str, store, *, max_steps: int = STEPS,
+           failpoints: str = "") -> subprocess.Popen:
+    """A `reef train` process whose stderr lines are collected in ``process.lines`` by a thread."""
+    env = {**cli_env, "REEF_FAILPOINTS": failpoints}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "reef_stream.cli", "train", "--recipe", RECIPE, "--group", group,
+         "--checkpoints", str(store), "--keep", "0", "--max-steps", str(max_steps)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.lines = []
+    process.reader = threading.Thread(target=lambda: process.lines.extend(process.stderr),
+                                      daemon=True)
+    process.reader.start()
+    return process
+
+
+def _wait_for_line(process: subprocess.Popen, pattern: str, timeout: float) -> bool:
+    """True once a stderr line matches; False if the process exits or the timeout passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(re.search(pattern, line) for line in list(process.lines)):
+            return True
+        if process.poll() is not None:
+            process.reader.join(5)
+            return any(re.search(pattern, line) for line in process.lines)
+        time.sleep(0.05)
+    return False
+
+
+def _kill(process: subprocess.Popen) -> None:
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+def test_a_trainer_killed_20_times_ends_bitwise_where_an_uninterrupted_one_does(
+        kafka_bootstrap, cli_env, namespace, tmp_path):
+    create_topics(kafka_bootstrap, namespace)
+    # Behaviour versions keep up with the trainer (one step per 4 units): none is too stale.
+    log = [rollout_unit(i, policy_version=i // 4) for i in range(STEPS * 4)]
+    produce_units(kafka_bootstrap, namespace, [*log[:9], log[2], *log[9:]])  # one re-emitted
+
+    reference = _start(cli_env, "straight", tmp_path / "straight")
+    out, err = reference.communicate(timeout=120)
+    assert reference.returncode == 0, err[-3000:]
+    assert f"now at step {STEPS}" in out, out
+
+    rng = random.Random(20261129)
+    store = CheckpointStore(tmp_path / "crashy")
+    kills, recoveries = Counter(), []
+    while sum(kills.values()) < KILLS:
+        at = store.latest().step if store.latest() else 0
+        assert at < STEPS, f"all {STEPS} steps done after only {dict(kills)} kills"
+        # Near the end, only moments that precede the acknowledgement, so the kills go on.
+        phases = PHASES if at < STEPS - 2 else PHASES[:4]
+        started = time.monotonic()
+        target = min(at + rng.randint(1, 2), STEPS)
+        if rng.random() < (0.75 if at < STEPS - 2 else 1.0):
+            phase = rng.choice(phases)
+            process = _start(cli_env, "crashy", tmp_path / "crashy", max_steps=target,
+                             failpoints=f"{phase}@{target}")
+            if not _wait_for_line(process, r"failpoint \S+ reached", timeout=120):
+                process.wait(timeout=60)   # it reached --max-steps first: progress, no kill
+                continue
+        else:
+            phase = "random moment"
+            process = _start(cli_env, "crashy", tmp_path / "crashy", max_steps=target)
+            time.sleep(rng.uniform(0.5, 6.0))
+            if process.poll() is not None:
+                continue
+        _kill(process)
+        process.reader.join(5)
+        kills[phase] += 1
+        match = re.search(r"first step after start: ([\d.]+) s \(resume ([\d.]+) s\)",
+                          "".join(process.lines))
+        if match:
+            recoveries.append((float(match.group(2)), float(match.group(1))))
+        assert time.monotonic() - started < 180
+
+    final = _start(cli_env, "crashy", tmp_path / "crashy")
+    out, err = final.communicate(timeout=300)
+    assert final.returncode == 0, err[-3000:]
+    print(f"\nSIGKILLs by moment: {dict(kills)}")
+    print("restart -> resumed / first step (s): "
+          + ", ".join(f"{r:.2f}/{f:.2f}" for r, f in recoveries))
+    print(f"final run: {out.strip()}")
+    assert sum(kills.values()) >= 20, kills
+    assert len([k for k in kills if k != "random moment"]) >= 5, kills
+
+    straight = [load(c.uri, c.sha256) for c in CheckpointStore(tmp_path / "straight").steps()]
+    crashy = [load(c.uri, c.sha256) for c in store.steps()]
+    assert [c.step for c in crashy] == list(range(1, STEPS + 1))
+    # Each unit trained exactly once, in the same steps as without the crashes ...
+    assert Counter(u for c in crashy for u in c.step_units) == Counter(u.unit_id for u in log)
+    assert [c.step_units for c in crashy] == [c.step_units for c in straight]
+    # ... to bitwise the same weights and optimizer state.
+    for name, tensor in straight[-1].weights.items():
+        assert torch.equal(tensor, crashy[-1].weights[name]), name
+    assert crashy[-1].algorithm_state == straight[-1].algorithm_state
+
+    # Every step's Checkpoint event was produced (re-produced ones keep their id), and the
+    # group's committed offsets are the last checkpoint's.
+    events = [e for e in consume_events(kafka_bootstrap, checkpoints(namespace), STEPS * 2,
+                                        Checkpoint) if e.trainer_group == "crashy"]
+    ids = {}
+    for event in events:
+        assert ids.setdefault(event.step, event.checkpoint_id) == event.checkpoint_id
+    assert sorted(ids) == list(range(1, STEPS + 1))
+    consumer = Consumer(client_config(kafka_bootstrap, {"group.id": "crashy"}))
+    committed = consumer.committed([TopicPartition(units(namespace, "trainable"), o.partition)
+                                    for o in crashy[-1].offsets], timeout=30)
+    consumer.close()
+    assert {(tp.partition, tp.offset) for tp in committed} == \
+        {(o.partition, o.offset) for o in crashy[-1].offsets}
