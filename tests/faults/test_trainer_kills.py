@@ -18,6 +18,7 @@ import threading
 import time
 from collections import Counter
 
+import pytest
 import torch
 from confluent_kafka import Consumer, TopicPartition
 
@@ -36,8 +37,18 @@ PHASES = ["trainer.fetching", "trainer.in-step", "trainer.before-checkpoint",
           "trainer.after-commit"]
 
 
-def _start(cli_env, group: str, store, *, max_steps: int = STEPS,
-           failpoints: str = "") -> subprocess.Popen:
+@pytest.fixture
+def started():
+    """Every process a test starts; those still alive at its end are killed."""
+    processes: list[subprocess.Popen] = []
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+
+
+def _start(cli_env, group: str, store, *, max_steps: int = STEPS, failpoints: str = "",
+           started: list) -> subprocess.Popen:
     """A `reef train` process whose stderr lines are collected in ``process.lines`` by a thread."""
     env = {**cli_env, "REEF_FAILPOINTS": failpoints}
     process = subprocess.Popen(
@@ -48,6 +59,7 @@ def _start(cli_env, group: str, store, *, max_steps: int = STEPS,
     process.reader = threading.Thread(target=lambda: process.lines.extend(process.stderr),
                                       daemon=True)
     process.reader.start()
+    started.append(process)
     return process
 
 
@@ -70,13 +82,13 @@ def _kill(process: subprocess.Popen) -> None:
 
 
 def test_a_trainer_killed_20_times_ends_bitwise_where_an_uninterrupted_one_does(
-        kafka_bootstrap, cli_env, namespace, tmp_path):
+        kafka_bootstrap, cli_env, namespace, tmp_path, started):
     create_topics(kafka_bootstrap, namespace)
     # Behaviour versions keep up with the trainer (one step per 4 units): none is too stale.
     log = [rollout_unit(i, policy_version=i // 4) for i in range(STEPS * 4)]
     produce_units(kafka_bootstrap, namespace, [*log[:9], log[2], *log[9:]])  # one re-emitted
 
-    reference = _start(cli_env, "straight", tmp_path / "straight")
+    reference = _start(cli_env, "straight", tmp_path / "straight", started=started)
     out, err = reference.communicate(timeout=120)
     assert reference.returncode == 0, err[-3000:]
     assert f"now at step {STEPS}" in out, out
@@ -89,18 +101,20 @@ def test_a_trainer_killed_20_times_ends_bitwise_where_an_uninterrupted_one_does(
         assert at < STEPS, f"all {STEPS} steps done after only {dict(kills)} kills"
         # Near the end, only moments that precede the acknowledgement, so the kills go on.
         phases = PHASES if at < STEPS - 2 else PHASES[:4]
-        started = time.monotonic()
+        began = time.monotonic()
         target = min(at + rng.randint(1, 2), STEPS)
         if rng.random() < (0.75 if at < STEPS - 2 else 1.0):
             phase = rng.choice(phases)
-            process = _start(cli_env, "crashy", tmp_path / "crashy", max_steps=target,
+            process = _start(cli_env, "crashy", tmp_path / "crashy", started=started,
+                             max_steps=target,
                              failpoints=f"{phase}@{target}")
             if not _wait_for_line(process, r"failpoint \S+ reached", timeout=120):
                 process.wait(timeout=60)   # it reached --max-steps first: progress, no kill
                 continue
         else:
             phase = "random moment"
-            process = _start(cli_env, "crashy", tmp_path / "crashy", max_steps=target)
+            process = _start(cli_env, "crashy", tmp_path / "crashy", started=started,
+                             max_steps=target)
             time.sleep(rng.uniform(0.5, 6.0))
             if process.poll() is not None:
                 continue
@@ -111,9 +125,9 @@ def test_a_trainer_killed_20_times_ends_bitwise_where_an_uninterrupted_one_does(
                           "".join(process.lines))
         if match:
             recoveries.append((float(match.group(2)), float(match.group(1))))
-        assert time.monotonic() - started < 180
+        assert time.monotonic() - began < 180
 
-    final = _start(cli_env, "crashy", tmp_path / "crashy")
+    final = _start(cli_env, "crashy", tmp_path / "crashy", started=started)
     out, err = final.communicate(timeout=300)
     assert final.returncode == 0, err[-3000:]
     print(f"\nSIGKILLs by moment: {dict(kills)}")

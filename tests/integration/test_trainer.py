@@ -38,11 +38,16 @@ def test_two_groups_train_every_unit_once_and_identically(kafka_bootstrap, cli_e
                   [*fresh, stale, fresh[3], b"\x00not avro", *current])
 
     trainers = {g: _train(cli_env, g, tmp_path / g, "--idle-exit", "5") for g in ("a", "b")}
-    for group, process in trainers.items():
-        out, err = process.communicate(timeout=180)
-        assert process.returncode == 0, err[-3000:]
-        assert "trained 5 steps (now at step 5" in out, out + err[-2000:]
-        assert "skipped 1 duplicates, dropped 1 stale and 1 invalid" in out, out
+    try:
+        for process in trainers.values():
+            out, err = process.communicate(timeout=180)
+            assert process.returncode == 0, err[-3000:]
+            assert "trained 5 steps (now at step 5" in out, out + err[-2000:]
+            assert "skipped 1 duplicates, dropped 1 stale and 1 invalid" in out, out
+    finally:
+        for process in trainers.values():
+            if process.poll() is None:
+                process.kill()
 
     expected = Counter(u.unit_id for u in [*fresh, *current])
     weights = {}
