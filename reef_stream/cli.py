@@ -31,6 +31,9 @@ from rich.table import Table
 
 from reef_stream.commands.check import COMMANDS as CHECK_COMMANDS
 from reef_stream.commands.cursors import COMMANDS as CURSOR_COMMANDS
+from reef_stream.commands.evaluate import COMMANDS as EVALUATE_COMMANDS
+from reef_stream.commands.fleet import COMMANDS as FLEET_COMMANDS
+from reef_stream.commands.follow import COMMANDS as FOLLOW_COMMANDS
 from reef_stream.commands.intake import COMMANDS as INTAKE_COMMANDS
 from reef_stream.commands.process import COMMANDS as PROCESS_COMMANDS
 from reef_stream.commands.produce import COMMANDS as PRODUCE_COMMANDS
@@ -340,7 +343,8 @@ def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
 
 
 for command in (*PRODUCE_COMMANDS, *INTAKE_COMMANDS, *CURSOR_COMMANDS, *CHECK_COMMANDS,
-                *REWARD_COMMANDS, *PROCESS_COMMANDS, *TRAIN_COMMANDS):
+                *REWARD_COMMANDS, *PROCESS_COMMANDS, *TRAIN_COMMANDS,
+                *EVALUATE_COMMANDS, *FOLLOW_COMMANDS, *FLEET_COMMANDS):
     main.add_command(command)
 
 

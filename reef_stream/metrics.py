@@ -42,6 +42,10 @@ PROCESSOR_FEEDBACK = "feedback"                  # labels: fate
 PROCESSOR_DUPLICATE_GENERATIONS = "duplicate_generations"
 PROCESSOR_UNITS = "units"
 PROCESSOR_TRANSACTIONS = "transactions"
+#: Transactions aborted (the runtime rewound to its last committed state and offsets).
+PROCESSOR_ABORTED_TRANSACTIONS = "aborted_transactions"
+#: Input records that did not decode (dead-lettered).
+PROCESSOR_INVALID_RECORDS = "invalid_records"
 
 # --------------------------------------------------------------------------- trainer
 
@@ -55,6 +59,28 @@ TRAINER_UNITS_STALE = "units_stale"
 TRAINER_UNITS_INVALID = "units_invalid"
 TRAINER_STEP_SECONDS = "step_seconds"
 TRAINER_DATA_SECONDS = "data_seconds"
+
+# --------------------------------------------------------------------------- evaluator
+
+#: Publications produced, by decision (running totals).
+EVALUATOR_DECISIONS = "decisions"                # labels: decision (PROMOTED, REJECTED)
+#: Checkpoint events given no decision: of another recipe or model (why=other), or already
+#: decided (why=decided: a re-emitted event, or a version not newer than one decided).
+EVALUATOR_CANDIDATES_SKIPPED = "candidates_skipped"  # labels: why
+#: Seconds one try of the evaluator's ``measure`` took.
+EVALUATOR_MEASURE_SECONDS = "measure_seconds"
+
+# --------------------------------------------------------------------------- follower
+
+#: A replica's heartbeat: value = the policy version it serves (-1: none yet). Labels: replica,
+#: model, host, state (serving, waiting, stopped). ``reef fleet --rebuild`` reads these back.
+FOLLOWER_POLICY_VERSION = "policy_version"
+#: Versions loaded and handed to the serving code (running total).
+FOLLOWER_VERSIONS_LOADED = "versions_loaded"
+#: Versions refused: checksum mismatch, unreadable checkpoint, or the callback raised.
+FOLLOWER_VERSIONS_REFUSED = "versions_refused"
+#: Seconds from a publication's arrival to the serving code having its weights.
+FOLLOWER_LOAD_SECONDS = "load_seconds"
 
 
 def metric(stage: str, name: str, value: float, labels: Mapping[str, str] | None = None,

@@ -34,6 +34,10 @@ partition counts (topics.declarations.DATA_PARTITIONS) a group's generations
 and all their feedback land in the same partition and the processor can join
 and group them without a shuffle.
 
+Serving replicas pass ``guard=follower`` (a ``reef_stream.consumers.follower.Follower``):
+every Generation is then checked before it is sent (its model, and a policy version the
+replica served), so a replica cannot emit a generation stamped with a version it never loaded.
+
 Threads: ``send`` may be called from any thread. A background thread serves
 delivery reports and replays the spool; handle callbacks run on it and must
 be quick.
@@ -48,6 +52,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from confluent_kafka import KafkaError, Producer
 
@@ -60,7 +65,8 @@ from reef_stream.intake.validation import check_size, validate
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
 
-__all__ = ["DeliveryState", "FlushReport", "RecordProducer", "SendHandle", "SpoolFull", "record_key"]
+__all__ = ["DeliveryState", "FlushReport", "GenerationGuard", "RecordProducer", "SendHandle",
+           "SpoolFull", "record_key"]
 
 #: librdkafka gives up on a record after this long and hands it back; it then goes to the spool.
 MESSAGE_TIMEOUT_MS = 15_000
@@ -163,6 +169,15 @@ class FlushReport:
         return self.pending == 0 and self.spooled == 0
 
 
+class GenerationGuard(Protocol):
+    """Checks every Generation a ``RecordProducer`` is given, before it is sent."""
+
+    def check(self, generation: Generation) -> None:
+        """Raise ``InvalidRecord`` if ``generation`` must not be sent. Does not block; called
+        on the thread calling ``send``."""
+        ...
+
+
 def record_key(event: Generation | Feedback | DeadLetter) -> bytes | None:
     """The Kafka key of an event (see the module docstring)."""
     if isinstance(event, (Generation, Feedback)):
@@ -174,15 +189,17 @@ class RecordProducer:
     """Sends typed intake records to their topics; see the module docstring.
 
     ``spool_dir`` defaults to ``$REEF_HOME/spool/<namespace>``: one spool per
-    producing process; two live producers must not share one.
+    producing process; two live producers must not share one. ``guard``: checks each
+    Generation before it is sent (a serving replica's ``Follower``).
     """
 
     def __init__(self, bootstrap: str | None = None, *, settings: Settings | None = None,
                  namespace: str | None = None, spool_dir: Path | None = None,
                  spool_max_bytes: int = 1 << 30, fsync: FsyncPolicy = "batch",
                  block_timeout: float = 30.0, config: dict | None = None,
-                 registry: SchemaRegistry | None = None):
+                 registry: SchemaRegistry | None = None, guard: GenerationGuard | None = None):
         settings = settings or load_settings()
+        self._guard = guard
         namespace = namespace or settings.namespace
         self.block_timeout = block_timeout
         self._registry = registry or SchemaRegistry.default()
@@ -226,14 +243,17 @@ class RecordProducer:
     def send(self, event: Generation | Feedback | DeadLetter) -> SendHandle:
         """Validate, encode and hand over one record; return its handle.
 
-        Raises InvalidRecord (nothing sent), SpoolFull (after ``block_timeout``
-        seconds of backpressure; nothing sent) or ConfigurationError (closed).
+        Raises InvalidRecord (nothing sent; also when the ``guard`` refuses a Generation),
+        SpoolFull (after ``block_timeout`` seconds of backpressure; nothing sent) or
+        ConfigurationError (closed).
         """
         topic = self._topics.get(type(event))
         if topic is None:
             raise InvalidRecord(f"intake takes Generation, Feedback or DeadLetter records, "
                                 f"not {type(event).__name__}")
         validate(event)
+        if self._guard is not None and isinstance(event, Generation):
+            self._guard.check(event)
         value, headers = self._registry.encode(event)
         key = record_key(event)
         check_size(topic, key, value, headers, self._limits[topic])

@@ -10,7 +10,7 @@ refuses to use one that exists with different settings.
 | ``<ns>.feedback`` | same key as its generation | small records; same partition count as generations |
 | ``<ns>.units.<recipe>`` | unit id | one topic per recipe, read by that recipe's trainer groups; broker timestamps (LogAppendTime) |
 | ``<ns>.checkpoints`` | trainer group | one partition: checkpoint events are totally ordered |
-| ``<ns>.publications`` | model | compacted: the latest decision per model is kept forever |
+| ``<ns>.publications`` | model (``<model>#rejected`` for rejections) | compacted: the latest promotion and the latest rejection per model are kept forever |
 | ``<ns>.metrics`` | stage | short retention |
 | ``<ns>.dead-letters`` | source key | long retention; large records (the original bytes travel with the reason) |
 """

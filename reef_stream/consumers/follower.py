@@ -1,0 +1,462 @@
+"""Serving replicas: follow a model's publications, load the newest promoted version, verified.
+
+    def swap(loaded: LoadedVersion) -> None:          # your serving code
+        model.load_state_dict(loaded.weights)
+
+    follower = Follower("my-model", on_version=swap).start()   # a background thread
+    follower.wait_ready(60)                          # publications read, newest version tried
+    producer = RecordProducer(guard=follower)        # generations must carry a served version
+    ...
+    generation = Generation(..., model="my-model", policy_version=follower.policy_version, ...)
+    producer.send(generation)
+    follower.stop()
+
+A follower reads ``<ns>.publications`` from its beginning (``assign``, no
+consumer group: every replica reads everything), keeps the newest PROMOTED
+publication of its model, and whenever that is newer than what it serves:
+
+1. loads the weights with ``checkpoints.load_weights(uri, sha256)``, which
+   verifies the manifest against the publication's sha256 and every file
+   against the manifest;
+2. hands them to ``on_version(LoadedVersion)`` on the follower's thread;
+3. only once that returned, serves the new version: ``policy_version``
+   changes, the load is logged and reported (a heartbeat right away).
+
+A checksum mismatch, an unreadable checkpoint or an ``on_version`` that
+raises is a refusal: logged as an error naming the version and the cause,
+reported to ``on_refused(publication, error)``, counted, and the previous
+version keeps serving. The refused version is tried again every
+``retry_s`` seconds while it is the newest (a store that was unreachable may
+come back); a newer promoted version supersedes it. Intermediate versions are
+never loaded: a replica started late, or one that was busy, goes straight to
+the newest promoted version (convergence). REJECTED publications, and other
+models', are ignored.
+
+Reporting: every ``heartbeat_s`` seconds (and after every load) the replica
+writes ``replica → model, version, host, state, last seen`` to the Redis
+projection (``reef_stream.fleet``, expiring after its TTL) and the same as a
+``Metric`` to ``<ns>.metrics`` (the source ``reef fleet --rebuild`` reads).
+Redis or metric failures are logged and never stop serving. ``stop``
+removes the replica from the projection.
+
+Generations: a follower is a ``GenerationGuard`` for ``RecordProducer``:
+``check`` refuses a Generation of another model, or one whose
+``policy_version`` this replica never served (a request that started before
+a swap still carries the version it was sampled with, which it did serve).
+Read ``policy_version`` when a request starts and put it in its Generation.
+
+Threads: ``run`` blocks the calling thread and uses a second one for
+heartbeats; ``start`` runs ``run`` on a daemon thread. ``on_version`` and
+``on_refused`` run on the follower's thread (the one running ``run``).
+``policy_version``, ``check``, ``wait_*`` and ``stop`` may be called from any
+thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from confluent_kafka import Producer
+
+from reef_stream.checkpoints import CheckpointError, load_weights
+from reef_stream.config import Settings, load_settings
+from reef_stream.connect import bootstrap_servers, client_config
+from reef_stream.consumers.evaluator import PublicationLedger
+from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, ReefError
+from reef_stream.events import Generation, Publication, now_ms
+from reef_stream.fleet import (
+    DEFAULT_HEARTBEAT_S, DEFAULT_TTL_S, Fleet, ReplicaStatus, heartbeat_metric_labels,
+)
+from reef_stream.metrics import (
+    FOLLOWER_LOAD_SECONDS, FOLLOWER_POLICY_VERSION, FOLLOWER_VERSIONS_LOADED,
+    FOLLOWER_VERSIONS_REFUSED, STAGE_FOLLOWER, MetricsWriter,
+)
+
+__all__ = ["AUTO", "Follower", "LoadedVersion", "default_replica_id"]
+
+log = logging.getLogger(__name__)
+
+#: ``Follower(fleet=AUTO)``: the Redis that the settings name, or none (logged) if they name none.
+AUTO = "auto"
+#: Seconds between two tries of a refused version that is still the newest.
+DEFAULT_RETRY_S = 30.0
+
+
+def default_replica_id() -> str:
+    """``<host>-<pid>-<random>``: unique per process; give a stable one (a pod name) if you
+    have it."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LoadedVersion:
+    """A verified version, handed to ``on_version``: the model's state dict (name → tensor, on
+    the CPU) and the publication that promoted it."""
+
+    policy_version: int
+    weights: Mapping[str, torch.Tensor]
+    publication: Publication
+
+
+class Follower:
+    """One serving replica's view of a model's publications; see the module docstring.
+
+    ``initial_version``: the version the replica serves before anything is loaded (its base
+    weights), or None when it serves nothing until the first load. ``fleet``: a
+    ``reef_stream.fleet.Fleet``, ``AUTO`` (the Redis the settings name, if any) or None (no
+    Redis projection). ``on_refused(publication, error)``: told about each refusal.
+    Constructing connects to nothing; raises ``ConfigurationError`` for bad arguments.
+    """
+
+    def __init__(self, model: str, on_version: Callable[[LoadedVersion], None], *,
+                 bootstrap: str | None = None, settings: Settings | None = None,
+                 namespace: str | None = None, replica_id: str | None = None,
+                 initial_version: int | None = None, fleet: Fleet | str | None = AUTO,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, ttl_s: float | None = None,
+                 retry_s: float = DEFAULT_RETRY_S,
+                 on_refused: Callable[[Publication, Exception], None] | None = None,
+                 consumer_config: dict | None = None) -> None:
+        problems = []
+        if not isinstance(model, str) or not model.strip():
+            problems.append("model must be a non-empty name")
+        if not callable(on_version):
+            problems.append("on_version must be callable (it receives a LoadedVersion)")
+        if not heartbeat_s > 0:
+            problems.append(f"heartbeat interval must be more than 0 seconds, not {heartbeat_s}")
+        if ttl_s is not None and not ttl_s > heartbeat_s:
+            problems.append(f"the heartbeat TTL ({ttl_s} s) must be longer than the heartbeat "
+                            f"interval ({heartbeat_s} s)")
+        if not retry_s > 0:
+            problems.append(f"retry interval must be more than 0 seconds, not {retry_s}")
+        if initial_version is not None and initial_version < 0:
+            problems.append(f"initial version must be 0 or more, not {initial_version}")
+        if problems:
+            raise ConfigurationError(problems)
+        self._settings = settings or load_settings()
+        self.model = model
+        self.namespace = namespace or self._settings.namespace
+        self.bootstrap = bootstrap or bootstrap_servers(self._settings)
+        self.replica_id = replica_id or default_replica_id()
+        self.host = socket.gethostname()
+        self.heartbeat_s = heartbeat_s
+        self.ttl_s = ttl_s if ttl_s is not None else max(DEFAULT_TTL_S, 3 * heartbeat_s)
+        self.retry_s = retry_s
+        self._fleet_arg = fleet
+        self.fleet: Fleet | None = None
+        self._on_version = on_version
+        self._on_refused = on_refused
+        self._consumer_config = consumer_config
+        self._lock = threading.Condition()
+        self._version = initial_version
+        self._served: set[int] = set() if initial_version is None else {initial_version}
+        self._publication: Publication | None = None
+        #: version -> (the error, monotonic time of the next try)
+        self._refused: dict[int, tuple[Exception, float]] = {}
+        self._loads = 0
+        self._refusals = 0
+        self._ready = False
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._beat_now = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._metrics: MetricsWriter | None = None
+        self._producer: Producer | None = None
+        self._redis_warned = 0.0
+
+    # ----------------------------------------------------------------- state
+
+    @property
+    def policy_version(self) -> int | None:
+        """The version served now (None before the first load without ``initial_version``)."""
+        with self._lock:
+            return self._version
+
+    @property
+    def publication(self) -> Publication | None:
+        """The publication of the version served now (None for ``initial_version``)."""
+        with self._lock:
+            return self._publication
+
+    @property
+    def refused(self) -> dict[int, str]:
+        """Versions refused and not superseded since: version → why."""
+        with self._lock:
+            return {version: str(error) for version, (error, _) in self._refused.items()}
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped ``run``, if anything did."""
+        return self._error
+
+    def check(self, generation: Generation) -> None:
+        """``GenerationGuard`` for ``RecordProducer``: raise ``InvalidRecord`` unless
+        ``generation`` is of this model and carries a version this replica served. Does not
+        block; safe from any thread."""
+        if generation.model != self.model:
+            raise InvalidRecord(f"replica {self.replica_id} serves model {self.model!r}, not "
+                                f"{generation.model!r}", field="model")
+        with self._lock:
+            current, served = self._version, generation.policy_version in self._served
+        if current is None:
+            raise InvalidRecord(f"replica {self.replica_id} has loaded no version of "
+                                f"{self.model!r} yet, so it cannot have sampled this "
+                                "generation (wait_ready, or give initial_version)",
+                                field="policy_version")
+        if not served:
+            raise InvalidRecord(f"replica {self.replica_id} never served version "
+                                f"{generation.policy_version} of {self.model!r} (it serves "
+                                f"{current}); set policy_version from follower.policy_version "
+                                "when sampling starts", field="policy_version")
+
+    # ----------------------------------------------------------------- waiting
+
+    def wait_ready(self, timeout: float | None = None) -> int | None:
+        """Block until publications were read to their end and the newest promoted version was
+        tried (loaded or refused); returns ``policy_version``. Raises what stopped ``run``, or
+        ``TimeoutError``."""
+        self._wait(lambda: self._ready, timeout, "to read the publications")
+        return self.policy_version
+
+    def wait_for_version(self, version: int, timeout: float | None = None) -> int:
+        """Block until the replica serves ``version`` or newer; returns the version served.
+        Raises what stopped ``run``, or ``TimeoutError`` (naming any refusal)."""
+        self._wait(lambda: self._version is not None and self._version >= version, timeout,
+                   f"to serve version {version}")
+        return self.policy_version  # type: ignore[return-value]
+
+    def _wait(self, predicate: Callable[[], bool], timeout: float | None, what: str) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while not predicate():
+                if self._error is not None:
+                    raise self._error
+                if self._thread is not None and not self._thread.is_alive() and not self._ready:
+                    raise FatalError(f"follower {self.replica_id} stopped before it was ready")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    refused = "; ".join(f"version {v} refused: {e}"
+                                        for v, (e, _) in self._refused.items())
+                    raise TimeoutError(f"replica {self.replica_id} waited {timeout} s {what}; it "
+                                       f"serves {self._version}"
+                                       + (f"; {refused}" if refused else ""))
+                self._lock.wait(0.1 if remaining is None else min(remaining, 0.1))
+
+    # ----------------------------------------------------------------- running
+
+    def start(self) -> Follower:
+        """Run ``run`` on a daemon thread; returns self. Call once."""
+        if self._thread is not None:
+            raise FatalError("this Follower was started already")
+        self._thread = threading.Thread(target=self._run_catching, daemon=True,
+                                        name=f"reef-follower-{self.model}")
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop following (after a load in progress), leave the fleet projection, flush the
+        metrics. With ``start``, blocks until the background thread ended, at most ``timeout``
+        seconds (0: do not wait, as in a signal handler). Idempotent; safe from any thread."""
+        self._stop.set()
+        self._beat_now.set()
+        thread = self._thread
+        if timeout > 0 and thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    @property
+    def stopping(self) -> bool:
+        """True once ``stop`` was called or ``run`` ended."""
+        return self._stop.is_set()
+
+    def __enter__(self) -> Follower:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run_catching(self) -> None:
+        try:
+            self.run()
+        except BaseException as error:  # noqa: BLE001 - handed to the waiters
+            log.error("follower %s stopped: %s", self.replica_id, error)
+
+    def run(self) -> None:
+        """Follow publications until ``stop``. Blocks. Raises ``ConfigurationError`` when the
+        publications topic does not exist, ``RetryableError`` when it cannot be read."""
+        ledger = PublicationLedger(self.bootstrap, self.namespace,
+                                   consumer_config=self._consumer_config)
+        self._producer = Producer(client_config(self.bootstrap, {"linger.ms": 50}))
+        self._metrics = MetricsWriter(self._producer, self.namespace, STAGE_FOLLOWER,
+                                      {"replica": self.replica_id, "model": self.model})
+        self.fleet = self._connect_fleet()
+        beating = threading.Thread(target=self._heartbeats, daemon=True,
+                                   name=f"reef-heartbeat-{self.model}")
+        try:
+            ledger.open()
+            ledger.catch_up()
+            beating.start()
+            self._converge(ledger)
+            with self._lock:
+                self._ready = True
+                self._lock.notify_all()
+            while not self._stop.is_set():
+                arrived = ledger.poll(0.5)
+                if arrived or self._retry_due():
+                    self._converge(ledger)
+        except BaseException as error:
+            with self._lock:
+                self._error = error
+                self._lock.notify_all()
+            raise
+        finally:
+            self._stop.set()
+            self._beat_now.set()
+            if beating.is_alive():
+                beating.join(10)
+            self._leave()
+            ledger.close()
+            self._producer.flush(5)
+
+    def _converge(self, ledger: PublicationLedger) -> None:
+        """Load the model's newest promoted version if it is newer than the one served and not
+        waiting for its retry."""
+        newest = ledger.incumbent(self.model)
+        if newest is None:
+            return
+        version = newest.policy_version
+        with self._lock:
+            if self._version is not None and version <= self._version:
+                return
+            for old in [v for v in self._refused if v < version]:
+                del self._refused[old]  # superseded
+            refused = self._refused.get(version)
+        if refused is not None and time.monotonic() < refused[1]:
+            return
+        self._load(newest)
+
+    def _load(self, publication: Publication) -> None:
+        """Verify, load and hand over one version; on any failure refuse it (see the module
+        docstring). Blocks for the load and for ``on_version``."""
+        version = publication.policy_version
+        started = time.monotonic()
+        try:
+            weights = load_weights(publication.uri, publication.sha256)
+        except CheckpointError as error:
+            self._refuse(publication, error)
+            return
+        try:
+            self._on_version(LoadedVersion(policy_version=version, weights=weights,
+                                           publication=publication))
+        except Exception as error:  # noqa: BLE001 - the serving code's failure refuses this version
+            self._refuse(publication, ReefError(f"on_version raised {type(error).__name__}: "
+                                                f"{error}"))
+            return
+        with self._lock:
+            previous = self._version
+            self._version = version
+            self._served.add(version)
+            self._publication = publication
+            self._refused.pop(version, None)
+            self._loads += 1
+            self._lock.notify_all()
+        seconds = time.monotonic() - started
+        log.info("replica %s serves version %d of model %s (checkpoint %s, evaluator %s%s; "
+                 "was %s; loaded in %.2f s)", self.replica_id, version, self.model,
+                 publication.checkpoint_id, publication.evaluator,
+                 "" if publication.evaluated else ", UNEVALUATED", previous, seconds)
+        self._metric(FOLLOWER_VERSIONS_LOADED, self._loads)
+        self._metric(FOLLOWER_LOAD_SECONDS, seconds)
+        self._beat_now.set()
+
+    def _refuse(self, publication: Publication, error: Exception) -> None:
+        version = publication.policy_version
+        with self._lock:
+            first = version not in self._refused
+            self._refused[version] = (error, time.monotonic() + self.retry_s)
+            self._refusals += 1
+            serving = self._version
+            self._lock.notify_all()
+        (log.error if first else log.warning)(
+            "replica %s refused version %d of model %s: %s; it keeps serving %s (retrying every "
+            "%.0f s while it is the newest)", self.replica_id, version, self.model, error,
+            "nothing" if serving is None else f"version {serving}", self.retry_s)
+        self._metric(FOLLOWER_VERSIONS_REFUSED, self._refusals)
+        if self._on_refused is not None:
+            try:
+                self._on_refused(publication, error)
+            except Exception as callback_error:  # noqa: BLE001 - a reporting hook
+                log.warning("on_refused raised %s", callback_error)
+
+    def _retry_due(self) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            return any(due <= now for _, due in self._refused.values())
+
+    # ----------------------------------------------------------------- reporting
+
+    def status(self, state: str | None = None) -> ReplicaStatus:
+        """This replica as a heartbeat describes it, now."""
+        version = self.policy_version
+        return ReplicaStatus(replica_id=self.replica_id, model=self.model, version=version,
+                             host=self.host, last_seen=now_ms(),
+                             state=state or ("waiting" if version is None else "serving"))
+
+    def _heartbeats(self) -> None:
+        """The heartbeat thread: one at once, then every ``heartbeat_s`` or after a load."""
+        while True:
+            self._beat()
+            self._beat_now.wait(self.heartbeat_s)
+            self._beat_now.clear()
+            if self._stop.is_set():
+                return
+
+    def _beat(self, state: str | None = None) -> None:
+        status = self.status(state)
+        if self._metrics is not None:
+            self._metrics.write(FOLLOWER_POLICY_VERSION,
+                                -1 if status.version is None else status.version,
+                                **heartbeat_metric_labels(status))
+            self._producer.poll(0)
+        if self.fleet is not None and status.state != "stopped":
+            try:
+                self.fleet.heartbeat(status)
+            except Exception as error:  # noqa: BLE001 - Redis is a projection; serving goes on
+                self._redis_trouble(error)
+
+    def _leave(self) -> None:
+        self._beat("stopped")
+        if self.fleet is not None:
+            try:
+                self.fleet.leave(self.replica_id, self.model)
+            except Exception as error:  # noqa: BLE001
+                self._redis_trouble(error)
+
+    def _redis_trouble(self, error: Exception) -> None:
+        if time.monotonic() - self._redis_warned > 60:
+            self._redis_warned = time.monotonic()
+            log.warning("replica %s could not update the fleet projection in Redis: %s (serving "
+                        "goes on; `reef fleet --rebuild` restores the projection)",
+                        self.replica_id, error)
+
+    def _metric(self, name: str, value: float) -> None:
+        if self._metrics is not None:
+            self._metrics.write(name, value)
+
+    def _connect_fleet(self) -> Fleet | None:
+        if isinstance(self._fleet_arg, Fleet) or self._fleet_arg is None:
+            return self._fleet_arg
+        if self._fleet_arg != AUTO:
+            raise ConfigurationError(f"fleet must be a reef_stream.fleet.Fleet, {AUTO!r} or None, "
+                                     f"not {self._fleet_arg!r}")
+        try:
+            return Fleet.from_settings(self._settings, namespace=self.namespace, ttl_s=self.ttl_s)
+        except ConfigurationError as error:
+            log.info("replica %s: no Redis, so no fleet projection (%s)", self.replica_id, error)
+            return None

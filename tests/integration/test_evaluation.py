@@ -1,0 +1,201 @@
+"""Candidate evaluation against the real broker and Redis: exactly one decision per checkpoint,
+only promoted versions reach replicas, and a late replica converges on the newest one.
+
+The tests write real checkpoints of a tiny model (tests.recipes.evaluators) and produce their
+Checkpoint events themselves (no trainer); the evaluator runs in this process or as `reef
+evaluate`; replicas are ``Follower``s in this process.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from reef_stream.checkpoints import CheckpointStore, load_weights
+from reef_stream.consumers.follower import Follower
+from reef_stream.events import DeadLetter, Decision
+from reef_stream.topics.declarations import checkpoints, dead_letters
+from tests.helpers import consume_events, reef
+from tests.integration.publishing import (
+    Loads, create_topics, eventually, fleet_of, produce_checkpoints, publication_keys,
+    read_publications, run_evaluator, settings_for, write_checkpoint,
+)
+from tests.recipes.evaluators import score, weights
+
+
+@pytest.fixture
+def setup(kafka_bootstrap, redis_url, namespace, tmp_path):
+    create_topics(kafka_bootstrap, namespace)
+    settings = settings_for(kafka_bootstrap, redis_url, namespace, tmp_path / "home")
+    return settings, fleet_of(redis_url, namespace)
+
+
+def test_a_rejecting_evaluator_never_promotes_and_replicas_never_load(
+        setup, kafka_bootstrap, namespace, tmp_path):
+    settings, fleet = setup
+    events = [write_checkpoint(tmp_path / "ckpt", step, alpha, recipe="rejecting")
+              for step, alpha in ((1, 0.5), (2, 0.8), (3, 0.99))]
+    other = write_checkpoint(tmp_path / "other", 4, 0.9, recipe="another-recipe")
+    produce_checkpoints(kafka_bootstrap, namespace, *events, other)
+
+    summary = run_evaluator("rejecting", settings, fleet=fleet)
+
+    assert (summary.rejected, summary.promoted, summary.skipped) == (3, 0, 1)
+    decisions = read_publications(kafka_bootstrap, namespace, 3)
+    assert [p.policy_version for p in decisions] == [1, 2, 3]
+    for publication, event in zip(decisions, events):
+        assert publication.decision is Decision.REJECTED
+        assert publication.evaluator == "unreachable-threshold" and publication.evaluated
+        assert "below the threshold" in publication.reason
+        assert publication.measurement["score"] == pytest.approx(
+            score(load_weights(event.uri, event.sha256)))
+        assert publication.incumbent_version is None
+        assert publication.uri == event.uri  # a rejected checkpoint is not copied
+    assert set(publication_keys(kafka_bootstrap, namespace, 3)) == {b"tiny#rejected"}
+    assert not (settings.home / "published").exists()
+
+    loads = Loads()
+    with Follower("tiny", on_version=loads, settings=settings, fleet=fleet,
+                  heartbeat_s=0.5) as replica:
+        assert replica.wait_ready(30) is None
+        eventually(lambda: fleet.snapshot().model("tiny").replicas, what="a heartbeat")
+        model = fleet.snapshot().model("tiny")
+    assert loads.versions == []
+    assert model.published is None and model.serving is None
+    assert [(r.replica_id, r.version, r.state) for r in model.replicas] == \
+        [(replica.replica_id, None, "waiting")]
+
+
+def test_a_promoting_evaluator_and_a_late_replica_converge_on_the_newest_version(
+        setup, kafka_bootstrap, namespace, tmp_path):
+    settings, fleet = setup
+    store = tmp_path / "ckpt"
+    first = [write_checkpoint(store, step, alpha)
+             for step, alpha in ((1, 0.5), (2, 0.2), (3, 0.8))]  # v2 is worse than v1
+    produce_checkpoints(kafka_bootstrap, namespace, *first)
+
+    summary = run_evaluator("promoting", settings, fleet=fleet)
+
+    assert (summary.promoted, summary.rejected) == (2, 1)
+    decisions = read_publications(kafka_bootstrap, namespace, 3)
+    assert [(p.policy_version, p.decision, p.incumbent_version) for p in decisions] == [
+        (1, Decision.PROMOTED, None), (2, Decision.REJECTED, 1), (3, Decision.PROMOTED, 1)]
+    assert all(p.evaluator == "held-out-score" and p.evaluated for p in decisions)
+    assert "does not beat version 1" in decisions[1].reason
+    assert decisions[2].measurement["score"] > decisions[0].measurement["score"]
+    published = settings.home / "published" / namespace / "tiny"
+    assert decisions[2].uri == str(published / "v3") and decisions[2].sha256 == first[2].sha256
+    assert sorted(p.name for p in published.iterdir()) == ["v1", "v3"]
+
+    # The trainer's retention deletes its own checkpoints: what is served lives on.
+    CheckpointStore(store).prune(keep=0)
+    shutil.rmtree(store)
+
+    loads = Loads()
+    with Follower("tiny", on_version=loads, settings=settings, fleet=fleet,
+                  heartbeat_s=0.5) as late:
+        assert late.wait_ready(30) == 3
+        assert loads.versions == [3]  # straight to the newest: v1 is never loaded
+        for name, tensor in weights(0.8).items():
+            assert torch.equal(loads.weights[3][name], tensor)
+
+        eventually(lambda: fleet.snapshot().model("tiny").serving == 3, what="serving 3")
+        model = fleet.snapshot().model("tiny")
+        assert model.published.version == 3 and model.published.evaluated
+        assert [(r.replica_id, r.version) for r in model.replicas] == [(late.replica_id, 3)]
+
+        # A newer promoted version reaches the running replica, and Redis shows it.
+        produce_checkpoints(kafka_bootstrap, namespace, write_checkpoint(store, 4, 0.95))
+        assert run_evaluator("promoting", settings, fleet=fleet).promoted == 1
+        assert late.wait_for_version(4, 30) == 4
+        eventually(lambda: fleet.snapshot().model("tiny").serving == 4, what="serving 4")
+        model = fleet.snapshot().model("tiny")
+        assert model.published.version == 4 and model.replicas[0].version == 4
+    assert loads.versions == [3, 4]
+
+
+def test_a_reemitted_checkpoint_gets_no_second_decision(
+        setup, kafka_bootstrap, namespace, tmp_path):
+    settings, fleet = setup
+    v1 = write_checkpoint(tmp_path / "ckpt", 1, 0.5)
+    v2 = write_checkpoint(tmp_path / "ckpt", 2, 0.6)
+    produce_checkpoints(kafka_bootstrap, namespace, v1, v2, v1)  # a trainer crash re-emits v1
+    first = run_evaluator("promoting", settings)
+    assert (first.promoted, first.duplicates) == (2, 1)
+
+    # The trainer restarted from an older checkpoint and emits v2 again (same id), and a
+    # different checkpoint with an already decided version.
+    again = write_checkpoint(tmp_path / "replayed", 2, 0.9)
+    assert again.checkpoint_id != v2.checkpoint_id
+    produce_checkpoints(kafka_bootstrap, namespace, v2, again)
+    second = run_evaluator("promoting", settings)
+    assert (second.checkpoints, second.decided, second.duplicates) == (2, 0, 2)
+
+    # An evaluator that crashed before committing anything reads every event again (a new
+    # group has no committed offsets): the ledger of publications holds its decisions.
+    replay = run_evaluator("promoting", settings, group=f"{namespace}.evaluate.fresh")
+    assert (replay.checkpoints, replay.decided, replay.duplicates) == (5, 0, 5)
+
+    decisions = read_publications(kafka_bootstrap, namespace, 2)
+    assert [(p.policy_version, p.decision) for p in decisions] == [
+        (1, Decision.PROMOTED), (2, Decision.PROMOTED)]
+
+
+def test_a_tampered_candidate_or_a_failing_measure_is_rejected_with_the_reason(
+        setup, kafka_bootstrap, namespace, tmp_path):
+    settings, _ = setup
+    tampered = write_checkpoint(tmp_path / "ckpt", 1, 0.9)
+    weights_file = tmp_path / "ckpt" / "step-00000001" / "model.safetensors"
+    data = bytearray(weights_file.read_bytes())
+    data[-1] ^= 0xFF
+    weights_file.write_bytes(bytes(data))
+    good = write_checkpoint(tmp_path / "ckpt", 2, 0.5)
+    broken = write_checkpoint(tmp_path / "broken", 1, 0.5, model="judged",
+                              recipe="broken-measure")
+    produce_checkpoints(kafka_bootstrap, namespace, tampered, good, broken)
+
+    assert run_evaluator("promoting", settings).decided == 2
+    summary = run_evaluator("broken_measure", settings, retries=1, backoff=0.01)
+    assert (summary.rejected, summary.failed_measures) == (1, 2)
+
+    first, second, third = read_publications(kafka_bootstrap, namespace, 3)
+    assert first.decision is Decision.REJECTED and "failed verification" in first.reason
+    assert "model.safetensors does not match its sha256" in first.reason
+    assert second.decision is Decision.PROMOTED and second.incumbent_version is None
+    assert third.decision is Decision.REJECTED and third.model == "judged"
+    assert "measure failed on every one of 2 tries" in third.reason
+    assert "RuntimeError: the judge is down" in third.reason
+
+
+def test_reef_evaluate_warns_about_accept_everything_and_marks_publications_unevaluated(
+        cli_env, kafka_bootstrap, namespace, tmp_path):
+    create_topics(kafka_bootstrap, namespace)
+    event = write_checkpoint(tmp_path / "ckpt", 7, 0.5, recipe="good")
+    produce_checkpoints(kafka_bootstrap, namespace, event)
+    from confluent_kafka import Producer
+
+    from reef_stream.connect import client_config
+    garbage = Producer(client_config(kafka_bootstrap))
+    garbage.produce(checkpoints(namespace), key=b"trainer-a", value=b"not avro")
+    assert garbage.flush(30) == 0
+
+    result = reef("evaluate", "--recipe", "tests.recipes.good", "--idle-exit", "3",
+                      env=cli_env)
+
+    assert "AcceptEverything" in result.stderr and "WITHOUT evaluation" in result.stderr
+    assert "checkpoints=2 promoted=1 rejected=0 duplicates=0 skipped=0 undecodable=1" \
+        in result.stdout
+    (publication,) = read_publications(kafka_bootstrap, namespace, 1)
+    assert publication.decision is Decision.PROMOTED and not publication.evaluated
+    assert publication.evaluator == "accept-everything (unevaluated)"
+    assert publication.uri.endswith(f"published/{namespace}/tiny/v7")
+    load_weights(publication.uri, publication.sha256)
+    (letter,) = consume_events(kafka_bootstrap, dead_letters(namespace), 1, DeadLetter)
+    assert letter.stage == "evaluator" and letter.value == b"not avro"
+    assert "undecodable checkpoint event" in letter.reason
+
+    shown = reef("fleet", env=cli_env)
+    assert "tiny" in shown.stdout and "UNEVALUATED" in shown.stdout
+
