@@ -40,13 +40,15 @@ def docker_compose_file():
 def kafka_bootstrap(settings, tmp_path_factory, request) -> str:
     """Bootstrap address of a real Kafka cluster for the whole session."""
     if settings.bootstrap_servers:
-        return settings.bootstrap_servers
+        yield settings.bootstrap_servers
+        return
     if USE_DOCKER:
         services = request.getfixturevalue("docker_services")
         bootstrap = "127.0.0.1:19092"
         services.wait_until_responsive(timeout=90, pause=1,
                                        check=lambda: _kafka_answers(bootstrap))
-        return bootstrap
+        yield bootstrap
+        return
     cluster = LocalCluster(tmp_path_factory.mktemp("kafka"), settings.cache_dir)
     bootstrap = cluster.up(port=0)
     yield bootstrap
@@ -57,10 +59,12 @@ def kafka_bootstrap(settings, tmp_path_factory, request) -> str:
 def redis_url(settings, tmp_path_factory, request) -> str:
     """URL of a real Redis server for the whole session."""
     if settings.redis_url:
-        return settings.redis_url
+        yield settings.redis_url
+        return
     if USE_DOCKER:
         request.getfixturevalue("docker_services")
-        return "redis://127.0.0.1:16379/0"
+        yield "redis://127.0.0.1:16379/0"
+        return
     from reef_stream.processes import free_ports
 
     server = LocalRedis(tmp_path_factory.mktemp("redis"))
