@@ -5,7 +5,7 @@
 
 Joins ``<ns>.generations`` and ``<ns>.feedback``, emits units to
 ``<ns>.units.<recipe>`` and every non-unit outcome to ``<ns>.dead-letters``,
-until SIGINT or SIGTERM (it finishes the current transaction and leaves). A
+its running counts to ``<ns>.metrics``, until SIGINT or SIGTERM (it finishes the current transaction and leaves). A
 SIGKILL loses nothing: a restarted instance resumes from its last
 transaction. Concurrent processors of one group need distinct ``--instance``
 values; a restart must reuse its predecessor's. ``COMMANDS`` lists the
@@ -36,7 +36,9 @@ def process(path: str, group: str | None, instance: str, batch: int | None) -> N
     Every generation ends in exactly one unit or one dead letter (expired, too
     stale, invalid), even across crashes: units, dead letters, the pending
     state's changelog and the consumed offsets are committed in one Kafka
-    transaction per batch. Counts go to the log.
+    transaction per batch. Counts go to the log and, as Metric events labelled
+    with the recipe, group and instance, to <namespace>.metrics (at most once a
+    second).
     """
     from reef_stream.config import load_settings
     from reef_stream.connect import bootstrap_servers

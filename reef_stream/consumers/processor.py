@@ -31,8 +31,14 @@ mode has open duplicate bugs (faust-streaming #323, #517, #177), so the
 guarantee has to come from elsewhere anyway; its tables would duplicate the
 per-key snapshots the state machine already makes; and this loop is one
 screen of code whose durability order is written down in ``_commit``.
-Faust was not run against this runtime (time-boxed session), so no faust
-figure decided it. Measured here (``bench/processor.py``, 2-core machine,
+The figures that decided it (``bench/faust_processor.py --generations 6000``,
+two runs, same data and broker: a faust-streaming 0.15.3 agent over both
+topics driving the same ``ProcessorState``, snapshots in a changelog-backed
+``Table``, no restore, ticks or checkpoints): raw 11,000-12,600
+generations/s, this loop 3,000-3,500 (0.28 of raw), faust at_least_once
+490-530 (0.04 of raw, 0.15 of this loop), faust without its table 810-1,290,
+faust exactly_once 335-410 (it did commit every unit on Kafka 3.9.2, once,
+in a run without rebalances or crashes). Measured earlier (``bench/processor.py``, 2-core machine,
 one local broker, ~1.2 KB generations in groups of 4): 2,900-3,400
 generations/s joined and grouped (6,000-6,800 records/s with feedback)
 against 20,000-25,000 generations/s for a raw confluent-kafka
@@ -70,15 +76,27 @@ records are offered in timestamp order across its two topics: a record
 waits in memory (unoffered, its offset uncommitted) until the other topic
 has been read past its timestamp or has nothing unread (position at the
 high watermark of the last fetch), as Kafka Streams synchronises the
-partitions of a task. Without this, the state machine's clock (the newest
+partitions of a task, but at most ``MAX_IDLE_S`` from when it was read (the
+other topic lags rather than stops, e.g. its records sit behind a producer's
+open transaction; Kafka Streams' ``max.task.idle.ms``). Without this, the state machine's clock (the newest
 time offered) ran ahead on whichever topic librdkafka handed over first and
 expired hundreds of generations whose feedback was merely unread (seen in
 the kill test). After each batch a pair is ticked with its state's clock;
 when neither topic has anything unread, with the wall clock, so a generation
-whose feedback never comes still expires when input stops. Checkpoint
-versions (staleness) are not observed yet.
+whose feedback never comes still expires when input stops. The newest
+checkpoint version of the recipe (``<ns>.checkpoints``, read every loop) is
+observed by every partition's state, again after each rebuild (assignment or
+rewind), since a restored state does not hold it.
 
-Counts go to the log every ``log_every_s`` seconds (``Step.counts`` summed).
+Counts. ``counts`` holds ``Step.counts`` summed over committed transactions
+only (an aborted transaction's counts are dropped with it). They go to the
+log every ``log_every_s`` seconds and, as ``Metric`` events (names in
+``reef_stream.metrics``, labels ``recipe``, ``group``, ``instance``), to
+``<ns>.metrics`` at most every ``metrics_every_s`` seconds and whenever they
+changed: generations by outcome, feedback by fate, duplicate generations,
+units, invalid records, transactions and aborted transactions, as running
+totals since the process started. They go through a producer of their own,
+outside the transactions (see ``_emit_metrics``).
 """
 
 from __future__ import annotations
@@ -104,11 +122,14 @@ from confluent_kafka.admin import AdminClient
 
 from reef_stream.connect import client_config
 from reef_stream.errors import FatalError, InvalidRecord
+from reef_stream import metrics
 from reef_stream.events import Checkpoint, DeadLetter, Feedback, Generation, MessageHeader, now_ms
 from reef_stream.processor import (
+    FeedbackFate,
     FeedbackOutcome,
     GenerationOutcome,
     Origin,
+    Outcome,
     ProcessorState,
     Step,
     dumps_snapshot,
@@ -121,14 +142,15 @@ from reef_stream.topics.serde import SchemaRegistry
 
 log = logging.getLogger("reef_stream.processor")
 
-STAGE = "processor"
+STAGE = metrics.STAGE_PROCESSOR
 #: Most records taken per transaction.
 BATCH = 2000
 #: How long the broker keeps a transaction of a vanished producer open (a restarted
 #: instance aborts it at once; another instance's would block readers this long).
 TRANSACTION_TIMEOUT_MS = 30_000
 SESSION_TIMEOUT_MS = 10_000
-#: Longest a pair's records wait (wall clock) for its other topic to be read past them.
+#: Longest a record waits (wall clock, from when it was read) for the other topic of its
+#: pair to be read past its timestamp while that topic has unread records.
 MAX_IDLE_S = 5.0
 
 
@@ -151,9 +173,9 @@ class _Partition:
 
     state: ProcessorState[Any]
     touched: set[str] = field(default_factory=set)
-    queues: dict[str, deque[tuple[Any, int]]] = field(default_factory=dict)  # read, not offered
+    #: By topic: records read, not offered yet, as (message, timestamp, when read (monotonic)).
+    queues: dict[str, deque[tuple[Any, int, float]]] = field(default_factory=dict)
     next: dict[str, int] = field(default_factory=dict)  # next offset to read, by topic
-    blocked_since: float | None = None  # when records began to wait for the other topic
 
 
 class ProcessorRuntime:
@@ -165,11 +187,11 @@ class ProcessorRuntime:
 
     def __init__(self, recipe: Any, *, bootstrap: str, namespace: str, group: str | None = None,
                  instance: str = "0", batch: int = BATCH, log_every_s: float = 10.0,
-                 registry: SchemaRegistry | None = None):
+                 metrics_every_s: float = 1.0, registry: SchemaRegistry | None = None):
         self.recipe, self.ns = recipe, namespace
         self.group = group or f"{namespace}.process.{recipe.name}"
         self.instance = instance
-        self.batch, self.log_every_s = batch, log_every_s
+        self.batch, self.log_every_s, self.metrics_every_s = batch, log_every_s, metrics_every_s
         self.registry = registry or SchemaRegistry.default()
         self.bootstrap = bootstrap
         self.generations = declarations.generations(namespace)
@@ -180,6 +202,12 @@ class ProcessorRuntime:
         self._topics = (self.generations, self.feedback)
         self.counts: Counter[str] = Counter()
         self.transactions = 0
+        self.aborted = 0  # transactions aborted and rewound
+        self._metrics_producer: Producer | None = None
+        self._metrics: metrics.MetricsWriter | None = None
+        self._metrics_sent: tuple[int, int] = (0, 0)  # (transactions, aborted) last emitted
+        self._metrics_at = 0.0
+        self.metrics_dropped = 0
         self._parts: dict[int, _Partition] = {}
         self._stop = threading.Event()
         self._callback_error: BaseException | None = None
@@ -209,6 +237,7 @@ class ProcessorRuntime:
             "message.max.bytes": 16 * MiB + 1024,
         }))
         self._producer.init_transactions(60)  # fences a predecessor and aborts its transaction
+        self._start_metrics()
         self._consumer = Consumer(client_config(self.bootstrap, {
             "group.id": self.group,
             "group.instance.id": f"{self.group}.{self.instance}",
@@ -240,19 +269,94 @@ class ProcessorRuntime:
                     ready.set()
                 self._read_checkpoints()
                 self._process(messages)
+                self._emit_metrics()
                 if time.monotonic() - last_log >= self.log_every_s:
                     last_log = time.monotonic()
                     self._log_counts()
         finally:
             self._log_counts()
             consumer, self._consumer = self._consumer, None
-            consumer.close()
-            self._checkpoints.close()
-            self._producer.flush(10)
+            # Each step even if another fails, and none hides why run() is leaving (a fenced
+            # producer's flush raises the fencing again, as a bare KafkaException).
+            for what, close in (("consumer", consumer.close),
+                                ("checkpoint reader", self._checkpoints.close),
+                                ("producer", lambda: self._producer.flush(10)),
+                                ("metrics", lambda: self._emit_metrics(final=True))):
+                try:
+                    close()
+                except Exception as error:  # noqa: BLE001 - shutting down anyway
+                    log.warning("processor %s: closing the %s: %s", self.recipe.name, what, error)
 
     def _log_counts(self) -> None:
-        log.info("processor %s: %d transactions; %s", self.recipe.name, self.transactions,
-                 ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "nothing yet")
+        log.info("processor %s: %d transactions (%d aborted); %s%s", self.recipe.name,
+                 self.transactions, self.aborted,
+                 ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "nothing yet",
+                 f"; {self.metrics_dropped} metric events dropped" if self.metrics_dropped else "")
+
+    # ----------------------------------------------------------------- metrics
+
+    def _start_metrics(self) -> None:
+        """The metrics producer: a plain one of its own, not the transactional one.
+
+        Why not inside the transactions (which would make the metrics exactly as
+        durable as the outputs they count): a transaction can commit only if
+        every partition it wrote to accepts its records, so a metrics topic that
+        is missing, unavailable, full or not writable would abort every
+        transaction and stall the pipeline behind it, which metrics must never
+        do. ``counts`` only changes when a transaction commits, so a value sent
+        here never counts what an aborted transaction decided; a crash merely
+        loses the last second of observations (the next process starts its
+        running totals at 0, as ``reef_stream.metrics`` says). ``acks=1`` and one
+        request in flight keep one instance's events in order without the
+        idempotent producer's fatal states; the queue is bounded, and a metric
+        that cannot be queued or delivered is counted in ``metrics_dropped``
+        and otherwise dropped.
+        """
+        def delivered(error: KafkaError | None, _message: Any) -> None:
+            if error is not None:
+                self.metrics_dropped += 1
+
+        self._metrics_producer = Producer(client_config(self.bootstrap, {
+            "acks": 1, "enable.idempotence": False,
+            "max.in.flight.requests.per.connection": 1,
+            "linger.ms": 50, "message.timeout.ms": 30_000,
+            "queue.buffering.max.messages": 10_000, "on_delivery": delivered,
+        }))
+        self._metrics = metrics.MetricsWriter(
+            self._metrics_producer, self.ns, metrics.STAGE_PROCESSOR,
+            {"recipe": self.recipe.name, "group": self.group, "instance": self.instance})
+
+    def _emit_metrics(self, *, final: bool = False) -> None:
+        """Write the running counts as Metric events if they changed since the last write and
+        ``metrics_every_s`` has passed (``final``: if they changed at all, then flush for up to
+        5 s). Never blocks otherwise, never raises."""
+        writer, producer = self._metrics, self._metrics_producer
+        if writer is None or producer is None:
+            return
+        try:
+            sent = (self.transactions, self.aborted)
+            due = final or time.monotonic() - self._metrics_at >= self.metrics_every_s
+            if due and sent != self._metrics_sent:
+                counts = self.counts
+                writer.write_counts(metrics.PROCESSOR_GENERATIONS,
+                                    {o.value: counts[f"generations.{o.value}"] for o in Outcome},
+                                    "outcome")
+                writer.write_counts(metrics.PROCESSOR_FEEDBACK,
+                                    {f.value: counts[f"feedback.{f.value}"] for f in FeedbackFate},
+                                    "fate")
+                writer.write(metrics.PROCESSOR_DUPLICATE_GENERATIONS,
+                             counts["generations.duplicate"])
+                writer.write(metrics.PROCESSOR_UNITS, counts["units"])
+                writer.write(metrics.PROCESSOR_INVALID_RECORDS, counts["invalid_records"])
+                writer.write(metrics.PROCESSOR_TRANSACTIONS, self.transactions)
+                writer.write(metrics.PROCESSOR_ABORTED_TRANSACTIONS, self.aborted)
+                self._metrics_sent, self._metrics_at = sent, time.monotonic()
+            producer.poll(0)
+            if final:
+                self.metrics_dropped += producer.flush(5)
+        except Exception as error:  # noqa: BLE001 - metrics never fail the pipeline
+            self.metrics_dropped += 1
+            log.warning("metrics not written: %s", error)
 
     def _ensure_topics(self) -> int:
         """Create the units, dead-letter and changelog topics if missing; the partition count."""
@@ -355,7 +459,9 @@ class ProcessorRuntime:
             if error is not None:
                 if error.code() == KafkaError._PARTITION_EOF:
                     continue
-                if error.fatal():
+                if error.fatal() or error.code() == KafkaError._FATAL:
+                    # (a fatal consumer error, e.g. a static member fenced by a newer one with
+                    # its group.instance.id, arrives as a _FATAL event whose fatal() is False)
                     raise FatalError(f"the consumer failed: {error}")
                 log.warning("consumer: %s", error)
                 continue
@@ -363,7 +469,8 @@ class ProcessorRuntime:
             if part is not None:  # else a record of a partition revoked within this poll
                 kind, at = message.timestamp()
                 part.next[message.topic()] = message.offset() + 1
-                part.queues[message.topic()].append((message, now_ms() if kind == TIMESTAMP_NOT_AVAILABLE else at))
+                part.queues[message.topic()].append(
+                    (message, now_ms() if kind == TIMESTAMP_NOT_AVAILABLE else at, time.monotonic()))
         steps: list[tuple[int, Step]] = []
         bad: list[Any] = []
         positions: dict[tuple[str, int], int] = {}
@@ -379,16 +486,16 @@ class ProcessorRuntime:
                 if not heads:
                     break
                 if len(heads) == 1:
-                    # the other topic's queue is empty: go on only if it has nothing unread
-                    # (or the records waited MAX_IDLE_S: the other topic lags, not stops)
+                    # the other topic's queue is empty: go on only if it has nothing unread,
+                    # or the head record has waited MAX_IDLE_S since it was read (each record
+                    # waits at most that long, not one MAX_IDLE_S after the other)
                     caught_up = self._caught_up(p) if caught_up is None else caught_up
                     if not caught_up.issuperset(set(self._topics) - heads.keys()):
-                        part.blocked_since = part.blocked_since or time.monotonic()
-                        if time.monotonic() - part.blocked_since < MAX_IDLE_S:
+                        (head,) = heads
+                        if time.monotonic() - part.queues[head][0][2] < MAX_IDLE_S:
                             break
-                part.blocked_since = None
                 topic = min(heads, key=lambda t: (heads[t], t != self.generations))
-                message, at = part.queues[topic].popleft()
+                message, at, _ = part.queues[topic].popleft()
                 offset = message.offset()
                 positions[(topic, p)] = offset + 1
                 reader = Generation if topic == self.generations else Feedback
@@ -452,9 +559,13 @@ class ProcessorRuntime:
         """The durability order, in one transaction (all of it or none of it survives a crash):
         units → dead letters → changed state snapshots → consumed offsets → commit.
 
-        On a failure that leaves the transaction abortable, it is aborted and the states
-        are rebuilt from the changelog and consumption rewinds to the committed offsets
-        (what a restart would do); anything else (e.g. being fenced) is fatal."""
+        A retriable error of ``send_offsets_to_transaction`` or ``commit_transaction`` is
+        retried (``_retry``). Any other failure that is not fatal aborts the transaction,
+        rebuilds the states from the changelog and rewinds consumption to the committed
+        offsets (what a restart would do). That includes a ``produce`` refused with
+        ``_STATE`` because an earlier record of the transaction already failed (the
+        transaction is then abortable, but that error does not say so); a fatal error, or
+        an abort that fails (e.g. being fenced), is fatal."""
         producer, counts = self._producer, Counter()
         try:
             producer.begin_transaction()
@@ -481,15 +592,21 @@ class ProcessorRuntime:
                     self._poll()
             offsets = [TopicPartition(t, p, o) for (t, p), o in sorted(positions.items())]
             if offsets:
-                producer.send_offsets_to_transaction(
-                    offsets, self._consumer.consumer_group_metadata(), 30)
-            producer.commit_transaction(60)
+                metadata = self._consumer.consumer_group_metadata()
+                self._retry(lambda: producer.send_offsets_to_transaction(offsets, metadata, 30))
+            self._retry(lambda: producer.commit_transaction(60))
         except KafkaException as exc:
             error = exc.args[0]
-            if not error.txn_requires_abort():
+            if error.fatal():
                 raise FatalError(f"the processor's transaction failed: {error}") from exc
-            log.warning("transaction aborted (%s); rebuilding state from the changelog", error)
-            producer.abort_transaction(60)
+            log.warning("transaction failed (%s); aborting it and rebuilding state from the "
+                        "changelog", error)
+            try:
+                producer.abort_transaction(60)
+            except KafkaException as abort:
+                raise FatalError(f"the processor's transaction failed ({error}) and could not "
+                                 f"be aborted: {abort.args[0]}") from abort
+            self.aborted += 1
             self._rewind()
             return
         finally:
@@ -497,6 +614,17 @@ class ProcessorRuntime:
                 part.touched.clear()
         self.transactions += 1
         self.counts.update(counts)
+
+    @staticmethod
+    def _retry(call: Any, attempts: int = 3) -> None:
+        """``call()``, again while it raises a retriable error (at most ``attempts`` times)."""
+        for attempt in range(attempts):
+            try:
+                return call()
+            except KafkaException as exc:
+                if not exc.args[0].retriable() or attempt == attempts - 1:
+                    raise
+                log.warning("retrying: %s", exc.args[0])
 
     def _poll(self) -> None:
         if len(self._producer) > 50_000:
@@ -506,6 +634,7 @@ class ProcessorRuntime:
         """After an aborted transaction: the states as committed, input from the committed offsets."""
         assignment = self._consumer.assignment()
         self._parts = self._restore(sorted({tp.partition for tp in assignment}))
+        self._observed = None  # restored states have not seen the newest checkpoint (as in _assign)
         committed = self._consumer.committed(assignment, timeout=30)
         for tp in committed:
             tp.offset = tp.offset if tp.offset >= 0 else 0

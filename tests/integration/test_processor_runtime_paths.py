@@ -1,0 +1,320 @@
+"""Processor runtime paths the main tests do not reach, against the real broker.
+
+- A transaction that fails (the broker refuses a unit larger than the units
+  topic's ``max.message.bytes``) is aborted and the runtime rewinds to its last
+  committed state and offsets, again and again while the cause lasts; once it
+  is gone nothing is lost or duplicated in the committed log, and the rewound
+  state still knows the newest checkpoint (generations behind it stay
+  TOO_STALE).
+- A second instance with the same ``--instance`` (same transactional id) fences
+  the first: the first stops with a FatalError, the second carries on, and the
+  committed log holds every outcome exactly once.
+- A second live processor joins the group while input flows, and later the first
+  leaves: the partitions move twice and every generation still gets exactly one
+  outcome, none sits in two units, and the two instances' committed counts add
+  up to the log.
+- The ordering safety valve (``MAX_IDLE_S``): records of one topic wait while
+  the other topic of their pair has unread records (here: an open transaction
+  of a reward worker) and at most ``MAX_IDLE_S`` each, then they are offered;
+  the join still completes when the other topic's records come.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+
+from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    ResourceType,
+)
+
+from reef_stream.connect import client_config
+from reef_stream.consumers.processor import MAX_IDLE_S, ProcessorRuntime
+from reef_stream.errors import FatalError
+from reef_stream.events import Generation, RolloutUnit
+from reef_stream.topics import declarations
+from reef_stream.topics.serde import SchemaRegistry
+from tests.helpers import consume_all
+from tests.integration.test_processor_metrics import publish_checkpoint, wait_for
+from tests.integration.test_processor_runtime import (
+    RECIPE,
+    Workload,
+    check_invariant,
+    create_topics,
+    feedback,
+    generation,
+    key_of,
+    make_workload,
+    produce,
+    read_back,
+)
+
+
+class Running:
+    """A ProcessorRuntime in a thread of its own; ``error`` is what ``run`` raised."""
+
+    def __init__(self, bootstrap: str, namespace: str, instance: str, **kwargs) -> None:
+        self.runtime = ProcessorRuntime(RECIPE, bootstrap=bootstrap, namespace=namespace,
+                                        instance=instance, log_every_s=5, **kwargs)
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"processor-{instance}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.runtime.run(ready=self.ready)
+        except BaseException as error:  # noqa: BLE001 - the test looks at it
+            self.error = error
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        wait_for(lambda: self.ready.is_set() or not self.thread.is_alive(), timeout,
+                 "the processor's partitions")
+        assert self.ready.is_set(), f"processor exited: {self.error!r}"
+
+    def stop(self) -> None:
+        self.runtime.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the processor did not stop"
+
+
+def set_units_max_bytes(bootstrap: str, namespace: str, value: int) -> None:
+    topic = declarations.units(namespace, RECIPE.name)
+    resource = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[ConfigEntry(
+        "max.message.bytes", str(value), incremental_operation=AlterConfigOpType.SET)])
+    admin = AdminClient(client_config(bootstrap))  # alive until the futures resolve
+    for future in admin.incremental_alter_configs([resource]).values():
+        future.result(30)
+
+
+def fresh(work: Workload, version: int) -> Workload:
+    """``work`` with every generation at ``policy_version`` ``version``."""
+    work.windows = [[dataclasses.replace(r, policy_version=version) if isinstance(r, Generation)
+                     else r for r in window] for window in work.windows]
+    return work
+
+
+# --------------------------------------------------------------------------- abort and rewind
+
+
+def test_a_failed_transaction_is_aborted_and_rewound_losing_and_duplicating_nothing(
+        kafka_bootstrap, namespace):
+    create_topics(kafka_bootstrap, namespace)
+    publish_checkpoint(kafka_bootstrap, namespace, 5)  # max_staleness 2: version 0 is too stale
+    work = fresh(make_workload(windows=4, groups_per_window=10, seed=5), version=4)
+    stale = [generation(f"stale-m{m}", "stale", 4) for m in range(4)]
+    work.windows[0] += stale + [feedback(g.generation_id, "stale", 1.0) for g in stale]
+    work.other |= {g.generation_id for g in stale}
+
+    proc = Running(kafka_bootstrap, namespace, "abort")
+    try:
+        proc.wait_ready()
+        wait_for(lambda: proc.runtime.newest_checkpoint == 5, 30, "the checkpoint")
+        # (after the start: the runtime checks the declared configs of its topics)
+        set_units_max_bytes(kafka_bootstrap, namespace, 256)  # every unit is refused
+        produce(kafka_bootstrap, namespace, work.windows[:2])
+        # Every transaction holding a unit fails; each is aborted and rewound, then retried.
+        wait_for(lambda: proc.runtime.aborted >= 3 or proc.error, 60, "three aborted transactions")
+        assert proc.error is None, proc.error
+        assert proc.runtime.counts["units"] == 0, "an aborted transaction's counts were kept"
+        assert consume_all(kafka_bootstrap, declarations.units(namespace, RECIPE.name), 0,
+                           idle_rounds=1) == []
+        set_units_max_bytes(kafka_bootstrap, namespace, 16 << 20)
+        produce(kafka_bootstrap, namespace, work.windows[2:])
+        back = read_back(kafka_bootstrap, namespace, work, alive=proc.thread.is_alive)
+    finally:
+        proc.stop()
+    assert proc.error is None, proc.error
+    check_invariant(back, work)
+    assert back.unit_records == len(back.units), "a unit committed twice"
+    assert proc.runtime.counts["units"] == len(back.units), "counts of aborted transactions kept"
+    assert proc.runtime.counts["generations.unit"] == sum(len(m) for m in back.units.values())
+    # The rewound state still measures staleness against the newest checkpoint.
+    assert all("behind the newest checkpoint 5" in back.reasons.get(g.generation_id, "")
+               for g in stale), {g.generation_id: back.reasons.get(g.generation_id) for g in stale}
+    assert back.kinds["processor.too_stale"] == len(stale)
+
+
+def test_a_second_instance_with_the_same_transactional_id_fences_the_first(
+        kafka_bootstrap, namespace):
+    create_topics(kafka_bootstrap, namespace)
+    work = make_workload(windows=16, groups_per_window=10, seed=9)
+    first = Running(kafka_bootstrap, namespace, "same")
+    second = None
+    try:
+        first.wait_ready()
+        produce(kafka_bootstrap, namespace, work.windows[:6])
+        wait_for(lambda: first.runtime.counts["units"] > 0, 30, "the first instance's units")
+        second = Running(kafka_bootstrap, namespace, "same")  # fences the first
+        second.wait_ready()
+        produce(kafka_bootstrap, namespace, work.windows[6:], pause_s=0.2)
+        back = read_back(kafka_bootstrap, namespace, work, alive=second.thread.is_alive)
+        wait_for(lambda: not first.thread.is_alive(), 30, "the fenced instance to stop")
+    finally:
+        first.runtime.stop()
+        if second is not None:
+            second.stop()
+    assert isinstance(first.error, FatalError) and "fenced" in str(first.error), repr(first.error)
+    assert second.error is None, second.error
+    check_invariant(back, work)
+    assert back.unit_records == len(back.units), "a unit committed twice"
+    counted = first.runtime.counts["units"] + second.runtime.counts["units"]
+    assert counted == len(back.units), "a unit committed by both instances, or by neither"
+
+
+# --------------------------------------------------------------------------- rebalance
+
+
+def test_a_rebalance_between_two_live_processors_keeps_one_outcome_per_generation(
+        kafka_bootstrap, namespace):
+    create_topics(kafka_bootstrap, namespace)
+    work = make_workload(windows=60, groups_per_window=10, seed=21)
+    flowed: list = []  # windows sent so far
+    finish, sent = threading.Event(), threading.Event()
+
+    def flow() -> None:
+        for window in work.windows:
+            if finish.is_set():
+                break
+            produce(kafka_bootstrap, namespace, [window])
+            flowed.append(window)
+            time.sleep(0.3)
+        sent.set()
+
+    first = Running(kafka_bootstrap, namespace, "a")
+    second = None
+    try:
+        first.wait_ready()
+        threading.Thread(target=flow, daemon=True).start()
+        wait_for(lambda: len(flowed) >= 6, 30, "six windows")
+        second = Running(kafka_bootstrap, namespace, "b")  # joins: the partitions split
+        second.wait_ready()
+        joined = len(flowed)
+        wait_for(lambda: len(flowed) >= joined + 6 or sent.is_set(), 30, "six more windows")
+        first.stop()  # leaves: after the session timeout its partitions go to the second
+        left = len(flowed)
+        wait_for(lambda: len(flowed) >= left + 6 or sent.is_set(), 30, "six more windows")
+        finish.set()
+        wait_for(sent.is_set, 30, "the input to stop")
+        assert 6 <= joined < left < len(flowed), "input flowed across both rebalances"
+        sent_ids = {r.generation_id for w in flowed for r in w if isinstance(r, Generation)}
+        work.complete &= sent_ids
+        work.other &= sent_ids
+        work.orphan_feedback &= {r.feedback_id for w in flowed for r in w
+                                 if not isinstance(r, Generation)}
+        work.windows = flowed
+        back = read_back(kafka_bootstrap, namespace, work, alive=second.thread.is_alive)
+    finally:
+        finish.set()
+        first.runtime.stop()
+        if second is not None:
+            second.stop()
+    assert first.error is None and second.error is None, (first.error, second.error)
+    check_invariant(back, work)
+    assert back.unit_records == len(back.units), "a unit committed twice"
+    a, b = first.runtime.counts, second.runtime.counts
+    assert a["units"] > 0 and b["units"] > 0, "both processors worked"
+    assert a["units"] + b["units"] == len(back.units), "a unit emitted by both, or by neither"
+    outcomes = sum(n for c in (a, b) for k, n in c.items()
+                   if k.startswith("generations.") and k != "generations.duplicate")
+    assert outcomes == len(work.generations), "a generation concluded twice, or never"
+    print(f"\n{len(flowed)} windows; the second joined after {joined}, the first left after "
+          f"{left}; units a={a['units']} b={b['units']}; transactions "
+          f"a={first.runtime.transactions} b={second.runtime.transactions}")
+
+
+# --------------------------------------------------------------------------- the safety valve
+
+
+def committed_offset(bootstrap: str, group: str, topic: str, partition: int) -> int:
+    consumer = Consumer(client_config(bootstrap, {"group.id": group, "enable.auto.commit": False}))
+    try:
+        return consumer.committed([TopicPartition(topic, partition)], timeout=10)[0].offset
+    finally:
+        consumer.close()
+
+
+def test_records_wait_for_a_lagging_topic_at_most_max_idle_s_each(kafka_bootstrap, namespace):
+    """Feedback of group ``lagging`` sits in a reward worker's open transaction (so the
+    feedback partition has records the processor cannot read yet); the group's
+    generations, produced after it, wait for it, all of them together for MAX_IDLE_S,
+    then are offered; when the transaction commits the group becomes one unit."""
+    create_topics(kafka_bootstrap, namespace)
+    gens_topic = declarations.generations(namespace)
+    proc = Running(kafka_bootstrap, namespace, "valve")
+    group = proc.runtime.group
+    worker = Producer(client_config(kafka_bootstrap, {
+        "transactional.id": f"rewarder-{uuid.uuid4().hex[:8]}", "transaction.timeout.ms": 120_000}))
+    plain = Producer(client_config(kafka_bootstrap, {"acks": "all"}))
+    registry = SchemaRegistry.default()
+    partitions: dict[str, int] = {}
+
+    def send(producer: Producer, record) -> None:
+        topic = gens_topic if isinstance(record, Generation) else declarations.feedback(namespace)
+        value, headers = registry.encode(record)
+
+        def delivered(error, message):
+            assert error is None, error
+            partitions[record.generation_id] = message.partition()
+            offsets[record.generation_id] = message.offset()
+
+        producer.produce(topic, value=value, key=key_of(record), headers=headers,
+                         on_delivery=delivered)
+        assert producer.flush(30) == 0
+
+    offsets: dict[str, int] = {}
+    try:
+        proc.wait_ready()
+        worker.init_transactions(30)
+        # Baseline: nothing unread on the other topic, so a generation is offered at once.
+        alone = generation("alone", None, 1)
+        send(plain, alone)
+        started = time.monotonic()
+        wait_for(lambda: committed_offset(kafka_bootstrap, group, gens_topic, partitions["alone"])
+                 > offsets["alone"], 30, "the lone generation to be offered")
+        assert time.monotonic() - started < MAX_IDLE_S - 1, "offered without waiting"
+
+        members = [generation(f"lagging-m{m}", "lagging", 4) for m in range(4)]
+        worker.begin_transaction()
+        for g in members:
+            send(worker, feedback(g.generation_id, "lagging", 1.0))  # in the log, not committed
+        time.sleep(1)  # the processor's fetches learn the feedback partition's new end
+        for g in members:
+            send(plain, g)
+        sent_at = time.monotonic()
+        p = partitions[members[0].generation_id]
+        assert {partitions[g.generation_id] for g in members} == {p}, "one partition pair"
+        last = max(offsets[g.generation_id] for g in members)
+        offered: list[float] = []
+
+        def all_offered() -> bool:
+            if committed_offset(kafka_bootstrap, group, gens_topic, p) > last:
+                offered.append(time.monotonic() - sent_at)
+            return bool(offered)
+
+        wait_for(all_offered, 3 * MAX_IDLE_S + 10, "the lagging group's generations")
+        assert offered[0] >= MAX_IDLE_S - 0.5, f"offered after {offered[0]:.1f} s, without waiting"
+        assert offered[0] <= MAX_IDLE_S + 3, (
+            f"the 4 generations were offered {offered[0]:.1f} s after they were sent: each must "
+            f"wait at most MAX_IDLE_S ({MAX_IDLE_S} s), not one after the other")
+        assert proc.runtime.counts["units"] == 0
+
+        worker.commit_transaction(30)  # the feedback becomes readable: the group completes
+        wait_for(lambda: proc.runtime.counts["units"] == 1 or proc.error, 30, "the unit")
+        units = [SchemaRegistry.default().decode(m.value(), m.headers(), RolloutUnit)
+                 for m in consume_all(kafka_bootstrap, declarations.units(namespace, RECIPE.name), 1)]
+    finally:
+        proc.stop()
+    assert proc.error is None, proc.error
+    assert [sorted(m.generation_id for m in u.members) for u in units] == [
+        [g.generation_id for g in members]]
+    assert proc.runtime.counts["generations.unit"] == 4
+    assert proc.runtime.counts["generations.expired"] == 1  # the lone one, never its group
+
