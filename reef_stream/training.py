@@ -37,10 +37,12 @@ from reef_stream.events import Sample
 from reef_stream.losses import (
     POLICY_GRADIENT, VALUE_REGRESSION, LossFamily, PolicyGradientInputs, ValueRegressionInputs,
 )
-from reef_stream.objective import Advantages, ObjectiveResult, PerSampleAdvantages
+from reef_stream.objective import (
+    Advantages, ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages,
+)
 
 __all__ = ["CausalLM", "INPUT_BUILDERS", "SampleBatch", "TorchBackend", "collate",
-           "completion_logprobs", "unit_members"]
+           "completion_logprobs", "select_rows", "unit_members"]
 
 
 class CausalLM(Protocol):
@@ -166,6 +168,13 @@ INPUT_BUILDERS: Mapping[LossFamily[Any], InputsBuilder] = {
 }
 
 
+def select_rows(advantages: Advantages, rows: np.ndarray) -> Advantages:
+    """The advantages of the samples at ``rows`` only (a data-parallel rank's share)."""
+    if isinstance(advantages, PerSampleAdvantages):
+        return PerSampleAdvantages(advantages.values[rows])
+    return PerTokenAdvantages(advantages.values[rows], advantages.mask[rows])
+
+
 def unit_members(unit: Any) -> tuple[Sample, ...]:
     """The samples of a unit, in advantage-row order (a unit type lists them as ``members``)."""
     members = getattr(unit, "members", None)
@@ -187,9 +196,9 @@ class TorchBackend:
     (the trainer's fault-injection point).
     """
 
-    def __init__(self, recipe: Any, *, between_micro_batches: Callable[[int], None] | None = None
-                 ) -> None:
-        from accelerate import Accelerator
+    def __init__(self, recipe: Any, *, between_micro_batches: Callable[[int], None] | None = None,
+                 rank: int = 0, ranks: int = 1) -> None:
+        from accelerate import Accelerator, DistributedDataParallelKwargs
 
         backend, schedule = recipe.backend, recipe.schedule
         if backend.model is None:
@@ -203,31 +212,42 @@ class TorchBackend:
                                      f"{family.name!r}")
         self.loss = dict(backend.losses).get(family, family.reference)
         self.schedule = schedule
+        # Data parallel: this rank trains units_per_step / ranks units of every step, in
+        # optimizer batches of optimizer_batch_size / ranks; DDP averages the gradients.
+        self.rank, self.ranks = rank, ranks
+        self.optimizer_batch = schedule.optimizer_batch_size // ranks
         torch.manual_seed(schedule.seed)
         model = backend.model()
         optimizer = (backend.optimizer(model.parameters()) if backend.optimizer
                      else torch.optim.AdamW(model.parameters(), lr=1e-3))
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        # A model may have parameters a family does not use (a value head under
+        # policy_gradient): DDP must not wait for their gradients.
+        self.accelerator = Accelerator(
+            cpu=not torch.cuda.is_available(),
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.between_micro_batches = between_micro_batches
 
     # ----------------------------------------------------------------- state
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
-        """Weights, optimizer state and RNG states, as a checkpoint stores them."""
+        """Weights, optimizer state and this rank's RNG states (named ``rank<r>.<generator>``),
+        as a checkpoint stores them."""
         weights = self.accelerator.unwrap_model(self.model).state_dict()
-        rng = {"torch": torch.get_rng_state()}
+        rng = {f"rank{self.rank}.torch": torch.get_rng_state()}
         if torch.cuda.is_available():
-            rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+            rng.update({f"rank{self.rank}.cuda.{i}": s
+                        for i, s in enumerate(torch.cuda.get_rng_state_all())})
         return weights, self.optimizer.state_dict(), rng
 
     def restore(self, weights: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any],
                 rng: Mapping[str, torch.Tensor]) -> None:
-        """Put a checkpoint's weights, optimizer state and RNG states back."""
+        """Put a checkpoint's weights, optimizer state and this rank's RNG states back."""
         self.accelerator.unwrap_model(self.model).load_state_dict(dict(weights))
         self.optimizer.load_state_dict(dict(optimizer))
-        torch.set_rng_state(rng["torch"])
-        cuda = [rng[k] for k in sorted(rng) if k.startswith("cuda.")]
+        prefix = f"rank{self.rank}."
+        torch.set_rng_state(rng[prefix + "torch"])
+        cuda = [rng[k] for k in sorted(rng) if k.startswith(prefix + "cuda.")]
         if cuda and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda)
 
@@ -254,9 +274,10 @@ class TorchBackend:
         for epoch in range(schedule.epochs):
             order = np.arange(len(units))
             if schedule.shuffle:
-                order = np.random.default_rng([schedule.seed, step, epoch]).permutation(len(units))
-            for first in range(0, len(order), schedule.optimizer_batch_size):
-                batch_units = order[first:first + schedule.optimizer_batch_size]
+                order = np.random.default_rng([schedule.seed, step, epoch, self.rank]).permutation(
+                    len(units))
+            for first in range(0, len(order), self.optimizer_batch):
+                batch_units = order[first:first + self.optimizer_batch]
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in range(0, len(batch_units), schedule.micro_batch_size):
                     chosen = batch_units[micro:micro + schedule.micro_batch_size]

@@ -36,9 +36,11 @@ def create_topics(bootstrap: str, namespace: str, recipe: str = "trainable") -> 
     ensure_topics(AdminClient(client_config(bootstrap)), declare_topics(namespace, (recipe,)))
 
 
-def produce_units(bootstrap: str, namespace: str, records, *, recipe: str = "trainable") -> None:
+def produce_units(bootstrap: str, namespace: str, records, *, recipe: str = "trainable",
+                  spread: bool = False) -> None:
     """Append ``records`` (units, or raw ``bytes`` that do not decode) to the units topic in this
-    order of broker time (one flush per record: each gets a later LogAppendTime)."""
+    order of broker time (one flush per record: each gets a later LogAppendTime). With
+    ``spread``, record ``i`` goes to partition ``i % 6`` instead of its key's partition."""
     from confluent_kafka import Producer
 
     from reef_stream.connect import client_config
@@ -47,10 +49,12 @@ def produce_units(bootstrap: str, namespace: str, records, *, recipe: str = "tra
 
     registry, topic = SchemaRegistry.default(), units_topic(namespace, recipe)
     producer = Producer(client_config(bootstrap, {"acks": "all", "enable.idempotence": True}))
-    for record in records:
+    for i, record in enumerate(records):
+        where = {"partition": i % 6} if spread else {}
         if isinstance(record, bytes):
-            producer.produce(topic, key=b"garbage", value=record)
+            producer.produce(topic, key=b"garbage", value=record, **where)
         else:
             value, headers = registry.encode(record)
-            producer.produce(topic, key=record.unit_id.encode(), value=value, headers=headers)
+            producer.produce(topic, key=record.unit_id.encode(), value=value, headers=headers,
+                             **where)
         assert producer.flush(30) == 0

@@ -46,6 +46,7 @@ repeat after a crash (at least once).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
@@ -75,7 +77,7 @@ from reef_stream.recipe import Recipe
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.serde import SchemaRegistry
-from reef_stream.training import TorchBackend, unit_members
+from reef_stream.training import TorchBackend, select_rows, unit_members
 from reef_stream.unit_order import Ordered, PartitionMerge
 
 log = logging.getLogger(__name__)
@@ -147,6 +149,8 @@ class Trainer:
         self.offsets: dict[int, int] = {}
         self.pending: list[Any] = []
         self.pending_ids: set[str] = set()
+        self.rank, self.ranks = 0, 1
+        self.owned: list[int] = []
 
     def stop(self) -> None:
         """Stop after the step in progress (if any) is acknowledged. Any thread; a signal handler."""
@@ -166,7 +170,11 @@ class Trainer:
             "isolation.level": "read_committed", "enable.partition.eof": True,
             "auto.offset.reset": "earliest", "fetch.wait.max.ms": 100}))
         try:
+            self._join_ranks()
             self.partitions = self._partitions()
+            self.owned = [p for p in self.partitions if p % self.ranks == self.rank]
+            if self.ranks > 1:
+                log.info("rank %d of %d owns partitions %s", self.rank, self.ranks, self.owned)
             if self.recipe.evaluator is not None and getattr(self.recipe.evaluator, "warning", None):
                 log.info("candidate evaluator %s decides what is published (reef evaluate)",
                          self.recipe.evaluator.name)
@@ -251,28 +259,59 @@ class Trainer:
             return
         self.pending.append(unit)
         self.pending_ids.add(unit.unit_id)
-        if len(self.pending) == self.recipe.schedule.units_per_step:
+        if len(self.pending) == self.recipe.schedule.units_per_step // self.ranks:
             self._train_step()
 
     # ----------------------------------------------------------------- one step
 
     def _train_step(self) -> None:
+        """Train on the pending units (with every rank's, under data parallelism) and acknowledge.
+
+        Every rank sees the whole step's units (gathered in rank order), so the
+        objective computes one result and one proposed state everywhere; each
+        rank trains on its own rows and DDP averages the gradients. Rank 0
+        acknowledges the step for all ranks; the others wait for its verdict.
+        """
         started = time.monotonic()
-        step, units = self.step + 1, self.pending
+        step, mine = self.step + 1, self.pending
+        self.producer.flush(ACK_TIMEOUT_S)   # this rank's dead letters, before any commit
+        shares = self._gather((self._encode_units(mine), self.offsets))
+        units = [u for units, _ in shares for u in self._decode_units(units)]
+        offsets = {p: o for _, rank_offsets in shares for p, o in rank_offsets.items()}
         result = self.recipe.objective.compute(units, self.algorithm_state)
-        metrics = self.backend.train_step(units, result, step)
+        if self.ranks > 1:
+            counts = [len(unit_members(u)) for u in units]
+            first = sum(counts[:self.rank * len(mine)])
+            rows = np.arange(first, first + sum(counts[self.rank * len(mine):][:len(mine)]))
+            local = dataclasses.replace(result, advantages=select_rows(result.advantages, rows))
+        else:
+            local = result
+        metrics = self.backend.train_step(mine, local, step)
         failpoint("trainer.before-checkpoint", step=step)
         weights, optimizer, rng = self.backend.state()
+        rng = {k: v for rank_rng in self._gather(rng) for k, v in rank_rng.items()}
         new_ids = np.array([unit_hash(u.unit_id) for u in units], dtype=np.uint64)
-        trained = np.union1d(np.fromiter(self.trained, dtype=np.uint64, count=len(self.trained)),
-                             new_ids)
-        contents = CheckpointContents(
-            step=step, policy_version=step, model=self.model_name, recipe=self.recipe.name,
-            trainer_group=self.group, weights=weights, optimizer=optimizer, rng=rng,
-            algorithm_state=state_record(result.proposed_state),
-            offsets=self._offset_list(), trained_units=trained,
-            step_units=tuple(u.unit_id for u in units), metrics=metrics, created_at=now_ms())
-        self._acknowledge(contents)
+        error = None
+        if self.rank == 0:
+            trained = np.union1d(
+                np.fromiter(self.trained, dtype=np.uint64, count=len(self.trained)), new_ids)
+            contents = CheckpointContents(
+                step=step, policy_version=step, model=self.model_name, recipe=self.recipe.name,
+                trainer_group=self.group, weights=weights, optimizer=optimizer, rng=rng,
+                algorithm_state=state_record(result.proposed_state),
+                offsets=tuple(TopicOffset(topic=self.topic, partition=p, offset=o)
+                              for p, o in sorted(offsets.items())),
+                trained_units=trained, step_units=tuple(u.unit_id for u in units),
+                metrics=metrics, created_at=now_ms())
+            try:
+                self._acknowledge(contents)
+            except (RetryableError, CheckpointError, KafkaException) as failure:
+                if self.ranks == 1:
+                    raise
+                error = f"{type(failure).__name__}: {failure}"
+        error = self._broadcast(error)
+        if error is not None:
+            raise RetryableError(f"rank 0 could not acknowledge step {step}: {error}")
         # Acknowledged: the proposed state is now the trainer's.
         self.algorithm_state = result.proposed_state
         self.trained.update(int(h) for h in new_ids)
@@ -280,7 +319,7 @@ class Trainer:
         self.pending, self.pending_ids = [], set()
         seconds = time.monotonic() - started
         self._count_step(len(units), seconds, metrics)
-        pruned = self.store.prune(self.keep)
+        pruned = self.store.prune(self.keep) if self.rank == 0 else []
         log.info("step %d: %d units, loss %.4f, %.2f s%s", step, len(units),
                  metrics.get("loss", float("nan")), seconds,
                  f"; pruned steps {pruned}" if pruned else "")
@@ -334,7 +373,8 @@ class Trainer:
     def _resume(self) -> None:
         """Load the newest checkpoint (or start fresh), finish its acknowledgement if it was
         interrupted, and position the consumer at its offsets. Blocks; idempotent."""
-        self.backend = TorchBackend(self.recipe, between_micro_batches=self._micro_batch_done)
+        self.backend = TorchBackend(self.recipe, between_micro_batches=self._micro_batch_done,
+                                    rank=self.rank, ranks=self.ranks)
         self.algorithm_state = self.recipe.objective.initial_state()
         self.step, self.trained, self.offsets = 0, set(), {}
         self.pending, self.pending_ids = [], set()
@@ -354,7 +394,7 @@ class Trainer:
             self.trained = {int(h) for h in contents.trained_units}
             self.step = contents.step
             self.offsets = {o.partition: o.offset for o in contents.offsets if o.topic == self.topic}
-            if any(committed.get(p) != o for p, o in self.offsets.items()):
+            if self.rank == 0 and any(committed.get(p) != o for p, o in self.offsets.items()):
                 log.warning("step %d's acknowledgement was interrupted (committed %s, checkpoint "
                             "%s): completing it", self.step, committed, self.offsets)
                 self._produce_checkpoint_event(latest, contents)
@@ -364,18 +404,60 @@ class Trainer:
             log.warning("group %s has committed offsets %s but no checkpoint in %s: starting "
                         "from fresh weights at those offsets", self.group, committed, self.store.url)
             self.offsets = dict(committed)
-        start = {p: self.offsets.get(p, OFFSET_BEGINNING) for p in self.partitions}
+        self.offsets = {p: o for p, o in self.offsets.items() if p in self.owned}
+        start = {p: self.offsets.get(p, OFFSET_BEGINNING) for p in self.owned}
         self.consumer.assign([TopicPartition(self.topic, p, o) for p, o in start.items()])
-        self.merge = PartitionMerge(self.partitions)
+        self.merge = PartitionMerge(self.owned)
+        self._gather(None)   # every rank resumed before any trains
+
+    # ----------------------------------------------------------------- data parallelism
+
+    def _join_ranks(self) -> None:
+        """This process's rank among the data-parallel ranks (``torchrun`` / ``accelerate
+        launch`` set them in the environment; a plain process is rank 0 of 1)."""
+        from accelerate import PartialState
+
+        state = PartialState(cpu=not torch.cuda.is_available())
+        self.rank, self.ranks = state.process_index, state.num_processes
+        declared = self.recipe.backend.data_parallel_size
+        if self.ranks != declared:
+            raise ConfigurationError(
+                f"recipe {self.recipe.name!r} declares data_parallel_size {declared} but "
+                f"{self.ranks} trainer process(es) were launched: launch {declared} "
+                f"(torchrun --nproc-per-node {declared} -m reef_stream.cli train ...) or change "
+                "the recipe's Backend")
+
+    def _gather(self, value: Any) -> list[Any]:
+        """``value`` of every rank, in rank order (blocks until every rank has given its own).
+
+        Ranks are this trainer's own processes, so their messages are trusted."""
+        if self.ranks == 1:
+            return [value]
+        from accelerate.utils import gather_object
+
+        return gather_object([value])
+
+    def _broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value``, on every rank."""
+        if self.ranks == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value], from_process=0)[0]
+
+    def _encode_units(self, units: list[Any]) -> list[tuple[bytes, list]]:
+        return [self.registry.encode(u) for u in units] if self.ranks > 1 else units
+
+    def _decode_units(self, encoded: list[Any]) -> list[Any]:
+        if self.ranks == 1:
+            return encoded
+        return [self.registry.decode(value, headers, self.recipe.objective.unit_type)
+                for value, headers in encoded]
 
     def _micro_batch_done(self, count: int) -> None:
         failpoint("trainer.in-step", step=self.step + 1)
 
     # ----------------------------------------------------------------- helpers
-
-    def _offset_list(self) -> tuple[TopicOffset, ...]:
-        return tuple(TopicOffset(topic=self.topic, partition=p, offset=o)
-                     for p, o in sorted(self.offsets.items()))
 
     def _ensure_topics(self) -> None:
         admin = AdminClient(client_config(self.bootstrap))
@@ -409,6 +491,8 @@ class Trainer:
             summary.first_step_seconds = time.monotonic() - self._started
             log.info("first step after start: %.2f s (resume %.2f s)",
                      summary.first_step_seconds, summary.resume_seconds)
+        if self.rank != 0:
+            return
         write = self.metrics.write
         write(TRAINER_STEPS, self.step)
         write(TRAINER_UNITS_TRAINED, summary.units_trained)
