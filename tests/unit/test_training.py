@@ -10,7 +10,10 @@ import torch
 
 from reef_stream.errors import ConfigurationError
 from reef_stream.events import Sample
+from reef_stream.losses import VALUE_REGRESSION
+from reef_stream.objective import ObjectiveResult, PerSampleAdvantages
 from reef_stream.recipe import Backend, Recipe
+from reef_stream.schedule import Schedule
 from reef_stream.training import TorchBackend, collate, completion_logprobs
 from tests.recipes.trainable import recipe
 from tests.unit_log import rollout_unit
@@ -79,3 +82,34 @@ def test_a_recipe_without_a_model_cannot_train():
                   backend=Backend(name="torch", loss_families=recipe.backend.loss_families))
     with pytest.raises(ConfigurationError, match="has no model"):
         TorchBackend(bare)
+
+
+class RewardTargets:
+    """value_regression: the targets are the samples' rewards; no state."""
+
+    name = "reward-targets"
+    unit_type = recipe.objective.unit_type
+    loss_family = VALUE_REGRESSION
+
+    def initial_state(self):
+        return recipe.objective.initial_state()
+
+    def compute(self, units, state):
+        rewards = np.array([m.reward for u in units for m in u.members], dtype=np.float32)
+        return ObjectiveResult(advantages=PerSampleAdvantages(rewards), metrics={},
+                               proposed_state=state, loss_family=VALUE_REGRESSION)
+
+
+def test_value_regression_fits_the_value_head_to_its_targets():
+    regression = Recipe(
+        name="values", processor=recipe.processor, objective=RewardTargets(),
+        schedule=Schedule(units_per_step=4, optimizer_batch_size=4, micro_batch_size=4,
+                          shuffle=False, max_staleness=0),
+        backend=Backend(name="torch", loss_families=(VALUE_REGRESSION,),
+                        model=recipe.backend.model,
+                        optimizer=lambda params: torch.optim.Adam(params, lr=0.02)))
+    backend, state = TorchBackend(regression), regression.objective.initial_state()
+    units = [rollout_unit(i) for i in range(4)]
+    losses = [backend.train_step(units, regression.objective.compute(units, state), step)["mse"]
+              for step in range(1, 61)]
+    assert losses[-1] < 0.2 * losses[0], losses[::10]
