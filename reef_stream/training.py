@@ -35,14 +35,14 @@ import torch
 from reef_stream.errors import ConfigurationError, FatalError
 from reef_stream.events import Sample
 from reef_stream.losses import (
-    POLICY_GRADIENT, VALUE_REGRESSION, LossFamily, PolicyGradientInputs, ValueRegressionInputs,
+    LossFamily, PolicyGradientInputs, ValueRegressionInputs,
 )
 from reef_stream.objective import (
     Advantages, ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages,
 )
 
 __all__ = ["CausalLM", "INPUT_BUILDERS", "SampleBatch", "TorchBackend", "collate",
-           "completion_logprobs", "select_rows", "unit_members"]
+           "completion_logprobs", "inputs_builder", "select_rows", "unit_members"]
 
 
 class CausalLM(Protocol):
@@ -162,10 +162,23 @@ def value_regression_inputs(model: Any, batch: SampleBatch, advantages: Advantag
         mask=torch.ones_like(predictions, dtype=torch.bool))
 
 
-INPUT_BUILDERS: Mapping[LossFamily[Any], InputsBuilder] = {
-    POLICY_GRADIENT: policy_gradient_inputs,
-    VALUE_REGRESSION: value_regression_inputs,
+#: How the backend builds a family's inputs, by the family's ``inputs`` type: a method's own
+#: family taking ``PolicyGradientInputs`` (e.g. a truncated importance-weighted loss) is
+#: trained like the built-in one.
+INPUT_BUILDERS: Mapping[type, InputsBuilder] = {
+    PolicyGradientInputs: policy_gradient_inputs,
+    ValueRegressionInputs: value_regression_inputs,
 }
+
+
+def inputs_builder(family: LossFamily[Any]) -> InputsBuilder:
+    """The builder of ``family``'s inputs; ConfigurationError if the backend has none."""
+    builder = INPUT_BUILDERS.get(family.inputs)
+    if builder is None:
+        known = ", ".join(t.__name__ for t in INPUT_BUILDERS)
+        raise ConfigurationError(f"the torch backend cannot build {family.inputs.__name__} for "
+                                 f"loss family {family.name!r}; it builds: {known}")
+    return builder
 
 
 def select_rows(advantages: Advantages, rows: np.ndarray) -> Advantages:
@@ -206,10 +219,7 @@ class TorchBackend:
                 f"recipe {recipe.name!r}: its backend has no model; give "
                 "Backend(model=<callable building a torch module>) to train it")
         family = recipe.objective.loss_family
-        self.builder = INPUT_BUILDERS.get(family)
-        if self.builder is None:
-            raise ConfigurationError(f"the torch backend cannot build inputs for loss family "
-                                     f"{family.name!r}")
+        self.builder = inputs_builder(family)
         self.loss = dict(backend.losses).get(family, family.reference)
         self.schedule = schedule
         # Data parallel: this rank trains units_per_step / ranks units of every step, in
