@@ -187,7 +187,8 @@ class ProcessorRuntime:
 
     def __init__(self, recipe: Any, *, bootstrap: str, namespace: str, group: str | None = None,
                  instance: str = "0", batch: int = BATCH, log_every_s: float = 10.0,
-                 metrics_every_s: float = 1.0, registry: SchemaRegistry | None = None):
+                 metrics_every_s: float = 1.0, registry: SchemaRegistry | None = None,
+                 max_unit_bytes: int | None = None):
         self.recipe, self.ns = recipe, namespace
         self.group = group or f"{namespace}.process.{recipe.name}"
         self.instance = instance
@@ -197,6 +198,12 @@ class ProcessorRuntime:
         self.generations = declarations.generations(namespace)
         self.feedback = declarations.feedback(namespace)
         self.units_topic = declarations.units(namespace, recipe.name)
+        #: Encoded units larger than this are dead-lettered member by member instead of
+        #: failing every transaction (the topic's max.message.bytes, less room for the key
+        #: and headers).
+        self.max_unit_bytes = max_unit_bytes or next(
+            t.max_message_bytes for t in declarations.declare_topics(namespace, (recipe.name,))
+            if t.name == self.units_topic) - 4096
         self.dead_letters = declarations.dead_letters(namespace)
         self.changelog = changelog(namespace, recipe.name)
         self._topics = (self.generations, self.feedback)
@@ -572,13 +579,26 @@ class ProcessorRuntime:
             for p, step in steps:
                 counts.update(step.counts())
                 self._parts[p].touched.update(step.touched)
+                oversized: dict[str, str] = {}   # member generation id -> why
                 for emitted in step.units:
                     value, headers = self.registry.encode(emitted.unit)
+                    if len(value) > self.max_unit_bytes:
+                        counts["oversized_units"] += 1
+                        oversized.update(dict.fromkeys(
+                            (m.generation_id for m in emitted.unit.members),
+                            f"its unit {emitted.unit_id} is {len(value)} bytes encoded, over the "
+                            f"{self.max_unit_bytes} the units topic takes (the unit was not "
+                            "emitted; shorten completions or groups, or raise the topic's "
+                            "max.message.bytes)"))
+                        continue
                     producer.produce(self.units_topic, value=value, key=emitted.unit_id.encode(),
                                      headers=headers)
                     self._poll()
                 for outcome in (*step.generations, *step.feedback):
-                    if (outcome.outcome if isinstance(outcome, GenerationOutcome)
+                    if isinstance(outcome, GenerationOutcome) and outcome.generation_id in oversized:
+                        self._dead_letter(outcome, oversized[outcome.generation_id],
+                                          kind="unit_too_large")
+                    elif (outcome.outcome if isinstance(outcome, GenerationOutcome)
                             else outcome.fate).dead_letter:
                         self._dead_letter(outcome)
             for message, error in bad:
@@ -640,12 +660,16 @@ class ProcessorRuntime:
             tp.offset = tp.offset if tp.offset >= 0 else 0
             self._consumer.seek(tp)
 
-    def _dead_letter(self, outcome: GenerationOutcome | FeedbackOutcome) -> None:
+    def _dead_letter(self, outcome: GenerationOutcome | FeedbackOutcome, why: str | None = None,
+                     *, kind: str | None = None) -> None:
+        """The dead letter of a non-unit outcome (or, with ``why`` and ``kind``, of a generation
+        whose unit could not be emitted), carrying the original record."""
         if isinstance(outcome, GenerationOutcome):
-            event, kind, where = outcome.generation, outcome.outcome.value, outcome.origin
-            reason = f"generation {outcome.generation_id} {kind}: {outcome.reason}"
+            event, where = outcome.generation, outcome.origin
+            kind = kind or outcome.outcome.value
+            reason = f"generation {outcome.generation_id} {kind}: {why or outcome.reason}"
         else:
-            event, kind, where = outcome.feedback, outcome.fate.value, outcome.origin
+            event, kind, where = outcome.feedback, kind or outcome.fate.value, outcome.origin
             reason = (f"feedback {outcome.feedback.feedback_id} ({outcome.feedback.source!r} for "
                       f"{outcome.feedback.generation_id}) {kind}: {outcome.reason}")
         value, headers = self.registry.encode(event)

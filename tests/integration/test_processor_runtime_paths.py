@@ -13,6 +13,9 @@
   leaves: the partitions move twice and every generation still gets exactly one
   outcome, none sits in two units, and the two instances' committed counts add
   up to the log.
+- A unit larger than the units topic takes is not emitted: its members are
+  dead-lettered (with their original records) and the rest flows, where it
+  used to fail every transaction forever.
 - The ordering safety valve (``MAX_IDLE_S``): records of one topic wait while
   the other topic of their pair has unread records (here: an open transaction
   of a reward worker) and at most ``MAX_IDLE_S`` each, then they are offered;
@@ -26,6 +29,7 @@ import threading
 import time
 import uuid
 
+import numpy as np
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import (
     AdminClient,
@@ -318,3 +322,33 @@ def test_records_wait_for_a_lagging_topic_at_most_max_idle_s_each(kafka_bootstra
     assert proc.runtime.counts["generations.unit"] == 4
     assert proc.runtime.counts["generations.expired"] == 1  # the lone one, never its group
 
+
+
+def test_a_unit_too_large_for_its_topic_dead_letters_its_members_and_the_rest_flows(
+        kafka_bootstrap, namespace):
+    create_topics(kafka_bootstrap, namespace)
+    work = make_workload(1, 3, seed=5)
+    big_group = "huge"
+    for m in range(4):   # one group whose completions are 20x longer
+        gid = f"{big_group}m{m}"
+        big = dataclasses.replace(
+            generation(gid, big_group, 4),
+            completion_token_ids=np.arange(4000, dtype=np.int32),
+            completion_logprobs=np.full(4000, -1.0, dtype=np.float32))
+        work.windows[0] += [big, feedback(gid, big_group, 1.0)]
+        work.other.add(gid)
+    produce(kafka_bootstrap, namespace, work.windows)
+    # Units of 4 normal generations are ~6 KB encoded; the big group's is ~70 KB.
+    running = Running(kafka_bootstrap, namespace, "0", max_unit_bytes=40_000)
+    try:
+        running.wait_ready()
+        back = read_back(kafka_bootstrap, namespace, work, alive=running.thread.is_alive)
+    finally:
+        running.stop()
+    check_invariant(back, work)
+    assert {g for g in back.generation_letters if g.startswith(big_group)} == \
+        {f"{big_group}m{m}" for m in range(4)}
+    assert all("over the 40000 the units topic takes" in back.reasons[f"{big_group}m{m}"]
+               for m in range(4))
+    assert back.kinds["processor.unit_too_large"] == 4
+    assert running.runtime.counts["oversized_units"] == 1 and running.runtime.aborted == 0
