@@ -1,0 +1,11 @@
+"""GRPO: grouped sampling, group-normalised advantages, the built-in clipped policy gradient.
+
+``processor.py`` (groups by ``group_id``, complete at the declared size),
+``objective.py`` (``(r - mean) / (std + eps)`` within each group) and ``recipe.py``
+(bound to the demo task, as ``recipe``: what ``load_recipe("methods.grpo")`` takes);
+``README.md`` says more.
+"""
+
+from methods.grpo.recipe import recipe
+
+__all__ = ["recipe"]

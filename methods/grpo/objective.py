@@ -1,0 +1,95 @@
+"""GRPO's objective: group-normalised advantages, for the built-in clipped ``policy_gradient``.
+
+Each unit is one group (the completions of one prompt). Within a unit with
+rewards ``r``::
+
+    advantage_i = (r_i - mean(r)) / (std(r) + epsilon)
+
+with the population standard deviation (``ddof=0``). A group whose rewards
+are all equal has advantages 0: it carries no signal (``zero_std_fraction``
+counts them). The objective keeps no statistics across steps: its state
+only counts steps. Pure: no I/O, no randomness.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from reef_stream.errors import ConfigurationError
+from reef_stream.events import RolloutUnit
+from reef_stream.losses import POLICY_GRADIENT, LossFamily
+from reef_stream.objective import ObjectiveResult, PerSampleAdvantages
+
+#: Metric names (the trainer reports them as ``objective.<name>``).
+METRIC_REWARD_MEAN = "reward_mean"
+METRIC_REWARD_STD = "reward_std"              # mean over groups of the within-group std
+METRIC_ADVANTAGE_MEAN = "advantage_mean"
+METRIC_ADVANTAGE_STD = "advantage_std"
+METRIC_ZERO_STD_FRACTION = "zero_std_fraction"  # share of groups whose rewards are all equal
+METRIC_GROUP_SIZE = "group_size"              # mean members per unit
+
+
+@dataclass(frozen=True, slots=True)
+class GroupState:
+    """GRPO's algorithm state: the number of steps applied (nothing else carries over)."""
+
+    step: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GroupNormalisedAdvantage:
+    """The GRPO objective over ``RolloutUnit``\\ s, one group each.
+
+    ``epsilon``: added to the group's standard deviation (positive).
+    Raises ``ConfigurationError`` for a bad setting.
+    """
+
+    name: str = "grpo"
+    unit_type: type = RolloutUnit
+    loss_family: LossFamily[Any] = POLICY_GRADIENT
+    epsilon: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) \
+                or not math.isfinite(self.epsilon) or self.epsilon <= 0:
+            raise ConfigurationError(f"GroupNormalisedAdvantage.epsilon must be a positive finite "
+                                     f"number, got {self.epsilon!r}")
+
+    def initial_state(self) -> GroupState:
+        """Step 0. Pure, idempotent; called once, when a trainer starts without a checkpoint."""
+        return GroupState()
+
+    def compute(self, units: Sequence[RolloutUnit], state: GroupState
+                ) -> ObjectiveResult[GroupState]:
+        """Per-sample advantages ``float32[num_samples]`` (units in order, then members),
+        metrics, and ``GroupState(step + 1)``.
+
+        Pure and deterministic; blocks for the arithmetic only. Called once
+        per training step, in step order, before the forward pass.
+        """
+        advantages, rewards, stds = [], [], []
+        for unit in units:
+            group = np.array([member.reward for member in unit.members], dtype=np.float64)
+            std = float(group.std())
+            advantages.append((group - group.mean()) / (std + self.epsilon))
+            rewards.append(group)
+            stds.append(std)
+        values = np.concatenate(advantages)
+        return ObjectiveResult(
+            advantages=PerSampleAdvantages(values.astype(np.float32)),
+            metrics={
+                METRIC_REWARD_MEAN: float(np.concatenate(rewards).mean()),
+                METRIC_REWARD_STD: float(np.mean(stds)),
+                METRIC_ADVANTAGE_MEAN: float(values.mean()),
+                METRIC_ADVANTAGE_STD: float(values.std()),
+                METRIC_ZERO_STD_FRACTION: float(np.mean([s == 0.0 for s in stds])),
+                METRIC_GROUP_SIZE: float(np.mean([len(u.members) for u in units])),
+            },
+            proposed_state=GroupState(step=state.step + 1),
+            loss_family=self.loss_family,
+        )

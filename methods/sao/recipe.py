@@ -1,0 +1,37 @@
+"""The SAO recipe: SAO's processor, objective and loss bound to a schedule, a model and an
+evaluator, for the demo task (``reef_stream.demo.task``: the last digit of a + b).
+
+``load_recipe("methods.sao")`` / ``reef check --recipe methods.sao`` check the
+bindings: the processor emits the ``RolloutUnit`` the objective consumes, the
+objective's loss family (``sao_truncated_pg``) is registered and the backend
+has a loss for it, and the schedule's batches fit.
+"""
+
+from __future__ import annotations
+
+from methods.sao.loss import SAO_TRUNCATED_PG, TruncatedPolicyGradient
+from methods.sao.objective import StreamingAdvantage
+from methods.sao.processor import processor
+from reef_stream.demo.task import HeldOutAccuracy, exact_match, policy_model
+from reef_stream.recipe import Backend, Recipe
+from reef_stream.schedule import Schedule
+
+#: The importance-weight bound of the loss (V-trace's rho-bar).
+TRUNCATION = 1.0
+
+recipe = Recipe(
+    name="sao",
+    processor=processor,
+    objective=StreamingAdvantage(decay=0.9, global_decay=0.99, initial_mean=0.0,
+                                 initial_variance=0.25, std_floor=0.1, max_keys=4096),
+    # A unit is one sample. One epoch: the truncated weights bound a step's update, and no
+    # clipping protects a second pass. Samples up to 4 versions old are corrected, not dropped.
+    schedule=Schedule(units_per_step=64, optimizer_batch_size=32, micro_batch_size=32,
+                      epochs=1, shuffle=True, seed=0, max_staleness=4),
+    backend=Backend(name="torch", loss_families=(SAO_TRUNCATED_PG,), model=policy_model,
+                    losses={SAO_TRUNCATED_PG: TruncatedPolicyGradient(truncation=TRUNCATION)}),
+    # Promotes a candidate only if its held-out accuracy (greedy decoding) does not fall more
+    # than 0.02 below the incumbent's.
+    evaluator=HeldOutAccuracy(tolerance=0.02),
+    reward=exact_match,
+)
