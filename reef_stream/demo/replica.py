@@ -1,0 +1,321 @@
+"""A serving replica of the demo: sample the toy task from the newest promoted version, emit it.
+
+    python -m reef_stream.demo.replica --model demo-grpo --grouped --group-size 16 --seed 7
+    python -m reef_stream.demo.replica --model demo-sao --ungrouped --recipe methods.sao
+
+or, in Python, ``run_replica("demo-grpo", grouped=True, group_size=16, seed=7,
+stop_event=event)``. The replica:
+
+1. builds the policy as the trainer does (``torch.manual_seed(seed)``, then the recipe's model
+   factory, ``policy_model`` by default: ``reef_stream.demo.task.initial_policy(seed)``) and
+   serves it as version 0;
+2. follows the model's publications (``Follower``, ``initial_version=0``), and waits until it
+   read them to their end, so a replica started late serves the newest promoted version at
+   once; every newer promoted version is verified, loaded into a fresh copy of the policy on
+   the follower's thread, and swapped in between two sampling rounds;
+3. samples continuously: each round draws ``prompts`` training problems and, ungrouped, one
+   completion each (``group_id=None``, ``group_size=1``) or, grouped, ``group_size``
+   completions each sharing a fresh ``group_id``; every completion becomes a ``Generation``
+   stamped with the version it was sampled from and sent through ``RecordProducer(guard=
+   follower)``, so it cannot carry a version this replica never served;
+4. stops when ``stop_event`` is set (SIGTERM / Ctrl-C for the command), after
+   ``max_generations``, or when its follower fails; then flushes what it sent, leaves the
+   fleet projection and returns a ``ReplicaReport`` (the command prints it as one JSON line).
+
+``rate`` caps generations per second (None: as fast as sampling goes); rounds are paced so
+the average over the run stays at the rate. When the producer pushes back (its spool stayed
+full for its ``block_timeout``) the round's remaining generations are not sent -- nothing
+downstream ever saw them, so nothing is lost; a group cut short that way stays incomplete, for
+the processor's completion rule to settle -- and the replica pauses for a second.
+
+Each replica has its own spool directory (``$REEF_HOME/spool/<ns>/replica-<id>``): give a
+restarted replica the same ``replica_id`` and it replays what it spooled before it stopped.
+
+Threads: ``run_replica`` blocks the calling thread (sampling, sending); the follower uses two
+more (publications, heartbeats) and the producer one (delivery reports).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from torch import nn
+
+from reef_stream.config import Settings, load_settings
+from reef_stream.consumers.follower import AUTO, Follower, LoadedVersion, default_replica_id
+from reef_stream.demo.task import (
+    DEMO_SEED, ProblemStream, make_generation, policy_model, prompt_tensor, sample,
+)
+from reef_stream.errors import ConfigurationError
+from reef_stream.intake.producer import RecordProducer, SpoolFull
+
+__all__ = ["ReplicaReport", "main", "replica_spool_dir", "run_replica"]
+
+log = logging.getLogger("reef_stream.demo.replica")  # also under python -m
+
+#: Seconds a replica pauses after the producer pushed back.
+BACKPRESSURE_PAUSE_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    """What a replica did: generations handed to the producer (``sent``, and per policy
+    version in ``by_version``), sampling ``rounds``, generations not sent because the producer
+    pushed back (``backpressured``), the version served at the end, and the producer's final
+    counts (``acknowledged`` and ``failed`` by the broker; ``unflushed``: still pending or
+    spooled when it closed -- spooled ones are replayed by the next replica of this id)."""
+
+    replica_id: str
+    model: str
+    sent: int
+    by_version: dict[int, int] = field(default_factory=dict)
+    rounds: int = 0
+    backpressured: int = 0
+    final_version: int = 0
+    acknowledged: int = 0
+    failed: int = 0
+    unflushed: int = 0
+
+    def to_json(self) -> str:
+        """One line of JSON (version keys as strings)."""
+        record = asdict(self)
+        record["by_version"] = {str(k): v for k, v in sorted(self.by_version.items())}
+        return json.dumps(record, sort_keys=True)
+
+
+class _ServedPolicy:
+    """The policy the sampling thread uses and the version it holds.
+
+    ``on_version`` runs on the follower's thread: it loads the weights into a fresh model
+    (raising, so the follower refuses the version, when they do not fit) and leaves it
+    pending. ``current`` runs on the sampling thread before each round: it swaps the pending
+    model in once the follower serves its version -- the follower counts a version as served
+    only after ``on_version`` returned, so every generation's version is one the follower
+    (the producer's guard) knows this replica served.
+    """
+
+    def __init__(self, model: nn.Module, factory: Callable[[], nn.Module]) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._pending: tuple[int, nn.Module] | None = None
+        self.version, self.model = 0, model.eval()
+
+    def on_version(self, loaded: LoadedVersion) -> None:
+        model = self._factory()
+        model.load_state_dict(dict(loaded.weights))
+        model.eval()
+        with self._lock:
+            self._pending = (loaded.policy_version, model)
+
+    def current(self, served: int | None) -> tuple[int, nn.Module]:
+        with self._lock:
+            pending = self._pending
+            if pending is not None and pending[0] == served and served != self.version:
+                self.version, self.model = pending
+                self._pending = None
+                log.info("sampling from version %d now", self.version)
+            return self.version, self.model
+
+
+def replica_spool_dir(settings: Settings, namespace: str, replica_id: str) -> Path:
+    """``$REEF_HOME/spool/<namespace>/replica-<id>``: one spool per replica (two live producers
+    must not share one); characters other than letters, digits, ``.``, ``_``, ``-`` in the id
+    become ``_``."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", replica_id)
+    return settings.home / "spool" / namespace / f"replica-{safe}"
+
+
+def _seed_of(replica_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(replica_id.encode()).digest()[:4], "little")
+
+
+def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts: int = 8,
+                rate: float | None = None, temperature: float = 1.0, seed: int = DEMO_SEED,
+                sampling_seed: int | None = None,
+                model_factory: Callable[[], nn.Module] = policy_model,
+                bootstrap: str | None = None, namespace: str | None = None,
+                settings: Settings | None = None, replica_id: str | None = None,
+                stop_event: threading.Event | None = None, max_generations: int | None = None,
+                ready_timeout: float = 60.0, heartbeat_s: float = 2.0,
+                fleet: Any = AUTO, spool_dir: Path | None = None,
+                flush_timeout: float = 30.0) -> ReplicaReport:
+    """Serve ``model_name`` until ``stop_event`` is set or ``max_generations`` were sent
+    (grouped: whole groups, so up to a group more); see the module docstring. Returns what it
+    did. Blocks; call from one thread (the signal handlers of the command set ``stop_event``).
+
+    ``grouped``: ``group_size`` completions per prompt sharing a group id (``group_size`` is
+    ignored when ungrouped). ``prompts``: prompts per sampling round. ``rate``: generations per
+    second at most. ``seed``: the trainer's ``schedule.seed`` (version 0 is
+    ``model_factory()`` built under it, as the trainer builds it). ``sampling_seed``: seeds the
+    prompts and the samples (default: derived from the replica id). ``fleet``: as for
+    ``Follower``. Raises ``ConfigurationError`` for bad arguments or a missing publications
+    topic, ``TimeoutError`` when the publications could not be read within
+    ``ready_timeout``, and whatever stopped the follower.
+    """
+    problems = []
+    if group_size < 1 or (grouped and group_size < 2):
+        problems.append(f"group_size must be at least 2 for grouped sampling, not {group_size}")
+    if prompts < 1:
+        problems.append(f"prompts per round must be at least 1, not {prompts}")
+    if rate is not None and not rate > 0:
+        problems.append(f"rate must be more than 0 generations per second, not {rate}")
+    if not temperature > 0:
+        problems.append(f"temperature must be more than 0, not {temperature}")
+    if problems:
+        raise ConfigurationError(problems)
+    settings = settings or load_settings()
+    namespace = namespace or settings.namespace
+    replica_id = replica_id or default_replica_id()
+    stop_event = stop_event or threading.Event()
+    per_prompt = group_size if grouped else 1
+    sampling_seed = _seed_of(replica_id) if sampling_seed is None else sampling_seed
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        served = _ServedPolicy(model_factory(), model_factory)
+    follower = Follower(model_name, on_version=served.on_version, bootstrap=bootstrap,
+                        settings=settings, namespace=namespace, replica_id=replica_id,
+                        initial_version=0, fleet=fleet, heartbeat_s=heartbeat_s)
+    stream = ProblemStream(sampling_seed)
+    generator = torch.Generator().manual_seed(sampling_seed)
+    by_version: dict[int, int] = {}
+    sent = rounds = backpressured = 0
+    producer: RecordProducer | None = None
+    follower.start()
+    try:
+        follower.wait_ready(ready_timeout)
+        producer = RecordProducer(follower.bootstrap, settings=settings, namespace=namespace,
+                                  spool_dir=spool_dir or replica_spool_dir(settings, namespace,
+                                                                           replica_id),
+                                  guard=follower)
+        log.info("replica %s serves %s (version %s), %s sampling, %d prompts a round%s",
+                 replica_id, model_name, follower.policy_version,
+                 f"grouped ({group_size} per prompt)" if grouped else "ungrouped", prompts,
+                 f", at most {rate:g} generations/s" if rate else "")
+        started = time.monotonic()
+        while not stop_event.is_set() and (max_generations is None or sent < max_generations):
+            if follower.error is not None:
+                raise follower.error
+            version, model = served.current(follower.policy_version)
+            batch = stream.take(prompts)
+            if max_generations is not None:
+                batch = batch[:max(1, -(-(max_generations - sent) // per_prompt))]
+            prompts_ids = prompt_tensor([p for p in batch for _ in range(per_prompt)])
+            completions = sample(model, prompts_ids, temperature=temperature, generator=generator)
+            rounds += 1
+            round_sent = 0
+            try:
+                for i, problem in enumerate(batch):
+                    group_id = uuid.uuid4().hex if grouped else None
+                    for row in range(i * per_prompt, (i + 1) * per_prompt):
+                        producer.send(make_generation(
+                            model=model_name, policy_version=version, replica_id=replica_id,
+                            problem=problem, token_ids=completions.token_ids[row],
+                            logprobs=completions.logprobs[row], temperature=temperature,
+                            group_id=group_id, group_size=per_prompt))
+                        round_sent += 1
+            except SpoolFull as full:
+                backpressured += len(batch) * per_prompt - round_sent
+                log.warning("replica %s: the producer pushes back (%s); pausing %.0f s",
+                            replica_id, full, BACKPRESSURE_PAUSE_S)
+                stop_event.wait(BACKPRESSURE_PAUSE_S)
+            finally:
+                sent += round_sent
+                if round_sent:
+                    by_version[version] = by_version.get(version, 0) + round_sent
+            if rate is not None:
+                stop_event.wait(max(0.0, started + sent / rate - time.monotonic()))
+    finally:
+        flushed = producer.close(flush_timeout) if producer is not None else None
+        follower.stop()
+    report = ReplicaReport(
+        replica_id=replica_id, model=model_name, sent=sent, by_version=dict(by_version),
+        rounds=rounds, backpressured=backpressured, final_version=served.version,
+        acknowledged=flushed.acknowledged if flushed else 0,
+        failed=flushed.failed if flushed else 0,
+        unflushed=(flushed.pending + flushed.spooled) if flushed else 0)
+    log.info("replica %s stopped: %d generations sent (%s)", replica_id, sent,
+             ", ".join(f"version {v}: {n}" for v, n in sorted(by_version.items())) or "none")
+    return report
+
+
+# --------------------------------------------------------------------------- the command
+
+
+@click.command()
+@click.option("--model", "-m", "model_name", required=True,
+              help="The model to serve (what its trainer's Checkpoint events call it).")
+@click.option("--grouped/--ungrouped", default=False, show_default=True,
+              help="Grouped: --group-size completions per prompt sharing a group id; "
+                   "ungrouped: one completion per prompt.")
+@click.option("--group-size", type=click.IntRange(min=2), default=16, show_default=True)
+@click.option("--prompts", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Prompts per sampling round.")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="PER_SECOND", help="Generations per second at most [default: no cap].")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=None,
+              help=f"The trainer's schedule seed: version 0 is the policy built under it "
+                   f"[default: the recipe's, else {DEMO_SEED}].")
+@click.option("--recipe", default=None, metavar="MODULE",
+              help="Take the seed and the model factory from this recipe (methods.sao).")
+@click.option("--sample-seed", "--sampling-seed", "sampling_seed", type=click.IntRange(min=0),
+              default=None,
+              help="Seeds prompts and samples [default: derived from the replica id].")
+@click.option("--replica-id", default=None,
+              help="This replica's name (fleet, spool) [default: <host>-<pid>-<random>].")
+@click.option("--max-generations", type=click.IntRange(min=1), default=None,
+              help="Stop once this many were sent (grouped: whole groups, so up to a group "
+                   "more).")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Torch CPU threads.")
+@click.option("--heartbeat", type=click.FloatRange(min=0, min_open=True), default=2.0,
+              show_default=True, metavar="SECONDS")
+def main(model_name: str, grouped: bool, group_size: int, prompts: int, rate: float | None,
+         temperature: float, seed: int | None, recipe: str | None, sampling_seed: int | None,
+         replica_id: str | None, max_generations: int | None, threads: int,
+         heartbeat: float) -> None:
+    """A demo serving replica: sample the toy task from the newest promoted version of MODEL and
+    send every completion as a Generation (REEF_* variables name the cluster and namespace).
+
+    Stops on SIGTERM or Ctrl-C (after the round in progress, flushing what it sent) or after
+    --max-generations; prints a JSON summary line last.
+    """
+    torch.set_num_threads(threads)
+    factory: Callable[[], nn.Module] = policy_model
+    if recipe is not None:
+        from reef_stream.recipe import load_recipe
+
+        loaded = load_recipe(recipe)
+        if loaded.backend.model is not None:
+            factory = loaded.backend.model
+        seed = loaded.schedule.seed if seed is None else seed
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    report = run_replica(model_name, grouped=grouped, group_size=group_size, prompts=prompts,
+                         rate=rate, temperature=temperature,
+                         seed=DEMO_SEED if seed is None else seed, sampling_seed=sampling_seed,
+                         model_factory=factory, replica_id=replica_id, stop_event=stop,
+                         max_generations=max_generations, heartbeat_s=heartbeat)
+    click.echo(report.to_json())
+
+
+if __name__ == "__main__":
+    from reef_stream.commands.evaluate import run_standalone
+
+    run_standalone(main, "python -m reef_stream.demo.replica", "reef_stream")
