@@ -10,6 +10,11 @@
     reef check --recipe X           a recipe's contract, or every problem with its bindings
     reef reward --recipe X          reward workers: score generations, emit feedback
     reef process --recipe X         the processor: generations + feedback -> typed units
+    reef train --recipe X --group G the trainer: units -> checkpoints (acknowledged steps)
+    reef evaluate --recipe X        candidate evaluation: one Publication per checkpoint
+    reef follow --model M           a serving replica: newest promoted version, verified
+    reef fleet [--rebuild]          published/serving versions and replicas (Redis, rebuildable)
+    reef demo                       the whole loop on a toy task, every stage a process
 
 Where ``REEF_BOOTSTRAP_SERVERS`` / ``REEF_REDIS_URL`` name existing servers,
 nothing is started and every command uses those (see ``reef_stream.config``).
@@ -31,6 +36,7 @@ from rich.table import Table
 
 from reef_stream.commands.check import COMMANDS as CHECK_COMMANDS
 from reef_stream.commands.cursors import COMMANDS as CURSOR_COMMANDS
+from reef_stream.commands.demo import COMMANDS as DEMO_COMMANDS
 from reef_stream.commands.evaluate import COMMANDS as EVALUATE_COMMANDS
 from reef_stream.commands.fleet import COMMANDS as FLEET_COMMANDS
 from reef_stream.commands.follow import COMMANDS as FOLLOW_COMMANDS
@@ -344,7 +350,7 @@ def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
 
 for command in (*PRODUCE_COMMANDS, *INTAKE_COMMANDS, *CURSOR_COMMANDS, *CHECK_COMMANDS,
                 *REWARD_COMMANDS, *PROCESS_COMMANDS, *TRAIN_COMMANDS,
-                *EVALUATE_COMMANDS, *FOLLOW_COMMANDS, *FLEET_COMMANDS):
+                *EVALUATE_COMMANDS, *FOLLOW_COMMANDS, *FLEET_COMMANDS, *DEMO_COMMANDS):
     main.add_command(command)
 
 

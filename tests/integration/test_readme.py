@@ -51,7 +51,7 @@ def test_the_main_job_command_brings_up_broker_redis_and_topics(cli_env, tmp_pat
     [], ["up"], ["kafka"], ["kafka", "up"], ["kafka", "down"], ["kafka", "status"],
     ["kafka", "fetch"], ["redis", "up"], ["redis", "status"], ["topics", "create"],
     ["topics", "verify"], ["replay"], ["tail"], ["lag"],
-    ["produce"], ["intake"], ["intake", "serve"], ["reward"], ["process"], ["train"], ["evaluate"], ["follow"], ["fleet"], ["check"],
+    ["produce"], ["intake"], ["intake", "serve"], ["reward"], ["process"], ["train"], ["evaluate"], ["follow"], ["fleet"], ["demo"], ["check"],
 ])
 def test_every_command_explains_itself(command, cli_env):
     result = reef(*command, "--help", env=cli_env)

@@ -1,0 +1,506 @@
+"""``reef demo``: the whole loop, every stage a separate process, until the policy has learned.
+
+    demo = Demo(DemoOptions(recipe="methods.sao", replicas=2, target=0.95, time_limit=900),
+                settings=settings, bootstrap=bootstrap)
+    result = demo.run()          # blocks; result.reached, result.report
+
+What runs (each a child process with its log under ``<run dir>/logs``):
+
+    replicas (N)     sample from the newest promoted version, emit Generations through the SDK
+    reward worker    reef reward: exact-match reward -> Feedback
+    processor        reef process: generations + feedback -> units
+    trainer          reef train: units -> checkpoints (every one kept: the ledger reads them)
+    evaluator        reef evaluate: held-out accuracy; promotes only what does not regress
+
+The demo itself only watches: it reads ``<ns>.publications`` (held-out
+accuracy per promoted version), ``<ns>.metrics`` (reward, steps) and the
+topics' end offsets (throughput), shows them live, and stops when the newest
+promoted version reaches the target accuracy or the time limit passes. With
+``chaos`` it SIGKILLs the trainer or the processor at random moments and
+restarts it. At the end it checks the unit ledger (no unit trained twice, none
+lost) and writes ``report.html`` with PNG plots.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from reef_stream.config import Settings
+from reef_stream.connect import client_config
+from reef_stream.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
+from reef_stream.topics import declarations
+from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.serde import SchemaRegistry
+
+#: The model name the trainer, evaluator and replicas of a demo share.
+MODEL = "policy"
+#: The trainer's consumer group.
+GROUP = "demo"
+#: Seconds a stage gets to stop on SIGTERM before it is killed.
+STOP_GRACE_S = 15.0
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What ``reef demo`` was asked for (see ``reef demo --help``)."""
+
+    recipe: str = "methods.sao"
+    replicas: int = 2
+    #: Generations per second per replica: a fleet under load, not a flood the reward
+    #: workers cannot keep up with.
+    rate: float = 100.0
+    target: float = 0.95
+    time_limit: float = 900.0
+    chaos: bool = False
+    chaos_every: tuple[float, float] = (8.0, 20.0)
+    run_dir: Path | None = None
+    namespace: str | None = None
+    seed: int = 0
+
+
+@dataclass
+class Sample:
+    """One observation of the pipeline, taken about once a second."""
+
+    at: float
+    offsets: dict[str, int]
+
+
+@dataclass
+class DemoResult:
+    """How the run ended. ``reached``: the target accuracy was met in time."""
+
+    reached: bool
+    seconds: float
+    accuracy: float | None
+    version: int | None
+    report: Path
+    kills: Counter = field(default_factory=Counter)
+    ledger: dict[str, int] = field(default_factory=dict)
+
+    def line(self) -> str:
+        got = "n/a" if self.accuracy is None else f"{self.accuracy:.3f}"
+        how = "reached the target" if self.reached else "did NOT reach the target"
+        kills = f"; chaos kills {dict(self.kills)}" if self.kills else ""
+        return (f"{how} in {self.seconds:.0f} s: held-out accuracy {got} at published version "
+                f"{self.version}{kills}; ledger {self.ledger}; report {self.report}")
+
+
+class Stage:
+    """One child process of the demo, restartable. Its output goes to ``log``."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.name, self.argv, self.env, self.log = name, argv, env, log
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        with open(self.log, "a") as out:
+            out.write(f"\n==== start {self.starts} at {time.strftime('%H:%M:%S')}: "
+                      f"{' '.join(self.argv)}\n")
+            out.flush()
+            self.process = subprocess.Popen(self.argv, env=self.env, stdout=out,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, the way a machine dies: no cleanup runs."""
+        if self.alive:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(30)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after ``STOP_GRACE_S``."""
+        if not self.alive:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "".join(self.log.read_text(errors="replace").splitlines(True)[-lines:])
+        except OSError:
+            return ""
+
+
+class Demo:
+    """One demo run; see the module docstring. ``run`` blocks; call it once."""
+
+    def __init__(self, options: DemoOptions, *, settings: Settings, bootstrap: str,
+                 redis_url: str, show: Callable[[dict[str, Any]], None] | None = None) -> None:
+        from reef_stream.recipe import load_recipe
+
+        self.options, self.settings, self.bootstrap = options, settings, bootstrap
+        self.recipe = load_recipe(options.recipe)
+        self.ns = options.namespace or f"demo{time.strftime('%Y%m%d%H%M%S')}"
+        self.run_dir = options.run_dir or settings.home / "demo" / self.ns
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.store = self.run_dir / "checkpoints"
+        self.env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": bootstrap, "REEF_REDIS_URL": redis_url,
+                    "REEF_NAMESPACE": self.ns, "PYTHONUNBUFFERED": "1"}
+        self.show = show or (lambda status: None)
+        self.registry = SchemaRegistry.default()
+        self.rng = random.Random(options.seed)
+        self.topics = {
+            "generations": declarations.generations(self.ns),
+            "feedback": declarations.feedback(self.ns),
+            "units": declarations.units(self.ns, self.recipe.name),
+            "checkpoints": declarations.checkpoints(self.ns),
+            "publications": declarations.publications(self.ns),
+        }
+        self.publications: list[tuple[float, Publication]] = []
+        self.rewards: list[tuple[float, float]] = []
+        self.steps = 0
+        self.samples: list[Sample] = []
+        self.kills: Counter = Counter()
+        self.last_status: dict[str, Any] = {}
+        self.stages = self._stages()
+
+    # ----------------------------------------------------------------- the stages
+
+    def _stages(self) -> dict[str, Stage]:
+        reef = [sys.executable, "-m", "reef_stream.cli"]
+        recipe = ["--recipe", self.options.recipe]
+        sampling = sampling_of(self.options.recipe)
+        logs = self.run_dir / "logs"
+        stages = {
+            "reward": Stage("reward", [*reef, "reward", *recipe], self.env, logs / "reward.log"),
+            "processor": Stage("processor", [*reef, "process", *recipe], self.env,
+                               logs / "processor.log"),
+            "trainer": Stage("trainer", [*reef, "train", *recipe, "--group", GROUP, "--model",
+                                         MODEL, "--checkpoints", str(self.store), "--keep", "0"],
+                             self.env, logs / "trainer.log"),
+            "evaluator": Stage("evaluator", [*reef, "evaluate", *recipe], self.env,
+                               logs / "evaluator.log"),
+        }
+        for i in range(self.options.replicas):
+            argv = [sys.executable, "-m", "reef_stream.demo.replica", "--model", MODEL,
+                    "--recipe", self.options.recipe.partition(":")[0],
+                    "--replica-id", f"replica-{i}", "--seed", str(self.recipe.schedule.seed),
+                    "--sample-seed", str(1000 + i), "--rate", str(self.options.rate)]
+            if sampling.get("group_size"):
+                argv += ["--grouped", "--group-size", str(sampling["group_size"])]
+            stages[f"replica-{i}"] = Stage(f"replica-{i}", argv, self.env,
+                                           logs / f"replica-{i}.log")
+        return stages
+
+    # ----------------------------------------------------------------- the run
+
+    def run(self) -> DemoResult:
+        ensure_topics(AdminClient(client_config(self.bootstrap)),
+                      declarations.declare_topics(self.ns, (self.recipe.name,)))
+        watcher = Consumer(client_config(self.bootstrap, {
+            "group.id": f"{self.ns}.demo-watch", "enable.auto.commit": False}))
+        watcher.assign([TopicPartition(t, 0, OFFSET_BEGINNING) for t in (
+            self.topics["publications"],)] + [TopicPartition(declarations.metrics(self.ns), p,
+                                                             OFFSET_BEGINNING) for p in range(3)])
+        started = time.monotonic()
+        next_chaos = started + self.rng.uniform(*self.options.chaos_every)
+        reached = False
+        try:
+            for stage in self.stages.values():
+                stage.start()
+            while time.monotonic() - started < self.options.time_limit:
+                self._watch(watcher, started)
+                self._check_stages()
+                accuracy, version = self.accuracy()
+                self.last_status = self.status(started)
+                self.show(self.last_status)
+                if accuracy is not None and accuracy >= self.options.target:
+                    reached = True
+                    break
+                if self.options.chaos and time.monotonic() >= next_chaos:
+                    victim = self.rng.choice(["trainer", "processor"])
+                    self.stages[victim].kill()
+                    self.kills[victim] += 1
+                    self.stages[victim].start()
+                    next_chaos = time.monotonic() + self.rng.uniform(*self.options.chaos_every)
+                time.sleep(1.0)
+        finally:
+            for stage in self.stages.values():
+                stage.stop()
+            watcher.close()
+        seconds = time.monotonic() - started
+        accuracy, version = self.accuracy()
+        ledger = unit_ledger(self.bootstrap, self.ns, self.recipe.name, self.store)
+        report = write_report(self, seconds, ledger)
+        return DemoResult(reached=reached, seconds=seconds, accuracy=accuracy, version=version,
+                          report=report, kills=self.kills, ledger=ledger)
+
+    def _check_stages(self) -> None:
+        """A stage that exited on its own is a failure of the demo: say which and why."""
+        for stage in self.stages.values():
+            if not stage.alive:
+                raise RuntimeError(f"the {stage.name} stage exited (status "
+                                   f"{stage.process.returncode}); its log {stage.log} ends:\n"
+                                   f"{stage.tail()}")
+
+    def _watch(self, watcher: Consumer, started: float) -> None:
+        now = time.monotonic() - started
+        for message in watcher.consume(5000, timeout=0.2):
+            if message.error() is not None or message.value() is None:
+                continue
+            try:
+                event = self.registry.decode(message.value(), message.headers())
+            except Exception:  # noqa: BLE001 - the demo only watches
+                continue
+            if isinstance(event, Publication):
+                self.publications.append((now, event))
+            elif isinstance(event, Metric) and event.stage == "trainer":
+                if event.name == "objective.reward_mean":
+                    self.rewards.append((now, event.value))
+                elif event.name == "steps":
+                    self.steps = max(self.steps, int(event.value))
+        offsets = {name: end_offset(watcher, topic) for name, topic in self.topics.items()}
+        if self.samples:   # a failed read keeps the last known figure
+            offsets = {k: v if v >= 0 else self.samples[-1].offsets[k] for k, v in offsets.items()}
+        self.samples.append(Sample(now, {k: max(v, 0) for k, v in offsets.items()}))
+
+    def accuracy(self) -> tuple[float | None, int | None]:
+        """Held-out accuracy and version of the newest promoted publication."""
+        promoted = [p for _, p in self.publications if p.decision is Decision.PROMOTED]
+        if not promoted:
+            return None, None
+        newest = max(promoted, key=lambda p: p.policy_version)
+        return measured_accuracy(newest), newest.policy_version
+
+    def status(self, started: float) -> dict[str, Any]:
+        accuracy, version = self.accuracy()
+        rates = {}
+        if len(self.samples) >= 2:
+            old = next((s for s in self.samples if s.at >= self.samples[-1].at - 10),
+                       self.samples[0])
+            span = max(self.samples[-1].at - old.at, 1e-6)
+            rates = {k: (self.samples[-1].offsets[k] - old.offsets[k]) / span
+                     for k in ("generations", "feedback", "units")}
+        return {"elapsed": time.monotonic() - started, "version": version, "accuracy": accuracy,
+                "reward": self.rewards[-1][1] if self.rewards else None, "steps": self.steps,
+                "rejected": sum(p.decision is Decision.REJECTED for _, p in self.publications),
+                "rates": rates, "kills": dict(self.kills)}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def sampling_of(recipe_path: str) -> dict[str, Any]:
+    """How replicas sample for a recipe: grouped with ``group_size`` when its module (or the
+    package's ``recipe`` module) declares ``GROUP_SIZE``, else ungrouped (``{}``)."""
+    import importlib
+
+    name = recipe_path.partition(":")[0]
+    for candidate in (name, f"{name}.recipe"):
+        try:
+            module = importlib.import_module(candidate)
+        except ModuleNotFoundError:
+            continue
+        if getattr(module, "GROUP_SIZE", None):
+            return {"group_size": int(module.GROUP_SIZE)}
+    return {}
+
+
+def measured_accuracy(publication: Publication) -> float | None:
+    values = dict(publication.measurement)
+    if "accuracy" in values:
+        return values["accuracy"]
+    return next(iter(values.values()), None)
+
+
+def end_offset(consumer: Consumer, topic: str) -> int:
+    """Records in ``topic`` so far (sum of its partitions' high watermarks)."""
+    try:
+        metadata = consumer.list_topics(topic, timeout=10).topics[topic]
+        total = 0
+        for p in metadata.partitions:
+            _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            total += max(high, 0)
+        return total
+    except KafkaException:  # e.g. a leader moving right after the topic was created
+        return -1
+
+
+def unit_ledger(bootstrap: str, ns: str, recipe: str, store: Path) -> dict[str, int]:
+    """Every unit the trainer acknowledged, against every unit in the log before its offsets.
+
+    ``trained``: distinct unit ids trained; ``trained_twice``: ids in more than
+    one step (must be 0); ``lost``: ids in the log before the newest
+    checkpoint's offsets that were neither trained nor dead-lettered as too stale
+    (must be 0); ``dropped``: the dead-lettered ones; ``duplicates``: extra
+    records of an id already in the log (a processor re-emission).
+    """
+    from reef_stream.checkpoints import CheckpointStore, load
+
+    steps = CheckpointStore(store).steps()
+    if not steps:
+        return {"trained": 0, "trained_twice": 0, "lost": 0}
+    contents = [load(c.uri, c.sha256) for c in steps]
+    trained = Counter(u for c in contents for u in c.step_units)
+    offsets = {o.partition: o.offset for o in contents[-1].offsets}
+    topic = declarations.units(ns, recipe)
+    consumer = Consumer(client_config(bootstrap, {
+        "group.id": f"{ns}.ledger", "enable.auto.commit": False,
+        "isolation.level": "read_committed", "enable.partition.eof": True}))
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in offsets])
+    registry, logged, done = SchemaRegistry.default(), Counter(), set()
+    deadline = time.monotonic() + 120
+    while len(done) < len(offsets) and time.monotonic() < deadline:
+        for message in consumer.consume(5000, timeout=1.0):
+            p = message.partition()
+            if message.error() is not None or message.offset() >= offsets[p]:
+                if message.error() is None or message.error().code() == -191:  # _PARTITION_EOF
+                    done.add(p)
+                continue
+            unit = registry.decode(message.value(), message.headers(), RolloutUnit)
+            logged[unit.unit_id] += 1
+        done |= {p for p, o in offsets.items() if o == 0}
+    consumer.close()
+    dropped = _dropped_units(bootstrap, ns, topic)
+    untrained = set(logged) - set(trained)
+    return {"trained": len(trained),
+            "trained_twice": sum(1 for n in trained.values() if n > 1),
+            "duplicates": sum(n - 1 for n in logged.values()),
+            "dropped": len(untrained & dropped),
+            "lost": len(untrained - dropped)}
+
+
+def _dropped_units(bootstrap: str, ns: str, units_topic: str) -> set[str]:
+    """Ids of the units the trainer dead-lettered (too stale)."""
+    registry, dropped = SchemaRegistry.default(), set()
+    consumer = Consumer(client_config(bootstrap, {
+        "group.id": f"{ns}.ledger-dl", "enable.auto.commit": False,
+        "auto.offset.reset": "earliest"}))
+    consumer.subscribe([declarations.dead_letters(ns)])
+    idle = 0
+    while idle < 3:
+        batch = consumer.consume(5000, timeout=1.0)
+        idle = 0 if batch else idle + 1
+        for message in batch:
+            if message.error() is not None:
+                continue
+            letter = registry.decode(message.value(), message.headers(), DeadLetter)
+            if letter.source_topic == units_topic and letter.value is not None:
+                try:
+                    dropped.add(registry.decode(letter.value, [(h.key, h.value) for h in
+                                                               letter.headers], RolloutUnit).unit_id)
+                except Exception:  # noqa: BLE001 - an undecodable unit has no id to match
+                    pass
+    consumer.close()
+    return dropped
+
+
+def write_report(demo: Demo, seconds: float, ledger: dict[str, int]) -> Path:
+    """``report.html`` with PNG plots in the run directory; returns its path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = demo.run_dir
+    plots = []
+
+    def save(name: str, figure) -> None:
+        figure.tight_layout()
+        figure.savefig(out / name, dpi=90)
+        plt.close(figure)
+        plots.append(name)
+
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    promoted = [(p.policy_version, measured_accuracy(p)) for _, p in demo.publications
+                if p.decision is Decision.PROMOTED]
+    rejected = [(p.policy_version, measured_accuracy(p)) for _, p in demo.publications
+                if p.decision is Decision.REJECTED]
+    if promoted:
+        axis.plot(*zip(*promoted), "o-", label="promoted")
+    if rejected:
+        axis.plot(*zip(*rejected), "x", color="red", label="rejected")
+    axis.axhline(demo.options.target, ls="--", color="grey", label="target")
+    axis.set(xlabel="policy version", ylabel="held-out accuracy", ylim=(0, 1.02),
+             title="held-out accuracy per published version")
+    axis.legend()
+    save("accuracy.png", figure)
+
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    if demo.rewards:
+        axis.plot(*zip(*demo.rewards))
+    axis.set(xlabel="seconds", ylabel="mean reward of a step", title="reward over time")
+    save("reward.png", figure)
+
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    staleness = training_staleness(demo)
+    if staleness:
+        axis.hist(staleness, bins=range(0, max(staleness) + 2), align="left")
+    axis.set(xlabel="trainer version - behaviour version", ylabel="samples",
+             title="staleness of trained samples")
+    save("staleness.png", figure)
+
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    for name in ("generations", "feedback", "units"):
+        points = [(b.at, (b.offsets[name] - a.offsets[name]) / max(b.at - a.at, 1e-6))
+                  for a, b in zip(demo.samples[::5], demo.samples[5::5])]
+        if points:
+            axis.plot(*zip(*points), label=f"{name}/s")
+    axis.set(xlabel="seconds", ylabel="records/s", title="throughput per stage")
+    axis.legend()
+    save("throughput.png", figure)
+
+    accuracy, version = demo.accuracy()
+    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
+                   for k, v in [("recipe", demo.options.recipe), ("namespace", demo.ns),
+                                ("seconds", f"{seconds:.0f}"), ("published version", version),
+                                ("held-out accuracy", accuracy),
+                                ("chaos kills", dict(demo.kills)), ("unit ledger", ledger)])
+    images = "".join(f'<p><img src="{name}" alt="{name}"></p>' for name in plots)
+    report = out / "report.html"
+    report.write_text(f"<!doctype html><title>reef demo {html.escape(demo.ns)}</title>"
+                      f"<h1>reef demo: {html.escape(demo.options.recipe)}</h1>"
+                      f"<table>{rows}</table>{images}"
+                      f"<pre>{html.escape(json.dumps(demo.last_status, default=str, indent=1))}</pre>")
+    return report
+
+
+def training_staleness(demo: Demo) -> list[int]:
+    """Per trained sample: the step that trained it minus one, less its behaviour version."""
+    from reef_stream.checkpoints import CheckpointStore, load
+
+    step_of: dict[str, int] = {}
+    for stored in CheckpointStore(demo.store).steps():
+        for unit_id in load(stored.uri, stored.sha256).step_units:
+            step_of[unit_id] = stored.step
+    consumer = Consumer(client_config(demo.bootstrap, {
+        "group.id": f"{demo.ns}.staleness", "enable.auto.commit": False,
+        "isolation.level": "read_committed"}))
+    topic = demo.topics["units"]
+    partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+    found, idle = [], 0
+    while idle < 3:
+        batch = consumer.consume(5000, timeout=1.0)
+        idle = 0 if batch else idle + 1
+        for message in batch:
+            if message.error() is not None:
+                continue
+            unit = demo.registry.decode(message.value(), message.headers(), RolloutUnit)
+            if unit.unit_id in step_of:
+                found += [step_of[unit.unit_id] - 1 - m.policy_version for m in unit.members]
+    consumer.close()
+    return [max(s, 0) for s in found]
+
