@@ -47,7 +47,7 @@ from reef_stream.events import TopicOffset
 from reef_stream.failpoints import failpoint
 
 __all__ = ["CheckpointContents", "CheckpointError", "CheckpointStore", "StoredCheckpoint",
-           "default_store_url", "load", "load_weights", "unit_hash", "verify"]
+           "default_store_url", "load", "load_weights", "unit_hash", "verify", "write_durably"]
 
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"step-(\d{8,})\Z")
@@ -153,14 +153,7 @@ class CheckpointStore:
                                 sha256=hashlib.sha256(manifest).hexdigest())
 
     def _write_file(self, path: str, data: bytes) -> None:
-        if self.local:
-            with open(path, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-        else:
-            with self.fs.open(path, "wb") as out:
-                out.write(data)
+        write_durably(self.fs, path, data, local=self.local)
 
     # ----------------------------------------------------------------- reading
 
@@ -342,6 +335,18 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 def _path_of(uri: str) -> str:
     return fsspec.core.url_to_fs(uri)[1]
+
+
+def write_durably(fs: Any, path: str, data: bytes, *, local: bool) -> None:
+    """Write ``data`` to ``path``; on a local disk, fsynced before returning (blocks)."""
+    if local:
+        with open(path, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+    else:
+        with fs.open(path, "wb") as out:
+            out.write(data)
 
 
 def _fsync_dir(path: str) -> None:

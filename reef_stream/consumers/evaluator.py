@@ -69,7 +69,7 @@ from confluent_kafka import (
     OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition,
 )
 
-from reef_stream.checkpoints import MANIFEST, CheckpointError, verify
+from reef_stream.checkpoints import MANIFEST, CheckpointError, verify, write_durably
 from reef_stream.config import Settings, load_settings
 from reef_stream.connect import bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, RetryableError
@@ -391,14 +391,7 @@ class PublicationStore:
         return path if self.local else f"{self._protocol}://{path}"
 
     def _write(self, path: str, data: bytes) -> None:
-        if self.local:
-            with open(path, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-        else:
-            with self.fs.open(path, "wb") as out:
-                out.write(data)
+        write_durably(self.fs, path, data, local=self.local)
 
 
 def _model_dir(model: str) -> str:
