@@ -30,6 +30,10 @@ from reef_stream.errors import ConfigurationError, ReefError
 @click.option("--concurrency", "-c", type=click.IntRange(min=1), default=8, show_default=True,
               help="Reward calls in flight at once (threads for a sync function, tasks on one "
                    "asyncio loop for an async one).")
+@click.option("--backlog", type=click.IntRange(min=1), default=None,
+              help="Generations taken and not yet settled at most (waiting for a call slot, "
+                   "running, or waiting for the broker); beyond it the partitions pause "
+                   "[default: 1024, or 2 x --concurrency if more].")
 @click.option("--group", "-g", default=None,
               help="The consumer group; workers in one group share the partitions "
                    "[default: <namespace>.reward.<recipe name>].")
@@ -50,9 +54,9 @@ from reef_stream.errors import ConfigurationError, ReefError
               help="Stop after this many seconds without a new generation and nothing in flight "
                    "[default: run until stopped].")
 @click.pass_context
-def reward(ctx: click.Context, path: str, concurrency: int, group: str | None, timeout: float,
-           retries: int, backoff: float, grace: float, max_records: int | None,
-           idle_exit: float | None) -> None:
+def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
+           group: str | None, timeout: float, retries: int, backoff: float, grace: float,
+           max_records: int | None, idle_exit: float | None) -> None:
     """Score generations with a recipe's reward function and emit Feedback.
 
     Consumes <namespace>.generations as a consumer group and sends one
@@ -74,8 +78,8 @@ def reward(ctx: click.Context, path: str, concurrency: int, group: str | None, t
 
     settings = ctx.obj if ctx.obj is not None else load_settings()
     recipe = load_recipe(path)
-    options = RewardOptions(concurrency=concurrency, timeout=timeout, retries=retries,
-                            backoff=backoff, grace=grace, group=group,
+    options = RewardOptions(concurrency=concurrency, backlog=backlog, timeout=timeout,
+                            retries=retries, backoff=backoff, grace=grace, group=group,
                             max_records=max_records, idle_exit=idle_exit)
     worker = RewardWorker(recipe, settings=settings, options=options)
     previous = _stop_on_signals(worker)

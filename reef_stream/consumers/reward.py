@@ -46,9 +46,17 @@ flushed, done offsets are committed, then everything closes. A sync call
 still running after a timeout or the grace period cannot be interrupted: its
 thread is abandoned (a daemon thread) and its result ignored.
 
-Backpressure: at most ``2 * concurrency`` generations are taken and not yet
-settled; beyond that the worker pauses its partitions and keeps polling, so
-group heartbeats and rebalances are served while slow calls run.
+Backpressure: at most ``backlog`` generations are taken and not yet settled
+(default 1024, or ``2 * concurrency`` if more): taken records wait for one
+of the ``concurrency`` call slots, so a slot never waits for a fetch. When
+the backlog is full the worker pauses its partitions and keeps polling, so
+group heartbeats and rebalances are served while slow calls run; it resumes
+them once the backlog drained to half. Pausing is kept rare on purpose: a
+resumed partition's next fetch comes only after the broker's fetch wait
+(~0.5 s), so pausing every few records capped a worker at ``backlog / 0.5 s``
+(``bench/reward.py``). On a stop, taken records whose call has not started
+are dropped at once (uncommitted: the group reads them again); only running
+calls get the grace.
 
 Threads: ``run`` owns the Kafka consumer and must be called from one thread;
 an asyncio loop on a thread of its own schedules the calls; the producer's
@@ -91,6 +99,8 @@ log = logging.getLogger(__name__)
 STAGE = "reward"
 #: The longest wait between two tries of one generation.
 MAX_BACKOFF_S = 30.0
+#: Generations taken and not yet settled at most, unless ``RewardOptions.backlog`` says.
+DEFAULT_BACKLOG = 1024
 #: How often done offsets are committed while running.
 COMMIT_INTERVAL_S = 1.0
 
@@ -107,12 +117,15 @@ def default_group(recipe: Recipe, namespace: str) -> str:
 class RewardOptions:
     """How a worker runs; validated by ``problems()``.
 
-    ``retries``: extra tries after the first (0 = one try). ``max_records``:
+    ``retries``: extra tries after the first (0 = one try). ``backlog``: generations taken
+    and not yet settled at most [default: ``DEFAULT_BACKLOG`` or ``2 * concurrency`` if more]
+    (see the module docstring). ``max_records``:
     stop after taking this many records. ``idle_exit``: stop after this many
     seconds without a new record and nothing in flight.
     """
 
     concurrency: int = 8
+    backlog: int | None = None
     timeout: float = 30.0
     retries: int = 2
     backoff: float = 0.5
@@ -125,6 +138,9 @@ class RewardOptions:
         found = []
         if self.concurrency < 1:
             found.append(f"concurrency must be at least 1, not {self.concurrency}")
+        if self.backlog is not None and self.backlog < self.concurrency:
+            found.append(f"backlog must be at least the concurrency ({self.concurrency}), "
+                         f"not {self.backlog}")
         if not self.timeout > 0:
             found.append(f"timeout must be more than 0 seconds, not {self.timeout}")
         if self.retries < 0:
@@ -308,7 +324,7 @@ class RewardWorker:
     # ----------------------------------------------------------------- the consumer loop
 
     def _consume(self, consumer: Consumer, producer: RecordProducer) -> None:
-        backlog_limit = 2 * self.options.concurrency
+        backlog = self.options.backlog or max(DEFAULT_BACKLOG, 2 * self.options.concurrency)
         last_activity = time.monotonic()
         last_commit = time.monotonic()
         while not self._stop.is_set() and self._fatal is None:
@@ -316,13 +332,15 @@ class RewardWorker:
                 self._commit_done(consumer, asynchronous=True)
                 last_commit = time.monotonic()
             # A full backlog pauses the partitions rather than the polling, so that rebalances
-            # and group heartbeats go on while slow calls run.
-            full = self._in_flight >= backlog_limit
-            if full != self._paused:
-                assignment = consumer.assignment()
-                (consumer.pause if full else consumer.resume)(assignment)
-                self._paused = full
-            message = consumer.poll(0.05 if full else 0.1)
+            # and group heartbeats go on while slow calls run; they resume at half (a resumed
+            # fetch costs the broker's fetch wait, so not at every settled record).
+            if not self._paused and self._in_flight >= backlog:
+                consumer.pause(consumer.assignment())
+                self._paused = True
+            elif self._paused and self._in_flight <= backlog // 2:
+                consumer.resume(consumer.assignment())
+                self._paused = False
+            message = consumer.poll(0.05 if self._paused else 0.1)
             if message is None:
                 idle = self.options.idle_exit
                 quiet_since = max(last_activity, self._last_assigned)
@@ -459,10 +477,11 @@ class RewardWorker:
 
     def _dropped(self, taken: _Taken, entry: list) -> bool:
         """True if ``taken``'s partition was revoked since it was taken (even if assigned again:
-        the new assignment reads it again from the committed offset) or the worker is closing:
-        leave it."""
+        the new assignment reads it again from the committed offset) or the worker is stopping
+        (a call not yet started, or a retry, does not start then): leave it."""
         with self._lock:
-            if self._closing or self._partitions.get((taken.topic, taken.partition)) is not entry[2]:
+            if self._closing or self._stop.is_set() \
+                    or self._partitions.get((taken.topic, taken.partition)) is not entry[2]:
                 self._in_flight -= 1
                 self.summary.add(dropped=1)
                 return True
