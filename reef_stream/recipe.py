@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import os
 import re
 import sys
@@ -64,7 +65,10 @@ class Backend:
     model's parameters, returns a torch optimizer (default: AdamW, lr 1e-3).
     ``losses``: the loss to run per family, when not the family's
     ``reference``. ``model_name``: what publications and replicas call the
-    model (default: the trainer group).
+    model (default: the trainer group). ``max_grad_norm``: clip the
+    gradient's global norm to this before each optimizer update (None: no
+    clipping); the step's metrics then report ``grad_norm`` (before clipping,
+    averaged over the step's updates) either way.
     """
 
     name: str
@@ -74,6 +78,7 @@ class Backend:
     optimizer: Callable[[Any], Any] | None = None
     losses: Mapping[LossFamily[Any], Callable[[Any], Any]] = field(default_factory=dict)
     model_name: str | None = None
+    max_grad_norm: float | None = None
 
     def supports(self, family: LossFamily[Any]) -> bool:
         """Whether it has a loss for this very family."""
@@ -305,6 +310,11 @@ def _backend_problems(backend: Any) -> list[str]:
     if not isinstance(backend.data_parallel_size, int) or backend.data_parallel_size < 1:
         problems.append(f"backend {backend.name!r} data_parallel_size must be a positive "
                         f"integer, got {backend.data_parallel_size!r}")
+    norm = backend.max_grad_norm
+    if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float))
+                             or not math.isfinite(norm) or norm <= 0):
+        problems.append(f"backend {backend.name!r} max_grad_norm must be a positive finite "
+                        f"number or None, got {norm!r}")
     return problems
 
 

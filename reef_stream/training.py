@@ -236,7 +236,20 @@ class TorchBackend:
             cpu=not torch.cuda.is_available(),
             kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.max_grad_norm = backend.max_grad_norm
         self.between_micro_batches = between_micro_batches
+
+    def _clip_gradients(self) -> float:
+        """The gradient's global norm before clipping; clipped to ``max_grad_norm`` when set.
+        Under data parallelism the gradients are already averaged, so every rank agrees."""
+        parameters = [p for p in self.model.parameters() if p.grad is not None]
+        if not parameters:
+            return 0.0
+        if self.max_grad_norm is not None:
+            return float(self.accelerator.clip_grad_norm_(parameters, self.max_grad_norm))
+        with torch.no_grad():
+            return float(torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(p.grad) for p in parameters])))
 
     # ----------------------------------------------------------------- state
 
@@ -280,7 +293,7 @@ class TorchBackend:
                              f"rows for {starts[-1]} samples")
         self.model.train()
         totals: dict[str, float] = {}
-        micro_batches = 0
+        micro_batches = updates = 0
         for epoch in range(schedule.epochs):
             order = np.arange(len(units))
             if schedule.shuffle:
@@ -302,7 +315,12 @@ class TorchBackend:
                         totals[name] = totals.get(name, 0.0) + float(value)
                     if self.between_micro_batches:
                         self.between_micro_batches(micro_batches)
+                grad_norm = self._clip_gradients()
+                totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
+                updates += 1
                 self.optimizer.step()
+        grad_norm = totals.pop("grad_norm", 0.0) / max(updates, 1)
         metrics = {name: value / micro_batches for name, value in totals.items()}
+        metrics["grad_norm"] = grad_norm
         metrics.update({f"objective.{k}": v for k, v in result.metrics.items()})
         return metrics

@@ -76,6 +76,49 @@ def test_restoring_a_state_continues_exactly():
         assert torch.equal(tensor, resumed.state()[0][name]), name
 
 
+def test_max_grad_norm_clips_each_update_and_the_step_reports_the_norm_before_clipping():
+    import dataclasses
+
+    units = [rollout_unit(i) for i in range(4)]
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731 - the update is lr x grad
+    one_update = dataclasses.replace(recipe.schedule, optimizer_batch_size=4, micro_batch_size=2,
+                                     epochs=1)
+    free = dataclasses.replace(recipe, schedule=one_update,
+                               backend=dataclasses.replace(recipe.backend, optimizer=sgd))
+    clipped = dataclasses.replace(free, backend=dataclasses.replace(free.backend,
+                                                                    max_grad_norm=0.005))
+    runs = {}
+    for name, chosen in (("free", free), ("clipped", clipped)):
+        backend = TorchBackend(chosen)
+        before = {k: v.clone() for k, v in backend.state()[0].items()}
+        result = chosen.objective.compute(units, chosen.objective.initial_state())
+        metrics = backend.train_step(units, result, 1)
+        runs[name] = (metrics, {k: before[k] - v for k, v in backend.state()[0].items()})
+    free_metrics, free_delta = runs["free"]
+    clipped_metrics, clipped_delta = runs["clipped"]
+    norm = free_metrics["grad_norm"]
+    assert norm > 0.01 and clipped_metrics["grad_norm"] == pytest.approx(norm)
+    # One SGD update each: the clipped one is the free one scaled to a gradient norm of 0.005.
+    update_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d)
+                                                        for d in clipped_delta.values()]))
+    assert float(update_norm) == pytest.approx(0.1 * 0.005, rel=1e-3)
+    for name, delta in free_delta.items():
+        torch.testing.assert_close(clipped_delta[name], delta * (0.005 / norm), rtol=1e-2,
+                                   atol=5e-7)  # float32 weights: ~1e-7 of rounding
+
+
+def test_a_bad_max_grad_norm_is_a_recipe_problem():
+    import dataclasses
+
+    from reef_stream.recipe import recipe_problems
+
+    for bad in (0, -1.0, float("nan"), True):
+        broken = dataclasses.replace(recipe, backend=dataclasses.replace(recipe.backend,
+                                                                         max_grad_norm=bad))
+        assert any("max_grad_norm must be a positive finite number" in p
+                   for p in recipe_problems(broken)), bad
+
+
 def test_a_recipe_without_a_model_cannot_train():
     bare = Recipe(name="bare", processor=recipe.processor, objective=recipe.objective,
                   schedule=recipe.schedule,
