@@ -15,7 +15,7 @@ from reef_stream.recipe import Backend, Recipe
 from reef_stream.schedule import Schedule
 
 #: Completions sampled per prompt (each generation's declared group_size).
-GROUP_SIZE = 8
+GROUP_SIZE = 16
 #: PPO's clip range of the importance ratio.
 CLIP_EPSILON = 0.2
 
@@ -23,12 +23,14 @@ recipe = Recipe(
     name="grpo",
     processor=processor,
     objective=GroupNormalisedAdvantage(epsilon=1e-4),
-    # A unit is one group of GROUP_SIZE samples: 8 groups (64 samples) per step, two passes;
-    # the clipped ratio keeps the second pass close to the behaviour policy.
-    schedule=Schedule(units_per_step=8, optimizer_batch_size=4, micro_batch_size=4,
-                      epochs=2, shuffle=True, seed=0, max_staleness=1),
+    # A unit is one group of GROUP_SIZE samples: 16 groups (256 samples) a step, one update
+    # (a second pass or smaller batches learned slower or collapsed on the demo task). Samples
+    # up to 8 versions old train, their ratio clipped; the gradient norm is clipped at 1.
+    schedule=Schedule(units_per_step=16, optimizer_batch_size=16, micro_batch_size=16,
+                      epochs=1, shuffle=True, seed=0, max_staleness=8),
     backend=Backend(name="torch", loss_families=(POLICY_GRADIENT,), model=policy_model,
-                    losses={POLICY_GRADIENT: ClippedPolicyGradient(epsilon=CLIP_EPSILON)}),
-    evaluator=HeldOutAccuracy(tolerance=0.02),
+                    losses={POLICY_GRADIENT: ClippedPolicyGradient(epsilon=CLIP_EPSILON)},
+                    max_grad_norm=1.0),
+    evaluator=HeldOutAccuracy(tolerance=0.05),
     reward=exact_match,
 )

@@ -24,14 +24,19 @@ recipe = Recipe(
     processor=processor,
     objective=StreamingAdvantage(decay=0.9, global_decay=0.99, initial_mean=0.0,
                                  initial_variance=0.25, std_floor=0.1, max_keys=4096),
-    # A unit is one sample. One epoch: the truncated weights bound a step's update, and no
-    # clipping protects a second pass. Samples up to 4 versions old are corrected, not dropped.
-    schedule=Schedule(units_per_step=64, optimizer_batch_size=32, micro_batch_size=32,
-                      epochs=1, shuffle=True, seed=0, max_staleness=4),
+    # A unit is one sample: 256 samples a step, one update. One epoch: the truncated weights
+    # bound a step's update, and no clipping protects a second pass. Samples up to 16 versions
+    # old are corrected, not dropped (the demo's replicas serve a version a few steps behind
+    # the trainer: evaluating and publishing take time). The gradient norm is clipped at 1:
+    # without it the policy sometimes collapses onto wrong answers after a large update.
+    schedule=Schedule(units_per_step=256, optimizer_batch_size=256, micro_batch_size=256,
+                      epochs=1, shuffle=True, seed=0, max_staleness=16),
     backend=Backend(name="torch", loss_families=(SAO_TRUNCATED_PG,), model=policy_model,
-                    losses={SAO_TRUNCATED_PG: TruncatedPolicyGradient(truncation=TRUNCATION)}),
+                    losses={SAO_TRUNCATED_PG: TruncatedPolicyGradient(truncation=TRUNCATION)},
+                    max_grad_norm=1.0),
     # Promotes a candidate only if its held-out accuracy (greedy decoding) does not fall more
-    # than 0.02 below the incumbent's.
-    evaluator=HeldOutAccuracy(tolerance=0.02),
+    # than 0.05 below the incumbent's: on 100 prompts one answer is 0.01, and a tighter bound
+    # rejects the wobble of a policy still near chance, while the trainer runs ahead.
+    evaluator=HeldOutAccuracy(tolerance=0.05),
     reward=exact_match,
 )

@@ -25,7 +25,7 @@ import click
               help="The method to run: methods.sao (ungrouped) or methods.grpo (grouped).")
 @click.option("--replicas", type=click.IntRange(1, 8), default=2, show_default=True,
               help="Serving replicas sampling from the newest promoted version.")
-@click.option("--rate", type=click.FloatRange(min=1), default=100.0, show_default=True,
+@click.option("--rate", type=click.FloatRange(min=1), default=150.0, show_default=True,
               metavar="PER_SECOND", help="Generations per second per replica.")
 @click.option("--target-accuracy", "target", type=click.FloatRange(0, 1), default=0.95,
               show_default=True, help="Stop once a promoted version reaches this held-out "
@@ -98,7 +98,8 @@ class _Progress:
                 f"reward {'-' if reward is None else f'{reward:.2f}':>5}  "
                 f"steps {status['steps']:>4}  rejected {status['rejected']:>3}  "
                 f"gen/s {rates.get('generations', 0):6.0f}  units/s {rates.get('units', 0):5.0f}"
-                + (f"  kills {status['kills']}" if status["kills"] else ""))
+                + (f"  kills {status['kills']}" if status["kills"] else "")
+                + (f"\n  {status['stalled']}" if status.get("stalled") else ""))
         if self.tty:
             click.echo("\r" + line, nl=False)
         else:

@@ -313,8 +313,8 @@ def test_reef_check_prints_the_sao_contract():
         "objective: sao: consumes RolloutUnit, loss family sao_truncated_pg (current and "
         "behaviour logprobs",
         "backend:   torch: supports sao_truncated_pg",
-        "schedule:  64 units per step",
-        "max staleness 4 policy versions",
+        "schedule:  256 units per step",
+        "max staleness 16 policy versions",
         "evaluates candidates before promoting them",
         "reward:    feedback source 'exact_match' (reef reward)",
     ]:
