@@ -237,15 +237,11 @@ def main() -> None:
 
     bench = _bench_processor()
     from reef_stream.config import load_settings
-    from reef_stream.kafka_local import LocalCluster
+    from reef_stream.kafka_local import configured_or_throwaway
 
     settings = load_settings()
-    cluster, bootstrap = None, settings.bootstrap_servers
-    if not bootstrap:
-        cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="reef-bench-")) / "kafka",
-                               settings.cache_dir)
-        bootstrap = cluster.up(port=0)
-    try:
+    workdir = Path(tempfile.mkdtemp(prefix="reef-bench-"))
+    with configured_or_throwaway(settings, workdir) as bootstrap:
         ns = f"bench{uuid.uuid4().hex[:6]}"
         groups_per_window = 50
         work = bench.make_workload(max(1, args.generations // (4 * groups_per_window)),
@@ -277,9 +273,6 @@ def main() -> None:
                   f"to the transactional loop {loop_s / faust_s:.2f}); {figures['units']} units "
                   f"acknowledged, {figures['committed_units']} visible to read_committed, "
                   f"{figures['dead_letters']} dead letters", flush=True)
-    finally:
-        if cluster is not None:
-            cluster.down()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from reef_stream.config import load_settings
 from reef_stream.connect import client_config
 from reef_stream.events import FinishReason, Generation, SamplingParams
 from reef_stream.intake.producer import RecordProducer, record_key
-from reef_stream.kafka_local import LocalCluster
+from reef_stream.kafka_local import configured_or_throwaway
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.declarations import declare_topics, generations
 from reef_stream.topics.serde import SchemaRegistry
@@ -100,12 +100,7 @@ def main() -> None:
 
     settings = load_settings()
     workdir = Path(tempfile.mkdtemp(prefix="reef-bench-"))
-    cluster = None
-    bootstrap = settings.bootstrap_servers
-    if bootstrap is None:
-        cluster = LocalCluster(workdir / "kafka", settings.cache_dir)
-        bootstrap = cluster.up(port=0)
-    try:
+    with configured_or_throwaway(settings, workdir) as bootstrap:
         registry = SchemaRegistry.default()
         print(f"{args.records} records per run, broker {bootstrap}\n")
         print(f"{'size':>8} {'path':<5} {'records/s':>11} {'MB/s':>8} {'sdk/raw':>8}")
@@ -129,9 +124,6 @@ def main() -> None:
                 ratio = f"{results['raw'] / results['sdk']:8.2f}" if path == "sdk" else ""
                 print(f"{actual:8.0f} {path:<5} {(len(records) - 1) / results[path]:11,.0f} "
                       f"{megabytes / results[path]:8.1f} {ratio}")
-    finally:
-        if cluster is not None:
-            cluster.down()
 
 
 if __name__ == "__main__":

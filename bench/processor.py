@@ -41,7 +41,7 @@ from reef_stream.config import load_settings  # noqa: E402
 from reef_stream.connect import client_config  # noqa: E402
 from reef_stream.consumers.processor import ProcessorRuntime  # noqa: E402
 from reef_stream.events import Feedback, Generation, RolloutUnit  # noqa: E402
-from reef_stream.kafka_local import LocalCluster  # noqa: E402
+from reef_stream.kafka_local import configured_or_throwaway  # noqa: E402
 from reef_stream.processor import unit_id  # noqa: E402
 from reef_stream.topics import declarations  # noqa: E402
 from reef_stream.topics.admin import ensure_topics  # noqa: E402
@@ -171,12 +171,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = load_settings()
     workdir = Path(tempfile.mkdtemp(prefix="reef-bench-"))
-    cluster = None
-    bootstrap = settings.bootstrap_servers
-    if not bootstrap:
-        cluster = LocalCluster(workdir / "kafka", settings.cache_dir)
-        bootstrap = cluster.up(port=0)
-    try:
+    with configured_or_throwaway(settings, workdir) as bootstrap:
         ns = f"bench{uuid.uuid4().hex[:6]}"
         groups_per_window = 50
         work = make_workload(max(1, args.generations // (4 * groups_per_window)), groups_per_window,
@@ -200,9 +195,6 @@ def main() -> None:
                   f"({len(lat)} units): p50 {p50:.0f} ms, p99 {p99:.0f} ms")
         else:
             print("no latency samples")
-    finally:
-        if cluster is not None:
-            cluster.down()
 
 
 if __name__ == "__main__":

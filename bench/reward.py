@@ -36,7 +36,7 @@ from reef_stream.config import load_settings  # noqa: E402
 from reef_stream.connect import client_config  # noqa: E402
 from reef_stream.consumers.reward import RewardOptions, RewardWorker  # noqa: E402
 from reef_stream.demo.task import ProblemStream, exact_match, make_generation  # noqa: E402
-from reef_stream.kafka_local import LocalCluster  # noqa: E402
+from reef_stream.kafka_local import configured_or_throwaway  # noqa: E402
 from methods.sao.recipe import recipe as sao_recipe  # noqa: E402
 from reef_stream.recipe import NamedReward  # noqa: E402
 from reef_stream.topics.declarations import feedback as feedback_topic  # noqa: E402
@@ -114,12 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = load_settings()
     workdir = Path(tempfile.mkdtemp(prefix="reef-bench-"))
-    cluster = None
-    bootstrap = settings.bootstrap_servers
-    if not bootstrap:
-        cluster = LocalCluster(workdir / "kafka", settings.cache_dir)
-        bootstrap = cluster.up(port=0)
-    try:
+    with configured_or_throwaway(settings, workdir) as bootstrap:
         ns = f"bench{uuid.uuid4().hex[:6]}"
         create_topics(bootstrap, ns)
         produce_generations(bootstrap, ns, args.generations)
@@ -133,9 +128,6 @@ def main() -> None:
               f"concurrency {args.concurrency}): {n / worker_s:9.0f} generations/s")
         print(f"ratio worker/raw: {raw_s / worker_s:.2f}")
         print(line)
-    finally:
-        if cluster is not None:
-            cluster.down()
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from reef_stream.config import load_settings  # noqa: E402
 from reef_stream.connect import client_config  # noqa: E402
 from reef_stream.consumers.trainer import Trainer  # noqa: E402
 from reef_stream.events import RolloutUnit, Sample  # noqa: E402
-from reef_stream.kafka_local import LocalCluster  # noqa: E402
+from reef_stream.kafka_local import configured_or_throwaway  # noqa: E402
 from reef_stream.losses import POLICY_GRADIENT  # noqa: E402
 from reef_stream.models import TinyCausalLM  # noqa: E402
 from reef_stream.processor import unit_id  # noqa: E402
@@ -152,11 +152,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     settings = load_settings()
     workdir = Path(tempfile.mkdtemp(prefix="reef-bench-"))
-    cluster, bootstrap = None, settings.bootstrap_servers
-    if not bootstrap:
-        cluster = LocalCluster(workdir / "kafka", settings.cache_dir)
-        bootstrap = cluster.up(port=0)
-    try:
+    with configured_or_throwaway(settings, workdir) as bootstrap:
         ns = f"bench{uuid.uuid4().hex[:6]}"
         create_topics(bootstrap, ns)
         units = make_units(args.units, args.group_size, args.completion)
@@ -189,9 +185,6 @@ def main() -> None:
               f"taking units {summary.data_seconds:.2f} s = "
               f"{summary.data_seconds / summary.step_seconds * 100:.2f}% of step time "
               f"(steps incl. acknowledgement {summary.step_seconds:.1f} s)")
-    finally:
-        if cluster is not None:
-            cluster.down()
 
 
 if __name__ == "__main__":

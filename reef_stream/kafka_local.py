@@ -35,6 +35,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Callable
 
 from reef_stream.config import KAFKA_INFRA_DIR, Settings
@@ -435,6 +437,21 @@ class LocalCluster:
                 error = f"the cluster did not answer: {exc}"
         return ClusterStatus(self.data_dir, bootstrap, nodes, brokers, self.controller(),
                              topics, error)
+
+
+@contextmanager
+def configured_or_throwaway(settings, workdir: Path) -> Iterator[str]:
+    """The bootstrap address of the configured cluster (``settings.bootstrap_servers``), or
+    of a single-node cluster started under ``workdir`` on a free port and stopped on exit.
+    For benchmarks and one-off scripts."""
+    if settings.bootstrap_servers:
+        yield settings.bootstrap_servers
+        return
+    cluster = LocalCluster(workdir / "kafka", settings.cache_dir)
+    try:
+        yield cluster.up(port=0)
+    finally:
+        cluster.down()
 
 
 def _kafka_cluster_id() -> str:
