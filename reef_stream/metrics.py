@@ -57,6 +57,10 @@ TRAINER_UNITS_DUPLICATE = "units_duplicate"
 TRAINER_UNITS_STALE = "units_stale"
 #: Units that could not be decoded (dead-lettered).
 TRAINER_UNITS_INVALID = "units_invalid"
+#: Policy versions between the trainer's weights and a trained sample's behaviour policy,
+#: over the step's samples: mean and max.
+TRAINER_STALENESS_MEAN = "staleness_mean"
+TRAINER_STALENESS_MAX = "staleness_max"
 TRAINER_STEP_SECONDS = "step_seconds"
 TRAINER_DATA_SECONDS = "data_seconds"
 

@@ -68,8 +68,8 @@ from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
 from reef_stream.events import Checkpoint, DeadLetter, MessageHeader, TopicOffset, now_ms
 from reef_stream.failpoints import failpoint
 from reef_stream.metrics import (
-    STAGE_TRAINER, TRAINER_DATA_SECONDS, TRAINER_STEP_SECONDS, TRAINER_STEPS,
-    TRAINER_UNITS_DUPLICATE, TRAINER_UNITS_INVALID, TRAINER_UNITS_STALE, TRAINER_UNITS_TRAINED,
+    STAGE_TRAINER, TRAINER_DATA_SECONDS, TRAINER_STALENESS_MAX, TRAINER_STALENESS_MEAN,
+    TRAINER_STEP_SECONDS, TRAINER_STEPS, TRAINER_UNITS_DUPLICATE, TRAINER_UNITS_INVALID, TRAINER_UNITS_STALE, TRAINER_UNITS_TRAINED,
     MetricsWriter,
 )
 from reef_stream.objective import state_from_record, state_record
@@ -287,6 +287,10 @@ class Trainer:
         else:
             local = result
         metrics = self.backend.train_step(mine, local, step)
+        staleness = [self.step - m.policy_version for u in units for m in unit_members(u)]
+        if staleness:
+            metrics[TRAINER_STALENESS_MEAN] = float(np.mean(staleness))
+            metrics[TRAINER_STALENESS_MAX] = float(max(staleness))
         failpoint("trainer.before-checkpoint", step=step)
         weights, optimizer, rng = self.backend.state()
         rng = {k: v for rank_rng in self._gather(rng) for k, v in rank_rng.items()}

@@ -56,6 +56,10 @@ def test_two_groups_train_every_unit_once_and_identically(kafka_bootstrap, cli_e
         assert [c.step for c in stored] == [1, 2, 3, 4, 5]
         contents = [load(c.uri, c.sha256) for c in stored]
         assert Counter(u for c in contents for u in c.step_units) == expected
+        # Steps 1-4 train version-0 samples with the weights of versions 0-3; step 5 trains
+        # version-4 samples with version 4's.
+        assert [(c.metrics["staleness_mean"], c.metrics["staleness_max"]) for c in contents] \
+            == [(0, 0), (1, 1), (2, 2), (3, 3), (0, 0)]
         weights[group] = contents[-1].weights
 
         # Acknowledged in order: the group's committed offsets are the last checkpoint's.
