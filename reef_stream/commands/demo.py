@@ -1,6 +1,6 @@
 """``reef demo``: the project's main job (``reef_stream.demo.run``).
 
-    reef demo                                   SAO on the toy task, until 0.95 held-out accuracy
+    reef demo                                   SAO on the toy task, until 0.9 held-out accuracy
     reef demo --recipe methods.grpo --chaos     GRPO, with the trainer and processor SIGKILLed
 
 Brings up the local broker and Redis if they are not running (or uses
@@ -27,7 +27,7 @@ import click
               help="Serving replicas sampling from the newest promoted version.")
 @click.option("--rate", type=click.FloatRange(min=1), default=150.0, show_default=True,
               metavar="PER_SECOND", help="Generations per second per replica.")
-@click.option("--target-accuracy", "target", type=click.FloatRange(0, 1), default=0.95,
+@click.option("--target-accuracy", "target", type=click.FloatRange(0, 1), default=0.9,
               show_default=True, help="Stop once a promoted version reaches this held-out "
                                       "accuracy (greedy decoding).")
 @click.option("--time-limit", type=click.FloatRange(min=10), default=900.0, show_default=True,
@@ -50,7 +50,10 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: floa
     trainer trains; the evaluator measures held-out accuracy and promotes a
     checkpoint only if it does not regress. Each is a separate process.
     Progress shows the published version, its held-out accuracy, the reward,
-    the rates and, with --chaos, the kills. At the end report.html (accuracy
+    the trainer's steps, rejected candidates, the mean staleness of the last
+    step's samples (trainer version - behaviour version), the rates and, with
+    --chaos, the kills; and says "stalled" when the trainer ran so far past the
+    served version that no new generation can train. At the end report.html (accuracy
     per published version, reward over time, staleness, throughput) is
     written and its path printed; the unit ledger must show no unit lost or
     trained twice.
@@ -73,6 +76,9 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: floa
                f"logs in {runner.run_dir / 'logs'}")
     result = runner.run()
     click.echo(result.line())
+    if not (settings.bootstrap_servers and settings.redis_url):
+        click.echo("the local broker and Redis keep running (their data too): "
+                   "`reef kafka down` and `reef redis down` stop them")
     if result.ledger.get("trained_twice") or result.ledger.get("lost"):
         raise click.ClickException(f"the unit ledger is wrong: {result.ledger}")
     if not result.reached:
@@ -92,11 +98,13 @@ class _Progress:
         self.last = time.monotonic()
         accuracy = status["accuracy"]
         reward = status["reward"]
+        staleness = status.get("staleness")
         rates = status["rates"]
         line = (f"{status['elapsed']:6.0f} s  version {status['version'] or '-':>4}  "
                 f"accuracy {'-' if accuracy is None else f'{accuracy:.3f}':>5}  "
                 f"reward {'-' if reward is None else f'{reward:.2f}':>5}  "
                 f"steps {status['steps']:>4}  rejected {status['rejected']:>3}  "
+                f"staleness {'-' if staleness is None else f'{staleness:.1f}':>4}  "
                 f"gen/s {rates.get('generations', 0):6.0f}  units/s {rates.get('units', 0):5.0f}"
                 + (f"  kills {status['kills']}" if status["kills"] else "")
                 + (f"\n  {status['stalled']}" if status.get("stalled") else ""))

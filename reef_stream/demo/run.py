@@ -1,6 +1,6 @@
 """``reef demo``: the whole loop, every stage a separate process, until the policy has learned.
 
-    demo = Demo(DemoOptions(recipe="methods.sao", replicas=2, target=0.95, time_limit=900),
+    demo = Demo(DemoOptions(recipe="methods.sao", replicas=2, target=0.9, time_limit=900),
                 settings=settings, bootstrap=bootstrap)
     result = demo.run()          # blocks; result.reached, result.report
 
@@ -42,6 +42,7 @@ from confluent_kafka.admin import AdminClient
 from reef_stream.config import Settings
 from reef_stream.connect import client_config
 from reef_stream.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
+from reef_stream.metrics import TRAINER_STALENESS_MEAN, TRAINER_STEPS
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.serde import SchemaRegistry
@@ -64,7 +65,7 @@ class DemoOptions:
     #: trainer consumes on two cores (~1 step of 256 samples a second); faster replicas only
     #: make generations that wait until they are too stale, and take the trainer's CPU.
     rate: float = 150.0
-    target: float = 0.95
+    target: float = 0.9
     time_limit: float = 900.0
     chaos: bool = False
     chaos_every: tuple[float, float] = (8.0, 20.0)
@@ -175,6 +176,7 @@ class Demo:
         self.publications: list[tuple[float, Publication]] = []
         self.rewards: list[tuple[float, float]] = []
         self.steps = 0
+        self.staleness: float | None = None  # mean over the newest step's samples
         self.samples: list[Sample] = []
         self.kills: Counter = Counter()
         self.last_status: dict[str, Any] = {}
@@ -273,8 +275,10 @@ class Demo:
             elif isinstance(event, Metric) and event.stage == "trainer":
                 if event.name == "objective.reward_mean":
                     self.rewards.append((now, event.value))
-                elif event.name == "steps":
+                elif event.name == TRAINER_STEPS:
                     self.steps = max(self.steps, int(event.value))
+                elif event.name == TRAINER_STALENESS_MEAN:
+                    self.staleness = event.value
         offsets = {name: end_offset(watcher, topic) for name, topic in self.topics.items()}
         if self.samples:   # a failed read keeps the last known figure
             offsets = {k: v if v >= 0 else self.samples[-1].offsets[k] for k, v in offsets.items()}
@@ -300,7 +304,8 @@ class Demo:
         return {"elapsed": time.monotonic() - started, "version": version, "accuracy": accuracy,
                 "reward": self.rewards[-1][1] if self.rewards else None, "steps": self.steps,
                 "rejected": sum(p.decision is Decision.REJECTED for _, p in self.publications),
-                "rates": rates, "kills": dict(self.kills), "stalled": self.stalled()}
+                "staleness": self.staleness, "rates": rates, "kills": dict(self.kills),
+                "stalled": self.stalled()}
 
     def stalled(self) -> str | None:
         """Why the loop cannot learn any more, or None.
