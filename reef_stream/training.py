@@ -14,6 +14,12 @@ Nothing in a step depends on time or on the order data arrived in, so the
 same units from the same checkpoint give bitwise the same weights (on the
 same hardware and torch build).
 
+A step also measures the policy's health: from the forward passes before its
+first update, the gap to the behaviour policies that generated its samples
+(``TorchBackend._behaviour_gap``, no extra pass), and after its last update the
+size of the update (``TorchBackend._update_ratio``); neither changes the
+weights or any RNG state.
+
 The model contract (``CausalLM``): ``model(input_ids, attention_mask)``
 returns next-token logits; for the ``value_regression`` family the model also
 has ``value(input_ids, attention_mask)``. How the inputs of each loss family
@@ -36,6 +42,11 @@ from reef_stream.errors import ConfigurationError, FatalError
 from reef_stream.events import Sample
 from reef_stream.losses import (
     LossFamily, PolicyGradientInputs, ValueRegressionInputs,
+)
+from reef_stream.metrics import (
+    TRAINER_GRAD_NORM, TRAINER_KL_BEHAVIOUR, TRAINER_LOGPROB_GAP_OLDER,
+    TRAINER_LOGPROB_GAP_OLDER_TOKENS, TRAINER_LOGPROB_GAP_SAME_VERSION,
+    TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS, TRAINER_UPDATE_RATIO,
 )
 from reef_stream.objective import (
     Advantages, ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages,
@@ -251,6 +262,90 @@ class TorchBackend:
             return float(torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(p.grad) for p in parameters])))
 
+    # ----------------------------------------------------------------- policy health
+
+    def _behaviour_gap(self, inputs: Any, samples: Sequence[Sample], step: int,
+                       sums: torch.Tensor) -> None:
+        """Add one micro batch to ``sums`` (float64[6], on the accelerator's device): how far
+        the weights held before step ``step`` (version ``step - 1``) are from the behaviour
+        policies that generated ``samples``.
+
+        ``train_step`` calls it for the micro batches of its first optimizer batch, whose
+        forward passes run before any update (so every sample of a step that is one update,
+        as in methods/sao and methods/grpo; a shuffled share otherwise), when the family is
+        trained from behaviour logprobs (``PolicyGradientInputs``): no extra forward pass. The
+        current logprobs are the training forward's, in train mode (a model with dropout adds
+        its noise). Per real completion token (padding masked), ``r = current - behaviour``
+        (the logprob recorded at generation); sums: |r| and tokens of samples whose
+        ``policy_version`` is ``step - 1``, |r| and tokens of older samples, ``exp(r) - 1 - r``
+        and tokens of all. Changes nothing but ``sums``.
+        """
+        if not isinstance(inputs, PolicyGradientInputs):
+            return
+        with torch.no_grad():
+            mask = inputs.mask
+            r = torch.where(mask, inputs.logprobs.detach() - inputs.behaviour_logprobs, 0.0
+                            ).double()
+            versions = torch.tensor([s.policy_version for s in samples], device=r.device)
+            same = mask & (versions == step - 1)[:, None]
+            older = mask & (versions < step - 1)[:, None]
+            sums += torch.stack([
+                (r.abs() * same).sum(), same.sum().double(),
+                (r.abs() * older).sum(), older.sum().double(),
+                (torch.expm1(r) - r).sum(), mask.sum().double(),
+            ]).to(sums.device)
+
+    def _gap_metrics(self, sums: torch.Tensor) -> dict[str, float]:
+        """The step's gap metrics from ``_behaviour_gap``'s sums, summed over ranks (one
+        ``accelerator.reduce``; every rank calls it once a step):
+
+        - ``logprob_gap.same_version``: mean ``|r|`` over the tokens of samples of the trainer's
+          own version (inference vs training numerics), ``logprob_gap.same_version_tokens``;
+        - ``logprob_gap.older`` / ``logprob_gap.older_tokens``: the same over older samples
+          (staleness on top of the numerics);
+        - ``kl_behaviour``: KL(behaviour || current) by the k3 estimator, the mean over every
+          token of ``exp(r) - 1 - r`` (unbiased for tokens drawn from the behaviour policy,
+          never negative, lower variance than ``-r``).
+
+        A bucket without tokens is left out (no 0, no NaN), as is ``kl_behaviour`` when no
+        sample has a token. A sample of a version newer than the trainer's counts in
+        ``kl_behaviour`` only.
+        """
+        same_gap, same_tokens, older_gap, older_tokens, kl, tokens = (
+            self.accelerator.reduce(sums, "sum").tolist())
+        metrics: dict[str, float] = {}
+        if same_tokens:
+            metrics[TRAINER_LOGPROB_GAP_SAME_VERSION] = same_gap / same_tokens
+            metrics[TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS] = same_tokens
+        if older_tokens:
+            metrics[TRAINER_LOGPROB_GAP_OLDER] = older_gap / older_tokens
+            metrics[TRAINER_LOGPROB_GAP_OLDER_TOKENS] = older_tokens
+        if tokens:
+            metrics[TRAINER_KL_BEHAVIOUR] = kl / tokens
+        return metrics
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """A copy of every parameter (one more copy of the weights, on their device), for
+        ``_update_ratio``. Called by ``train_step`` before its first update."""
+        return [p.detach().clone() for p in self.model.parameters()]
+
+    def _update_ratio(self, before: Sequence[torch.Tensor]) -> dict[str, float]:
+        """``update_ratio``: ``||theta_after - theta_before|| / ||theta_before||`` over every
+        parameter (one global L2 norm each), with ``before`` from ``_parameters``; left out
+        when ``||theta_before||`` is 0. Called by ``train_step`` after its last update. Under
+        data parallelism every rank holds the same weights, so it needs no reduction."""
+        if not before:
+            return {}
+        with torch.no_grad():
+            norm = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(b, dtype=torch.float64) for b in before]))
+            delta = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(p.detach() - b, dtype=torch.float64)
+                 for p, b in zip(self.model.parameters(), before, strict=True)]))
+        if float(norm) == 0.0:
+            return {}
+        return {TRAINER_UPDATE_RATIO: float(delta / norm)}
+
     # ----------------------------------------------------------------- state
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
@@ -281,9 +376,13 @@ class TorchBackend:
         """Train on ``units`` (exactly ``schedule.units_per_step``) with ``result``'s advantages.
 
         Returns the step's metrics: mean loss, the loss's own metrics
-        (averaged over micro batches) and the objective's (prefixed
-        ``objective.``). Deterministic given the units, the result, ``step``
-        and the backend's state.
+        (averaged over micro batches), the objective's (prefixed
+        ``objective.``), the policy's health against the behaviour policies
+        before the first update (``_gap_metrics``: a policy-gradient family's
+        only) and the update's relative size (``_update_ratio``).
+        Deterministic given the units, the result, ``step`` and the
+        backend's state. Under data parallelism every rank must call it for
+        the same step (it all-reduces).
         """
         schedule = self.schedule
         members = [unit_members(u) for u in units]
@@ -291,6 +390,8 @@ class TorchBackend:
         if result.advantages.num_samples != starts[-1]:
             raise FatalError(f"the objective returned {result.advantages.num_samples} advantage "
                              f"rows for {starts[-1]} samples")
+        gap = torch.zeros(6, dtype=torch.float64, device=self.accelerator.device)
+        before = self._parameters()
         self.model.train()
         totals: dict[str, float] = {}
         micro_batches = updates = 0
@@ -307,6 +408,8 @@ class TorchBackend:
                     rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in chosen])
                     samples = [s for i in chosen for s in members[i]]
                     inputs = self.builder(self.model, collate(samples), result.advantages, rows)
+                    if epoch == 0 and first == 0:  # no update yet: the weights of step - 1
+                        self._behaviour_gap(inputs, samples, step, gap)
                     output = self.loss(inputs)
                     self.accelerator.backward(output.loss * (len(chosen) / len(batch_units)))
                     micro_batches += 1
@@ -316,11 +419,13 @@ class TorchBackend:
                     if self.between_micro_batches:
                         self.between_micro_batches(micro_batches)
                 grad_norm = self._clip_gradients()
-                totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
+                totals[TRAINER_GRAD_NORM] = totals.get(TRAINER_GRAD_NORM, 0.0) + grad_norm
                 updates += 1
                 self.optimizer.step()
-        grad_norm = totals.pop("grad_norm", 0.0) / max(updates, 1)
+        grad_norm = totals.pop(TRAINER_GRAD_NORM, 0.0) / max(updates, 1)
         metrics = {name: value / micro_batches for name, value in totals.items()}
-        metrics["grad_norm"] = grad_norm
+        metrics[TRAINER_GRAD_NORM] = grad_norm
+        metrics.update(self._gap_metrics(gap))
+        metrics.update(self._update_ratio(before))
         metrics.update({f"objective.{k}": v for k, v in result.metrics.items()})
         return metrics
