@@ -10,6 +10,10 @@ grows; a restart starts again at 0, so readers take differences within one
 ``MetricsWriter`` batches events onto a producer the caller owns; it never
 blocks the pipeline: a metric that cannot be sent is logged and dropped
 (metrics are observations, not records of the pipeline).
+
+Every ``write`` also sets a gauge in the process's Prometheus exposition
+(``reef_stream.prometheus``: ``reef_<stage>_<name>``, the same labels), which a
+stage serves at ``/metrics`` when started with ``--metrics-port``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from reef_stream import prometheus
 from reef_stream.events import Metric, now_ms
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
@@ -102,6 +107,22 @@ FOLLOWER_VERSIONS_REFUSED = "versions_refused"
 #: Seconds from a publication's arrival to the serving code having its weights.
 FOLLOWER_LOAD_SECONDS = "load_seconds"
 
+# --------------------------------------------------------------------------- reward
+
+#: A reward worker's counters (``RewardSummary``; running totals, label ``group``): generations
+#: taken, feedback sent, calls failed on every try, results not a finite reward, records that did
+#: not decode, retries, tries timed out, records dropped on a revoke or at stop.
+REWARD_RECORDS = "records"
+REWARD_REWARDED = "rewarded"
+REWARD_FAILED = "failed"
+REWARD_INVALID = "invalid"
+REWARD_UNDECODABLE = "undecodable"
+REWARD_RETRIED = "retried"
+REWARD_TIMED_OUT = "timed_out"
+REWARD_DROPPED = "dropped"
+#: The mean reward of the feedback sent since the process started, per feedback source.
+REWARD_MEAN = "reward_mean"                      # labels: source
+
 
 def metric(stage: str, name: str, value: float, labels: Mapping[str, str] | None = None,
            *, created_at: int | None = None) -> Metric:
@@ -117,18 +138,27 @@ class MetricsWriter:
     ``write`` only enqueues (``produce``); the owner polls and flushes its
     producer as it does for its other records. Key: the stage. A metric
     the client refuses (queue full) is logged and dropped, never raised.
+    Each write also sets the metric's gauge in ``exposition`` [default: the
+    process's, ``reef_stream.prometheus.exposition()``], before the send; a
+    failure there is logged, never raised.
     """
 
     def __init__(self, producer: Any, namespace: str, stage: str,
-                 labels: Mapping[str, str] | None = None) -> None:
+                 labels: Mapping[str, str] | None = None,
+                 exposition: prometheus.Exposition | None = None) -> None:
         self._producer = producer
         self._topic = declarations.metrics(namespace)
         self._stage = stage
         self._labels = dict(labels or {})
         self._registry = SchemaRegistry.default()
+        self._exposition = exposition or prometheus.exposition()
 
     def write(self, name: str, value: float, **labels: str) -> None:
         event = metric(self._stage, name, value, {**self._labels, **labels})
+        try:
+            self._exposition.set(self._stage, name, event.value, event.labels)
+        except Exception as error:  # noqa: BLE001 - Prometheus never fails the pipeline
+            log.warning("metric %s.%s not set for Prometheus: %s", self._stage, name, error)
         value_bytes, headers = self._registry.encode(event)
         try:
             self._producer.produce(self._topic, key=self._stage.encode(), value=value_bytes,

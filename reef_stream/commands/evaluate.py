@@ -20,6 +20,7 @@ import sys
 
 import click
 
+from reef_stream.commands.metrics_port import metrics_port_option, serve_metrics
 from reef_stream.errors import ConfigurationError, ReefError
 
 
@@ -49,10 +50,12 @@ from reef_stream.errors import ConfigurationError, ReefError
               metavar="SECONDS",
               help="Stop after this many seconds without a new checkpoint event "
                    "[default: run until stopped].")
+@metrics_port_option
 @click.pass_context
 def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None,
              publish_to: str | None, keep_published: int, retries: int, backoff: float,
-             max_candidates: int | None, idle_exit: float | None) -> None:
+             max_candidates: int | None, idle_exit: float | None,
+             metrics_port: int | None) -> None:
     """Evaluate candidate checkpoints and publish one decision per checkpoint.
 
     Consumes <namespace>.checkpoints as a consumer group. For each checkpoint
@@ -94,6 +97,7 @@ def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None
     worker = EvaluatorWorker(
         recipe, settings=settings, options=options, fleet=fleet,
         announce=lambda text: click.secho(text, fg="red", bold=True, err=True))
+    serve_metrics(metrics_port)
     previous = _stop_on_signals(worker)
     try:
         worker.run()

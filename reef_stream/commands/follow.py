@@ -19,6 +19,8 @@ import time
 
 import click
 
+from reef_stream.commands.metrics_port import metrics_port_option, serve_metrics
+
 
 @click.command()
 @click.option("--model", "-m", required=True, help="The model whose promoted versions to follow.")
@@ -37,10 +39,11 @@ import click
 @click.option("--retry", type=click.FloatRange(min=0, min_open=True), default=30.0,
               show_default=True, metavar="SECONDS",
               help="Seconds between two tries of a refused version that is still the newest.")
+@metrics_port_option
 @click.pass_context
 def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
            until_version: int | None, timeout: float | None, heartbeat: float,
-           retry: float) -> None:
+           retry: float, metrics_port: int | None) -> None:
     """Follow a model's publications: load and verify the newest promoted version.
 
     Reads <namespace>.publications from the start, loads the newest PROMOTED
@@ -75,6 +78,7 @@ def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
                         heartbeat_s=heartbeat, retry_s=retry)
     click.echo(f"replica {follower.replica_id} following {model} in "
                f"{follower.namespace}.publications")
+    serve_metrics(metrics_port)
     previous = _stop_on_signals(follower)
     deadline = None if timeout is None else time.monotonic() + timeout
     code = 0

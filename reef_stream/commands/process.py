@@ -19,6 +19,8 @@ import logging
 
 import click
 
+from reef_stream.commands.metrics_port import metrics_port_option, serve_metrics
+
 
 @click.command()
 @click.option("--recipe", "path", required=True, metavar="MODULE[:ATTRIBUTE]",
@@ -30,7 +32,9 @@ import click
                    "id); distinct per concurrent processor, the same across restarts.")
 @click.option("--batch", type=click.IntRange(1, 100_000), default=None,
               help="Most records per transaction [default: 2000].")
-def process(path: str, group: str | None, instance: str, batch: int | None) -> None:
+@metrics_port_option
+def process(path: str, group: str | None, instance: str, batch: int | None,
+            metrics_port: int | None) -> None:
     """Run a recipe's processor: generations + feedback -> units and dead letters.
 
     Every generation ends in exactly one unit or one dead letter (expired, too
@@ -49,6 +53,7 @@ def process(path: str, group: str | None, instance: str, batch: int | None) -> N
     logging.getLogger("reef_stream.processor").setLevel(logging.INFO)
     settings = load_settings()
     recipe = load_recipe(path)
+    serve_metrics(metrics_port)
     run_processor_runtime(recipe, bootstrap=bootstrap_servers(settings),
                           namespace=settings.namespace, group=group, instance=instance,
                           batch=batch or BATCH)

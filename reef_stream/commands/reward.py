@@ -20,6 +20,7 @@ import sys
 
 import click
 
+from reef_stream.commands.metrics_port import metrics_port_option, serve_metrics
 from reef_stream.errors import ConfigurationError, ReefError
 
 
@@ -53,10 +54,11 @@ from reef_stream.errors import ConfigurationError, ReefError
               metavar="SECONDS",
               help="Stop after this many seconds without a new generation and nothing in flight "
                    "[default: run until stopped].")
+@metrics_port_option
 @click.pass_context
 def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
            group: str | None, timeout: float, retries: int, backoff: float, grace: float,
-           max_records: int | None, idle_exit: float | None) -> None:
+           max_records: int | None, idle_exit: float | None, metrics_port: int | None) -> None:
     """Score generations with a recipe's reward function and emit Feedback.
 
     Consumes <namespace>.generations as a consumer group and sends one
@@ -70,7 +72,9 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
 
     Stops on SIGTERM or Ctrl-C (running calls finish, up to --grace), on
     --max-records or --idle-exit, and prints a one-line summary: records,
-    rewarded, failed, invalid, undecodable, retried, timed_out, dropped.
+    rewarded, failed, invalid, undecodable, retried, timed_out, dropped. The
+    same counters go to <namespace>.metrics (stage "reward", at most once a
+    second and at stop) and, with --metrics-port, to Prometheus.
     """
     from reef_stream.config import load_settings
     from reef_stream.consumers.reward import RewardOptions, RewardWorker
@@ -82,6 +86,7 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
                             retries=retries, backoff=backoff, grace=grace, group=group,
                             max_records=max_records, idle_exit=idle_exit)
     worker = RewardWorker(recipe, settings=settings, options=options)
+    serve_metrics(metrics_port)
     previous = _stop_on_signals(worker)
     try:
         worker.run()

@@ -15,9 +15,12 @@ after the step in progress. ``COMMANDS`` lists the command for
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import click
+
+from reef_stream.commands.metrics_port import metrics_port_option, serve_metrics
 
 
 @click.command()
@@ -39,14 +42,16 @@ import click
 @click.option("--idle-exit", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Stop after this long without a new unit (an unfinished step stays "
                    "unacknowledged and is trained on the next run).")
+@metrics_port_option
 def train(path: str, group: str, url: str | None, keep: int, model_name: str | None,
-          max_steps: int | None, idle_exit: float | None) -> None:
+          max_steps: int | None, idle_exit: float | None, metrics_port: int | None) -> None:
     """Train a recipe as a consumer group; checkpoints are the acknowledgements.
 
     Each step's units come from the units topic in an order fixed by the log
     (not by fetch timing); units already trained are skipped, units too stale
     for the schedule are dropped to the dead letters, and every count goes to
-    <namespace>.metrics. Prints a summary when it stops.
+    <namespace>.metrics. Prints a summary when it stops. Under torchrun, the
+    rank with LOCAL_RANK=r serves its metrics on --metrics-port + r.
     """
     from reef_stream.config import load_settings
     from reef_stream.connect import bootstrap_servers
@@ -60,6 +65,9 @@ def train(path: str, group: str, url: str | None, keep: int, model_name: str | N
     trainer = Trainer(recipe, bootstrap=bootstrap_servers(settings), namespace=settings.namespace,
                       group=group, checkpoints=url, keep=keep, model_name=model_name,
                       max_steps=max_steps, idle_exit=idle_exit, settings=settings)
+    if metrics_port:  # one port per rank on a host (torchrun sets LOCAL_RANK)
+        metrics_port += int(os.environ.get("LOCAL_RANK", "0"))
+    serve_metrics(metrics_port)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: trainer.stop())
     summary = trainer.run()

@@ -58,6 +58,14 @@ resumed partition's next fetch comes only after the broker's fetch wait
 are dropped at once (uncommitted: the group reads them again); only running
 calls get the grace.
 
+Metrics: the counters of ``RewardSummary`` (``REWARD_*`` in ``reef_stream.metrics``,
+stage ``reward``, labels ``recipe``, ``group``, ``instance`` = host.pid) and the
+mean reward per feedback source go to ``<ns>.metrics`` through a plain producer
+of the worker's own, from the consumer loop at most once a second when they
+changed, and once at stop; they also set the process's Prometheus gauges
+(``reef_stream.prometheus``). Writing them never waits on the broker: a metric
+that cannot be queued or delivered is dropped (``metrics_dropped``).
+
 Threads: ``run`` owns the Kafka consumer and must be called from one thread;
 an asyncio loop on a thread of its own schedules the calls; the producer's
 delivery callbacks mark outcomes done. ``stop`` may be called from any thread
@@ -73,6 +81,7 @@ import logging
 import math
 import numbers
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -81,13 +90,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from reef_stream.config import Settings, load_settings
 from reef_stream.connect import bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
 from reef_stream.events import DeadLetter, Generation, MessageHeader, now_ms
 from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandle
+from reef_stream.metrics import (
+    REWARD_DROPPED,
+    REWARD_FAILED,
+    REWARD_INVALID,
+    REWARD_MEAN,
+    REWARD_RECORDS,
+    REWARD_RETRIED,
+    REWARD_REWARDED,
+    REWARD_TIMED_OUT,
+    REWARD_UNDECODABLE,
+    STAGE_REWARD,
+    MetricsWriter,
+)
 from reef_stream.recipe import Recipe, Reward, feedback_for
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import decode
@@ -96,13 +118,21 @@ __all__ = ["RewardOptions", "RewardSummary", "RewardWorker", "default_group"]
 
 log = logging.getLogger(__name__)
 
-STAGE = "reward"
+STAGE = STAGE_REWARD
 #: The longest wait between two tries of one generation.
 MAX_BACKOFF_S = 30.0
 #: Generations taken and not yet settled at most, unless ``RewardOptions.backlog`` says.
 DEFAULT_BACKLOG = 1024
 #: How often done offsets are committed while running.
 COMMIT_INTERVAL_S = 1.0
+#: How often, at most, the counters are written as Metric events while running.
+METRICS_INTERVAL_S = 1.0
+#: The metric of each counter of ``RewardSummary``.
+_COUNTER_METRICS = {
+    "records": REWARD_RECORDS, "rewarded": REWARD_REWARDED, "failed": REWARD_FAILED,
+    "invalid": REWARD_INVALID, "undecodable": REWARD_UNDECODABLE, "retried": REWARD_RETRIED,
+    "timed_out": REWARD_TIMED_OUT, "dropped": REWARD_DROPPED,
+}
 
 
 def default_group(recipe: Recipe, namespace: str) -> str:
@@ -163,7 +193,8 @@ class RewardSummary:
     that were not a finite ``Reward`` (dead-lettered); ``undecodable``: records that did not
     decode as a Generation (dead-lettered); ``retried``: tries after a failed one;
     ``timed_out``: tries that timed out; ``dropped``: records dropped on a revoke or at
-    stop before their outcome was sent (their offsets stay uncommitted)."""
+    stop before their outcome was sent (their offsets stay uncommitted); ``reward_sum``: the
+    sum of the rewards sent as feedback (their mean is ``reward_sum / rewarded``)."""
 
     group: str = ""
     records: int = 0
@@ -175,13 +206,19 @@ class RewardSummary:
     timed_out: int = 0
     dropped: int = 0
     committed: int = 0
+    reward_sum: float = 0.0
     elapsed_s: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, **counts: int) -> None:
+    def add(self, **counts: float) -> None:
         with self._lock:
             for name, count in counts.items():
                 setattr(self, name, getattr(self, name) + count)
+
+    def counters(self) -> dict[str, float]:
+        """A consistent snapshot of the counters written as metrics, and ``reward_sum``."""
+        with self._lock:
+            return {name: getattr(self, name) for name in (*_COUNTER_METRICS, "reward_sum")}
 
     def line(self) -> str:
         """One line for the log: ``reward worker <group>: records=... rewarded=... ...``."""
@@ -270,6 +307,12 @@ class RewardWorker:
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._semaphore: asyncio.Semaphore | None = None
+        self._metrics: MetricsWriter | None = None
+        self._metrics_producer: Producer | None = None
+        self._metrics_sent: dict[str, float] | None = None  # the counters last written
+        self._metrics_at = 0.0
+        #: Metric events that could not be queued or delivered (dropped).
+        self.metrics_dropped = 0
 
     # ----------------------------------------------------------------- public
 
@@ -302,6 +345,7 @@ class RewardWorker:
         self._loop = loop
         self._semaphore = asyncio.run_coroutine_threadsafe(
             _make_semaphore(self.options.concurrency), loop).result()
+        self._start_metrics()
         consumer = Consumer(client_config(self.bootstrap, {
             "group.id": self.group,
             "enable.auto.commit": False,
@@ -331,6 +375,7 @@ class RewardWorker:
             if time.monotonic() - last_commit >= COMMIT_INTERVAL_S:
                 self._commit_done(consumer, asynchronous=True)
                 last_commit = time.monotonic()
+            self._emit_metrics()
             # A full backlog pauses the partitions rather than the polling, so that rebalances
             # and group heartbeats go on while slow calls run; they resume at half (a resumed
             # fetch costs the broker's fetch wait, so not at every settled record).
@@ -447,7 +492,7 @@ class RewardWorker:
                 problem = f"{type(error).__name__}: {error}"
             else:
                 if sent:
-                    self.summary.add(rewarded=1)
+                    self.summary.add(rewarded=1, reward_sum=float(result.reward))
                 return
         self.summary.add(invalid=1)
         reason = (f"reward function {self.reward.source!r} returned an invalid result for "
@@ -542,6 +587,51 @@ class RewardWorker:
             self._in_flight -= 1
         if dropped:
             self.summary.add(dropped=1)
+
+    # ----------------------------------------------------------------- metrics
+
+    def _start_metrics(self) -> None:
+        """The metrics producer: a plain one of its own, apart from the outcomes' producer (whose
+        spool and fatal states are for records that must not be lost; a metric may be). The
+        processor's settings: ``acks=1``, one request in flight (one worker's events stay in
+        order), a bounded queue; a metric that cannot be queued or delivered is dropped."""
+        def delivered(error: KafkaError | None, _message: Any) -> None:
+            if error is not None:
+                self.metrics_dropped += 1
+
+        self._metrics_producer = Producer(client_config(self.bootstrap, {
+            "acks": 1, "enable.idempotence": False,
+            "max.in.flight.requests.per.connection": 1,
+            "linger.ms": 50, "message.timeout.ms": 30_000,
+            "queue.buffering.max.messages": 10_000, "on_delivery": delivered,
+        }))
+        self._metrics = MetricsWriter(self._metrics_producer, self.namespace, STAGE_REWARD, {
+            "recipe": self.recipe.name, "group": self.group,
+            "instance": f"{socket.gethostname()}.{os.getpid()}"})
+
+    def _emit_metrics(self, *, final: bool = False) -> None:
+        """Write the counters as Metric events if ``METRICS_INTERVAL_S`` passed and they changed
+        since the last write (the first time: always); ``final``: whether or not the interval
+        passed, then flush for up to 5 s and close. Consumer thread only; never raises."""
+        writer, producer = self._metrics, self._metrics_producer
+        if writer is None or producer is None:
+            return
+        try:
+            due = final or time.monotonic() - self._metrics_at >= METRICS_INTERVAL_S
+            counters = self.summary.counters() if due else None
+            if counters is not None and counters != self._metrics_sent:
+                for attribute, name in _COUNTER_METRICS.items():
+                    writer.write(name, counters[attribute])
+                if counters["rewarded"]:
+                    writer.write(REWARD_MEAN, counters["reward_sum"] / counters["rewarded"],
+                                 source=self.reward.source)
+                self._metrics_sent, self._metrics_at = counters, time.monotonic()
+            producer.poll(0)
+            if final:
+                self.metrics_dropped += producer.flush(5)
+        except Exception as error:  # noqa: BLE001 - metrics never fail the worker
+            self.metrics_dropped += 1
+            log.warning("metrics not written: %s", error)
 
     # ----------------------------------------------------------------- offsets and rebalances
 
@@ -641,6 +731,7 @@ class RewardWorker:
             loop.call_soon_threadsafe(_cancel_all, loop)
             loop_thread.join(5)
             producer.close(5)
+            self._emit_metrics(final=True)
             if self._spool_lock is not None:
                 os.close(self._spool_lock)
 

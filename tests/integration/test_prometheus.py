@@ -1,0 +1,82 @@
+"""A stage's Prometheus ``/metrics`` against the real broker: a `reef reward` worker run with
+``--metrics-port`` serves its counters while it runs, and ``<ns>.metrics`` holds the same counts
+as Metric events. (The name and label mapping and a taken port: tests/unit/test_prometheus.py.)
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from reef_stream import metrics
+from reef_stream.connect import client_config
+from reef_stream.events import Metric
+from reef_stream.processes import free_ports
+from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.declarations import declare_topics, generations
+from reef_stream.topics.declarations import metrics as metrics_topic
+from tests.helpers import consume_events
+from tests.integration.test_reward_workers import _finish, _produce, _start
+
+COUNT = 8
+EXPECTED = {metrics.REWARD_RECORDS: COUNT + 1, metrics.REWARD_REWARDED: COUNT,
+            metrics.REWARD_RETRIED: COUNT, metrics.REWARD_UNDECODABLE: 1,
+            metrics.REWARD_FAILED: 0, metrics.REWARD_INVALID: 0, metrics.REWARD_TIMED_OUT: 0,
+            metrics.REWARD_DROPPED: 0}
+
+
+@pytest.fixture
+def topics(kafka_bootstrap, namespace):
+    ensure_topics(AdminClient(client_config(kafka_bootstrap)), declare_topics(namespace))
+
+
+def scrape(port: int, group: str) -> dict[str, float]:
+    """The reward stage's samples of ``group`` at ``/metrics``, by reef metric name."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    prefix = f"reef_{metrics.STAGE_REWARD}_"
+    return {sample.name.removeprefix(prefix): sample.value
+            for family in text_string_to_metric_families(text) if family.name.startswith(prefix)
+            for sample in family.samples if sample.labels.get("group") == group}
+
+
+def test_a_reward_worker_serves_its_counters_and_writes_the_same_to_the_metrics_topic(
+        kafka_bootstrap, namespace, topics, tmp_path):
+    _produce(kafka_bootstrap, namespace, tmp_path, COUNT)
+    garbage = Producer(client_config(kafka_bootstrap))
+    garbage.produce(generations(namespace), value=b"not avro", key=b"junk", partition=0)
+    assert garbage.flush(10) == 0
+    group, (port,) = f"{namespace}-prometheus", free_ports(1)
+    worker = _start(kafka_bootstrap, namespace, tmp_path, "flaky", "--group", group,
+                    "--retries", "1", "--backoff", "0.01", "--idle-exit", "3",
+                    "--metrics-port", str(port))
+
+    served, deadline = {}, time.monotonic() + 60
+    while served.get(metrics.REWARD_REWARDED) != COUNT:  # while it runs: it idles 3 s at the end
+        assert worker.poll() is None and time.monotonic() < deadline, \
+            f"worker exited or timed out; /metrics had {served}\n{worker.communicate()}"
+        try:
+            served = scrape(port, group)
+        except OSError:  # not listening yet
+            pass
+        time.sleep(0.1)
+    served = scrape(port, group)  # one write sets every counter; scrape once more to be sure
+    counts = _finish(worker)
+
+    assert {name: served[name] for name in EXPECTED} == EXPECTED
+    assert served[metrics.REWARD_MEAN] == 1.0  # flaky's reward: 100 completion tokens / 100
+    assert {name: counts[name] for name in EXPECTED} == EXPECTED
+    latest: dict[str, Metric] = {}
+    for event in consume_events(kafka_bootstrap, metrics_topic(namespace), 9,
+                                Metric):  # key = stage: one partition, in the order written
+        if event.stage == metrics.STAGE_REWARD and event.labels["group"] == group:
+            latest[event.name] = event
+    assert {name: latest[name].value for name in EXPECTED} == EXPECTED
+    assert latest[metrics.REWARD_MEAN].value == 1.0
+    assert latest[metrics.REWARD_MEAN].labels["source"] == "flaky_sandbox"
+    assert set(latest[metrics.REWARD_RECORDS].labels) == {"recipe", "group", "instance"}
