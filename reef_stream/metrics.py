@@ -19,7 +19,7 @@ stage serves at ``/metrics`` when started with ``--metrics-port``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from reef_stream import prometheus
@@ -130,6 +130,28 @@ def metric(stage: str, name: str, value: float, labels: Mapping[str, str] | None
     return Metric(stage=stage, name=name, value=float(value),
                   labels={k: str(v) for k, v in (labels or {}).items()},
                   created_at=created_at if created_at is not None else now_ms())
+
+
+def metrics_producer(bootstrap: str, on_dropped: Callable[[], None]) -> Any:
+    """A plain confluent-kafka producer for a stage's metrics, apart from the producer of its
+    records (whose transactions, spool or fatal states are for records that must not be lost;
+    a metric may be). ``acks=1`` and one request in flight keep one instance's events in order
+    without the idempotent producer's fatal states; the queue is bounded. ``on_dropped()`` is
+    called (on the thread that polls it) for each metric the broker did not take."""
+    from confluent_kafka import Producer
+
+    from reef_stream.connect import client_config
+
+    def delivered(error: Any, _message: Any) -> None:
+        if error is not None:
+            on_dropped()
+
+    return Producer(client_config(bootstrap, {
+        "acks": 1, "enable.idempotence": False,
+        "max.in.flight.requests.per.connection": 1,
+        "linger.ms": 50, "message.timeout.ms": 30_000,
+        "queue.buffering.max.messages": 10_000, "on_delivery": delivered,
+    }))
 
 
 class MetricsWriter:

@@ -319,16 +319,10 @@ class ProcessorRuntime:
         that cannot be queued or delivered is counted in ``metrics_dropped``
         and otherwise dropped.
         """
-        def delivered(error: KafkaError | None, _message: Any) -> None:
-            if error is not None:
-                self.metrics_dropped += 1
+        def dropped() -> None:
+            self.metrics_dropped += 1
 
-        self._metrics_producer = Producer(client_config(self.bootstrap, {
-            "acks": 1, "enable.idempotence": False,
-            "max.in.flight.requests.per.connection": 1,
-            "linger.ms": 50, "message.timeout.ms": 30_000,
-            "queue.buffering.max.messages": 10_000, "on_delivery": delivered,
-        }))
+        self._metrics_producer = metrics.metrics_producer(self.bootstrap, dropped)
         self._metrics = metrics.MetricsWriter(
             self._metrics_producer, self.ns, metrics.STAGE_PROCESSOR,
             {"recipe": self.recipe.name, "group": self.group, "instance": self.instance})

@@ -98,17 +98,9 @@ from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
 from reef_stream.events import DeadLetter, Generation, MessageHeader, now_ms
 from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandle
 from reef_stream.metrics import (
-    REWARD_DROPPED,
-    REWARD_FAILED,
-    REWARD_INVALID,
-    REWARD_MEAN,
-    REWARD_RECORDS,
-    REWARD_RETRIED,
-    REWARD_REWARDED,
-    REWARD_TIMED_OUT,
-    REWARD_UNDECODABLE,
-    STAGE_REWARD,
-    MetricsWriter,
+    REWARD_DROPPED, REWARD_FAILED, REWARD_INVALID, REWARD_MEAN, REWARD_RECORDS, REWARD_RETRIED,
+    REWARD_REWARDED, REWARD_TIMED_OUT, REWARD_UNDECODABLE, STAGE_REWARD, MetricsWriter,
+    metrics_producer,
 )
 from reef_stream.recipe import Recipe, Reward, feedback_for
 from reef_stream.topics import declarations
@@ -595,16 +587,10 @@ class RewardWorker:
         spool and fatal states are for records that must not be lost; a metric may be). The
         processor's settings: ``acks=1``, one request in flight (one worker's events stay in
         order), a bounded queue; a metric that cannot be queued or delivered is dropped."""
-        def delivered(error: KafkaError | None, _message: Any) -> None:
-            if error is not None:
-                self.metrics_dropped += 1
+        def dropped() -> None:
+            self.metrics_dropped += 1
 
-        self._metrics_producer = Producer(client_config(self.bootstrap, {
-            "acks": 1, "enable.idempotence": False,
-            "max.in.flight.requests.per.connection": 1,
-            "linger.ms": 50, "message.timeout.ms": 30_000,
-            "queue.buffering.max.messages": 10_000, "on_delivery": delivered,
-        }))
+        self._metrics_producer = metrics_producer(self.bootstrap, dropped)
         self._metrics = MetricsWriter(self._metrics_producer, self.namespace, STAGE_REWARD, {
             "recipe": self.recipe.name, "group": self.group,
             "instance": f"{socket.gethostname()}.{os.getpid()}"})
