@@ -15,6 +15,7 @@
     reef follow --model M           a serving replica: newest promoted version, verified
     reef fleet [--rebuild]          published/serving versions and replicas (Redis, rebuildable)
     reef demo                       the whole loop on a toy task, every stage a process
+    reef trace GENERATION_ID        a generation's lineage: feedback, unit, step, publication, replicas
 
 Where ``REEF_BOOTSTRAP_SERVERS`` / ``REEF_REDIS_URL`` name existing servers,
 nothing is started and every command uses those (see ``reef_stream.config``).
@@ -44,6 +45,7 @@ from reef_stream.commands.intake import COMMANDS as INTAKE_COMMANDS
 from reef_stream.commands.process import COMMANDS as PROCESS_COMMANDS
 from reef_stream.commands.produce import COMMANDS as PRODUCE_COMMANDS
 from reef_stream.commands.reward import COMMANDS as REWARD_COMMANDS
+from reef_stream.commands.trace import COMMANDS as TRACE_COMMANDS
 from reef_stream.commands.train import COMMANDS as TRAIN_COMMANDS
 from reef_stream.config import Settings, load_settings
 from reef_stream.connect import KAFKA_LOGGER, bootstrap_servers, client_config
@@ -350,7 +352,8 @@ def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
 
 for command in (*PRODUCE_COMMANDS, *INTAKE_COMMANDS, *CURSOR_COMMANDS, *CHECK_COMMANDS,
                 *REWARD_COMMANDS, *PROCESS_COMMANDS, *TRAIN_COMMANDS,
-                *EVALUATE_COMMANDS, *FOLLOW_COMMANDS, *FLEET_COMMANDS, *DEMO_COMMANDS):
+                *EVALUATE_COMMANDS, *FOLLOW_COMMANDS, *FLEET_COMMANDS, *DEMO_COMMANDS,
+                *TRACE_COMMANDS):
     main.add_command(command)
 
 

@@ -10,16 +10,22 @@ A few minutes each.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 
 from reef_stream.checkpoints import CheckpointStore, load_weights
+from reef_stream.connect import client_config
 from reef_stream.demo.task import accuracy, initial_policy, policy_model
-from reef_stream.events import Decision, Publication
+from reef_stream.events import (
+    Checkpoint, Decision, Feedback, Generation, Metric, Publication, RolloutUnit,
+)
 from reef_stream.recipe import load_recipe
-from reef_stream.topics.declarations import publications
+from reef_stream.topics.declarations import publications, units
+from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import consume_events, reef
 
 TARGET = 0.9
@@ -78,6 +84,46 @@ def test_the_demo_learns_from_chance_to_the_target(kafka_bootstrap, cli_env, tmp
     ledger = re.search(r"ledger (\{.*?\})", stdout).group(1)
     assert "'trained_twice': 0" in ledger and "'lost': 0" in ledger, ledger
     _check_learned(kafka_bootstrap, namespace, recipe, run_dir, stdout)
+    _check_trace(kafka_bootstrap, cli_env, namespace, recipe.rpartition(".")[2])
+
+
+def _record_at(bootstrap, topic, partition, offset):
+    consumer = Consumer(client_config(bootstrap, {"group.id": "trace-check"}))
+    try:
+        consumer.assign([TopicPartition(topic, partition, offset)])
+        message = consumer.consume(1, timeout=10)[0]
+        assert message.error() is None and message.offset() == offset
+        return SchemaRegistry.default().decode(message.value(), message.headers())
+    finally:
+        consumer.close()
+
+
+def _check_trace(kafka_bootstrap, cli_env, namespace, recipe_name):
+    """`reef trace` of a generation of the run's first unit: the whole chain, and every link
+    that names a record points to that record."""
+    unit = consume_events(kafka_bootstrap, units(namespace, recipe_name), 1, RolloutUnit)[0]
+    generation_id = unit.members[0].generation_id
+    result = reef("trace", generation_id, "--json", env={**cli_env, "REEF_NAMESPACE": namespace},
+                  timeout=300)
+    lineage = json.loads(result.stdout)
+    assert lineage["complete"], lineage
+    kinds = [link["kind"] for link in lineage["links"]]
+    assert kinds[:3] == ["generation", "feedback", "unit"], kinds
+    assert {"step", "publication", "replica"} <= set(kinds), kinds
+    for link in lineage["links"]:
+        event = _record_at(kafka_bootstrap, link["topic"], link["partition"], link["offset"])
+        if link["kind"] == "generation":
+            assert isinstance(event, Generation) and event.generation_id == generation_id
+        elif link["kind"] == "feedback":
+            assert isinstance(event, Feedback) and event.generation_id == generation_id
+        elif link["kind"] == "unit":
+            assert isinstance(event, RolloutUnit) and event.unit_id == unit.unit_id
+        elif link["kind"] == "step":
+            assert isinstance(event, Checkpoint) and f"step {event.step} " in link["text"]
+        elif link["kind"] == "publication":
+            assert isinstance(event, Publication) and event.decision is Decision.PROMOTED
+        elif link["kind"] == "replica":
+            assert isinstance(event, Metric) and event.labels["replica"] in link["text"]
 
 
 def test_the_demo_converges_under_chaos_and_loses_no_unit(kafka_bootstrap, cli_env, tmp_path):
