@@ -28,7 +28,7 @@ inspection, not for a hot path). Blocks.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ from reef_stream.metrics import FOLLOWER_POLICY_VERSION, STAGE_FOLLOWER
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
 
-__all__ = ["Lineage", "Link", "trace_generation"]
+__all__ = ["Lineage", "Link", "trace_checkpoint", "trace_generation", "trace_unit"]
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,9 @@ class Link:
 
 @dataclass(frozen=True)
 class Lineage:
-    """The links found for ``generation_id``, in pipeline order. ``complete``: every link
-    from the generation to a replica serving a version that includes it was found."""
+    """The links found for ``generation_id`` (or the unit or checkpoint id traced), in
+    pipeline order. ``complete``: every link down to a replica serving a version that includes
+    it was found."""
 
     generation_id: str
     links: tuple[Link, ...]
@@ -73,8 +74,7 @@ class Lineage:
     @property
     def complete(self) -> bool:
         kinds = {link.kind for link in self.links}
-        return {"generation", "unit", "step", "publication", "replica"} <= kinds \
-            and "missing" not in kinds
+        return {"step", "publication", "replica"} <= kinds and "missing" not in kinds
 
 
 def _records(bootstrap: str, topic: str, registry: SchemaRegistry,
@@ -138,34 +138,70 @@ def trace_generation(bootstrap: str, namespace: str, generation_id: str) -> Line
             links.append(Link("feedback", f"{feedback.source}: reward {feedback.reward:g}",
                               feedback_topic, p, o))
 
-    unit = _find_unit(bootstrap, namespace, generation_id, registry)
-    letters = declarations.dead_letters(namespace)
-    for letter, p, o in _records(bootstrap, letters, registry, DeadLetter):
-        ends_it = (letter.source_topic == generations and letter.source_partition == partition
-                   and letter.source_offset == offset)
-        ends_unit = unit is not None and letter.source_topic == unit[1] \
-            and letter.source_partition == unit[2] and letter.source_offset == unit[3]
-        if ends_it or ends_unit:
-            links.append(Link("dead-letter", f"stage {letter.stage}: {letter.reason}", letters,
-                              p, o))
+    unit = _find_unit(bootstrap, namespace, registry,
+                      lambda u: any(m.generation_id == generation_id for m in u.members))
     if unit is None:
+        links += _dead_letters(bootstrap, namespace, registry, generations, partition, offset)
         links.append(Link("missing", "in no unit (yet): still waiting, or ended by a dead letter"))
         return Lineage(generation_id, tuple(links))
-    rolled, units_topic, unit_partition, unit_offset = unit
-    links.append(Link("unit", f"{rolled.unit_id} of recipe {rolled.recipe} ({len(rolled.members)}"
-                              f" samples)", units_topic, unit_partition, unit_offset))
+    links += _from_unit(bootstrap, namespace, registry, unit)
+    return Lineage(generation_id, tuple(links))
 
+
+def trace_unit(bootstrap: str, namespace: str, unit_id: str) -> Lineage:
+    """The lineage of the unit ``unit_id`` from the unit on: its trainer step, publication and
+    replicas (links as for ``trace_generation``; ``Lineage.generation_id`` holds the unit id)."""
+    registry = SchemaRegistry.default()
+    unit = _find_unit(bootstrap, namespace, registry, lambda u: u.unit_id == unit_id)
+    if unit is None:
+        return Lineage(unit_id, (Link("missing", f"no unit {unit_id} on any units topic of "
+                                                 f"{namespace}"),))
+    return Lineage(unit_id, tuple(_from_unit(bootstrap, namespace, registry, unit)))
+
+
+def trace_checkpoint(bootstrap: str, namespace: str, checkpoint_id: str) -> Lineage:
+    """The lineage of the checkpoint ``checkpoint_id`` on: the step, the first promoted
+    publication that includes it and the replicas that served it."""
+    registry = SchemaRegistry.default()
+    topic = declarations.checkpoints(namespace)
+    found = next(((c, p, o) for c, p, o in _records(bootstrap, topic, registry, Checkpoint)
+                  if c.checkpoint_id == checkpoint_id), None)
+    if found is None:
+        return Lineage(checkpoint_id, (Link("missing", f"no checkpoint {checkpoint_id} in "
+                                                       f"{topic}"),))
+    checkpoint, p, o = found
+    links = [Link("step", f"step {checkpoint.step} of trainer group {checkpoint.trainer_group}, "
+                          f"checkpoint {checkpoint.checkpoint_id}, version "
+                          f"{checkpoint.policy_version}", topic, p, o)]
+    links += _from_checkpoint(bootstrap, namespace, registry, checkpoint)
+    return Lineage(checkpoint_id, tuple(links))
+
+
+def _from_unit(bootstrap: str, namespace: str, registry: SchemaRegistry,
+               unit: tuple[RolloutUnit, str, int, int]) -> list[Link]:
+    """The unit's link, the dead letter that dropped it (if any), its step and what follows."""
+    rolled, units_topic, unit_partition, unit_offset = unit
+    links = [Link("unit", f"{rolled.unit_id} of recipe {rolled.recipe} ({len(rolled.members)} "
+                          f"samples)", units_topic, unit_partition, unit_offset)]
+    links += _dead_letters(bootstrap, namespace, registry, units_topic, unit_partition,
+                           unit_offset)
     step = _consuming_step(bootstrap, namespace, units_topic, unit_partition, unit_offset,
                            rolled.unit_id, registry)
     if step is None:
         links.append(Link("missing", "no trainer has acknowledged a step past this unit yet"))
-        return Lineage(generation_id, tuple(links))
+        return links
     checkpoint, trained, p, o = step
     links.append(Link("step", f"step {checkpoint.step} of trainer group "
                               f"{checkpoint.trainer_group} ({trained}), checkpoint "
                               f"{checkpoint.checkpoint_id}, version {checkpoint.policy_version}",
                       declarations.checkpoints(namespace), p, o))
+    return links + _from_checkpoint(bootstrap, namespace, registry, checkpoint)
 
+
+def _from_checkpoint(bootstrap: str, namespace: str, registry: SchemaRegistry,
+                     checkpoint: Checkpoint) -> list[Link]:
+    """The first promoted publication at or after ``checkpoint``'s version, and the replicas
+    that reported serving that version or a later one."""
     publications = declarations.publications(namespace)
     promoted = sorted(((e, p, o) for e, p, o in _records(bootstrap, publications, registry,
                                                          Publication)
@@ -173,14 +209,12 @@ def trace_generation(bootstrap: str, namespace: str, generation_id: str) -> Line
                        and e.policy_version >= checkpoint.policy_version),
                       key=lambda found: found[0].policy_version)
     if not promoted:
-        links.append(Link("missing", f"no version of {checkpoint.model} at or after "
-                                     f"{checkpoint.policy_version} is promoted yet"))
-        return Lineage(generation_id, tuple(links))
+        return [Link("missing", f"no version of {checkpoint.model} at or after "
+                                f"{checkpoint.policy_version} is promoted yet")]
     publication, p, o = promoted[0]
-    links.append(Link("publication", f"{publication.model} version {publication.policy_version} "
-                                     f"promoted by {publication.evaluator}: {publication.reason}",
-                      publications, p, o))
-
+    links = [Link("publication", f"{publication.model} version {publication.policy_version} "
+                                 f"promoted by {publication.evaluator}: {publication.reason}",
+                  publications, p, o)]
     metrics_topic = declarations.metrics(namespace)
     replicas: dict[str, tuple[int, int, int]] = {}
     for metric, p, o in _records(bootstrap, metrics_topic, registry, Metric):
@@ -195,12 +229,22 @@ def trace_generation(bootstrap: str, namespace: str, generation_id: str) -> Line
     if not replicas:
         links.append(Link("missing", f"no replica has reported serving version "
                                      f"{publication.policy_version} or later"))
-    return Lineage(generation_id, tuple(links))
+    return links
 
 
-def _find_unit(bootstrap: str, namespace: str, generation_id: str, registry: SchemaRegistry
-               ) -> tuple[RolloutUnit, str, int, int] | None:
-    """The first unit, on any recipe's units topic, with ``generation_id`` among its members."""
+def _dead_letters(bootstrap: str, namespace: str, registry: SchemaRegistry, topic: str,
+                  partition: int, offset: int) -> list[Link]:
+    """The dead letters whose source is the record at ``topic``/``partition``/``offset``."""
+    letters = declarations.dead_letters(namespace)
+    return [Link("dead-letter", f"stage {letter.stage}: {letter.reason}", letters, p, o)
+            for letter, p, o in _records(bootstrap, letters, registry, DeadLetter)
+            if letter.source_topic == topic and letter.source_partition == partition
+            and letter.source_offset == offset]
+
+
+def _find_unit(bootstrap: str, namespace: str, registry: SchemaRegistry,
+               wanted: Callable[[RolloutUnit], bool]) -> tuple[RolloutUnit, str, int, int] | None:
+    """The first unit, on any recipe's units topic, that is ``wanted``."""
     consumer = Consumer(client_config(bootstrap, {"group.id": "reef-trace"}))
     try:
         prefix = declarations.units(namespace, "")
@@ -209,7 +253,7 @@ def _find_unit(bootstrap: str, namespace: str, generation_id: str, registry: Sch
         consumer.close()
     for topic in topics:
         for unit, p, o in _records(bootstrap, topic, registry, RolloutUnit):
-            if any(m.generation_id == generation_id for m in unit.members):
+            if wanted(unit):
                 return unit, topic, p, o
     return None
 
