@@ -16,6 +16,7 @@
     reef fleet [--rebuild]          published/serving versions and replicas (Redis, rebuildable)
     reef demo                       the whole loop on a toy task, every stage a process
     reef trace GENERATION_ID        a generation's lineage: feedback, unit, step, publication, replicas
+    reef top [--once]               live view: topic rates, group lag, versions, replicas, dead letters
 
 Where ``REEF_BOOTSTRAP_SERVERS`` / ``REEF_REDIS_URL`` name existing servers,
 nothing is started and every command uses those (see ``reef_stream.config``).
@@ -45,6 +46,7 @@ from reef_stream.commands.intake import COMMANDS as INTAKE_COMMANDS
 from reef_stream.commands.process import COMMANDS as PROCESS_COMMANDS
 from reef_stream.commands.produce import COMMANDS as PRODUCE_COMMANDS
 from reef_stream.commands.reward import COMMANDS as REWARD_COMMANDS
+from reef_stream.commands.top import COMMANDS as TOP_COMMANDS
 from reef_stream.commands.trace import COMMANDS as TRACE_COMMANDS
 from reef_stream.commands.train import COMMANDS as TRAIN_COMMANDS
 from reef_stream.config import Settings, load_settings
@@ -353,7 +355,7 @@ def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
 for command in (*PRODUCE_COMMANDS, *INTAKE_COMMANDS, *CURSOR_COMMANDS, *CHECK_COMMANDS,
                 *REWARD_COMMANDS, *PROCESS_COMMANDS, *TRAIN_COMMANDS,
                 *EVALUATE_COMMANDS, *FOLLOW_COMMANDS, *FLEET_COMMANDS, *DEMO_COMMANDS,
-                *TRACE_COMMANDS):
+                *TRACE_COMMANDS, *TOP_COMMANDS):
     main.add_command(command)
 
 

@@ -1,5 +1,6 @@
-"""`reef trace` over a small log written by hand on a real broker: every link is found, points
-at the record it names, and a missing or dropped link says so."""
+"""`reef trace` and `reef top` over a small log written by hand on a real broker: every link
+is found, points at the record it names, and a missing or dropped link says so; the view
+shows that log's versions, replicas, dead letters and lag."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import numpy as np
 import torch
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from reef_stream.checkpoints import CheckpointContents, CheckpointStore, unit_hash
 from reef_stream.connect import client_config
@@ -48,10 +49,13 @@ def _unit(unit_id, generation):
                        created_at=1)
 
 
-def test_a_generation_a_unit_and_a_checkpoint_trace_to_the_replicas(kafka_bootstrap, cli_env,
-                                                                   namespace, tmp_path):
-    create_topics(kafka_bootstrap, namespace)
-    ns = namespace
+def _write_log(kafka_bootstrap, ns, tmp_path):
+    """A small pipeline's log with known offsets: three generations (gen-0 trained in unit u-0,
+    gen-1 in u-1 dropped by the trainer as too stale, gen-2 in no unit), gen-0's feedback, a
+    real stored checkpoint (step 3, version 3) past both units, version 4 promoted, two
+    replicas' heartbeats (one serving 3, one 4), and a trainer group "g" that committed the
+    units topic up to u-0 (lag 1)."""
+    create_topics(kafka_bootstrap, ns)
     generations = [make_generation(model="m", policy_version=2, replica_id="replica-a",
                                    problem=ALL_PROBLEMS[i], token_ids=np.array([3]),
                                    logprobs=np.array([-1.0]), temperature=1.0,
@@ -63,7 +67,6 @@ def test_a_generation_a_unit_and_a_checkpoint_trace_to_the_replicas(kafka_bootst
     units_topic = declarations.units(ns, "trainable")
     unit_offsets = _send(kafka_bootstrap, units_topic,
                          [_unit("u-0", generations[0]), _unit("u-1", generations[1])])
-    # u-1 was dropped by the trainer as too stale; gen-2 never made a unit.
     _send(kafka_bootstrap, declarations.dead_letters(ns), [DeadLetter(
         reason="unit u-1 is too stale", error_type="TooStale", source_topic=units_topic,
         source_partition=0, source_offset=unit_offsets[1], value=None, headers=(),
@@ -83,11 +86,22 @@ def test_a_generation_a_unit_and_a_checkpoint_trace_to_the_replicas(kafka_bootst
     _send(kafka_bootstrap, declarations.publications(ns), [Publication(
         model="m", policy_version=4, checkpoint_id="later", uri="file:///nowhere", sha256="0" * 64,
         decision=Decision.PROMOTED, reason="better", evaluator="e", evaluated=True,
-        created_at=6)])
+        created_at=6)], key=b"m")
     _send(kafka_bootstrap, declarations.metrics(ns), [
         Metric(stage=STAGE_FOLLOWER, name=FOLLOWER_POLICY_VERSION, value=value,
                labels={"replica": replica, "model": "m"}, created_at=7)
         for replica, value in (("replica-old", 3.0), ("replica-new", 4.0))])
+    committer = Consumer(client_config(kafka_bootstrap, {"group.id": f"{ns}.g"}))
+    committer.commit(offsets=[TopicPartition(units_topic, 0, unit_offsets[1])],
+                     asynchronous=False)
+    committer.close()
+    return gen_offsets, unit_offsets, stored
+
+
+def test_a_generation_a_unit_and_a_checkpoint_trace_to_the_replicas(kafka_bootstrap, cli_env,
+                                                                   namespace, tmp_path):
+    ns = namespace
+    gen_offsets, unit_offsets, stored = _write_log(kafka_bootstrap, ns, tmp_path)
 
     def trace(*args):
         result = reef("trace", *args, "--json", env=cli_env, check=False)
@@ -125,3 +139,15 @@ def test_a_generation_a_unit_and_a_checkpoint_trace_to_the_replicas(kafka_bootst
         ["step", "publication", "replica"]
     status, lineage = trace("no-such-generation")
     assert status == 1 and "no generation no-such-generation" in lineage["links"][0]["text"]
+
+
+def test_top_shows_that_log(kafka_bootstrap, cli_env, namespace, tmp_path):
+    _write_log(kafka_bootstrap, namespace, tmp_path)
+    result = reef("top", "--once", env={**cli_env, "COLUMNS": "200"})
+    rows = {tuple(line.replace("│", " ").split()) for line in result.stdout.splitlines()}
+    assert ("generations", "3", "-") in rows, result.stdout
+    assert ("units.trainable", "2", "-") in rows, result.stdout
+    assert ("m", "3", "4", "0", "3-4") in rows, result.stdout  # trained, published, serving
+    assert ("replica-new", "m", "4") in rows and ("replica-old", "m", "3") in rows
+    assert ("trainer", "1") in rows, result.stdout                # dead letters by stage
+    assert any(r[:1] == (f"{namespace}.g",) and r[-1] == "1" for r in rows), result.stdout
