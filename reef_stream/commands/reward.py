@@ -53,7 +53,8 @@ from reef_stream.errors import ConfigurationError, ReefError
 @click.option("--idle-exit", type=click.FloatRange(min=0, min_open=True), default=None,
               metavar="SECONDS",
               help="Stop after this many seconds without a new generation and nothing in flight "
-                   "[default: run until stopped].")
+                   "(at least 30 s while the worker holds no partition: a rebalance may be "
+                   "under way) [default: run until stopped].")
 @metrics_port_option
 @click.pass_context
 def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,

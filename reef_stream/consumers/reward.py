@@ -115,6 +115,8 @@ STAGE = STAGE_REWARD
 MAX_BACKOFF_S = 30.0
 #: Generations taken and not yet settled at most, unless ``RewardOptions.backlog`` says.
 DEFAULT_BACKLOG = 1024
+#: The least ``idle_exit`` of a worker that holds no partition (a rebalance may be under way).
+UNASSIGNED_IDLE_S = 30.0
 #: How often done offsets are committed while running.
 COMMIT_INTERVAL_S = 1.0
 #: How often, at most, the counters are written as Metric events while running.
@@ -347,6 +349,7 @@ class RewardWorker:
         }))
         try:
             self._check_topic(consumer)
+            self._last_assigned = time.monotonic()  # the idle clock starts at the subscription
             consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked,
                                on_lost=self._revoked)
             self._consume(consumer, producer)
@@ -380,6 +383,10 @@ class RewardWorker:
             message = consumer.poll(0.05 if self._paused else 0.1)
             if message is None:
                 idle = self.options.idle_exit
+                if idle is not None and not self._partitions:
+                    # Holding no partition yet: the group may still be rebalancing to give this
+                    # worker its share (a member notices a rebalance at its next heartbeat).
+                    idle = max(idle, UNASSIGNED_IDLE_S)
                 quiet_since = max(last_activity, self._last_assigned)
                 if idle is not None and self._in_flight == 0 \
                         and time.monotonic() - quiet_since >= idle:
