@@ -237,6 +237,8 @@ class Publication:
     measurement: dict[str, float] = field(default_factory=dict)
     incumbent_version: int | None = None
     created_at: EpochMillis
+    #: When the trainer created the checkpoint (None in publications written before the field).
+    checkpoint_created_at: EpochMillis | None = None
 
 
 @_event

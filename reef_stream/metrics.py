@@ -19,6 +19,7 @@ stage serves at ``/metrics`` when started with ``--metrics-port``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,11 +32,35 @@ log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- stages
 
+STAGE_INTAKE = "intake"
 STAGE_PROCESSOR = "processor"
 STAGE_REWARD = "reward"
 STAGE_TRAINER = "trainer"
 STAGE_EVALUATOR = "evaluator"
 STAGE_FOLLOWER = "follower"
+
+# --------------------------------------------------------------------------- every consumer
+
+#: Records not yet read, per partition a stage's consumer holds: the partition's high watermark
+#: (as of the consumer's last fetch) minus the consumer's position. Written by the reward
+#: workers, the processor, the trainer and the evaluator with their other metrics. Labels:
+#: topic, partition.
+CONSUMER_LAG = "consumer_lag"
+#: Seconds after which an unchanged lag is written again.
+LAG_REPEAT_S = 30.0
+
+# --------------------------------------------------------------------------- intake
+
+#: A ``RecordProducer``'s records (running totals, label ``topic``): handed to the client or the
+#: spool / acknowledged by the broker / failed for good (the handle says why).
+INTAKE_SENT = "sent"
+INTAKE_ACKNOWLEDGED = "acknowledged"
+INTAKE_FAILED = "failed"
+#: Records refused before sending, by ``reason``: ``invalid`` (validation or the guard),
+#: ``too_large`` (over the topic's max.message.bytes), ``spool_full`` (backpressure timed out).
+INTAKE_REJECTED = "rejected"                    # labels: reason
+#: Records held in the on-disk spool now (the broker unreachable or the client's queue full).
+INTAKE_SPOOLED = "spooled"
 
 # --------------------------------------------------------------------------- processor
 
@@ -51,6 +76,16 @@ PROCESSOR_TRANSACTIONS = "transactions"
 PROCESSOR_ABORTED_TRANSACTIONS = "aborted_transactions"
 #: Input records that did not decode (dead-lettered).
 PROCESSOR_INVALID_RECORDS = "invalid_records"
+#: Distributions of what the processor joined (``reef_stream.record_stats``), each written as
+#: ``<name>.count``, ``.mean``, ``.std`` and a cumulative ``<name>.bucket`` per upper bound
+#: ``le`` (Prometheus' histogram convention; the last bound is ``+Inf``), running totals since
+#: the process started, labelled by the generation's ``policy_version``:
+#: the rewards of used feedback, per feedback ``source``;
+PROCESSOR_REWARD = "reward"                      # labels: source, policy_version
+#: the completion lengths in tokens of generations that ended in a unit;
+PROCESSOR_RESPONSE_TOKENS = "response_tokens"    # labels: policy_version
+#: and the fraction of those cut at ``max_tokens`` (finish_reason LENGTH), with its count.
+PROCESSOR_TRUNCATION_RATE = "truncation_rate"    # labels: policy_version
 
 # --------------------------------------------------------------------------- trainer
 
@@ -66,6 +101,9 @@ TRAINER_UNITS_INVALID = "units_invalid"
 #: over the step's samples: mean and max.
 TRAINER_STALENESS_MEAN = "staleness_mean"
 TRAINER_STALENESS_MAX = "staleness_max"
+#: The off-policy degree's distribution: trained samples by staleness (running totals since the
+#: process started; label ``staleness``, the number of versions).
+TRAINER_STALENESS_SAMPLES = "staleness_samples"  # labels: staleness
 TRAINER_STEP_SECONDS = "step_seconds"
 TRAINER_DATA_SECONDS = "data_seconds"
 #: Policy health, per step (``TorchBackend.train_step``; a policy-gradient family's only, but
@@ -94,6 +132,10 @@ EVALUATOR_DECISIONS = "decisions"                # labels: decision (PROMOTED, R
 EVALUATOR_CANDIDATES_SKIPPED = "candidates_skipped"  # labels: why
 #: Seconds one try of the evaluator's ``measure`` took.
 EVALUATOR_MEASURE_SECONDS = "measure_seconds"
+#: Each value of the latest candidate's measurement (e.g. held-out accuracy), and the candidate's
+#: policy version, written with each decision. Labels: model, measure (the measurement's key).
+EVALUATOR_MEASUREMENT = "measurement"           # labels: model, measure
+EVALUATOR_CANDIDATE_VERSION = "candidate_version"  # labels: model, decision
 
 # --------------------------------------------------------------------------- follower
 
@@ -106,6 +148,10 @@ FOLLOWER_VERSIONS_LOADED = "versions_loaded"
 FOLLOWER_VERSIONS_REFUSED = "versions_refused"
 #: Seconds from a publication's arrival to the serving code having its weights.
 FOLLOWER_LOAD_SECONDS = "load_seconds"
+#: Seconds from the checkpoint's creation by the trainer (the publication's
+#: ``checkpoint_created_at``) / from the evaluator's decision to this replica serving it.
+FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS = "checkpoint_to_serving_seconds"
+FOLLOWER_PUBLICATION_TO_SERVING_SECONDS = "publication_to_serving_seconds"
 
 # --------------------------------------------------------------------------- reward
 
@@ -154,6 +200,24 @@ def metrics_producer(bootstrap: str, on_dropped: Callable[[], None]) -> Any:
     }))
 
 
+def consumer_lag(consumer: Any) -> list[tuple[str, int, int]]:
+    """``(topic, partition, lag)`` for each partition assigned to a confluent-kafka ``consumer``:
+    the high watermark its last fetch saw minus its position (no request to the broker).
+    Partitions it has not fetched from yet, or holds no position in, are left out; an error is
+    logged and gives nothing (a metric never fails the pipeline)."""
+    try:
+        assigned = consumer.assignment()
+        lags = []
+        for tp in consumer.position(assigned) if assigned else ():
+            _, high = consumer.get_watermark_offsets(tp, cached=True) or (0, -1)
+            if tp.offset >= 0 and high >= 0:
+                lags.append((tp.topic, tp.partition, max(0, high - tp.offset)))
+        return lags
+    except Exception as error:  # noqa: BLE001
+        log.warning("consumer lag not measured: %s", error)
+        return []
+
+
 class MetricsWriter:
     """Writes ``Metric`` events to ``<ns>.metrics`` through a confluent-kafka producer.
 
@@ -174,6 +238,7 @@ class MetricsWriter:
         self._labels = dict(labels or {})
         self._registry = SchemaRegistry.default()
         self._exposition = exposition or prometheus.exposition()
+        self._lags: dict[tuple[str, int], tuple[int, float]] = {}  # (lag, when) last written
 
     def write(self, name: str, value: float, **labels: str) -> None:
         event = metric(self._stage, name, value, {**self._labels, **labels})
@@ -187,6 +252,17 @@ class MetricsWriter:
                                    headers=headers)
         except BufferError:
             log.warning("metric %s.%s dropped: the producer's queue is full", self._stage, name)
+
+    def write_lag(self, consumer: Any) -> None:
+        """``CONSUMER_LAG`` for each partition ``consumer`` holds (``consumer_lag``): where it
+        changed since this writer last wrote it, or ``LAG_REPEAT_S`` passed (so a steady lag is
+        still seen, without an event per partition at every call)."""
+        now = time.monotonic()
+        for topic, partition, lag in consumer_lag(consumer):
+            last = self._lags.get((topic, partition))
+            if last is None or last[0] != lag or now - last[1] >= LAG_REPEAT_S:
+                self.write(CONSUMER_LAG, lag, topic=topic, partition=str(partition))
+                self._lags[(topic, partition)] = (lag, now)
 
     def write_counts(self, name: str, counts: Mapping[str, int], label: str) -> None:
         """One event per entry of ``counts``, labelled ``label=<key>``."""

@@ -296,13 +296,15 @@ class GenerationOutcome:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class FeedbackOutcome:
-    """The one fate of one feedback record, with the reason."""
+    """The one fate of one feedback record, with the reason; ``policy_version``: the behaviour
+    version of the generation it was matched with, where it reached one (USED, UNUSED)."""
 
     feedback: Feedback
     fate: FeedbackFate
     reason: str
     origin: Origin | None
     at: int
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -347,8 +349,11 @@ class _StepBuilder:
     duplicates: list[DroppedGeneration] = field(default_factory=list)
     touched: set[str] = field(default_factory=set)
 
-    def fate(self, entry: _Received, fate: FeedbackFate, reason: str, at: int) -> None:
-        self.feedback.append(FeedbackOutcome(entry.feedback, fate, reason, entry.origin, at))
+    def fate(self, entry: _Received, fate: FeedbackFate, reason: str, at: int,
+             generation: Generation | None = None) -> None:
+        self.feedback.append(FeedbackOutcome(
+            entry.feedback, fate, reason, entry.origin, at,
+            None if generation is None else generation.policy_version))
 
     def build(self) -> Step:
         return Step(tuple(self.units), tuple(self.generations), tuple(self.feedback),
@@ -724,9 +729,11 @@ class ProcessorState(Generic[UnitT]):
                                   *(received[s].created_at for s in score.sources)])
         for source, entry in sorted(member.received.items()):
             if source in score.sources:
-                step.fate(entry, FeedbackFate.USED, "in its generation's score", now)
+                step.fate(entry, FeedbackFate.USED, "in its generation's score", now,
+                          member.generation)
             else:
-                step.fate(entry, FeedbackFate.UNUSED, "its generation's score did not use it", now)
+                step.fate(entry, FeedbackFate.UNUSED, "its generation's score did not use it", now,
+                          member.generation)
         member.received = {}
 
     def _check_group(self, key: str, bucket: _Bucket, now: int, step: _StepBuilder) -> None:
@@ -783,7 +790,8 @@ class ProcessorState(Generic[UnitT]):
         self._where[gid] = key
         for _, entry in sorted(member.received.items()):
             step.fate(entry, FeedbackFate.UNUSED,
-                      f"generation {gid} ended {outcome.value} without using it", now)
+                      f"generation {gid} ended {outcome.value} without using it", now,
+                      member.generation)
         member.received = {}
         bucket.concluded[gid] = _Concluded(outcome.name, now, sorted(member.seen), unit or reason)
         step.generations.append(GenerationOutcome(member.generation, outcome, reason, key, unit,

@@ -72,7 +72,7 @@ def serve(ctx: click.Context, host: str, port: int, max_request_bytes: int | Non
 
     async def app() -> web.Application:
         producer = AsyncRecordProducer(settings=settings, spool_dir=spool_dir,
-                                       block_timeout=SPOOL_BLOCK_TIMEOUT_S)
+                                       block_timeout=SPOOL_BLOCK_TIMEOUT_S, client="http")
         application = make_app(producer, bootstrap=bootstrap, token=token,
                                max_request_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
                                durable_timeout=durable_timeout)

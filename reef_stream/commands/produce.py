@@ -85,7 +85,7 @@ def produce(ctx: click.Context, kind: str, source: str, spool: Path | None,
     defaults = _openai_defaults(kind, policy_version, replica_id, model, sampling_json)
     spool_dir = spool or settings.home / "spool" / f"{settings.namespace}-import"
     name = "stdin" if source == "-" else source
-    producer = RecordProducer(settings=settings, spool_dir=spool_dir)
+    producer = RecordProducer(settings=settings, spool_dir=spool_dir, client="jsonl")
     try:
         with _input(source) as (stream, size):
             summary = _run_import(stream, size, kind, producer, f"import:{name}", defaults,

@@ -76,8 +76,8 @@ from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, Re
 from reef_stream.evaluator import Incumbent, Measurement, Selection
 from reef_stream.events import Checkpoint, DeadLetter, Decision, MessageHeader, Publication, now_ms
 from reef_stream.metrics import (
-    EVALUATOR_CANDIDATES_SKIPPED, EVALUATOR_DECISIONS, EVALUATOR_MEASURE_SECONDS, STAGE_EVALUATOR,
-    MetricsWriter,
+    EVALUATOR_CANDIDATE_VERSION, EVALUATOR_CANDIDATES_SKIPPED, EVALUATOR_DECISIONS,
+    EVALUATOR_MEASURE_SECONDS, EVALUATOR_MEASUREMENT, STAGE_EVALUATOR, MetricsWriter,
 )
 from reef_stream.recipe import Recipe
 from reef_stream.topics import declarations
@@ -651,7 +651,13 @@ class EvaluatorWorker:
                 self.summary.rejected += 1
             metrics.write(EVALUATOR_DECISIONS, self.summary.promoted, decision="PROMOTED")
             metrics.write(EVALUATOR_DECISIONS, self.summary.rejected, decision="REJECTED")
+            metrics.write(EVALUATOR_CANDIDATE_VERSION, publication.policy_version,
+                          model=publication.model, decision=publication.decision.value)
+            for measure, value in sorted(publication.measurement.items()):
+                metrics.write(EVALUATOR_MEASUREMENT, value, model=publication.model,
+                              measure=measure)
         self._commit(consumer, message)
+        metrics.write_lag(consumer)
         if publication is None:
             return
         log.info("%s version %d of model %s (checkpoint %s): %s", publication.decision.value,
@@ -760,7 +766,7 @@ class EvaluatorWorker:
             evaluator=self.evaluator.name, evaluated=bool(self.evaluator.evaluates),
             measurement=dict(measurement.values),
             incumbent_version=None if incumbent is None else incumbent.policy_version,
-            created_at=now_ms())
+            created_at=now_ms(), checkpoint_created_at=candidate.created_at)
 
     # ----------------------------------------------------------------- Kafka and Redis
 

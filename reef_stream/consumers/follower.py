@@ -76,7 +76,8 @@ from reef_stream.fleet import (
     DEFAULT_HEARTBEAT_S, DEFAULT_TTL_S, Fleet, ReplicaStatus, heartbeat_metric_labels,
 )
 from reef_stream.metrics import (
-    FOLLOWER_LOAD_SECONDS, FOLLOWER_POLICY_VERSION, FOLLOWER_VERSIONS_LOADED,
+    FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, FOLLOWER_LOAD_SECONDS, FOLLOWER_POLICY_VERSION,
+    FOLLOWER_PUBLICATION_TO_SERVING_SECONDS, FOLLOWER_VERSIONS_LOADED,
     FOLLOWER_VERSIONS_REFUSED, STAGE_FOLLOWER, MetricsWriter,
 )
 
@@ -373,6 +374,12 @@ class Follower:
                  "" if publication.evaluated else ", UNEVALUATED", previous, seconds)
         self._metric(FOLLOWER_VERSIONS_LOADED, self._loads)
         self._metric(FOLLOWER_LOAD_SECONDS, seconds)
+        serving_at = now_ms()
+        self._metric(FOLLOWER_PUBLICATION_TO_SERVING_SECONDS,
+                     (serving_at - publication.created_at) / 1000)
+        if publication.checkpoint_created_at is not None:
+            self._metric(FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS,
+                         (serving_at - publication.checkpoint_created_at) / 1000)
         self._beat_now.set()
 
     def _refuse(self, publication: Publication, error: Exception) -> None:

@@ -95,8 +95,11 @@ log every ``log_every_s`` seconds and, as ``Metric`` events (names in
 ``<ns>.metrics`` at most every ``metrics_every_s`` seconds and whenever they
 changed: generations by outcome, feedback by fate, duplicate generations,
 units, invalid records, transactions and aborted transactions, as running
-totals since the process started. They go through a producer of their own,
-outside the transactions (see ``_emit_metrics``).
+totals since the process started; with them the distributions of
+``reef_stream.record_stats`` (rewards per feedback source and policy version,
+completion lengths, truncation) and, whether or not anything committed, the
+consumer's lag per partition (``MetricsWriter.write_lag``). They go through a
+producer of their own, outside the transactions (see ``_emit_metrics``).
 """
 
 from __future__ import annotations
@@ -135,6 +138,7 @@ from reef_stream.processor import (
     dumps_snapshot,
     loads_snapshot,
 )
+from reef_stream.record_stats import RecordStats
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.declarations import MiB, Topic
@@ -214,6 +218,8 @@ class ProcessorRuntime:
         self._metrics: metrics.MetricsWriter | None = None
         self._metrics_sent: tuple[int, int] = (0, 0)  # (transactions, aborted) last emitted
         self._metrics_at = 0.0
+        #: Rewards per source and version, completion lengths, truncation (committed steps only).
+        self.stats = RecordStats()
         self.metrics_dropped = 0
         self._parts: dict[int, _Partition] = {}
         self._stop = threading.Event()
@@ -337,6 +343,9 @@ class ProcessorRuntime:
         try:
             sent = (self.transactions, self.aborted)
             due = final or time.monotonic() - self._metrics_at >= self.metrics_every_s
+            if due and self._consumer is not None:
+                writer.write_lag(self._consumer)  # also while nothing commits: lag may grow
+                self._metrics_at = time.monotonic()
             if due and sent != self._metrics_sent:
                 counts = self.counts
                 writer.write_counts(metrics.PROCESSOR_GENERATIONS,
@@ -351,6 +360,7 @@ class ProcessorRuntime:
                 writer.write(metrics.PROCESSOR_INVALID_RECORDS, counts["invalid_records"])
                 writer.write(metrics.PROCESSOR_TRANSACTIONS, self.transactions)
                 writer.write(metrics.PROCESSOR_ABORTED_TRANSACTIONS, self.aborted)
+                self.stats.write(writer)
                 self._metrics_sent, self._metrics_at = sent, time.monotonic()
             producer.poll(0)
             if final:
@@ -628,6 +638,7 @@ class ProcessorRuntime:
                 part.touched.clear()
         self.transactions += 1
         self.counts.update(counts)
+        self.stats.observe(step for _, step in steps)
 
     @staticmethod
     def _retry(call: Any, attempts: int = 3) -> None:

@@ -331,7 +331,8 @@ class RewardWorker:
         """
         started = time.monotonic()
         producer = RecordProducer(self.bootstrap, settings=self._settings,
-                                  namespace=self.namespace, spool_dir=self._claim_spool())
+                                  namespace=self.namespace, spool_dir=self._claim_spool(),
+                                  client="reward")
         loop = asyncio.new_event_loop()
         loop_thread = threading.Thread(target=loop.run_forever, name="reef-reward-loop",
                                        daemon=True)
@@ -370,7 +371,7 @@ class RewardWorker:
             if time.monotonic() - last_commit >= COMMIT_INTERVAL_S:
                 self._commit_done(consumer, asynchronous=True)
                 last_commit = time.monotonic()
-            self._emit_metrics()
+            self._emit_metrics(consumer)
             # A full backlog pauses the partitions rather than the polling, so that rebalances
             # and group heartbeats go on while slow calls run; they resume at half (a resumed
             # fetch costs the broker's fetch wait, so not at every settled record).
@@ -602,15 +603,19 @@ class RewardWorker:
             "recipe": self.recipe.name, "group": self.group,
             "instance": f"{socket.gethostname()}.{os.getpid()}"})
 
-    def _emit_metrics(self, *, final: bool = False) -> None:
+    def _emit_metrics(self, consumer: Consumer | None = None, *, final: bool = False) -> None:
         """Write the counters as Metric events if ``METRICS_INTERVAL_S`` passed and they changed
-        since the last write (the first time: always); ``final``: whether or not the interval
-        passed, then flush for up to 5 s and close. Consumer thread only; never raises."""
+        since the last write (the first time: always), and ``consumer``'s lag each interval;
+        ``final``: whether or not the interval passed, then flush for up to 5 s and close.
+        Consumer thread only; never raises."""
         writer, producer = self._metrics, self._metrics_producer
         if writer is None or producer is None:
             return
         try:
             due = final or time.monotonic() - self._metrics_at >= METRICS_INTERVAL_S
+            if due and consumer is not None:
+                writer.write_lag(consumer)
+                self._metrics_at = time.monotonic()
             counters = self.summary.counters() if due else None
             if counters is not None and counters != self._metrics_sent:
                 for attribute, name in _COUNTER_METRICS.items():

@@ -50,6 +50,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +70,8 @@ from reef_stream.events import Checkpoint, DeadLetter, MessageHeader, TopicOffse
 from reef_stream.failpoints import failpoint
 from reef_stream.metrics import (
     STAGE_TRAINER, TRAINER_DATA_SECONDS, TRAINER_STALENESS_MAX, TRAINER_STALENESS_MEAN,
-    TRAINER_STEP_SECONDS, TRAINER_STEPS, TRAINER_UNITS_DUPLICATE, TRAINER_UNITS_INVALID, TRAINER_UNITS_STALE, TRAINER_UNITS_TRAINED,
+    TRAINER_STALENESS_SAMPLES, TRAINER_STEP_SECONDS, TRAINER_STEPS, TRAINER_UNITS_DUPLICATE,
+    TRAINER_UNITS_INVALID, TRAINER_UNITS_STALE, TRAINER_UNITS_TRAINED,
     MetricsWriter,
 )
 from reef_stream.objective import state_from_record, state_record
@@ -106,6 +108,8 @@ class TrainerSummary:
     data_seconds: float = 0.0
     step_seconds: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    #: Trained samples by staleness (versions behind the trainer), over the run.
+    staleness: Counter[int] = field(default_factory=Counter)
 
     def line(self) -> str:
         first = ("" if self.first_step_seconds is None
@@ -322,7 +326,7 @@ class Trainer:
         self.step = step
         self.pending, self.pending_ids = [], set()
         seconds = time.monotonic() - started
-        self._count_step(len(units), seconds, metrics)
+        self._count_step(len(units), seconds, metrics, staleness)
         pruned = self.store.prune(self.keep) if self.rank == 0 else []
         log.info("step %d: %d units, loss %.4f, %.2f s%s", step, len(units),
                  metrics.get("loss", float("nan")), seconds,
@@ -485,10 +489,12 @@ class Trainer:
         self.producer.produce(declarations.dead_letters(self.ns), key=message.key(), value=value,
                               headers=headers)
 
-    def _count_step(self, units: int, seconds: float, metrics: dict[str, float]) -> None:
+    def _count_step(self, units: int, seconds: float, metrics: dict[str, float],
+                    staleness: list[int]) -> None:
         summary = self.summary
         summary.steps += 1
         summary.units_trained += units
+        summary.staleness.update(staleness)
         summary.step_seconds += seconds
         summary.metrics = metrics
         if summary.first_step_seconds is None:
@@ -508,4 +514,6 @@ class Trainer:
         for name, value in metrics.items():
             if np.isfinite(value):
                 write(name, value)
+        self.metrics.write_counts(TRAINER_STALENESS_SAMPLES, summary.staleness, "staleness")
+        self.metrics.write_lag(self.consumer)
         self.producer.poll(0)

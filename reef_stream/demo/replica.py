@@ -200,7 +200,7 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
         producer = RecordProducer(follower.bootstrap, settings=settings, namespace=namespace,
                                   spool_dir=spool_dir or replica_spool_dir(settings, namespace,
                                                                            replica_id),
-                                  guard=follower)
+                                  guard=follower, client="replica")
         log.info("replica %s serves %s (version %s), %s sampling, %d prompts a round%s",
                  replica_id, model_name, follower.policy_version,
                  f"grouped ({group_size} per prompt)" if grouped else "ungrouped", prompts,

@@ -38,6 +38,13 @@ Serving replicas pass ``guard=follower`` (a ``reef_stream.consumers.follower.Fol
 every Generation is then checked before it is sent (its model, and a policy version the
 replica served), so a replica cannot emit a generation stamped with a version it never loaded.
 
+Metrics: every ``metrics_every_s`` seconds (default 10; None: never) the
+background thread writes the producer's counters to ``<ns>.metrics`` (stage
+``intake``, names ``INTAKE_*`` in ``reef_stream.metrics``, labels ``instance``
+and ``client``): records sent per topic, acknowledged, failed, refused by
+reason, and spooled now. They go through a producer of their own that may
+drop them (``metrics.metrics_producer``): metrics never hold records back.
+
 Threads: ``send`` may be called from any thread. A background thread serves
 delivery reports and replays the spool; handle callbacks run on it and must
 be quick.
@@ -46,9 +53,13 @@ be quick.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
+import os
+import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +70,7 @@ from confluent_kafka import KafkaError, Producer
 from reef_stream.config import Settings, load_settings
 from reef_stream.connect import bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, InvalidRecord, ReefError
+from reef_stream import metrics
 from reef_stream.events import DeadLetter, Feedback, Generation
 from reef_stream.intake.spool import FsyncPolicy, Spool, SpoolFull
 from reef_stream.intake.validation import check_size, validate
@@ -76,6 +88,9 @@ PROBE_INTERVAL_S = 1.0
 REPLAY_BATCH = 2_000
 
 log = logging.getLogger(__name__)
+
+#: Numbers the producers of one process apart in their metrics' ``instance`` label.
+_INSTANCES = itertools.count(1)
 
 _RETRIABLE = {
     KafkaError._MSG_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError._TRANSPORT,
@@ -197,8 +212,10 @@ class RecordProducer:
                  namespace: str | None = None, spool_dir: Path | None = None,
                  spool_max_bytes: int = 1 << 30, fsync: FsyncPolicy = "batch",
                  block_timeout: float = 30.0, config: dict | None = None,
-                 registry: SchemaRegistry | None = None, guard: GenerationGuard | None = None):
+                 registry: SchemaRegistry | None = None, guard: GenerationGuard | None = None,
+                 metrics_every_s: float | None = 10.0, client: str = "sdk"):
         settings = settings or load_settings()
+        bootstrap = bootstrap or bootstrap_servers(settings)
         self._guard = guard
         namespace = namespace or settings.namespace
         self.block_timeout = block_timeout
@@ -210,7 +227,7 @@ class RecordProducer:
         }
         limits = {t.name: t.max_message_bytes for t in declarations.declare_topics(namespace)}
         self._limits = {topic: limits[topic] for topic in self._topics.values()}
-        self._producer = Producer(client_config(bootstrap or bootstrap_servers(settings), {
+        self._producer = Producer(client_config(bootstrap, {
             "acks": "all",
             "enable.idempotence": True,
             "linger.ms": 5,
@@ -235,6 +252,12 @@ class RecordProducer:
         self._reachable = True
         self._last_probe = 0.0
         self._closed = False
+        self._sent: Counter[str] = Counter()       # by topic
+        self._rejected: Counter[str] = Counter()   # by reason
+        self._metrics = None if metrics_every_s is None else _IntakeMetrics(
+            bootstrap, namespace, metrics_every_s,
+            {"instance": f"{socket.gethostname()}.{os.getpid()}.{next(_INSTANCES)}",
+             "client": client})
         self._pump = threading.Thread(target=self._run_pump, name="reef-producer", daemon=True)
         self._pump.start()
 
@@ -251,12 +274,20 @@ class RecordProducer:
         if topic is None:
             raise InvalidRecord(f"intake takes Generation, Feedback or DeadLetter records, "
                                 f"not {type(event).__name__}")
-        validate(event)
-        if self._guard is not None and isinstance(event, Generation):
-            self._guard.check(event)
-        value, headers = self._registry.encode(event)
+        try:
+            validate(event)
+            if self._guard is not None and isinstance(event, Generation):
+                self._guard.check(event)
+            value, headers = self._registry.encode(event)
+        except InvalidRecord:
+            self._count(self._rejected, "invalid")
+            raise
         key = record_key(event)
-        check_size(topic, key, value, headers, self._limits[topic])
+        try:
+            check_size(topic, key, value, headers, self._limits[topic])
+        except InvalidRecord:
+            self._count(self._rejected, "too_large")
+            raise
         return self.send_raw(topic, key, value, headers)
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes,
@@ -269,15 +300,26 @@ class RecordProducer:
             try:
                 with self._cond:
                     self._in_memory += 1
+                    self._sent[topic] += 1
                 self._producer.produce(topic, value=value, key=key, headers=headers,
                                        on_delivery=lambda err, msg: self._delivered(handle, err, msg, headers))
                 return handle
             except BufferError:
                 with self._cond:
                     self._in_memory -= 1
+                    self._sent[topic] -= 1
             # the client's queue is full: fall through to the spool
-        self._spool_record(handle, topic, key, value, headers)
+        try:
+            self._spool_record(handle, topic, key, value, headers)
+        except SpoolFull:
+            self._count(self._rejected, "spool_full")
+            raise
+        self._count(self._sent, topic)
         return handle
+
+    def _count(self, counter: Counter[str], key: str) -> None:
+        with self._cond:
+            counter[key] += 1
 
     def _spool_record(self, handle: SendHandle, topic: str, key: bytes | None, value: bytes,
                       headers) -> None:
@@ -409,6 +451,8 @@ class RecordProducer:
     def _run_pump(self) -> None:
         while not self._closed:
             self._producer.poll(0.05)
+            if self._metrics is not None and self._metrics.due():
+                self._metrics.write(self._metric_values())
             self._settle_replays()
             if len(self._spool) and not self._reachable:
                 self._probe()
@@ -461,6 +505,12 @@ class RecordProducer:
                 self._waiters -= 1
         return True
 
+    def _metric_values(self) -> dict:
+        with self._cond:
+            return {"sent": dict(self._sent), "rejected": dict(self._rejected),
+                    "acknowledged": self._acknowledged, "failed": self._failed,
+                    "spooled": len(self._spool)}
+
     def report(self) -> FlushReport:
         with self._cond:
             return FlushReport(pending=self._in_memory, spooled=len(self._spool),
@@ -481,6 +531,8 @@ class RecordProducer:
         self._closed = True
         self._pump.join()
         self._producer.flush(0)
+        if self._metrics is not None:
+            self._metrics.close(self._metric_values(), reachable=self._reachable)
         self._spool.close()
         return report
 
@@ -489,6 +541,51 @@ class RecordProducer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _IntakeMetrics:
+    """A ``RecordProducer``'s metrics writer: its own producer, written on the pump thread."""
+
+    def __init__(self, bootstrap: str, namespace: str, every_s: float,
+                 labels: dict[str, str]) -> None:
+        self.every_s, self.dropped = every_s, 0
+        self._at, self._sent_values = time.monotonic(), None
+        self._producer = metrics.metrics_producer(bootstrap, self._on_dropped)
+        self._writer = metrics.MetricsWriter(self._producer, namespace, metrics.STAGE_INTAKE,
+                                             labels)
+
+    def _on_dropped(self) -> None:
+        self.dropped += 1
+
+    def due(self) -> bool:
+        return time.monotonic() - self._at >= self.every_s
+
+    def write(self, values: dict) -> None:
+        """Write ``values`` (``RecordProducer._metric_values``) if they changed; never raises."""
+        self._at = time.monotonic()
+        try:
+            if values != self._sent_values:
+                writer = self._writer
+                writer.write_counts(metrics.INTAKE_SENT, values["sent"], "topic")
+                writer.write_counts(metrics.INTAKE_REJECTED, values["rejected"], "reason")
+                writer.write(metrics.INTAKE_ACKNOWLEDGED, values["acknowledged"])
+                writer.write(metrics.INTAKE_FAILED, values["failed"])
+                writer.write(metrics.INTAKE_SPOOLED, values["spooled"])
+                self._sent_values = values
+            self._producer.poll(0)
+        except Exception as error:  # noqa: BLE001 - metrics never fail the intake
+            log.warning("intake metrics not written: %s", error)
+
+    def close(self, values: dict, *, reachable: bool) -> None:
+        """The last values, a short flush while the broker answers, then what is left dropped
+        (a metric never holds a closing producer back)."""
+        self.write(values)
+        try:
+            self._producer.flush(2 if reachable else 0)
+            self._producer.purge()
+            self._producer.flush(0)
+        except Exception as error:  # noqa: BLE001
+            log.warning("intake metrics not flushed: %s", error)
 
 
 def _explain(error: KafkaError, topic: str) -> str:

@@ -15,8 +15,11 @@ import torch
 
 from reef_stream.checkpoints import CheckpointStore, load_weights
 from reef_stream.consumers.follower import Follower
-from reef_stream.events import DeadLetter, Decision
-from reef_stream.topics.declarations import checkpoints, dead_letters
+from reef_stream.events import DeadLetter, Decision, Metric
+from reef_stream.metrics import (
+    CONSUMER_LAG, EVALUATOR_CANDIDATE_VERSION, EVALUATOR_MEASUREMENT, STAGE_EVALUATOR,
+)
+from reef_stream.topics.declarations import checkpoints, dead_letters, metrics
 from tests.helpers import consume_events, reef
 from tests.integration.publishing import (
     Loads, create_topics, eventually, fleet_of, produce_checkpoints, publication_keys,
@@ -85,6 +88,18 @@ def test_a_promoting_evaluator_and_a_late_replica_converge_on_the_newest_version
     assert all(p.evaluator == "held-out-score" and p.evaluated for p in decisions)
     assert "does not beat version 1" in decisions[1].reason
     assert decisions[2].measurement["score"] > decisions[0].measurement["score"]
+    # Each decision's candidate and measurement are Metric events too, in order, and the
+    # evaluator's lag on the checkpoints topic ends at 0.
+    written = [m for m in consume_events(kafka_bootstrap, metrics(namespace), 6, Metric)
+               if m.stage == STAGE_EVALUATOR]
+    assert [(m.value, m.labels["decision"]) for m in written
+            if m.name == EVALUATOR_CANDIDATE_VERSION] == \
+        [(1, "PROMOTED"), (2, "REJECTED"), (3, "PROMOTED")]
+    assert [(m.value, m.labels["measure"], m.labels["model"]) for m in written
+            if m.name == EVALUATOR_MEASUREMENT] == \
+        [(p.measurement["score"], "score", "tiny") for p in decisions]
+    lags = {m.labels["partition"]: m.value for m in written if m.name == CONSUMER_LAG}
+    assert lags and set(lags.values()) == {0}
     published = settings.home / "published" / namespace / "tiny"
     assert decisions[2].uri == str(published / "v3") and decisions[2].sha256 == first[2].sha256
     assert sorted(p.name for p in published.iterdir()) == ["v1", "v3"]

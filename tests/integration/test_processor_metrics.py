@@ -11,26 +11,30 @@ that does not decode. The test checks the committed log first (units and
 dead letters say what really happened), then that the newest Metric event of
 each name and label in ``<ns>.metrics`` holds exactly those counts, while the
 runtime still runs (they are written at most every ``metrics_every_s``, not
-only at exit).
+only at exit); and so do the distributions (rewards of version 4 by source,
+completion lengths, truncation) and the consumer lag, 0 once all is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import threading
 import time
 from collections import Counter
 
+import pytest
 from confluent_kafka import Producer
 
 from reef_stream import metrics
 from reef_stream.connect import client_config
 from reef_stream.consumers.processor import ProcessorRuntime
-from reef_stream.events import Checkpoint, DeadLetter, Metric, RolloutUnit
+from reef_stream.events import Checkpoint, DeadLetter, FinishReason, Metric, RolloutUnit
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import consume_all, consume_events
 from tests.integration.test_processor_runtime import (
+    _COMPLETION,
     RECIPE,
     create_topics,
     feedback,
@@ -91,7 +95,10 @@ def test_metrics_topic_holds_the_true_running_counts(kafka_bootstrap, namespace)
         wait_for(lambda: runtime.newest_checkpoint == 5 or failures, 60, "the checkpoint")
 
         def fresh(gid, group, size):
-            return dataclasses.replace(generation(gid, group, size), policy_version=4)
+            # groups u0 and u1 (8 generations) were cut at max_tokens
+            cut = group in ("u0", "u1")
+            return dataclasses.replace(generation(gid, group, size), policy_version=4,
+                                       finish_reason=FinishReason.LENGTH if cut else FinishReason.STOP)
 
         units = [fresh(f"u{g}m{m}", f"u{g}", 4) for g in range(6) for m in range(4)]
         stale = [generation(f"stale-m{m}", "stale", 4) for m in range(4)]  # policy_version 0
@@ -163,6 +170,31 @@ def test_metrics_topic_holds_the_true_running_counts(kafka_bootstrap, namespace)
         assert not failures, failures
         assert {k: latest.get(k) for k in expected} == expected
         assert thread.is_alive(), "the metrics were written by the running runtime"
+        # The distributions: the 24 used rewards 0.25 * i of version 4 (source exact_match),
+        # and the 24 unit members' completion lengths and truncation (8 cut).
+        rewards = [0.25 * i for i in range(24)]
+        v4, source = ("policy_version", "4"), ("source", "exact_match")
+        reward, tokens = metrics.PROCESSOR_REWARD, metrics.PROCESSOR_RESPONSE_TOKENS
+        distributions = {
+            (f"{reward}.count", v4, source): 24,
+            (f"{reward}.mean", v4, source): pytest.approx(statistics.fmean(rewards)),
+            (f"{reward}.std", v4, source): pytest.approx(statistics.pstdev(rewards)),
+            **{(f"{reward}.bucket", ("le", le), v4, source): n for le, n in (
+                ("-1", 0), ("-0.5", 0), ("0", 1), ("0.25", 2), ("0.5", 3), ("0.75", 4), ("1", 5),
+                ("+Inf", 24))},
+            (f"{tokens}.count", v4): 24,
+            (f"{tokens}.mean", v4): len(_COMPLETION),
+            (f"{tokens}.std", v4): 0,
+            (metrics.PROCESSOR_TRUNCATION_RATE, v4): pytest.approx(8 / 24),
+            (f"{metrics.PROCESSOR_TRUNCATION_RATE}.count", v4): 24,
+        }
+        assert {k: latest.get(k) for k in distributions} == distributions
+        assert not [k for k in latest if k[0].startswith(f"{reward}.")
+                    and k not in distributions], "no reward series but version 4's"
+        # Lag per partition, read to the end of both input topics: all 0 at the last write.
+        lag_topics = {dict(k[1:])["topic"] for k in latest if k[0] == metrics.CONSUMER_LAG}
+        assert lag_topics == {declarations.generations(namespace), declarations.feedback(namespace)}
+        assert all(v == 0 for k, v in latest.items() if k[0] == metrics.CONSUMER_LAG), latest
     finally:
         runtime.stop()
         thread.join(30)

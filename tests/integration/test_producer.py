@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.config import load_settings
 from reef_stream.connect import client_config
 from reef_stream.errors import InvalidRecord
-from reef_stream.events import Feedback, Generation
+from reef_stream.events import Feedback, Generation, Metric
 from reef_stream.intake.aio import AsyncRecordProducer
 from reef_stream.intake.producer import DeliveryError, DeliveryState, RecordProducer, record_key
+from reef_stream.metrics import (
+    INTAKE_ACKNOWLEDGED, INTAKE_FAILED, INTAKE_REJECTED, INTAKE_SENT, INTAKE_SPOOLED, STAGE_INTAKE,
+)
 from reef_stream.topics.admin import ensure_topics
-from reef_stream.topics.declarations import declare_topics, feedback, generations
+from reef_stream.topics.declarations import declare_topics, feedback, generations, metrics
 from reef_stream.topics.serde import decode
 from tests.faults.records import generation
-from tests.helpers import consume_all
+from tests.helpers import consume_all, consume_events
 
 
 @pytest.fixture
@@ -62,6 +66,43 @@ def test_invalid_records_raise_and_nothing_is_sent(kafka_bootstrap, namespace, t
         with pytest.raises(InvalidRecord, match="policy_version"):
             producer.send(bad)
         assert producer.flush(5).acknowledged == 0
+
+
+def test_intake_metrics_count_what_was_sent_acknowledged_and_refused(kafka_bootstrap, namespace,
+                                                                     topics, tmp_path):
+    import dataclasses
+
+    with _producer(kafka_bootstrap, namespace, tmp_path, metrics_every_s=0.2,
+                   client="test") as producer:
+        for i in range(30):
+            producer.send(generation(i))
+        producer.send(Feedback(feedback_id="f1", generation_id="gen-0000001", source="judge",
+                               reward=1.0, created_at=1_795_000_000_000))
+        for bad in (dataclasses.replace(generation(1), policy_version=-3),
+                    dataclasses.replace(generation(2), model="")):
+            with pytest.raises(InvalidRecord):
+                producer.send(bad)
+        tokens = 1_500_000  # 12 MB of tokens and logprobs: over the topic's 8 MB
+        huge = dataclasses.replace(generation(3), completion_token_ids=np.zeros(tokens, np.int32),
+                                   completion_logprobs=np.zeros(tokens, np.float32))
+        with pytest.raises(InvalidRecord, match="max.message.bytes"):
+            producer.send(huge)
+        assert producer.flush(30).acknowledged == 31
+    # close() wrote the last values: the newest of each name and label.
+    latest = {}
+    for event in consume_events(kafka_bootstrap, metrics(namespace), 1, Metric):
+        assert event.stage == STAGE_INTAKE and event.labels["client"] == "test"
+        latest[(event.name, *sorted((k, v) for k, v in event.labels.items()
+                                    if k not in ("instance", "client")))] = event.value
+    assert latest == {
+        (INTAKE_SENT, ("topic", generations(namespace))): 30,
+        (INTAKE_SENT, ("topic", feedback(namespace))): 1,
+        (INTAKE_ACKNOWLEDGED,): 31,
+        (INTAKE_FAILED,): 0,
+        (INTAKE_REJECTED, ("reason", "invalid")): 2,
+        (INTAKE_REJECTED, ("reason", "too_large")): 1,
+        (INTAKE_SPOOLED,): 0,
+    }
 
 
 def test_a_record_for_a_missing_topic_fails_with_a_clear_error(kafka_bootstrap, namespace, tmp_path):

@@ -72,10 +72,16 @@ def test_a_reward_worker_serves_its_counters_and_writes_the_same_to_the_metrics_
     assert served[metrics.REWARD_MEAN] == 1.0  # flaky's reward: 100 completion tokens / 100
     assert {name: counts[name] for name in EXPECTED} == EXPECTED
     latest: dict[str, Metric] = {}
+    lags: dict[str, float] = {}
     for event in consume_events(kafka_bootstrap, metrics_topic(namespace), 9,
                                 Metric):  # key = stage: one partition, in the order written
         if event.stage == metrics.STAGE_REWARD and event.labels["group"] == group:
             latest[event.name] = event
+            if event.name == metrics.CONSUMER_LAG:
+                assert event.labels["topic"] == generations(namespace)
+                lags[event.labels["partition"]] = event.value
+    # The worker read every partition to its end while it idled: its last lag is 0 everywhere.
+    assert lags and set(lags.values()) == {0}, lags
     assert {name: latest[name].value for name in EXPECTED} == EXPECTED
     assert latest[metrics.REWARD_MEAN].value == 1.0
     assert latest[metrics.REWARD_MEAN].labels["source"] == "flaky_sandbox"

@@ -6,8 +6,11 @@ from __future__ import annotations
 import torch
 
 from reef_stream.checkpoints import CheckpointStore, load, load_weights
-from reef_stream.events import Publication
-from reef_stream.topics.declarations import publications
+from reef_stream.events import Checkpoint, Metric, Publication
+from reef_stream.metrics import (
+    FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, FOLLOWER_PUBLICATION_TO_SERVING_SECONDS, STAGE_FOLLOWER,
+)
+from reef_stream.topics.declarations import checkpoints, metrics, publications
 from tests.helpers import consume_events, reef
 from tests.unit_log import create_topics, produce_units, rollout_unit
 
@@ -34,7 +37,22 @@ def test_trained_checkpoints_are_published_and_followed(kafka_bootstrap, cli_env
     for name, tensor in load(newest.uri, newest.sha256).weights.items():
         assert torch.equal(load_weights(decisions[-1].uri, decisions[-1].sha256)[name], tensor)
 
+    checkpoints_made = sorted(consume_events(kafka_bootstrap, checkpoints(namespace), 2, Checkpoint),
+                              key=lambda c: c.policy_version)
+    assert [p.checkpoint_created_at for p in decisions] == [c.created_at for c in checkpoints_made]
+
     followed = reef("follow", "--model", "run1", "--once", "--replica-id", "r1", env=cli_env)
     assert "version 2" in followed.stdout, followed.stdout + followed.stderr
+    # The replica reports how long version 2 took from the trainer's checkpoint, and from the
+    # evaluator's decision, to serving: the times between those events and its metric's.
+    reported = {m.name: m for m in consume_events(kafka_bootstrap, metrics(namespace), 1, Metric)
+                if m.stage == STAGE_FOLLOWER}
+    for name, since in ((FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, checkpoints_made[-1].created_at),
+                        (FOLLOWER_PUBLICATION_TO_SERVING_SECONDS, decisions[-1].created_at)):
+        metric = reported[name]
+        assert 0 <= metric.value <= (metric.created_at - since) / 1000 + 0.001, (name, metric)
+        assert metric.value > (metric.created_at - since) / 1000 - 1, (name, metric)
+    assert reported[FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS].value \
+        > reported[FOLLOWER_PUBLICATION_TO_SERVING_SECONDS].value
     fleet = reef("fleet", env=cli_env)
     assert "run1" in fleet.stdout, fleet.stdout

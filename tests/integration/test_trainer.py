@@ -88,3 +88,12 @@ def test_two_groups_train_every_unit_once_and_identically(kafka_bootstrap, cli_e
     counts = consume_events(kafka_bootstrap, metrics(namespace), 10, Metric)
     latest = {(m.labels["group"], m.name): m.value for m in counts}
     assert latest[("a", "units_trained")] == 20 and latest[("b", "units_duplicate")] == 1
+    labelled = {(m.labels["group"], m.name, *sorted(m.labels.items())): m.value for m in counts}
+    # The off-policy degree over the run: steps 1-4 trained 4 units each at staleness 0-3,
+    # step 5 four more at 0; and the lag per partition, 0 once every unit was read.
+    samples = len(rollout_unit(0).members)
+    staleness = {dict(k[2:])["staleness"]: v for k, v in labelled.items()
+                 if k[:2] == ("a", "staleness_samples")}
+    assert staleness == {"0": 8 * samples, "1": 4 * samples, "2": 4 * samples, "3": 4 * samples}
+    lags = [v for k, v in labelled.items() if k[:2] == ("a", "consumer_lag")]
+    assert lags and all(v == 0 for v in lags), labelled
