@@ -18,6 +18,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
+from reef_stream.commands.metrics_port import metrics_port_option, serve_metrics
 from reef_stream.config import Settings
 from reef_stream.connect import bootstrap_servers
 
@@ -46,9 +47,10 @@ def intake() -> None:
 @click.option("--spool", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Spool directory for records the broker has not acknowledged "
                    "[default: $REEF_HOME/spool/<namespace>-intake]. One per server.")
+@metrics_port_option
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, max_request_bytes: int | None,
-          durable_timeout: float, spool: Path | None) -> None:
+          durable_timeout: float, spool: Path | None, metrics_port: int | None) -> None:
     """Serve the HTTP intake until Ctrl-C or SIGTERM.
 
     A POST is answered once its records are acknowledged by the broker or
@@ -63,6 +65,7 @@ def serve(ctx: click.Context, host: str, port: int, max_request_bytes: int | Non
     from reef_stream.intake.http import DEFAULT_MAX_REQUEST_BYTES, make_app
 
     settings: Settings = ctx.obj
+    serve_metrics(metrics_port)
     token = settings.intake_token
     if token is None and host not in ("127.0.0.1", "localhost", "::1"):
         err_console.print(f"[yellow]warning:[/yellow] REEF_INTAKE_TOKEN is not set: anyone who "

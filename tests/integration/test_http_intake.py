@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 from confluent_kafka.admin import AdminClient
+from prometheus_client.parser import text_string_to_metric_families
 
-from reef_stream.cli import main
 from reef_stream.config import load_settings
 from reef_stream.connect import client_config
 from reef_stream.events import Feedback, Generation
@@ -272,17 +272,24 @@ def test_with_the_broker_unreachable_records_are_spooled_and_a_full_spool_answer
 def test_reef_intake_serve_runs_the_server_with_the_token_from_the_environment(
         kafka_bootstrap, namespace, tmp_path):
     ensure_topics(AdminClient(client_config(kafka_bootstrap)), declare_topics(namespace))
-    port = free_ports(1)[0]
+    port, metrics_port = free_ports(2)
     env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": kafka_bootstrap, "REEF_NAMESPACE": namespace,
            "REEF_HOME": str(tmp_path / "home"), "REEF_INTAKE_TOKEN": "s3cret", "COLUMNS": "200"}
-    server = subprocess.Popen(_serve_command(port), env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(_serve_command(port, "--metrics-port", str(metrics_port)), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_until_answering(f"{url}/healthz", server)
         assert post_json(f"{url}/v1/generations", native_generation("g-1")).status == 401
         reply = post_json(f"{url}/v1/generations", native_generation("g-1"), token="s3cret")
         assert reply.status == 200 and reply.body["results"][0]["status"] == "acknowledged"
+        # Its producer's counts reach Prometheus (written every 10 s): one record, acknowledged.
+        deadline, samples = time.monotonic() + 30, {}
+        while samples.get("reef_intake_acknowledged") != 1.0:
+            assert time.monotonic() < deadline, samples
+            time.sleep(0.5)
+            samples = _scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+        assert samples["reef_intake_sent"] == 1.0 and samples["reef_intake_failed"] == 0.0
     finally:
         server.send_signal(signal.SIGTERM)
         output, _ = server.communicate(timeout=60)
@@ -292,15 +299,18 @@ def test_reef_intake_serve_runs_the_server_with_the_token_from_the_environment(
     assert (tmp_path / "home" / "spool" / f"{namespace}-intake").is_dir()
 
 
-def _serve_command(port: int) -> list[str]:
-    """`reef intake serve` on ``port``: through cli.py once the lead registered it there."""
-    args = ["serve", "--port", str(port)]
-    if "intake" in main.commands:
-        return [sys.executable, "-m", "reef_stream.cli", "intake", *args]
-    script = ("import sys; from reef_stream.commands.intake import intake; "
-              "from reef_stream.config import load_settings; "
-              "intake.main(sys.argv[1:], obj=load_settings(), prog_name='reef intake')")
-    return [sys.executable, "-c", script, *args]
+def _serve_command(port: int, *extra: str) -> list[str]:
+    """`reef intake serve` on ``port``."""
+    return [sys.executable, "-m", "reef_stream.cli", "intake", "serve", "--port", str(port), *extra]
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """The intake's samples (``reef_intake_*``, client http) at a Prometheus ``/metrics``."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            if family.name.startswith("reef_intake_") for sample in family.samples
+            if sample.labels.get("client") == "http"}
 
 
 def _wait_until_answering(url: str, server: subprocess.Popen, timeout: float = 30) -> None:
