@@ -9,13 +9,26 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from reef_stream.config import Settings
-from reef_stream.errors import ConfigurationError
+from confluent_kafka import KafkaError, KafkaException
+
+from reef_stream.config import Settings, load_settings
+from reef_stream.errors import ConfigurationError, RetryableError
+
+T = TypeVar("T")
 
 #: librdkafka's own log lines go through this logger (not straight to stderr).
 KAFKA_LOGGER = logging.getLogger("reef_stream.kafka")
+log = logging.getLogger(__name__)
+
+# librdkafka's codes for a refused SASL login and a failed TLS handshake
+# (confluent_kafka.KafkaError._AUTHENTICATION / ._SSL; not imported here so that
+# this module loads without the Kafka client).
+_AUTHENTICATION = -169
+_SSL = -181
 
 
 def bootstrap_servers(settings: Settings) -> str:
@@ -44,11 +57,111 @@ def redis_url(settings: Settings) -> str:
     return json.loads(state.read_text())["url"]
 
 
-def client_config(bootstrap: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The confluent-kafka configuration every reef-stream client starts from."""
+def client_config(bootstrap: str, overrides: dict[str, Any] | None = None, *,
+                  settings: Settings | None = None, security: bool = True) -> dict[str, Any]:
+    """The confluent-kafka configuration every reef-stream client starts from.
+
+    It holds the security properties of ``REEF_KAFKA_*`` (TLS, SASL; see
+    ``reef_stream.config``), read from ``settings`` or else from the
+    environment, so every producer, consumer and admin client reaches a secured
+    cluster the same way; ``overrides`` (the client's own properties) win.
+    With security configured, the client's ``error_cb`` is wrapped so that a
+    refused login or TLS handshake is logged once, clearly and without a
+    secret, on ``reef_stream.connect`` (served when the client is polled).
+    ``security=False`` leaves all of this out: only for the plaintext local
+    cluster that ``reef_stream.kafka_local`` starts and probes itself.
+    """
     config: dict[str, Any] = {
         "bootstrap.servers": bootstrap,
         "logger": KAFKA_LOGGER,
     }
+    if not security:
+        config.update(overrides or {})
+        return config
+    settings = settings or load_settings()
+    config.update(settings.kafka_client)
     config.update(overrides or {})
+    if settings.kafka_client:
+        config["error_cb"] = _RefusalReporter(bootstrap, settings, config.get("error_cb"))
     return config
+
+
+def describe_security(settings: Settings) -> str:
+    """How clients reach the cluster, for a log line or an error: never a secret."""
+    protocol = settings.kafka_security_protocol
+    if protocol.startswith("SASL_"):
+        client = settings.kafka_client
+        return f"{protocol}, {client.get('sasl.mechanism')} as {client.get('sasl.username')!r}"
+    return protocol
+
+
+def last_refusal() -> str | None:
+    """The last refused login or TLS handshake any client of this process reported, or None.
+
+    For a caller whose request timed out, to say why (the librdkafka error
+    alone says only "broker transport failure").
+    """
+    return _last_refusal
+
+
+_last_refusal: str | None = None
+
+
+class _RefusalReporter:
+    """``error_cb`` of a secured client: reports authentication and TLS failures, then
+    calls the client's own ``error_cb``. Runs in whatever thread polls the client."""
+
+    def __init__(self, bootstrap: str, settings: Settings, chained: Callable | None):
+        self._bootstrap = bootstrap
+        self._settings = settings
+        self._chained = chained
+        self._reported: set[int] = set()
+
+    def __call__(self, error: Any) -> None:
+        global _last_refusal
+        code = error.code()
+        if code in (_AUTHENTICATION, _SSL):
+            message = refusal_message(self._bootstrap, self._settings, code, error.str())
+            _last_refusal = message
+            if code not in self._reported:
+                self._reported.add(code)
+                log.error("%s", message)
+        if self._chained is not None:
+            self._chained(error)
+
+
+def refusal_message(bootstrap: str, settings: Settings, code: int, detail: str) -> str:
+    """What to tell a user whose client the cluster refused: what to check, never a secret."""
+    if code == _AUTHENTICATION and settings.kafka_security_protocol.startswith("SASL_"):
+        what = (f"Kafka at {bootstrap} refused to authenticate "
+                f"({describe_security(settings)}): check REEF_KAFKA_SASL_USERNAME, "
+                "REEF_KAFKA_SASL_PASSWORD and REEF_KAFKA_SASL_MECHANISM against the "
+                "cluster's SCRAM users")
+    else:
+        what = (f"The TLS connection to Kafka at {bootstrap} failed "
+                f"({describe_security(settings)}): check that REEF_KAFKA_SSL_CA_LOCATION holds "
+                "the CA that signed the brokers' certificates and that they name the hosts "
+                "in REEF_BOOTSTRAP_SERVERS")
+    return f"{what}. The client said: {detail}"
+
+
+def ask_broker(what: str, call: Callable[[], T], timeout: float = 60.0) -> T:
+    """``call()``, asked again while the broker answers with a retriable error (a partition
+    whose leader is being elected, a coordinator that is loading). Blocks up to ``timeout``
+    seconds; then, or for any other error, raises ``RetryableError`` saying ``what`` failed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+            # _DESTROY_BROKER: the client dropped its handle of a broker that left the
+            # cluster's metadata (killed, restarting) while the request waited on it.
+            transient = error is not None and (error.retriable() or error.code() in (
+                KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._DESTROY_BROKER,
+                KafkaError._ALL_BROKERS_DOWN))
+            if not transient or time.monotonic() > deadline:
+                raise RetryableError(f"{what} failed: {exc}; check that the cluster is "
+                                     "reachable, then try again") from exc
+            time.sleep(0.2)

@@ -335,8 +335,10 @@ class LocalCluster:
         from confluent_kafka.admin import AdminClient
 
         members = members or self.nodes
+        # The nodes listen in plaintext (the template); REEF_KAFKA_* is for other clusters.
         admin = AdminClient(client_config(self._bootstrap(members),
-                                          {"socket.connection.setup.timeout.ms": 2000}))
+                                          {"socket.connection.setup.timeout.ms": 2000},
+                                          security=False))
         deadline = time.monotonic() + timeout
         expected = {node.node_id for node in members}
         while True:
@@ -429,7 +431,7 @@ class LocalCluster:
         error = None
         if any(node.alive for node in nodes):
             try:
-                admin = AdminClient(client_config(bootstrap))
+                admin = AdminClient(client_config(bootstrap, security=False))
                 metadata = admin.list_topics(timeout=5)
                 brokers = sorted(metadata.brokers)
                 topics = {name: len(t.partitions) for name, t in sorted(metadata.topics.items())}
