@@ -17,6 +17,8 @@
     reef demo                       the whole loop on a toy task, every stage a process
     reef trace GENERATION_ID        a generation's lineage: feedback, unit, step, publication, replicas
     reef top [--once]               live view: topic rates, group lag, versions, replicas, dead letters
+    reef sink tensorboard|wandb     the metrics topic into TensorBoard event files or an offline W&B run
+    reef dashboard [--port P]       live charts of the metrics topic on a local web page
 
 Where ``REEF_BOOTSTRAP_SERVERS`` / ``REEF_REDIS_URL`` name existing servers,
 nothing is started and every command uses those (see ``reef_stream.config``).
@@ -38,6 +40,7 @@ from rich.table import Table
 
 from reef_stream.commands.check import COMMANDS as CHECK_COMMANDS
 from reef_stream.commands.cursors import COMMANDS as CURSOR_COMMANDS
+from reef_stream.commands.dashboard import COMMANDS as DASHBOARD_COMMANDS
 from reef_stream.commands.demo import COMMANDS as DEMO_COMMANDS
 from reef_stream.commands.evaluate import COMMANDS as EVALUATE_COMMANDS
 from reef_stream.commands.fleet import COMMANDS as FLEET_COMMANDS
@@ -46,6 +49,7 @@ from reef_stream.commands.intake import COMMANDS as INTAKE_COMMANDS
 from reef_stream.commands.process import COMMANDS as PROCESS_COMMANDS
 from reef_stream.commands.produce import COMMANDS as PRODUCE_COMMANDS
 from reef_stream.commands.reward import COMMANDS as REWARD_COMMANDS
+from reef_stream.commands.sink import COMMANDS as SINK_COMMANDS
 from reef_stream.commands.top import COMMANDS as TOP_COMMANDS
 from reef_stream.commands.trace import COMMANDS as TRACE_COMMANDS
 from reef_stream.commands.train import COMMANDS as TRAIN_COMMANDS
@@ -355,7 +359,7 @@ def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
 for command in (*PRODUCE_COMMANDS, *INTAKE_COMMANDS, *CURSOR_COMMANDS, *CHECK_COMMANDS,
                 *REWARD_COMMANDS, *PROCESS_COMMANDS, *TRAIN_COMMANDS,
                 *EVALUATE_COMMANDS, *FOLLOW_COMMANDS, *FLEET_COMMANDS, *DEMO_COMMANDS,
-                *TRACE_COMMANDS, *TOP_COMMANDS):
+                *TRACE_COMMANDS, *TOP_COMMANDS, *SINK_COMMANDS, *DASHBOARD_COMMANDS):
     main.add_command(command)
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up reef-stream on a fresh machine; safe to run again (it skips what is done).
 #
-#   - a virtual environment in .venv with reef-stream and its test extras
-#     (pip's cache keeps torch, a few GB, so it is downloaded once per machine);
+#   - a virtual environment in .venv with reef-stream and its test extras, or the extras that
+#     REEF_SETUP_EXTRAS names (scripts/test.sh adds the optional sinks' tensorboard and wandb);
+#     pip's cache keeps torch, a few GB, so it is downloaded once per machine;
 #   - Debian's redis-server, where it is missing;
 #   - the Kafka broker's jars, fetched from Maven Central by Maven once (~/.m2).
 #
@@ -30,12 +31,13 @@ if ! command -v redis-server >/dev/null; then
 fi
 
 stamp=.venv/.reef-installed
-want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+extras=${REEF_SETUP_EXTRAS:-test}
+want=$( { cat pyproject.toml; echo "$extras"; } | sha256sum | cut -c1-16)
 if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "Installing reef-stream and its dependencies into .venv (torch is large; pip caches it)"
   [ -x .venv/bin/python ] || "$python" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet --progress-bar off -e ".[test]"
+  .venv/bin/python -m pip install --quiet --progress-bar off -e ".[$extras]"
   echo "$want" > "$stamp"
 fi
 

@@ -4,7 +4,8 @@ Each test runs the real command (replicas, reward worker, processor, trainer and
 separate processes on the session's broker and Redis) and then checks what it claims on its
 own: the newest promoted version's weights, loaded and verified from the publication, score
 at least 0.9 held-out accuracy where the initial policy scores at most chance; the report and
-its plots exist; the unit ledger (checked by the command) shows no unit lost or trained twice.
+its plots exist; the unit ledger (checked by the command) shows no unit lost or trained twice;
+and for GRPO, `reef trace` follows a real generation and `reef dashboard` charts the run.
 A few minutes each.
 """
 
@@ -27,6 +28,7 @@ from reef_stream.recipe import load_recipe
 from reef_stream.topics.declarations import publications, units
 from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import consume_events, reef
+from tests.integration.dashboard_check import check_dashboard
 
 TARGET = 0.9
 #: Replicas x rate: about what the trainer consumes on two cores, so samples stay fresh.
@@ -85,6 +87,9 @@ def test_the_demo_learns_from_chance_to_the_target(kafka_bootstrap, cli_env, tmp
     assert "'trained_twice': 0" in ledger and "'lost': 0" in ledger, ledger
     _check_learned(kafka_bootstrap, namespace, recipe, run_dir, stdout)
     _check_trace(kafka_bootstrap, cli_env, namespace, recipe.rpartition(".")[2])
+    # `reef dashboard` on the run's metrics: the page's charts render with its data in headless
+    # Chromium (screenshot: test-artifacts/dashboard-grpo.png).
+    check_dashboard(cli_env, namespace, f"dashboard-{recipe.rpartition('.')[2]}")
 
 
 def _record_at(bootstrap, topic, partition, offset):
