@@ -209,6 +209,9 @@ def verify(uri: str, sha256: str | None = None) -> dict[str, bytes]:
         manifest_bytes = fs.cat_file(f"{path}/{MANIFEST}")
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {uri} cannot be read: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - e.g. s3:// without s3fs (ImportError)
+        raise CheckpointError(f"checkpoint {uri} cannot be opened: {type(exc).__name__}: "
+                              f"{exc}") from exc
     actual = hashlib.sha256(manifest_bytes).hexdigest()
     if sha256 is not None and actual != sha256:
         raise CheckpointError(f"checkpoint {uri}: manifest sha256 is {actual}, expected {sha256} "

@@ -122,8 +122,13 @@ def import_jsonl(lines: Iterable[bytes], *, kind: Kind, producer: RecordProducer
 
 def reason_group(error: Exception) -> str:
     """The group a rejection is counted in: the field at fault (list indexes dropped), or a kind."""
+    if isinstance(error, InvalidRecord) and error.field:
+        # backslashreplace: an unknown field may be named with a lone surrogate ("\ud800"),
+        # which no terminal or file can print
+        return re.sub(r"\[\d+\]", "[]", error.field).encode(
+            "utf-8", "backslashreplace").decode("utf-8")
     if isinstance(error, InvalidRecord):
-        return re.sub(r"\[\d+\]", "[]", error.field) if error.field else "the record as a whole"
+        return "the record as a whole"
     return "not JSON"
 
 

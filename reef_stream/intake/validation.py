@@ -3,7 +3,9 @@
 ``validate(event)`` raises ``InvalidRecord`` naming the field and the
 problem: a missing or empty identifier, a wrong type, a negative version, a
 NaN or infinite reward or logprob, token and logprob arrays whose lengths
-disagree, token ids outside int32. The size limit of the destination topic
+disagree, token ids outside int32, an Avro ``int`` field (``group_size``,
+``sampling.max_tokens``, ``sampling.top_k``) outside int32, a ``created_at`` past the year
+9999 (no reader could decode it), text with a lone surrogate (not UTF-8). The size limit of the destination topic
 is checked by the producer after encoding (``check_size``).
 
 These are the rules every method can rely on; a method's processor may add
@@ -22,6 +24,8 @@ from reef_stream.events import DeadLetter, Feedback, FinishReason, Generation, S
 #: Header bytes Kafka adds per record beyond key, value and headers (generous).
 RECORD_OVERHEAD = 128
 _INT32_MAX = int(np.iinfo(np.int32).max)
+#: The last millisecond of the year 9999: readers decode timestamp-millis as a datetime.
+_MAX_MILLIS = 253_402_300_799_999
 
 
 def validate(event: Generation | Feedback | DeadLetter) -> None:
@@ -48,13 +52,13 @@ def check_size(topic: str, key: bytes | None, value: bytes,
 def _generation(g: Generation) -> None:
     _text(g, "generation_id", "request_id", "prompt_id", "model", "replica_id")
     _integer(g, "policy_version", minimum=0)
-    _integer(g, "group_size", minimum=1)
+    _integer(g, "group_size", minimum=1, maximum=_INT32_MAX)
     if g.group_size > 1 and not g.group_id:
         raise InvalidRecord(f"group_size is {g.group_size} but there is no group_id; grouped "
                             "samples need the id their group shares", field="group_id")
     if g.group_id is not None:
         _text(g, "group_id")
-    _integer(g, "created_at", minimum=0)
+    _integer(g, "created_at", minimum=0, maximum=_MAX_MILLIS)
     prompt = _tokens(g, "prompt_token_ids")
     completion = _tokens(g, "completion_token_ids")
     if prompt.size == 0:
@@ -72,9 +76,14 @@ def _generation(g: Generation) -> None:
     if not isinstance(g.sampling, SamplingParams):
         raise InvalidRecord("must be a SamplingParams", field="sampling")
     _sampling(g.sampling)
+    if not isinstance(g.metadata, dict):
+        raise InvalidRecord(f"must be a dict of strings, not {type(g.metadata).__name__}",
+                            field="metadata")
     for key, value in g.metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise InvalidRecord(f"entry {key!r} must map a string to a string", field="metadata")
+        _utf8(key, "metadata")
+        _utf8(value, f"metadata.{key}")
 
 
 def _sampling(s: SamplingParams) -> None:
@@ -82,20 +91,26 @@ def _sampling(s: SamplingParams) -> None:
         value = getattr(s, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
             raise InvalidRecord(f"must be a finite number >= 0, not {value!r}", field=f"sampling.{name}")
-    _integer(s, "max_tokens", minimum=0, prefix="sampling.")
-    _integer(s, "top_k", minimum=-1, prefix="sampling.")
+    _integer(s, "max_tokens", minimum=0, maximum=_INT32_MAX, prefix="sampling.")
+    _integer(s, "top_k", minimum=-1, maximum=_INT32_MAX, prefix="sampling.")
+    if s.seed is not None:
+        _integer(s, "seed", minimum=-(2**63), prefix="sampling.")
 
 
 def _feedback(f: Feedback) -> None:
-    _text(f, "feedback_id", "generation_id", "source")
+    _text(f, "generation_id", "source", "feedback_id")  # feedback_id defaults to both
     if f.group_id is not None:
         _text(f, "group_id")
-    _integer(f, "created_at", minimum=0)
+    _integer(f, "created_at", minimum=0, maximum=_MAX_MILLIS)
     _finite(f.reward, "reward")
+    if not isinstance(f.components, dict):
+        raise InvalidRecord(f"must be a dict of numbers, not {type(f.components).__name__}",
+                            field="components")
     for name, value in f.components.items():
         if not isinstance(name, str) or not name:
             raise InvalidRecord(f"has a component named {name!r}; names are non-empty strings",
                                 field="components")
+        _utf8(name, "components")
         _finite(value, f"components.{name}")
 
 
@@ -106,9 +121,23 @@ def _text(event, *names: str) -> None:
             raise InvalidRecord(f"must be a string, not {type(value).__name__}", field=name)
         if not value.strip():
             raise InvalidRecord("is empty", field=name)
+        _utf8(value, name)
 
 
-def _integer(event, name: str, minimum: int, prefix: str = "") -> None:
+def _utf8(value: str, name: str) -> None:
+    """Raise InvalidRecord for a str that UTF-8 cannot encode (a lone surrogate, as JSON's
+    ``"\\ud800"`` gives): Avro strings are UTF-8."""
+    if value.isascii():
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRecord(f"holds the lone surrogate {value[error.start]!r} at index "
+                            f"{error.start}; text must be valid Unicode (UTF-8)",
+                            field=name) from None
+
+
+def _integer(event, name: str, minimum: int, prefix: str = "", maximum: int | None = None) -> None:
     value = getattr(event, name)
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
         raise InvalidRecord(f"must be an integer, not {type(value).__name__}", field=prefix + name)
@@ -116,6 +145,8 @@ def _integer(event, name: str, minimum: int, prefix: str = "") -> None:
         raise InvalidRecord(f"is {value}; it must be at least {minimum}", field=prefix + name)
     if value >= 2**63:
         raise InvalidRecord(f"is {value}, beyond a 64-bit integer", field=prefix + name)
+    if maximum is not None and value > maximum:
+        raise InvalidRecord(f"is {value}; it must be at most {maximum}", field=prefix + name)
 
 
 def _finite(value, name: str) -> None:

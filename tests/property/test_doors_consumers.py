@@ -1,0 +1,321 @@
+"""Raw corrupt bytes and unknown schemas on every topic a consumer reads, against the real broker.
+
+For each stage, hypothesis draws one batch of hostile messages (``hostile.raw_message``: random
+bytes, valid Avro of another schema, an unknown or malformed fingerprint, no headers, a
+tombstone, a truncated record, bytes left over), they go onto the stage's input topic between
+valid records, and the stage runs once over all of it. Every hostile message must end as a dead
+letter naming its topic, partition and offset with a reason (the follower, which reads the
+publications without a group, logs and skips them: the evaluator owns that topic); the stage
+must not crash or stall, and the valid records around them must flow on:
+
+- processor (generations + feedback; also generations and feedback that decode but break the
+  intake's rules, and duplicates): the valid groups become units;
+- reward worker (generations): the valid generations get their feedback;
+- trainer (units): a step is trained and checkpointed;
+- evaluator (checkpoints; also checkpoints whose URI no filesystem can open): a decision for
+  every decodable candidate, the valid ones promoted;
+- follower (publications; also a promoted publication whose URI no filesystem can open): it
+  refuses that one, keeps running and loads the next valid version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+import numpy as np
+from confluent_kafka import Producer
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from reef_stream.config import load_settings
+from reef_stream.connect import client_config
+from reef_stream.consumers.follower import Follower
+from reef_stream.consumers.processor import ProcessorRuntime
+from reef_stream.consumers.reward import RewardOptions, RewardWorker
+from reef_stream.consumers.trainer import Trainer
+from reef_stream.events import (
+    Checkpoint, DeadLetter, Decision, Feedback, Generation, Publication, RolloutUnit,
+)
+from reef_stream.recipe import load_recipe
+from reef_stream.topics import declarations
+from reef_stream.topics.serde import SchemaRegistry
+from tests.helpers import consume_events
+from tests.integration.publishing import (
+    Loads, create_topics, promoted, run_evaluator, write_checkpoint,
+)
+from tests.integration.test_processor_runtime import RECIPE, feedback, generation
+from tests.integration.test_processor_runtime import create_topics as create_processor_topics
+from tests.property.hostile import RawMessage, feedback_event, generation_event, raw_message
+from tests.unit_log import create_topics as create_unit_topics
+from tests.unit_log import rollout_unit
+
+ONCE = settings(max_examples=1, deadline=None, database=None,
+                phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
+registry = SchemaRegistry.default()
+Where = tuple[str, int, int]
+
+
+def draw_once(strategy):
+    """One example of ``strategy``, drawn by hypothesis (``@given``, one example)."""
+    drawn = []
+
+    @ONCE
+    @given(strategy)
+    def draw(value) -> None:
+        drawn.append(value)
+
+    draw()
+    return drawn[-1]
+
+
+def produce(bootstrap: str, items: list[tuple[str, object]], key_of=None,
+            one_by_one: bool = False) -> list[Where]:
+    """Each (topic, RawMessage or event) in order, acknowledged; where each one landed. With
+    ``one_by_one``, each is acknowledged before the next is sent (a later broker time each)."""
+    producer = Producer(client_config(bootstrap, {"acks": "all", "enable.idempotence": True}))
+    landed: list[Where | None] = [None] * len(items)
+
+    def delivered(i):
+        def report(error, message):
+            assert error is None, error
+            landed[i] = (message.topic(), message.partition(), message.offset())
+        return report
+
+    for i, (topic, item) in enumerate(items):
+        if isinstance(item, RawMessage):
+            value, headers, key = item.value, item.headers, item.key
+        else:
+            value, headers = registry.encode(item)
+            key = key_of(item) if key_of else b"k"
+        producer.produce(topic, value=value, key=key, headers=headers, on_delivery=delivered(i))
+        producer.poll(0)
+        if one_by_one:
+            assert producer.flush(30) == 0
+    assert producer.flush(30) == 0
+    return landed
+
+
+def letters_at(bootstrap: str, namespace: str, stage: str) -> dict[Where, list[DeadLetter]]:
+    found: dict[Where, list[DeadLetter]] = {}
+    for letter in consume_events(bootstrap, declarations.dead_letters(namespace), 1, DeadLetter):
+        if letter.stage == stage:
+            where = (letter.source_topic, letter.source_partition, letter.source_offset)
+            found.setdefault(where, []).append(letter)
+    return found
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(0.5)
+
+
+def _key(record) -> bytes:
+    return (record.group_id or record.generation_id).encode()
+
+
+# --------------------------------------------------------------------------- processor
+
+#: Generations and feedback that decode but that the SDK would have refused.
+NOT_VALID_GENERATIONS = [
+    generation_event("nan-logprob", completion_logprobs=np.array([np.nan, -1], np.float32)),
+    generation_event("negative-version", policy_version=-3),
+    generation_event("negative-token", prompt_token_ids=np.array([-1], np.int32)),
+    generation_event("mismatch", completion_logprobs=np.array([-1.0], np.float32)),
+    generation_event(" ", group_id="", group_size=0),
+    generation_event("surrogate-free-but-empty-prompt", prompt_token_ids=np.array([], np.int32)),
+]
+NOT_VALID_FEEDBACK = [feedback_event("g-x", reward=float("nan")),
+                      feedback_event("g-y", reward=float("inf"), source="exact_match"),
+                      feedback_event("", source="exact_match")]
+
+
+def test_the_processor_dead_letters_every_hostile_record_and_units_flow_on(
+        kafka_bootstrap, namespace):
+    create_processor_topics(kafka_bootstrap, namespace)
+    gens, fbs = declarations.generations(namespace), declarations.feedback(namespace)
+    hostile_gens = draw_once(st.lists(raw_message(Generation, generation_event()), min_size=8,
+                                      max_size=14))
+    hostile_fbs = draw_once(st.lists(raw_message(Feedback, feedback_event()), min_size=8,
+                                     max_size=14))
+    valid = [r for g in range(3) for m in range(4) for r in (
+        generation(f"v{g}m{m}", f"v{g}", 4), feedback(f"v{g}m{m}", f"v{g}", 0.25 * m))]
+    duplicate = valid[0]
+    hostile = [(gens, m) for m in hostile_gens] + [(fbs, m) for m in hostile_fbs] + \
+        [(gens, g) for g in NOT_VALID_GENERATIONS] + [(fbs, f) for f in NOT_VALID_FEEDBACK]
+    # hostile first, then valid ones, more hostile, a duplicate: all on the same partitions
+    items = hostile[::2] + [(gens if isinstance(r, Generation) else fbs, r) for r in valid] + \
+        hostile[1::2] + [(gens, duplicate)]
+    landed = produce(kafka_bootstrap, items, key_of=_key)
+    hostile_at = {landed[i] for i, item in enumerate(items) if item in hostile}
+    assert len(hostile_at) == len(hostile)
+
+    runtime = ProcessorRuntime(RECIPE, bootstrap=kafka_bootstrap, namespace=namespace,
+                               log_every_s=60)
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _run(runtime.run, errors), daemon=True)
+    thread.start()
+    units: list[RolloutUnit] = []
+    try:
+        def done() -> bool:
+            assert thread.is_alive(), f"the processor stopped: {errors}"
+            units[:] = consume_events(kafka_bootstrap, declarations.units(namespace, RECIPE.name),
+                                      3, RolloutUnit)
+            return len(units) >= 3 and hostile_at <= set(
+                letters_at(kafka_bootstrap, namespace, "processor"))
+        wait_for(done, 90, "three units and a dead letter per hostile record")
+    finally:
+        runtime.stop()
+        thread.join(30)
+    assert not errors, errors
+    assert sorted(sorted(m.generation_id for m in u.members) for u in units) == \
+        [[f"v{g}m{m}" for m in range(4)] for g in range(3)]
+    letters = letters_at(kafka_bootstrap, namespace, "processor")
+    for where in hostile_at:
+        assert len(letters[where]) == 1 and letters[where][0].reason, letters[where]
+    assert runtime.counts["generations.duplicate"] == 1
+    assert runtime.counts["invalid_records"] == len(hostile)
+
+
+def _run(run, errors: list) -> None:
+    try:
+        run()
+    except BaseException as error:  # noqa: BLE001 - the test reports it
+        errors.append(error)
+
+
+# --------------------------------------------------------------------------- reward worker
+
+
+def test_the_reward_worker_dead_letters_undecodable_generations_and_rewards_the_rest(
+        kafka_bootstrap, namespace, tmp_path):
+    from tests.recipes.rewards import quick
+
+    create_topics(kafka_bootstrap, namespace)
+    gens = declarations.generations(namespace)
+    hostile = draw_once(st.lists(raw_message(Generation, generation_event()), min_size=10,
+                                 max_size=20))
+    valid = [generation_event(f"ok-{i}") for i in range(6)]
+    items = [(gens, r) for pair in zip(hostile, valid) for r in pair] + \
+        [(gens, r) for r in hostile[len(valid):]] + [(gens, r) for r in valid[len(hostile):]]
+    landed = produce(kafka_bootstrap, items, key_of=_key)
+    hostile_at = {landed[i] for i, (_, item) in enumerate(items) if isinstance(item, RawMessage)}
+
+    worker = RewardWorker(quick, bootstrap=kafka_bootstrap, settings=load_settings(),
+                          namespace=namespace, spool_dir=tmp_path / "spool",
+                          options=RewardOptions(group=f"{namespace}-r", retries=0,
+                                                max_records=len(items), idle_exit=20))
+    summary = worker.run()
+
+    assert (summary.undecodable, summary.rewarded) == (len(hostile), len(valid))
+    rewarded = consume_events(kafka_bootstrap, declarations.feedback(namespace), len(valid),
+                              Feedback)
+    assert sorted(f.generation_id for f in rewarded) == sorted(g.generation_id for g in valid)
+    letters = letters_at(kafka_bootstrap, namespace, "reward")
+    assert set(letters) == hostile_at
+    assert all(len(v) == 1 and "undecodable generation" in v[0].reason for v in letters.values())
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+def test_the_trainer_dead_letters_undecodable_units_and_trains_a_step(
+        kafka_bootstrap, namespace, tmp_path):
+    create_unit_topics(kafka_bootstrap, namespace)
+    topic = declarations.units(namespace, "trainable")
+    hostile = draw_once(st.lists(raw_message(RolloutUnit, rollout_unit(0)), min_size=6,
+                                 max_size=12))
+    valid = [rollout_unit(i) for i in range(4)]  # units_per_step is 4
+    items = [(topic, r) for r in hostile[:3] + valid[:2] + hostile[3:] + valid[2:]]
+    landed = produce(kafka_bootstrap, items, key_of=lambda unit: unit.unit_id.encode(),
+                     one_by_one=True)  # in this order of broker time: the trainer's order
+    hostile_at = {landed[i] for i, (_, item) in enumerate(items) if isinstance(item, RawMessage)}
+
+    trainer = Trainer(load_recipe("tests.recipes.trainable"), bootstrap=kafka_bootstrap,
+                      namespace=namespace, group="doors", checkpoints=str(tmp_path / "ckpt"),
+                      max_steps=1, idle_exit=10, settings=load_settings())
+    summary = trainer.run()
+
+    assert (summary.steps, summary.units_trained, summary.invalid) == (1, 4, len(hostile))
+    (event,) = consume_events(kafka_bootstrap, declarations.checkpoints(namespace), 1, Checkpoint)
+    assert event.step == 1
+    letters = letters_at(kafka_bootstrap, namespace, "trainer")
+    assert set(letters) == hostile_at
+    assert all("unit cannot be trained" in v[0].reason for v in letters.values())
+
+
+# --------------------------------------------------------------------------- evaluator
+
+
+def test_the_evaluator_dead_letters_undecodable_checkpoints_and_decides_every_candidate(
+        kafka_bootstrap, namespace, tmp_path):
+    create_topics(kafka_bootstrap, namespace)
+    topic = declarations.checkpoints(namespace)
+    first = write_checkpoint(tmp_path / "ckpt", 1, 0.5)
+    last = write_checkpoint(tmp_path / "ckpt", 5, 0.9)
+    unopenable = [dataclasses.replace(first, checkpoint_id=f"bad-{v}", step=v, policy_version=v,
+                                      uri=uri)
+                  for v, uri in ((2, "s3://no-such-bucket/ckpt"), (3, "reference://"),
+                                 (4, first.uri + "\x00"))]
+    hostile = draw_once(st.lists(raw_message(Checkpoint, first), min_size=5, max_size=10))
+    items = [(topic, r) for r in [first, *hostile[:2], *unopenable, *hostile[2:], last]]
+    landed = produce(kafka_bootstrap, items, key_of=lambda c: c.trainer_group.encode())
+    hostile_at = {landed[i] for i, (_, item) in enumerate(items) if isinstance(item, RawMessage)}
+    settings_ = load_settings({"REEF_BOOTSTRAP_SERVERS": kafka_bootstrap,
+                               "REEF_NAMESPACE": namespace, "REEF_HOME": str(tmp_path / "home")})
+
+    summary = run_evaluator("promoting", settings_, fleet=None, idle_exit=3)
+
+    assert (summary.promoted, summary.rejected, summary.undecodable) == (2, 3, len(hostile))
+    decisions = consume_events(kafka_bootstrap, declarations.publications(namespace), 5,
+                               Publication)
+    by_version = {p.policy_version: p for p in decisions}
+    assert [by_version[v].decision for v in (1, 2, 3, 4, 5)] == [
+        Decision.PROMOTED, Decision.REJECTED, Decision.REJECTED, Decision.REJECTED,
+        Decision.PROMOTED]
+    assert all("failed verification" in by_version[v].reason for v in (2, 3, 4))
+    letters = letters_at(kafka_bootstrap, namespace, "evaluator")
+    assert set(letters) == hostile_at
+    assert all("undecodable checkpoint event" in v[0].reason for v in letters.values())
+
+
+# --------------------------------------------------------------------------- follower
+
+
+class Refusals:
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, str]] = []
+
+    def __call__(self, publication, error) -> None:
+        self.seen.append((publication.policy_version, str(error)))
+
+
+def test_the_follower_skips_hostile_publications_and_loads_the_next_valid_version(
+        kafka_bootstrap, namespace, tmp_path, caplog):
+    create_topics(kafka_bootstrap, namespace)
+    topic = declarations.publications(namespace)
+    v1 = write_checkpoint(tmp_path / "ckpt", 1, 0.3)
+    v2 = write_checkpoint(tmp_path / "ckpt", 2, 0.6)
+    hostile = draw_once(st.lists(raw_message(Publication, promoted(v1)), min_size=5,
+                                 max_size=10))
+    settings_ = load_settings({"REEF_BOOTSTRAP_SERVERS": kafka_bootstrap,
+                               "REEF_NAMESPACE": namespace, "REEF_HOME": str(tmp_path / "home")})
+    produce(kafka_bootstrap, [(topic, m) for m in hostile[:2]] +
+            [(topic, promoted(v1, uri="s3://no-such-bucket/v1"))],
+            key_of=lambda p: p.model.encode())
+    loads, refusals = Loads(), Refusals()
+    caplog.set_level(logging.WARNING, logger="reef_stream.consumers.evaluator")
+    with Follower("tiny", on_version=loads, on_refused=refusals, settings=settings_, fleet=None,
+                  heartbeat_s=1, retry_s=60) as replica:
+        assert replica.wait_ready(30) is None  # v1 cannot be opened: refused, nothing served
+        assert [v for v, _ in refusals.seen] == [1] and "s3://" in refusals.seen[0][1]
+        produce(kafka_bootstrap, [(topic, m) for m in hostile[2:]] + [(topic, promoted(v2))],
+                key_of=lambda p: p.model.encode())
+        assert replica.wait_for_version(2, 30) == 2
+    assert loads.versions == [2]
+    skipped = [r for r in caplog.records if "does not decode" in r.getMessage()]
+    assert len(skipped) == sum(m.value is not None for m in hostile)
