@@ -46,7 +46,9 @@ repeat after a crash (at least once).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -55,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import safetensors.torch
 import torch
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
@@ -279,8 +282,8 @@ class Trainer:
         started = time.monotonic()
         step, mine = self.step + 1, self.pending
         self.producer.flush(ACK_TIMEOUT_S)   # this rank's dead letters, before any commit
-        shares = self._gather((self._encode_units(mine), self.offsets))
-        units = [u for units, _ in shares for u in self._decode_units(units)]
+        shares = self._gather_shares(mine)
+        units = [u for units, _ in shares for u in units]
         offsets = {p: o for _, rank_offsets in shares for p, o in rank_offsets.items()}
         result = self.recipe.objective.compute(units, self.algorithm_state)
         if self.ranks > 1:
@@ -297,7 +300,9 @@ class Trainer:
             metrics[TRAINER_STALENESS_MAX] = float(max(staleness))
         failpoint("trainer.before-checkpoint", step=step)
         weights, optimizer, rng = self.backend.state()
-        rng = {k: v for rank_rng in self._gather(rng) for k, v in rank_rng.items()}
+        if self.ranks > 1:
+            rng = {k: v for blob in self._gather_bytes(safetensors.torch.save(rng))
+                   for k, v in safetensors.torch.load(blob).items()}
         new_ids = np.array([unit_hash(u.unit_id) for u in units], dtype=np.uint64)
         error = None
         if self.rank == 0:
@@ -317,7 +322,8 @@ class Trainer:
                 if self.ranks == 1:
                     raise
                 error = f"{type(failure).__name__}: {failure}"
-        error = self._broadcast(error)
+        if self.ranks > 1:
+            error = self._broadcast_bytes((error or "").encode()).decode() or None
         if error is not None:
             raise RetryableError(f"rank 0 could not acknowledge step {step}: {error}")
         # Acknowledged: the proposed state is now the trainer's.
@@ -416,7 +422,8 @@ class Trainer:
         start = {p: self.offsets.get(p, OFFSET_BEGINNING) for p in self.owned}
         self.consumer.assign([TopicPartition(self.topic, p, o) for p, o in start.items()])
         self.merge = PartitionMerge(self.owned)
-        self._gather(None)   # every rank resumed before any trains
+        if self.ranks > 1:
+            self._gather_bytes(b"")   # every rank resumed before any trains
 
     # ----------------------------------------------------------------- data parallelism
 
@@ -435,32 +442,56 @@ class Trainer:
                 f"(torchrun --nproc-per-node {declared} -m reef_stream.cli train ...) or change "
                 "the recipe's Backend")
 
-    def _gather(self, value: Any) -> list[Any]:
-        """``value`` of every rank, in rank order (blocks until every rank has given its own).
+    # Ranks exchange bytes only, never pickled objects (``torch.distributed``'s and
+    # accelerate's object collectives pickle): units as their Avro records, offsets as JSON,
+    # RNG states as safetensors.
 
-        Ranks are this trainer's own processes, so their messages are trusted."""
+    def _gather_shares(self, mine: list[Any]) -> list[tuple[list[Any], dict[int, int]]]:
+        """Every rank's pending units and offsets, in rank order."""
         if self.ranks == 1:
-            return [value]
-        from accelerate.utils import gather_object
+            return [(mine, self.offsets)]
+        encoded = [self.registry.encode(u) for u in mine]
+        share = json.dumps({
+            "units": [[base64.b64encode(value).decode(),
+                       [[k, base64.b64encode(v).decode()] for k, v in headers]]
+                      for value, headers in encoded],
+            "offsets": sorted(self.offsets.items())}).encode()
+        shares = []
+        for blob in self._gather_bytes(share):
+            decoded = json.loads(blob)
+            units = [self.registry.decode(base64.b64decode(value),
+                                          [(k, base64.b64decode(v)) for k, v in headers],
+                                          self.recipe.objective.unit_type)
+                     for value, headers in decoded["units"]]
+            shares.append((units, {int(p): int(o) for p, o in decoded["offsets"]}))
+        return shares
 
-        return gather_object([value])
+    def _gather_bytes(self, data: bytes) -> list[bytes]:
+        """``data`` of every rank, in rank order (blocks until every rank has given its own)."""
+        import torch.distributed as dist
 
-    def _broadcast(self, value: Any) -> Any:
-        """Rank 0's ``value``, on every rank."""
-        if self.ranks == 1:
-            return value
-        from accelerate.utils import broadcast_object_list
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        lengths = [torch.zeros_like(length) for _ in range(self.ranks)]
+        dist.all_gather(lengths, length)
+        size = max(int(n) for n in lengths)
+        padded = torch.zeros(size, dtype=torch.uint8)
+        if data:
+            padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        everyone = [torch.empty(size, dtype=torch.uint8) for _ in range(self.ranks)]
+        dist.all_gather(everyone, padded)
+        return [bytes(t[:int(n)].numpy()) for t, n in zip(everyone, lengths)]
 
-        return broadcast_object_list([value], from_process=0)[0]
+    def _broadcast_bytes(self, data: bytes) -> bytes:
+        """Rank 0's ``data``, on every rank."""
+        import torch.distributed as dist
 
-    def _encode_units(self, units: list[Any]) -> list[tuple[bytes, list]]:
-        return [self.registry.encode(u) for u in units] if self.ranks > 1 else units
-
-    def _decode_units(self, encoded: list[Any]) -> list[Any]:
-        if self.ranks == 1:
-            return encoded
-        return [self.registry.decode(value, headers, self.recipe.objective.unit_type)
-                for value, headers in encoded]
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(length, src=0)
+        buffer = torch.zeros(int(length), dtype=torch.uint8)
+        if self.rank == 0 and data:
+            buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dist.broadcast(buffer, src=0)
+        return bytes(buffer.numpy())
 
     def _micro_batch_done(self, count: int) -> None:
         failpoint("trainer.in-step", step=self.step + 1)
