@@ -71,7 +71,7 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: floa
     options = DemoOptions(recipe=path, replicas=replicas, rate=rate, target=target, time_limit=time_limit,
                           chaos=chaos, run_dir=run_dir, seed=seed)
     runner = Demo(options, settings=settings, bootstrap=bootstrap_servers(settings),
-                  redis_url=redis_url(settings), show=_Progress())
+                  redis_url=redis_url(settings), show=DemoProgress())
     click.echo(f"demo {runner.ns}: {path}, {replicas} replicas, target {target:.2f}, "
                f"logs in {runner.run_dir / 'logs'}")
     result = runner.run()
@@ -85,7 +85,7 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: floa
         sys.exit(1)
 
 
-class _Progress:
+class DemoProgress:
     """One status line every few seconds (a terminal sees it rewritten in place)."""
 
     def __init__(self, every_s: float = 5.0) -> None:

@@ -62,7 +62,7 @@ import urllib.parse
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 from confluent_kafka import (
@@ -71,7 +71,7 @@ from confluent_kafka import (
 
 from reef_stream.checkpoints import MANIFEST, CheckpointError, verify, write_durably
 from reef_stream.config import Settings, load_settings
-from reef_stream.connect import bootstrap_servers, client_config
+from reef_stream.connect import ask_broker, bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, RetryableError
 from reef_stream.evaluator import Incumbent, Measurement, Selection
 from reef_stream.events import Checkpoint, DeadLetter, Decision, MessageHeader, Publication, now_ms
@@ -87,7 +87,7 @@ if TYPE_CHECKING:
     from reef_stream.fleet import Fleet
 
 __all__ = ["EvaluateOptions", "EvaluateSummary", "EvaluatorWorker", "PublicationLedger",
-           "PublicationStore", "ask_broker", "default_group", "default_publication_url",
+           "PublicationStore", "default_group", "default_publication_url",
            "publication_key"]
 
 log = logging.getLogger(__name__)
@@ -115,26 +115,6 @@ def default_publication_url(settings: Settings, namespace: str) -> str:
     return str(settings.home / "published" / namespace)
 
 
-T = TypeVar("T")
-
-
-def ask_broker(what: str, call: Callable[[], T], timeout: float = READ_TIMEOUT_S) -> T:
-    """``call()``, asked again while the broker answers with a retriable error (a partition
-    whose leader is being elected, a coordinator that is loading). Blocks up to ``timeout``
-    seconds; then, or for any other error, raises ``RetryableError`` saying ``what`` failed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return call()
-        except KafkaException as exc:
-            error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-            transient = error is not None and (error.retriable() or error.code() in (
-                KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-                KafkaError._TIMED_OUT, KafkaError._TRANSPORT))
-            if not transient or time.monotonic() > deadline:
-                raise RetryableError(f"{what} failed: {exc}; check that the cluster is "
-                                     "reachable, then try again") from exc
-            time.sleep(0.2)
 
 
 def publication_key(publication: Publication) -> bytes:

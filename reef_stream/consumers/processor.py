@@ -9,8 +9,9 @@ Kafka transaction holds, atomically:
 1. the units of the batch, to ``<ns>.units.<recipe>`` (key: unit id);
 2. a dead letter for every non-unit outcome (expired, too stale, invalid
    generations; late, unused, orphaned feedback, and records that do not
-   decode), to ``<ns>.dead-letters``, with the reason, the original record
-   and its source topic / partition / offset;
+   decode or fail ``intake.validation.validate``), to ``<ns>.dead-letters``,
+   with the reason, the original record and its source topic / partition /
+   offset;
 3. the snapshot of every state key the batch touched (``Step.touched``), to
    the compacted changelog ``<ns>.processor-state.<recipe>`` (partition p
    holds the state of input partition p; key: state key; a tombstone when
@@ -105,10 +106,13 @@ producer of their own, outside the transactions (see ``_emit_metrics``).
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,10 +127,11 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient
 
-from reef_stream.connect import client_config
+from reef_stream.connect import ask_broker, client_config
 from reef_stream.errors import FatalError, InvalidRecord
 from reef_stream import metrics
 from reef_stream.events import Checkpoint, DeadLetter, Feedback, Generation, MessageHeader, now_ms
+from reef_stream.intake.validation import validate
 from reef_stream.processor import (
     FeedbackFate,
     FeedbackOutcome,
@@ -156,6 +161,22 @@ SESSION_TIMEOUT_MS = 10_000
 #: Longest a record waits (wall clock, from when it was read) for the other topic of its
 #: pair to be read past its timestamp while that topic has unread records.
 MAX_IDLE_S = 5.0
+
+
+#: Seconds after which an open transaction is reported stuck (``_watch_commits``); a healthy
+#: one commits in well under a second.
+STUCK_COMMIT_S = 120.0
+#: `reef process`'s exit status when it stops for its supervisor to restart it (EX_TEMPFAIL).
+EXIT_RESTART = 75
+#: A consumer fenced as a static member is replaced at most this often (``_rejoin``).
+MAX_REJOINS = 3
+REJOIN_WINDOW_S = 600.0
+#: The changelog key of ``_still_the_instance``'s tombstone (no state has it).
+PROBE_KEY = b"reef.probe"
+
+
+class _ConsumerFenced(FatalError):
+    """The consumer was fenced as a static group member (its only fatal error)."""
 
 
 def changelog(ns: str, recipe: str) -> str:
@@ -192,7 +213,8 @@ class ProcessorRuntime:
     def __init__(self, recipe: Any, *, bootstrap: str, namespace: str, group: str | None = None,
                  instance: str = "0", batch: int = BATCH, log_every_s: float = 10.0,
                  metrics_every_s: float = 1.0, registry: SchemaRegistry | None = None,
-                 max_unit_bytes: int | None = None):
+                 max_unit_bytes: int | None = None,
+                 on_stuck: Callable[[str], None] | None = None):
         self.recipe, self.ns = recipe, namespace
         self.group = group or f"{namespace}.process.{recipe.name}"
         self.instance = instance
@@ -218,6 +240,11 @@ class ProcessorRuntime:
         self._metrics: metrics.MetricsWriter | None = None
         self._metrics_sent: tuple[int, int] = (0, 0)  # (transactions, aborted) last emitted
         self._metrics_at = 0.0
+        self._rejoins: list[float] = []  # when the consumer was last replaced (_rejoin)
+        #: ``on_stuck(why)``: called (on a watchdog thread) when a transaction has not committed
+        #: ``STUCK_COMMIT_S`` after it began; see ``_watch_commits``. None: logged only.
+        self._on_stuck = on_stuck
+        self._commit_began: float | None = None
         #: Rewards per source and version, completion lengths, truncation (committed steps only).
         self.stats = RecordStats()
         self.metrics_dropped = 0
@@ -251,19 +278,9 @@ class ProcessorRuntime:
         }))
         self._producer.init_transactions(60)  # fences a predecessor and aborts its transaction
         self._start_metrics()
-        self._consumer = Consumer(client_config(self.bootstrap, {
-            "group.id": self.group,
-            "group.instance.id": f"{self.group}.{self.instance}",
-            "partition.assignment.strategy": "range",
-            "session.timeout.ms": SESSION_TIMEOUT_MS,
-            "isolation.level": "read_committed",
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "earliest",
-            "fetch.max.bytes": 64 * MiB,
-        }))
-        self._consumer.subscribe([self.generations, self.feedback], on_assign=self._on_assign,
-                                 on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        threading.Thread(target=self._watch_commits, name="reef-commit-watchdog",
+                         daemon=True).start()
+        self._consumer = self._subscribe()
         self._checkpoints = Consumer(client_config(self.bootstrap, {
             "group.id": f"{self.group}.checkpoints", "enable.auto.commit": False,
             "isolation.level": "read_committed"}))
@@ -281,7 +298,10 @@ class ProcessorRuntime:
                 if ready is not None and self._parts:
                     ready.set()
                 self._read_checkpoints()
-                self._process(messages)
+                try:
+                    self._process(messages)
+                except _ConsumerFenced as fenced:
+                    self._rejoin(fenced)
                 self._emit_metrics()
                 if time.monotonic() - last_log >= self.log_every_s:
                     last_log = time.monotonic()
@@ -409,11 +429,94 @@ class ProcessorRuntime:
     def _start_positions(self, assigned: list[TopicPartition]) -> None:
         """Where consumption of each assigned partition starts: its committed offset, or its
         start (auto.offset.reset=earliest)."""
-        for tp in self._consumer.committed(assigned, timeout=30):
+        committed = ask_broker("reading the group's committed offsets",
+                               lambda: self._consumer.committed(assigned, timeout=30))
+        for tp in committed:
             offset = tp.offset
             if offset < 0:
-                offset, _ = self._consumer.get_watermark_offsets(tp, timeout=30)
+                offset, _ = ask_broker(f"reading the offsets of {tp.topic}[{tp.partition}]",
+                                       lambda tp=tp: self._consumer.get_watermark_offsets(
+                                           tp, timeout=30))
             self._parts[tp.partition].next[tp.topic] = offset
+
+    def _subscribe(self) -> Consumer:
+        """The group member: static (``group.instance.id``), subscribed to both input topics."""
+        consumer = Consumer(client_config(self.bootstrap, {
+            "group.id": self.group,
+            "group.instance.id": f"{self.group}.{self.instance}",
+            "partition.assignment.strategy": "range",
+            "session.timeout.ms": SESSION_TIMEOUT_MS,
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "fetch.max.bytes": 64 * MiB,
+        }))
+        consumer.subscribe([self.generations, self.feedback], on_assign=self._on_assign,
+                           on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        return consumer
+
+    def _watch_commits(self) -> None:
+        """Until ``stop``: report a transaction still open ``STUCK_COMMIT_S`` after it began.
+
+        librdkafka's ``send_offsets_to_transaction`` can wait forever, past its timeout, for a
+        group coordinator that was killed (confluentinc/librdkafka#5456, #5511, open). Nothing
+        in this process can end that call, so the watchdog tells ``on_stuck``: `reef process`
+        exits with ``EXIT_RESTART`` for its supervisor to start it again, which is as safe as
+        any crash (the next instance's ``init_transactions`` aborts the open transaction).
+        """
+        reported = None
+        while not self._stop.wait(1.0):
+            began = self._commit_began
+            if began is None or began == reported or time.monotonic() - began < STUCK_COMMIT_S:
+                continue
+            reported = began
+            why = (f"a transaction has not committed {STUCK_COMMIT_S:.0f} s after it began "
+                   "(librdkafka can wait forever on a group coordinator that died: "
+                   "confluentinc/librdkafka#5456)")
+            log.critical("processor %s: %s", self.recipe.name, why)
+            if self._on_stuck is not None:
+                self._on_stuck(why)
+
+    def _rejoin(self, fenced: FatalError) -> None:
+        """Replace a consumer fenced as a static member by a new one with the same instance id,
+        at most ``MAX_REJOINS`` times in ``REJOIN_WINDOW_S`` (then ``fenced`` is raised).
+
+        A fenced static member is often this very process: after a broker failure moved the
+        group coordinator, librdkafka may rejoin under a new member id and so fence its own old
+        one. The transactional id decides: an empty transaction (one tombstone for a key no
+        state has, in the changelog) must commit, or a newer instance fenced this producer at
+        its ``init_transactions`` and this one stops (``FatalError``). Nothing is lost by
+        rejoining: the fence arrives between transactions, and the new member restores the
+        states from the changelog and reads from the committed offsets, as a restart would.
+        """
+        self._still_the_instance(fenced)
+        now = time.monotonic()
+        self._rejoins = [t for t in self._rejoins if now - t < REJOIN_WINDOW_S] + [now]
+        if len(self._rejoins) > MAX_REJOINS:
+            raise FatalError(f"{fenced}; fenced {len(self._rejoins)} times within "
+                             f"{REJOIN_WINDOW_S:.0f} s: is another processor running with "
+                             f"--instance {self.instance}?") from fenced
+        log.warning("%s; rejoining the group with a new consumer (instance %s)", fenced,
+                    self.instance)
+        try:
+            self._consumer.close()
+        except Exception as error:  # noqa: BLE001 - a fenced consumer may fail to leave
+            log.warning("closing the fenced consumer: %s", error)
+        self._parts = {}
+        self._consumer = self._subscribe()
+
+    def _still_the_instance(self, fenced: FatalError) -> None:
+        """Commit a transaction of one harmless tombstone (``PROBE_KEY``); ``FatalError`` if it
+        fails (a newer instance holds the transactional id)."""
+        producer = self._producer
+        try:
+            producer.begin_transaction()
+            producer.produce(self.changelog, partition=0, key=PROBE_KEY, value=None)
+            producer.commit_transaction(60)
+        except KafkaException as exc:
+            raise FatalError(f"{fenced}, and the transactional id is fenced too: "
+                             f"{exc.args[0]}") from exc
 
     def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
         # Eager protocol: everything is revoked, always between transactions.
@@ -432,7 +535,9 @@ class ProcessorRuntime:
         try:
             ends = {}
             for p in partitions:
-                _, high = reader.get_watermark_offsets(TopicPartition(self.changelog, p), timeout=30)
+                _, high = ask_broker(f"reading the offsets of {self.changelog}[{p}]",
+                                     lambda p=p: reader.get_watermark_offsets(
+                                         TopicPartition(self.changelog, p), timeout=30))
                 if high > 0:
                     ends[p] = high
             tables: dict[int, dict[str, bytes]] = {p: {} for p in partitions}
@@ -471,9 +576,9 @@ class ProcessorRuntime:
                 if error.code() == KafkaError._PARTITION_EOF:
                     continue
                 if error.fatal() or error.code() == KafkaError._FATAL:
-                    # (a fatal consumer error, e.g. a static member fenced by a newer one with
+                    # (a consumer's only fatal error, a static member fenced by another with
                     # its group.instance.id, arrives as a _FATAL event whose fatal() is False)
-                    raise FatalError(f"the consumer failed: {error}")
+                    raise _ConsumerFenced(f"the consumer failed: {error}")
                 log.warning("consumer: %s", error)
                 continue
             part = self._parts.get(message.partition())
@@ -513,6 +618,7 @@ class ProcessorRuntime:
                 try:
                     record = self.registry.decode(message.value(), message.headers(), reader,
                                                   topic=topic, partition=p, offset=offset)
+                    validate(record)  # written past the SDK: NaN logprobs, negative versions
                 except InvalidRecord as error:
                     bad.append((message, error))
                     continue
@@ -578,6 +684,7 @@ class ProcessorRuntime:
         transaction is then abortable, but that error does not say so); a fatal error, or
         an abort that fails (e.g. being fenced), is fatal."""
         producer, counts = self._producer, Counter()
+        self._commit_began = time.monotonic()
         try:
             producer.begin_transaction()
             for p, step in steps:
@@ -634,6 +741,7 @@ class ProcessorRuntime:
             self._rewind()
             return
         finally:
+            self._commit_began = None
             for part in self._parts.values():
                 part.touched.clear()
         self.transactions += 1
@@ -704,9 +812,10 @@ class ProcessorRuntime:
 def run_processor_runtime(recipe: Any, *, bootstrap: str, namespace: str, group: str | None = None,
                           instance: str = "0", batch: int = BATCH,
                           handle_signals: bool = True) -> ProcessorRuntime:
-    """Run until SIGINT / SIGTERM (with ``handle_signals``); the runtime, for its counts."""
+    """Run until SIGINT / SIGTERM (with ``handle_signals``); the runtime, for its counts. A
+    stuck transaction ends the process with ``EXIT_RESTART`` (see ``_watch_commits``)."""
     runtime = ProcessorRuntime(recipe, bootstrap=bootstrap, namespace=namespace, group=group,
-                               instance=instance, batch=batch)
+                               instance=instance, batch=batch, on_stuck=_exit_for_restart)
     if handle_signals:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: runtime.stop())
@@ -716,3 +825,9 @@ def run_processor_runtime(recipe: Any, *, bootstrap: str, namespace: str, group:
         raise FatalError(f"the processor stopped: {exc.args[0]}") from exc
     return runtime
 
+
+def _exit_for_restart(why: str) -> None:
+    """End this process now, with ``EXIT_RESTART``: the main thread is blocked in librdkafka."""
+    print(f"error: {why}; exiting with status {EXIT_RESTART} for a supervisor to restart this "
+          "processor (nothing committed is lost)", file=sys.stderr, flush=True)
+    os._exit(EXIT_RESTART)

@@ -37,6 +37,7 @@ more (publications, heartbeats) and the producer one (delivery reports).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -60,7 +61,7 @@ from reef_stream.demo.task import (
     DEMO_SEED, ProblemStream, make_generation, policy_model, prompt_tensor, sample,
 )
 from reef_stream.errors import ConfigurationError
-from reef_stream.intake.producer import RecordProducer, SpoolFull
+from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandle, SpoolFull
 
 __all__ = ["ReplicaReport", "main", "replica_spool_dir", "run_replica"]
 
@@ -138,6 +139,11 @@ def replica_spool_dir(settings: Settings, namespace: str, replica_id: str) -> Pa
     return settings.home / "spool" / namespace / f"replica-{safe}"
 
 
+def _note_acknowledged(into: list[str], generation_id: str, handle: SendHandle) -> None:
+    if handle.state is DeliveryState.ACKNOWLEDGED:
+        into.append(generation_id)
+
+
 def _seed_of(replica_id: str) -> int:
     return int.from_bytes(hashlib.sha256(replica_id.encode()).digest()[:4], "little")
 
@@ -151,7 +157,7 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
                 stop_event: threading.Event | None = None, max_generations: int | None = None,
                 ready_timeout: float = 60.0, heartbeat_s: float = 2.0,
                 fleet: Any = AUTO, spool_dir: Path | None = None,
-                flush_timeout: float = 30.0) -> ReplicaReport:
+                flush_timeout: float = 30.0, acked_log: Path | None = None) -> ReplicaReport:
     """Serve ``model_name`` until ``stop_event`` is set or ``max_generations`` were sent
     (grouped: whole groups, so up to a group more); see the module docstring. Returns what it
     did. Blocks; call from one thread (the signal handlers of the command set ``stop_event``).
@@ -161,7 +167,8 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
     second at most. ``seed``: the trainer's ``schedule.seed`` (version 0 is
     ``model_factory()`` built under it, as the trainer builds it). ``sampling_seed``: seeds the
     prompts and the samples (default: derived from the replica id). ``fleet``: as for
-    ``Follower``. Raises ``ConfigurationError`` for bad arguments or a missing publications
+    ``Follower``. ``acked_log``: at the end, the ids of the generations the broker acknowledged
+    are written there, one a line (fault runs check that each one is in the topic). Raises ``ConfigurationError`` for bad arguments or a missing publications
     topic, ``TimeoutError`` when the publications could not be read within
     ``ready_timeout``, and whatever stopped the follower.
     """
@@ -193,6 +200,7 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
     generator = torch.Generator().manual_seed(sampling_seed)
     by_version: dict[int, int] = {}
     sent = rounds = backpressured = 0
+    acknowledged: list[str] = []  # appended on the producer's thread (acked_log only)
     producer: RecordProducer | None = None
     follower.start()
     try:
@@ -221,11 +229,15 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
                 for i, problem in enumerate(batch):
                     group_id = uuid.uuid4().hex if grouped else None
                     for row in range(i * per_prompt, (i + 1) * per_prompt):
-                        producer.send(make_generation(
+                        generation = make_generation(
                             model=model_name, policy_version=version, replica_id=replica_id,
                             problem=problem, token_ids=completions.token_ids[row],
                             logprobs=completions.logprobs[row], temperature=temperature,
-                            group_id=group_id, group_size=per_prompt))
+                            group_id=group_id, group_size=per_prompt)
+                        handle = producer.send(generation)
+                        if acked_log is not None:
+                            handle.add_done_callback(functools.partial(
+                                _note_acknowledged, acknowledged, generation.generation_id))
                         round_sent += 1
             except SpoolFull as full:
                 backpressured += len(batch) * per_prompt - round_sent
@@ -241,6 +253,8 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
     finally:
         flushed = producer.close(flush_timeout) if producer is not None else None
         follower.stop()
+        if acked_log is not None:
+            acked_log.write_text("".join(f"{gid}\n" for gid in acknowledged))
     report = ReplicaReport(
         replica_id=replica_id, model=model_name, sent=sent, by_version=dict(by_version),
         rounds=rounds, backpressured=backpressured, final_version=served.version,
@@ -285,10 +299,13 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
               help="Torch CPU threads.")
 @click.option("--heartbeat", type=click.FloatRange(min=0, min_open=True), default=2.0,
               show_default=True, metavar="SECONDS")
+@click.option("--acked-log", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="At the end, write the ids of the generations the broker acknowledged to this "
+                   "file, one a line (fault runs check each one is in the topic).")
 def main(model_name: str, grouped: bool, group_size: int, prompts: int, rate: float | None,
          temperature: float, seed: int | None, recipe: str | None, sampling_seed: int | None,
          replica_id: str | None, max_generations: int | None, threads: int,
-         heartbeat: float) -> None:
+         heartbeat: float, acked_log: Path | None) -> None:
     """A demo serving replica: sample the toy task from the newest promoted version of MODEL and
     send every completion as a Generation (REEF_* variables name the cluster and namespace).
 
@@ -311,7 +328,8 @@ def main(model_name: str, grouped: bool, group_size: int, prompts: int, rate: fl
                          rate=rate, temperature=temperature,
                          seed=DEMO_SEED if seed is None else seed, sampling_seed=sampling_seed,
                          model_factory=factory, replica_id=replica_id, stop_event=stop,
-                         max_generations=max_generations, heartbeat_s=heartbeat)
+                         max_generations=max_generations, heartbeat_s=heartbeat,
+                         acked_log=acked_log)
     click.echo(report.to_json())
 
 

@@ -41,6 +41,8 @@ from confluent_kafka.admin import AdminClient
 
 from reef_stream.config import Settings
 from reef_stream.connect import client_config
+from reef_stream.consumers.processor import EXIT_RESTART
+from reef_stream.demo.verify import generation_outcomes, missing_acknowledged
 from reef_stream.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
 from reef_stream.metrics import TRAINER_STALENESS_MEAN, TRAINER_STEPS
 from reef_stream.topics import declarations
@@ -72,6 +74,11 @@ class DemoOptions:
     run_dir: Path | None = None
     namespace: str | None = None
     seed: int = 0
+    #: Fault runs: after the target is reached, stop the replicas first and give the other
+    #: stages up to this many seconds to give every generation its outcome, then check it
+    #: (``DemoResult.outcomes``) and that every generation a replica saw acknowledged is in the
+    #: topic (``DemoResult.missing_acknowledged``). 0: stop every stage at once, check neither.
+    drain_s: float = 0.0
 
 
 @dataclass
@@ -92,15 +99,24 @@ class DemoResult:
     version: int | None
     report: Path
     kills: Counter = field(default_factory=Counter)
+    restarts: Counter = field(default_factory=Counter)
     ledger: dict[str, int] = field(default_factory=dict)
     stalled: str | None = None
+    #: With ``drain_s``: ``verify.generation_outcomes`` after the drain, and how many
+    #: acknowledged generations the topic lacks (None: not checked).
+    outcomes: dict[str, int] = field(default_factory=dict)
+    missing_acknowledged: int | None = None
 
     def line(self) -> str:
         got = "n/a" if self.accuracy is None else f"{self.accuracy:.3f}"
         how = "reached the target" if self.reached else "did NOT reach the target"
         kills = f"; chaos kills {dict(self.kills)}" if self.kills else ""
+        kills += f"; restarted on request {dict(self.restarts)}" if self.restarts else ""
+        checked = "" if self.missing_acknowledged is None else (
+            f"; generation outcomes {self.outcomes}; acknowledged but missing "
+            f"{self.missing_acknowledged}")
         return (f"{how} in {self.seconds:.0f} s: held-out accuracy {got} at published version "
-                f"{self.version}{kills}; ledger {self.ledger}; report {self.report}"
+                f"{self.version}{kills}; ledger {self.ledger}{checked}; report {self.report}"
                 + ("" if self.reached or not self.stalled else f"\n{self.stalled}"))
 
 
@@ -179,6 +195,7 @@ class Demo:
         self.staleness: float | None = None  # mean over the newest step's samples
         self.samples: list[Sample] = []
         self.kills: Counter = Counter()
+        self.restarts: Counter = Counter()   # stages that exited with EXIT_RESTART
         self.last_status: dict[str, Any] = {}
         self.stages = self._stages()
 
@@ -204,6 +221,8 @@ class Demo:
                     "--recipe", self.options.recipe.partition(":")[0],
                     "--replica-id", f"replica-{i}", "--seed", str(self.recipe.schedule.seed),
                     "--sample-seed", str(1000 + i), "--rate", str(self.options.rate)]
+            if self.options.drain_s:
+                argv += ["--acked-log", str(self._acked_log(i))]
             if sampling.get("group_size"):
                 argv += ["--grouped", "--group-size", str(sampling["group_size"])]
             stages[f"replica-{i}"] = Stage(f"replica-{i}", argv, self.env,
@@ -212,7 +231,9 @@ class Demo:
 
     # ----------------------------------------------------------------- the run
 
-    def run(self) -> DemoResult:
+    def run(self, may_stop: Callable[[], bool] = lambda: True) -> DemoResult:
+        """Run until the target is reached (once ``may_stop()`` also says so) or the time limit
+        passes; see the module docstring."""
         ensure_topics(AdminClient(client_config(self.bootstrap)),
                       declarations.declare_topics(self.ns, (self.recipe.name,)))
         watcher = Consumer(client_config(self.bootstrap, {
@@ -232,7 +253,7 @@ class Demo:
                 accuracy, version = self.accuracy()
                 self.last_status = self.status(started)
                 self.show(self.last_status)
-                if accuracy is not None and accuracy >= self.options.target:
+                if accuracy is not None and accuracy >= self.options.target and may_stop():
                     reached = True
                     break
                 if self.options.chaos and time.monotonic() >= next_chaos:
@@ -242,21 +263,50 @@ class Demo:
                     self.stages[victim].start()
                     next_chaos = time.monotonic() + self.rng.uniform(*self.options.chaos_every)
                 time.sleep(1.0)
+            seconds = time.monotonic() - started
+            outcomes = self._drain() if self.options.drain_s else {}
         finally:
             for stage in self.stages.values():
                 stage.stop()
             watcher.close()
-        seconds = time.monotonic() - started
         accuracy, version = self.accuracy()
         ledger = unit_ledger(self.bootstrap, self.ns, self.recipe.name, self.store)
+        missing = None
+        if self.options.drain_s:
+            acknowledged = [gid for i in range(self.options.replicas)
+                            for gid in self._acked_log(i).read_text().split()]
+            missing = len(missing_acknowledged(self.bootstrap, self.ns, acknowledged))
         report = write_report(self, seconds, ledger)
         return DemoResult(reached=reached, seconds=seconds, accuracy=accuracy, version=version,
-                          report=report, kills=self.kills, ledger=ledger, stalled=self.stalled())
+                          report=report, kills=self.kills, restarts=self.restarts,
+                          ledger=ledger, stalled=self.stalled(),
+                          outcomes=outcomes, missing_acknowledged=missing)
+
+    def _acked_log(self, replica: int) -> Path:
+        return self.run_dir / f"acknowledged-replica-{replica}.txt"
+
+    def _drain(self) -> dict[str, int]:
+        """Stop the replicas (each writes its acknowledged ids), then wait up to ``drain_s``
+        seconds for every generation to have its outcome; the last count."""
+        for name, stage in self.stages.items():
+            if name.startswith("replica-"):
+                stage.stop()
+        deadline = time.monotonic() + self.options.drain_s
+        while True:
+            outcomes = generation_outcomes(self.bootstrap, self.ns, self.recipe)
+            self.show({**self.last_status, "draining": outcomes})
+            if outcomes["no_outcome"] == 0 or time.monotonic() > deadline:
+                return outcomes
+            time.sleep(5.0)
 
     def _check_stages(self) -> None:
-        """A stage that exited on its own is a failure of the demo: say which and why."""
+        """A stage that exited on its own is a failure of the demo (say which and why), but for
+        one that asked to be restarted (``EXIT_RESTART``), as a supervisor would."""
         for stage in self.stages.values():
-            if not stage.alive:
+            if not stage.alive and stage.process.returncode == EXIT_RESTART:
+                self.restarts[stage.name] += 1
+                stage.start()
+            elif not stage.alive:
                 raise RuntimeError(f"the {stage.name} stage exited (status "
                                    f"{stage.process.returncode}); its log {stage.log} ends:\n"
                                    f"{stage.tail()}")

@@ -8,16 +8,28 @@ raises one ``TopicMismatchError`` listing every difference instead.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
-from reef_stream.errors import RetryableError, TopicMismatchError
+from reef_stream.connect import last_refusal
+from reef_stream.errors import ConfigurationError, RetryableError, TopicMismatchError
 from reef_stream.topics.declarations import Topic
 
+log = logging.getLogger(__name__)
+
 TIMEOUT_S = 30.0
+#: How long ``ensure_topics`` goes on creating a topic while the cluster cannot yet (its
+#: controller is being elected, or too few brokers are up for the replication factor).
+CREATE_DEADLINE_S = 120.0
+#: Creation errors that a moment may cure.
+_CREATE_RETRIABLE = {
+    KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT, KafkaError.NOT_CONTROLLER,
+    KafkaError._TRANSPORT, KafkaError.INVALID_REPLICATION_FACTOR,
+}
 
 
 @dataclass
@@ -27,8 +39,26 @@ class EnsureReport:
 
 
 def replication_for(topic: Topic, brokers: int) -> int:
-    """The replication factor a topic gets on a cluster of ``brokers`` brokers."""
+    """The replication factor a topic gets on a cluster of ``brokers`` brokers
+    (``cluster_size``)."""
     return topic.replication if topic.replication is not None else min(3, brokers)
+
+
+def cluster_size(admin: AdminClient, metadata) -> int:
+    """How many brokers the cluster is meant to have, for ``replication_for``: those alive, or
+    its ``default.replication.factor`` if that is more (a broker that is down, killed or
+    restarting, must not make a new topic less replicated than its peers). The live count
+    alone where the broker config cannot be read (not authorised, say)."""
+    alive = len(metadata.brokers)
+    if not metadata.brokers:
+        return alive
+    broker = ConfigResource(ResourceType.BROKER, str(next(iter(metadata.brokers))))
+    try:
+        (future,) = admin.describe_configs([broker], request_timeout=TIMEOUT_S).values()
+        default = int(future.result()["default.replication.factor"].value)
+    except (KafkaException, KeyError, ValueError, TypeError):
+        return alive
+    return max(alive, default)
 
 
 def ensure_topics(admin: AdminClient, topics: list[Topic]) -> EnsureReport:
@@ -39,22 +69,33 @@ def ensure_topics(admin: AdminClient, topics: list[Topic]) -> EnsureReport:
     except the creation of topics that did not exist.
     """
     metadata = _metadata(admin)
-    brokers = len(metadata.brokers)
+    brokers = cluster_size(admin, metadata)
     missing = [t for t in topics if t.name not in metadata.topics]
     report = EnsureReport()
-    if missing:
+    deadline = time.monotonic() + CREATE_DEADLINE_S
+    while missing:
         futures = admin.create_topics([
             NewTopic(t.name, num_partitions=t.partitions,
                      replication_factor=replication_for(t, brokers), config=dict(t.config))
             for t in missing
         ], operation_timeout=TIMEOUT_S, request_timeout=TIMEOUT_S)
-        for name, future in futures.items():
+        retry = []
+        for topic in missing:
             try:
-                future.result()
-                report.created.append(name)
+                futures[topic.name].result()
+                report.created.append(topic.name)
             except KafkaException as exc:
-                if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":  # another process was quicker
-                    raise RetryableError(f"Could not create topic {name}: {exc}") from exc
+                error = exc.args[0]
+                if error.code() == KafkaError.TOPIC_ALREADY_EXISTS:  # another process was quicker
+                    continue
+                if error.code() not in _CREATE_RETRIABLE or time.monotonic() > deadline:
+                    raise RetryableError(f"Could not create topic {topic.name}: {exc}") from exc
+                log.warning("topic %s not created yet (%s); trying again", topic.name, error.str())
+                retry.append(topic)
+        missing = retry
+        if missing:
+            time.sleep(1.0)
+    if report.created:
         metadata = _wait_for_metadata(admin, report.created)
     problems = verify_topics(admin, topics, metadata)
     if problems:
@@ -66,7 +107,7 @@ def ensure_topics(admin: AdminClient, topics: list[Topic]) -> EnsureReport:
 def verify_topics(admin: AdminClient, topics: list[Topic], metadata=None) -> list[str]:
     """Every difference between the cluster and the declarations, as sentences."""
     metadata = metadata or _metadata(admin)
-    brokers = len(metadata.brokers)
+    brokers = cluster_size(admin, metadata)
     problems = []
     present = [t for t in topics if t.name in metadata.topics]
     problems += [f"topic {t.name} does not exist (run `reef topics create`)"
@@ -135,4 +176,8 @@ def _metadata(admin: AdminClient):
     try:
         return admin.list_topics(timeout=TIMEOUT_S)
     except KafkaException as exc:
+        admin.poll(0)  # delivers the client's error callbacks: a refused login says why
+        refusal = last_refusal()
+        if refusal is not None:
+            raise ConfigurationError(refusal) from exc
         raise RetryableError(f"The Kafka cluster did not answer: {exc}") from exc
