@@ -26,6 +26,7 @@ runs it short in CI.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
@@ -36,6 +37,7 @@ from typing import Any
 
 from reef_stream.config import Settings
 from reef_stream.demo.run import Demo, DemoOptions, DemoResult
+from reef_stream.events import Decision
 from reef_stream.kafka_local import LocalCluster
 from reef_stream.processes import free_ports
 from reef_stream.redis_local import LocalRedis
@@ -154,6 +156,8 @@ class FaultRun:
     result: DemoResult
     injected: list[Injected] = field(default_factory=list)
     injector_error: str | None = None
+    #: Versions promoted after the last fault was undone (the loop went on).
+    promoted_after_faults: int = 0
 
     def checks(self) -> list[tuple[str, bool, str]]:
         """``(what, held, detail)`` for every promise the run checks."""
@@ -169,6 +173,8 @@ class FaultRun:
             ("every generation has exactly one outcome",
              bool(outcomes) and outcomes["no_outcome"] == 0 and outcomes["more_than_one"] == 0,
              str(outcomes)),
+            ("the loop went on after the faults", self.promoted_after_faults > 0,
+             f"{self.promoted_after_faults} versions promoted after the last fault was undone"),
             ("no unit trained twice, none lost",
              r.ledger.get("trained_twice") == 0 and r.ledger.get("lost") == 0
              and r.ledger.get("trained", 0) > 0, str(r.ledger)),
@@ -192,6 +198,8 @@ def run_broker_faults(options: DemoOptions, *, settings: Settings, workdir: Path
     see the module docstring. ``options.drain_s`` must be set (the checks need the drain)."""
     if not options.drain_s:
         raise ValueError("a broker-fault run needs DemoOptions.drain_s (the checks follow it)")
+    # Everything of the run under workdir, the stages' home too (published copies, spools).
+    settings = dataclasses.replace(settings, home=workdir / "home")
     cluster = LocalCluster(workdir / "kafka", settings.cache_dir)
     redis = LocalRedis(workdir / "redis")
     try:
@@ -206,8 +214,11 @@ def run_broker_faults(options: DemoOptions, *, settings: Settings, workdir: Path
             result = demo.run(may_stop=faults.done.is_set)
         finally:
             faults.stop()
+        last = max((f.undone_at or 0.0 for f in faults.injected), default=0.0)
+        after = sum(1 for at, p in demo.publications
+                    if at > last and p.decision is Decision.PROMOTED)
         return FaultRun(result, faults.injected,
-                        None if faults.error is None else repr(faults.error))
+                        None if faults.error is None else repr(faults.error), after)
     finally:
         redis.down()
         cluster.down()

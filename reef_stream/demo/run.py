@@ -177,8 +177,11 @@ class Demo:
         self.run_dir = options.run_dir or settings.home / "demo" / self.ns
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.store = self.run_dir / "checkpoints"
+        # The stages share the demo's settings: its cluster, Redis, namespace and home (where
+        # the evaluator keeps published copies and the replicas their spools).
         self.env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": bootstrap, "REEF_REDIS_URL": redis_url,
-                    "REEF_NAMESPACE": self.ns, "PYTHONUNBUFFERED": "1"}
+                    "REEF_NAMESPACE": self.ns, "REEF_HOME": str(settings.home),
+                    "PYTHONUNBUFFERED": "1"}
         self.show = show or (lambda status: None)
         self.registry = SchemaRegistry.default()
         self.rng = random.Random(options.seed)
