@@ -121,8 +121,8 @@ def trace_generation(bootstrap: str, namespace: str, generation_id: str) -> Line
     registry = SchemaRegistry.default()
     links: list[Link] = []
     generations = declarations.generations(namespace)
-    found = next(((g, p, o) for g, p, o in _records(bootstrap, generations, registry, Generation)
-                  if g.generation_id == generation_id), None)
+    found = _first(bootstrap, generations, registry, Generation,
+                   lambda g: g.generation_id == generation_id)
     if found is None:
         return Lineage(generation_id, (Link("missing", f"no generation {generation_id} in "
                                                        f"{generations}"),))
@@ -164,8 +164,8 @@ def trace_checkpoint(bootstrap: str, namespace: str, checkpoint_id: str) -> Line
     publication that includes it and the replicas that served it."""
     registry = SchemaRegistry.default()
     topic = declarations.checkpoints(namespace)
-    found = next(((c, p, o) for c, p, o in _records(bootstrap, topic, registry, Checkpoint)
-                  if c.checkpoint_id == checkpoint_id), None)
+    found = _first(bootstrap, topic, registry, Checkpoint,
+                   lambda c: c.checkpoint_id == checkpoint_id)
     if found is None:
         return Lineage(checkpoint_id, (Link("missing", f"no checkpoint {checkpoint_id} in "
                                                        f"{topic}"),))
@@ -230,6 +230,13 @@ def _from_checkpoint(bootstrap: str, namespace: str, registry: SchemaRegistry,
         links.append(Link("missing", f"no replica has reported serving version "
                                      f"{publication.policy_version} or later"))
     return links
+
+
+def _first(bootstrap: str, topic: str, registry: SchemaRegistry, reader: type,
+           matches: Callable[[Any], bool]) -> tuple[Any, int, int] | None:
+    """The first ``reader`` record of ``topic`` that ``matches``, with its partition and offset."""
+    return next(((e, p, o) for e, p, o in _records(bootstrap, topic, registry, reader)
+                 if matches(e)), None)
 
 
 def _dead_letters(bootstrap: str, namespace: str, registry: SchemaRegistry, topic: str,
