@@ -160,7 +160,8 @@ def ask_broker(what: str, call: Callable[[], T], timeout: float = 60.0) -> T:
             transient = error is not None and (error.retriable() or error.code() in (
                 KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
                 KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._DESTROY_BROKER,
-                KafkaError._ALL_BROKERS_DOWN))
+                KafkaError._ALL_BROKERS_DOWN, KafkaError.NOT_COORDINATOR,
+                KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE))
             if not transient or time.monotonic() > deadline:
                 raise RetryableError(f"{what} failed: {exc}; check that the cluster is "
                                      "reachable, then try again") from exc

@@ -11,7 +11,7 @@ import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from reef_stream.checkpoints import CheckpointContents, CheckpointStore, unit_hash
-from reef_stream.connect import client_config
+from reef_stream.connect import ask_broker, client_config
 from reef_stream.demo.task import ALL_PROBLEMS, make_generation
 from reef_stream.events import (
     Checkpoint, DeadLetter, Decision, Feedback, Metric, Publication, RolloutUnit, Sample,
@@ -92,8 +92,9 @@ def _write_log(kafka_bootstrap, ns, tmp_path):
                labels={"replica": replica, "model": "m"}, created_at=7)
         for replica, value in (("replica-old", 3.0), ("replica-new", 4.0))])
     committer = Consumer(client_config(kafka_bootstrap, {"group.id": f"{ns}.g"}))
-    committer.commit(offsets=[TopicPartition(units_topic, 0, unit_offsets[1])],
-                     asynchronous=False)
+    # (a broker that just started may answer NOT_COORDINATOR while it loads the group's offsets)
+    ask_broker("committing the group's offset", lambda: committer.commit(
+        offsets=[TopicPartition(units_topic, 0, unit_offsets[1])], asynchronous=False))
     committer.close()
     return gen_offsets, unit_offsets, stored
 
