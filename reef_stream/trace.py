@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer
 
 from reef_stream.connect import client_config
 from reef_stream.events import (
@@ -40,6 +40,7 @@ from reef_stream.events import (
 )
 from reef_stream.metrics import FOLLOWER_POLICY_VERSION, STAGE_FOLLOWER
 from reef_stream.topics import declarations
+from reef_stream.topics.reading import read_to_end
 from reef_stream.topics.serde import SchemaRegistry
 
 __all__ = ["Lineage", "Link", "trace_checkpoint", "trace_generation", "trace_unit"]
@@ -81,39 +82,15 @@ def _records(bootstrap: str, topic: str, registry: SchemaRegistry,
              reader: type | None = None) -> Iterator[tuple[Any, int, int]]:
     """``(event, partition, offset)`` for every record of ``topic`` up to its current end;
     records that do not decode (or are not ``reader``) are skipped."""
-    consumer = Consumer(client_config(bootstrap, {
-        "group.id": "reef-trace", "enable.auto.commit": False, "enable.partition.eof": True}))
-    try:
-        metadata = consumer.list_topics(topic, timeout=10).topics.get(topic)
-        if metadata is None or metadata.error is not None:
-            return
-        ends = {}
-        for p in metadata.partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            if high > low:
-                ends[p] = high
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
-        while ends:
-            for message in consumer.consume(5000, timeout=1.0):
-                p = message.partition()
-                if message.error() is not None:
-                    # The end of a partition: a transactional topic's last offset can be a
-                    # commit marker, never delivered, so the watermark alone cannot tell.
-                    if message.error().code() == KafkaError._PARTITION_EOF:
-                        ends.pop(p, None)
-                    continue
-                if message.offset() >= ends.get(p, 0) - 1:
-                    ends.pop(p, None)
-                if message.value() is None:
-                    continue
-                try:
-                    event = registry.decode(message.value(), message.headers())
-                except Exception:  # noqa: BLE001 - not ours to judge here: skipped
-                    continue
-                if reader is None or isinstance(event, reader):
-                    yield event, p, message.offset()
-    finally:
-        consumer.close()
+    for message in read_to_end(bootstrap, topic):
+        if message.value() is None:
+            continue
+        try:
+            event = registry.decode(message.value(), message.headers())
+        except Exception:  # noqa: BLE001 - not ours to judge here: skipped
+            continue
+        if reader is None or isinstance(event, reader):
+            yield event, message.partition(), message.offset()
 
 
 def trace_generation(bootstrap: str, namespace: str, generation_id: str) -> Lineage:

@@ -42,11 +42,12 @@ from confluent_kafka.admin import AdminClient
 from reef_stream.config import Settings
 from reef_stream.connect import client_config
 from reef_stream.consumers.processor import EXIT_RESTART
-from reef_stream.demo.verify import generation_outcomes, missing_acknowledged
+from reef_stream.demo.verify import GenerationOutcomes
 from reef_stream.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
 from reef_stream.metrics import TRAINER_STALENESS_MEAN, TRAINER_STEPS
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.reading import read_to_end
 from reef_stream.topics.serde import SchemaRegistry
 
 #: The model name the trainer, evaluator and replicas of a demo share.
@@ -102,7 +103,7 @@ class DemoResult:
     restarts: Counter = field(default_factory=Counter)
     ledger: dict[str, int] = field(default_factory=dict)
     stalled: str | None = None
-    #: With ``drain_s``: ``verify.generation_outcomes`` after the drain, and how many
+    #: With ``drain_s``: ``verify.GenerationOutcomes.counts`` after the drain, and how many
     #: acknowledged generations the topic lacks (None: not checked).
     outcomes: dict[str, int] = field(default_factory=dict)
     missing_acknowledged: int | None = None
@@ -267,18 +268,13 @@ class Demo:
                     next_chaos = time.monotonic() + self.rng.uniform(*self.options.chaos_every)
                 time.sleep(1.0)
             seconds = time.monotonic() - started
-            outcomes = self._drain() if self.options.drain_s else {}
+            outcomes, missing = self._drain() if self.options.drain_s else ({}, None)
         finally:
             for stage in self.stages.values():
                 stage.stop()
             watcher.close()
         accuracy, version = self.accuracy()
         ledger = unit_ledger(self.bootstrap, self.ns, self.recipe.name, self.store)
-        missing = None
-        if self.options.drain_s:
-            acknowledged = [gid for i in range(self.options.replicas)
-                            for gid in self._acked_log(i).read_text().split()]
-            missing = len(missing_acknowledged(self.bootstrap, self.ns, acknowledged))
         report = write_report(self, seconds, ledger)
         return DemoResult(reached=reached, seconds=seconds, accuracy=accuracy, version=version,
                           report=report, kills=self.kills, restarts=self.restarts,
@@ -288,19 +284,27 @@ class Demo:
     def _acked_log(self, replica: int) -> Path:
         return self.run_dir / f"acknowledged-replica-{replica}.txt"
 
-    def _drain(self) -> dict[str, int]:
+    def _drain(self) -> tuple[dict[str, int], int]:
         """Stop the replicas (each writes its acknowledged ids), then wait up to ``drain_s``
-        seconds for every generation to have its outcome; the last count."""
+        seconds for every generation to have its outcome. Returns the last count and how many
+        acknowledged generations the topic lacks."""
         for name, stage in self.stages.items():
             if name.startswith("replica-"):
                 stage.stop()
         deadline = time.monotonic() + self.options.drain_s
-        while True:
-            outcomes = generation_outcomes(self.bootstrap, self.ns, self.recipe)
-            self.show({**self.last_status, "draining": outcomes})
-            if outcomes["no_outcome"] == 0 or time.monotonic() > deadline:
-                return outcomes
-            time.sleep(5.0)
+        tally = GenerationOutcomes(self.bootstrap, self.ns, self.recipe)
+        try:
+            while True:
+                outcomes = tally.update()
+                self.show({**self.last_status, "draining": outcomes})
+                if outcomes["no_outcome"] == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(5.0)
+            acknowledged = [gid for i in range(self.options.replicas)
+                            for gid in self._acked_log(i).read_text().split()]
+            return outcomes, len(tally.missing(acknowledged))
+        finally:
+            tally.close()
 
     def _check_stages(self) -> None:
         """A stage that exited on its own is a failure of the demo (say which and why), but for
@@ -439,23 +443,9 @@ def unit_ledger(bootstrap: str, ns: str, recipe: str, store: Path) -> dict[str, 
     trained = Counter(u for c in contents for u in c.step_units)
     offsets = {o.partition: o.offset for o in contents[-1].offsets}
     topic = declarations.units(ns, recipe)
-    consumer = Consumer(client_config(bootstrap, {
-        "group.id": f"{ns}.ledger", "enable.auto.commit": False,
-        "isolation.level": "read_committed", "enable.partition.eof": True}))
-    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in offsets])
-    registry, logged, done = SchemaRegistry.default(), Counter(), set()
-    deadline = time.monotonic() + 120
-    while len(done) < len(offsets) and time.monotonic() < deadline:
-        for message in consumer.consume(5000, timeout=1.0):
-            p = message.partition()
-            if message.error() is not None or message.offset() >= offsets[p]:
-                if message.error() is None or message.error().code() == -191:  # _PARTITION_EOF
-                    done.add(p)
-                continue
-            unit = registry.decode(message.value(), message.headers(), RolloutUnit)
-            logged[unit.unit_id] += 1
-        done |= {p for p, o in offsets.items() if o == 0}
-    consumer.close()
+    registry, logged = SchemaRegistry.default(), Counter()
+    for message in read_to_end(bootstrap, topic, until=offsets):
+        logged[registry.decode(message.value(), message.headers(), RolloutUnit).unit_id] += 1
     dropped = _dropped_units(bootstrap, ns, topic)
     untrained = set(logged) - set(trained)
     return {"trained": len(trained),
@@ -468,25 +458,14 @@ def unit_ledger(bootstrap: str, ns: str, recipe: str, store: Path) -> dict[str, 
 def _dropped_units(bootstrap: str, ns: str, units_topic: str) -> set[str]:
     """Ids of the units the trainer dead-lettered (too stale)."""
     registry, dropped = SchemaRegistry.default(), set()
-    consumer = Consumer(client_config(bootstrap, {
-        "group.id": f"{ns}.ledger-dl", "enable.auto.commit": False,
-        "auto.offset.reset": "earliest"}))
-    consumer.subscribe([declarations.dead_letters(ns)])
-    idle = 0
-    while idle < 3:
-        batch = consumer.consume(5000, timeout=1.0)
-        idle = 0 if batch else idle + 1
-        for message in batch:
-            if message.error() is not None:
-                continue
-            letter = registry.decode(message.value(), message.headers(), DeadLetter)
-            if letter.source_topic == units_topic and letter.value is not None:
-                try:
-                    dropped.add(registry.decode(letter.value, [(h.key, h.value) for h in
-                                                               letter.headers], RolloutUnit).unit_id)
-                except Exception:  # noqa: BLE001 - an undecodable unit has no id to match
-                    pass
-    consumer.close()
+    for message in read_to_end(bootstrap, declarations.dead_letters(ns)):
+        letter = registry.decode(message.value(), message.headers(), DeadLetter)
+        if letter.source_topic == units_topic and letter.value is not None:
+            try:
+                dropped.add(registry.decode(letter.value, [(h.key, h.value) for h in
+                                                           letter.headers], RolloutUnit).unit_id)
+            except Exception:  # noqa: BLE001 - an undecodable unit has no id to match
+                pass
     return dropped
 
 
@@ -567,22 +546,10 @@ def training_staleness(demo: Demo) -> list[int]:
     for stored in CheckpointStore(demo.store).steps():
         for unit_id in load(stored.uri, stored.sha256).step_units:
             step_of[unit_id] = stored.step
-    consumer = Consumer(client_config(demo.bootstrap, {
-        "group.id": f"{demo.ns}.staleness", "enable.auto.commit": False,
-        "isolation.level": "read_committed"}))
-    topic = demo.topics["units"]
-    partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
-    found, idle = [], 0
-    while idle < 3:
-        batch = consumer.consume(5000, timeout=1.0)
-        idle = 0 if batch else idle + 1
-        for message in batch:
-            if message.error() is not None:
-                continue
-            unit = demo.registry.decode(message.value(), message.headers(), RolloutUnit)
-            if unit.unit_id in step_of:
-                found += [step_of[unit.unit_id] - 1 - m.policy_version for m in unit.members]
-    consumer.close()
+    found = []
+    for message in read_to_end(demo.bootstrap, demo.topics["units"]):
+        unit = demo.registry.decode(message.value(), message.headers(), RolloutUnit)
+        if unit.unit_id in step_of:
+            found += [step_of[unit.unit_id] - 1 - m.policy_version for m in unit.members]
     return [max(s, 0) for s in found]
 
