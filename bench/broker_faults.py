@@ -29,6 +29,7 @@ from reef_stream.config import load_settings  # noqa: E402
 from reef_stream.connect import KAFKA_LOGGER  # noqa: E402
 from reef_stream.demo.faults import Timeline, run_broker_faults  # noqa: E402
 from reef_stream.demo.run import DemoOptions  # noqa: E402
+from reef_stream.processes import interrupt_on_sigterm  # noqa: E402
 
 
 def main() -> int:
@@ -48,12 +49,15 @@ def main() -> int:
                         help="seconds a broker stays stopped (SIGSTOP)")
     parser.add_argument("--drain", type=float, default=180.0, metavar="S",
                         help="seconds the stages get to settle every generation at the end")
+    parser.add_argument("--no-faults", action="store_true",
+                        help="the baseline: the same cluster, load and checks, no fault injected")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the cluster's data and the run's logs here [default: a "
                              "temporary directory, removed]")
     args = parser.parse_args()
 
     settings = load_settings()
+    interrupt_on_sigterm()    # a `kill` stops the stages, the cluster and Redis
     # Brokers die here on purpose: the clients' connection errors are expected, not news.
     logging.getLogger(KAFKA_LOGGER.name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="reef-faults-") as tmp:
@@ -63,7 +67,8 @@ def main() -> int:
                               drain_s=args.drain, run_dir=workdir / "run")
         timeline = Timeline(first_s=args.first, gap_s=args.gap, down_s=args.down,
                             pause_s=args.pause)
-        run = run_broker_faults(options, settings=settings, workdir=workdir, timeline=timeline,
+        run = run_broker_faults(options, settings=settings, workdir=workdir,
+                                timeline=None if args.no_faults else timeline,
                                 show=DemoProgress(every_s=10.0))
         print()
         print(run.result.line())
@@ -72,4 +77,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the stages and servers were stopped
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)

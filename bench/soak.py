@@ -31,7 +31,7 @@ from reef_stream.config import load_settings  # noqa: E402
 from reef_stream.cursors import lag  # noqa: E402
 from reef_stream.demo.run import Demo, DemoOptions  # noqa: E402
 from reef_stream.kafka_local import configured_or_throwaway  # noqa: E402
-from reef_stream.processes import free_ports  # noqa: E402
+from reef_stream.processes import free_ports, interrupt_on_sigterm  # noqa: E402
 from reef_stream.redis_local import LocalRedis  # noqa: E402
 
 MiB = 1 << 20
@@ -102,6 +102,7 @@ def main() -> int:
     args = parser.parse_args()
 
     settings = load_settings()
+    interrupt_on_sigterm()    # a `kill` stops the stages and the servers it started
     soak = Soak(args.every)
     with tempfile.TemporaryDirectory(prefix="reef-soak-") as tmp, \
             configured_or_throwaway(settings, Path(tmp)) as bootstrap:
@@ -127,4 +128,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the stages and servers were stopped
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -73,3 +75,14 @@ def log_tail(path: Path, lines: int = 25) -> str:
     errors = [i for i, line in enumerate(text) if " ERROR " in line or " FATAL " in line]
     start = errors[-1] if errors and errors[-1] >= len(text) - 200 else len(text) - lines
     return "\n".join(text[max(start, 0):][:lines])
+
+
+def interrupt_on_sigterm() -> None:
+    """Make SIGTERM raise ``KeyboardInterrupt`` in the main thread, as Ctrl-C does, so a
+    long-running command stopped by a supervisor (or ``kill``, or a backgrounded shell job,
+    where SIGINT is ignored) runs its ``finally`` blocks: stops the stage processes and the
+    servers it started instead of leaving them behind."""
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)

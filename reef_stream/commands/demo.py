@@ -62,6 +62,7 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: floa
     from reef_stream.config import load_settings
     from reef_stream.connect import bootstrap_servers, redis_url
     from reef_stream.demo.run import Demo, DemoOptions
+    from reef_stream.processes import interrupt_on_sigterm
 
     settings = load_settings()
     if not settings.bootstrap_servers:
@@ -74,6 +75,7 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: floa
                   redis_url=redis_url(settings), show=DemoProgress())
     click.echo(f"demo {runner.ns}: {path}, {replicas} replicas, target {target:.2f}, "
                f"logs in {runner.run_dir / 'logs'}")
+    interrupt_on_sigterm()    # SIGTERM stops the stages (and nothing else) as Ctrl-C does
     result = runner.run()
     click.echo(result.line())
     if not (settings.bootstrap_servers and settings.redis_url):

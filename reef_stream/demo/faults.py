@@ -158,23 +158,28 @@ class FaultRun:
     injector_error: str | None = None
     #: Versions promoted after the last fault was undone (the loop went on).
     promoted_after_faults: int = 0
+    #: A baseline: the same run with no fault injected (``timeline=None``).
+    baseline: bool = False
 
     def checks(self) -> list[tuple[str, bool, str]]:
         """``(what, held, detail)`` for every promise the run checks."""
         r, outcomes = self.result, self.result.outcomes
         complete = (self.injector_error is None and len(self.injected) == 3
                     and all(f.undone_at is not None for f in self.injected))
-        return [
+        faults = [] if self.baseline else [
             ("every fault injected and undone", complete,
              "; ".join(f.line() for f in self.injected) + (
                  f"; injector failed: {self.injector_error}" if self.injector_error else "")),
+            ("the loop went on after the faults", self.promoted_after_faults > 0,
+             f"{self.promoted_after_faults} versions promoted after the last fault was undone"),
+        ]
+        return [
+            *faults,
             ("every acknowledged generation is in its topic", r.missing_acknowledged == 0,
              f"{r.missing_acknowledged} missing"),
             ("every generation has exactly one outcome",
              bool(outcomes) and outcomes["no_outcome"] == 0 and outcomes["more_than_one"] == 0,
              str(outcomes)),
-            ("the loop went on after the faults", self.promoted_after_faults > 0,
-             f"{self.promoted_after_faults} versions promoted after the last fault was undone"),
             ("no unit trained twice, none lost",
              r.ledger.get("trained_twice") == 0 and r.ledger.get("lost") == 0
              and r.ledger.get("trained", 0) > 0, str(r.ledger)),
@@ -192,10 +197,11 @@ class FaultRun:
 
 
 def run_broker_faults(options: DemoOptions, *, settings: Settings, workdir: Path,
-                      timeline: Timeline = Timeline(), say: Callable[[str], None] = print,
+                      timeline: Timeline | None = Timeline(), say: Callable[[str], None] = print,
                       show: Callable[[dict[str, Any]], None] | None = None) -> FaultRun:
     """Start the cluster and Redis under ``workdir``, run the demo with the faults, stop both;
-    see the module docstring. ``options.drain_s`` must be set (the checks need the drain)."""
+    see the module docstring. ``options.drain_s`` must be set (the checks need the drain).
+    ``timeline=None``: the baseline, the same run and checks with no fault injected."""
     if not options.drain_s:
         raise ValueError("a broker-fault run needs DemoOptions.drain_s (the checks follow it)")
     # Everything of the run under workdir, the stages' home too (published copies, spools).
@@ -208,6 +214,8 @@ def run_broker_faults(options: DemoOptions, *, settings: Settings, workdir: Path
         redis_url = redis.up(port=free_ports(1)[0])
         demo = Demo(options, settings=settings, bootstrap=bootstrap, redis_url=redis_url,
                     show=show)
+        if timeline is None:
+            return FaultRun(demo.run(), baseline=True)
         faults = BrokerFaults(cluster, timeline, say)
         faults.start()
         try:

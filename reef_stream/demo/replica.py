@@ -22,8 +22,10 @@ stop_event=event)``. The replica:
    ``max_generations``, or when its follower fails; then flushes what it sent, leaves the
    fleet projection and returns a ``ReplicaReport`` (the command prints it as one JSON line).
 
-``rate`` caps generations per second (None: as fast as sampling goes); rounds are paced so
-the average over the run stays at the rate. When the producer pushes back (its spool stayed
+``rate`` caps generations per second (None: as fast as sampling goes); rounds are paced at the
+rate, and a replica that fell behind it (starved of CPU, or held up by a broker fault) makes up
+at most ``CATCH_UP_S`` seconds of it: it does not come back with a burst of everything it
+missed, which the pipeline would have to absorb on top of the steady load. When the producer pushes back (its spool stayed
 full for its ``block_timeout``) the round's remaining generations are not sent -- nothing
 downstream ever saw them, so nothing is lost; a group cut short that way stays incomplete, for
 the processor's completion rule to settle -- and the replica pauses for a second.
@@ -69,6 +71,24 @@ log = logging.getLogger("reef_stream.demo.replica")  # also under python -m
 
 #: Seconds a replica pauses after the producer pushed back.
 BACKPRESSURE_PAUSE_S = 1.0
+#: Seconds of generations a replica that fell behind its rate makes up (see the docstring).
+CATCH_UP_S = 1.0
+
+
+class Pacer:
+    """Paces rounds at ``rate`` items per second, making up at most ``catch_up_s`` seconds of
+    items after falling behind (a stall is not followed by a burst of everything missed)."""
+
+    def __init__(self, rate: float, catch_up_s: float = CATCH_UP_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.catch_up_s, self.clock = rate, catch_up_s, clock
+        self.due = clock()      # when the items sent so far were due, at the rate
+
+    def wait_after(self, sent: int) -> float:
+        """Seconds to wait, after sending ``sent`` more items, before the next round."""
+        now = self.clock()
+        self.due = max(self.due, now - self.catch_up_s) + sent / self.rate
+        return max(0.0, self.due - now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +233,7 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
                  replica_id, model_name, follower.policy_version,
                  f"grouped ({group_size} per prompt)" if grouped else "ungrouped", prompts,
                  f", at most {rate:g} generations/s" if rate else "")
-        started = time.monotonic()
+        pacer = Pacer(rate) if rate is not None else None
         while not stop_event.is_set() and (max_generations is None or sent < max_generations):
             if follower.error is not None:
                 raise follower.error
@@ -248,8 +268,8 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
                 sent += round_sent
                 if round_sent:
                     by_version[version] = by_version.get(version, 0) + round_sent
-            if rate is not None:
-                stop_event.wait(max(0.0, started + sent / rate - time.monotonic()))
+            if pacer is not None:
+                stop_event.wait(pacer.wait_after(round_sent))
     finally:
         flushed = producer.close(flush_timeout) if producer is not None else None
         follower.stop()
