@@ -53,7 +53,9 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: floa
     the trainer's steps, rejected candidates, the mean staleness of the last
     step's samples (trainer version - behaviour version), the rates and, with
     --chaos, the kills; and says "stalled" when the trainer ran so far past the
-    served version that no new generation can train. At the end report.html (accuracy
+    served version that no new generation can train, and "overloaded" when units
+    arrive faster than the trainer trains them (what it trains is then nearly too
+    stale: lower --rate). At the end report.html (accuracy
     per published version, reward over time, staleness, throughput) is
     written and its path printed; the unit ledger must show no unit lost or
     trained twice.
@@ -109,7 +111,8 @@ class DemoProgress:
                 f"staleness {'-' if staleness is None else f'{staleness:.1f}':>4}  "
                 f"gen/s {rates.get('generations', 0):6.0f}  units/s {rates.get('units', 0):5.0f}"
                 + (f"  kills {status['kills']}" if status["kills"] else "")
-                + (f"\n  {status['stalled']}" if status.get("stalled") else ""))
+                + (f"\n  {status['stalled']}" if status.get("stalled") else "")
+                + (f"\n  {status['overloaded']}" if status.get("overloaded") else ""))
         if self.tty:
             click.echo("\r" + line, nl=False)
         else:

@@ -56,6 +56,8 @@ MODEL = "policy"
 GROUP = "demo"
 #: Seconds a stage gets to stop on SIGTERM before it is killed.
 STOP_GRACE_S = 15.0
+#: Seconds of history ``Demo.overloaded`` compares the units emitted and trained over.
+OVERLOAD_WINDOW_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class Sample:
 
     at: float
     offsets: dict[str, int]
+    steps: int = 0
 
 
 @dataclass
@@ -103,6 +106,8 @@ class DemoResult:
     restarts: Counter = field(default_factory=Counter)
     ledger: dict[str, int] = field(default_factory=dict)
     stalled: str | None = None
+    #: The last time the run was overloaded (``Demo.overloaded``), what it said; None: never.
+    overloaded: str | None = None
     #: With ``drain_s``: ``verify.GenerationOutcomes.counts`` after the drain, and how many
     #: acknowledged generations the topic lacks (None: not checked).
     outcomes: dict[str, int] = field(default_factory=dict)
@@ -118,7 +123,8 @@ class DemoResult:
             f"{self.missing_acknowledged}")
         return (f"{how} in {self.seconds:.0f} s: held-out accuracy {got} at published version "
                 f"{self.version}{kills}; ledger {self.ledger}{checked}; report {self.report}"
-                + ("" if self.reached or not self.stalled else f"\n{self.stalled}"))
+                + ("" if self.reached or not self.stalled else f"\n{self.stalled}")
+                + ("" if self.reached or not self.overloaded else f"\n{self.overloaded}"))
 
 
 class Stage:
@@ -201,6 +207,7 @@ class Demo:
         self.kills: Counter = Counter()
         self.restarts: Counter = Counter()   # stages that exited with EXIT_RESTART
         self.last_status: dict[str, Any] = {}
+        self.was_overloaded: str | None = None   # the last ``overloaded`` diagnosis
         self.stages = self._stages()
 
     # ----------------------------------------------------------------- the stages
@@ -278,7 +285,7 @@ class Demo:
         report = write_report(self, seconds, ledger)
         return DemoResult(reached=reached, seconds=seconds, accuracy=accuracy, version=version,
                           report=report, kills=self.kills, restarts=self.restarts,
-                          ledger=ledger, stalled=self.stalled(),
+                          ledger=ledger, stalled=self.stalled(), overloaded=self.was_overloaded,
                           outcomes=outcomes, missing_acknowledged=missing)
 
     def _acked_log(self, replica: int) -> Path:
@@ -339,7 +346,7 @@ class Demo:
         offsets = {name: end_offset(watcher, topic) for name, topic in self.topics.items()}
         if self.samples:   # a failed read keeps the last known figure
             offsets = {k: v if v >= 0 else self.samples[-1].offsets[k] for k, v in offsets.items()}
-        self.samples.append(Sample(now, {k: max(v, 0) for k, v in offsets.items()}))
+        self.samples.append(Sample(now, {k: max(v, 0) for k, v in offsets.items()}, self.steps))
 
     def accuracy(self) -> tuple[float | None, int | None]:
         """Held-out accuracy and version of the newest promoted publication."""
@@ -362,7 +369,39 @@ class Demo:
                 "reward": self.rewards[-1][1] if self.rewards else None, "steps": self.steps,
                 "rejected": sum(p.decision is Decision.REJECTED for _, p in self.publications),
                 "staleness": self.staleness, "rates": rates, "kills": dict(self.kills),
-                "stalled": self.stalled()}
+                "stalled": self.stalled(), "overloaded": self.overloaded()}
+
+    def overloaded(self) -> str | None:
+        """Whether units arrive faster than the trainer trains them, so that what it trains
+        has waited until nearly too stale; None if not.
+
+        The trainer takes units in log order. When the processor emits them faster than the
+        trainer trains (over the last ``OVERLOAD_WINDOW_S``), a backlog builds and every unit
+        the trainer reaches has waited about ``max_staleness`` versions: it trains only the
+        stalest samples it may and dead-letters the rest as too stale. Nothing is lost or
+        silent, but learning from samples that stale is slow, and a fault's backlog never
+        drains. The cure is capacity: fewer generations, or more CPU for the trainer.
+        """
+        limit = self.recipe.schedule.max_staleness
+        if (self.staleness is None or self.staleness < 0.75 * limit
+                or not self.samples):
+            return None
+        newest = self.samples[-1]
+        old = next(s for s in self.samples if s.at >= newest.at - OVERLOAD_WINDOW_S)
+        span = newest.at - old.at
+        if span < OVERLOAD_WINDOW_S / 2:
+            return None
+        emitted = (newest.offsets["units"] - old.offsets["units"]) / span
+        trained = (newest.steps - old.steps) * self.recipe.schedule.units_per_step / span
+        if emitted <= 1.2 * trained:
+            return None
+        self.was_overloaded = (f"overloaded: the processor emits {emitted:.0f} units/s, the "
+                               f"trainer trains {trained:.0f}/s, so the units it reaches have "
+                               f"waited until nearly too stale (mean staleness "
+                               f"{self.staleness:.1f}, max_staleness {limit}) and the rest are "
+                               "dead-lettered as too stale; lower the replicas' rate or give the "
+                               "trainer more CPU")
+        return self.was_overloaded
 
     def stalled(self) -> str | None:
         """Why the loop cannot learn any more, or None.

@@ -1,0 +1,67 @@
+"""The demo's two diagnoses of a loop that does not learn (``Demo.stalled``,
+``Demo.overloaded``), from observations the test makes up. No broker: nothing is started."""
+
+from __future__ import annotations
+
+import pytest
+
+from reef_stream.config import load_settings
+from reef_stream.demo.run import Demo, DemoOptions, Sample
+from reef_stream.events import Decision, Publication
+
+
+def publication(version: int, decision: Decision) -> Publication:
+    return Publication(model="policy", policy_version=version, checkpoint_id=f"c{version}",
+                       uri=f"file:///c{version}", sha256="0" * 64, decision=decision, reason="",
+                       evaluator="test", evaluated=True, measurement={"accuracy": 0.5},
+                       created_at=1_795_000_000_000)
+
+
+@pytest.fixture
+def demo(tmp_path, monkeypatch):
+    monkeypatch.setenv("REEF_HOME", str(tmp_path / "home"))
+    return Demo(DemoOptions(run_dir=tmp_path / "run"), settings=load_settings(),
+                bootstrap="127.0.0.1:1", redis_url="redis://127.0.0.1:1")
+
+
+def _observe(demo: Demo, seconds: int, units_per_s: float, steps_per_s: float,
+             staleness: float) -> None:
+    demo.staleness = staleness
+    for t in range(seconds + 1):
+        demo.samples.append(Sample(float(t), {"generations": 0, "feedback": 0,
+                                              "units": int(t * units_per_s)},
+                                   int(t * steps_per_s)))
+
+
+def test_more_units_than_the_trainer_trains_with_stale_samples_is_overloaded(demo):
+    assert demo.recipe.schedule.units_per_step == 256 and demo.recipe.schedule.max_staleness == 16
+    _observe(demo, 40, units_per_s=150, steps_per_s=0.2, staleness=15.8)   # trains ~51/s
+    said = demo.overloaded()
+    assert said is not None and "emits 150 units/s" in said and "trains 51/s" in said
+    assert demo.was_overloaded == said
+
+
+@pytest.mark.parametrize("units_per_s, steps_per_s, staleness", [
+    (150, 0.2, 3.0),     # a backlog, but what is trained is fresh: not (yet) the symptom
+    (250, 1.0, 15.0),    # the trainer keeps up (256/s): stale for another reason
+])
+def test_not_overloaded(demo, units_per_s, steps_per_s, staleness):
+    _observe(demo, 40, units_per_s, steps_per_s, staleness)
+    assert demo.overloaded() is None
+
+
+def test_too_short_a_history_says_nothing(demo):
+    _observe(demo, 10, units_per_s=150, steps_per_s=0.2, staleness=16)
+    assert demo.overloaded() is None
+
+
+def test_a_trainer_past_max_staleness_of_the_served_version_is_stalled(demo):
+    demo.publications = [(1.0, publication(3, Decision.PROMOTED)),
+                         (2.0, publication(4, Decision.REJECTED)),
+                         (3.0, publication(5, Decision.REJECTED))]
+    demo.steps = 3 + 16
+    assert demo.stalled() is None
+    demo.steps = 3 + 17
+    said = demo.stalled()
+    assert said is not None and "17 past the newest promoted version 3" in said \
+        and "rejected the last 2 candidates" in said
