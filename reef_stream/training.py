@@ -21,9 +21,18 @@ size of the update (``TorchBackend._update_ratio``); neither changes the
 weights or any RNG state.
 
 The model contract (``CausalLM``): ``model(input_ids, attention_mask)``
-returns next-token logits; for the ``value_regression`` family the model also
-has ``value(input_ids, attention_mask)``. How the inputs of each loss family
-are built from a micro batch is ``INPUT_BUILDERS``.
+returns next-token logits; the model says its ``vocab_size`` (and may say its
+``max_len``); for the ``value_regression`` family the model also has
+``value(input_ids, attention_mask)``. How the inputs of each loss family are
+built from a micro batch is ``INPUT_BUILDERS``.
+
+What a unit must be for the backend to train it is ``untrainable`` (token ids
+inside the model's vocabulary, one finite behaviour logprob per completion
+token, finite rewards, ...): the trainer runs it on every unit and
+dead-letters the ones it names, so a unit that decodes but cannot be trained
+never reaches ``train_step``. Should a step's advantages, loss or gradient
+norm still be non-finite, ``train_step`` raises ``NonFiniteStep`` before that
+update reaches the weights.
 
 This module and ``reef_stream.losses`` / ``models`` / ``checkpoints`` are the
 only ones that import torch.
@@ -31,6 +40,7 @@ only ones that import torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -52,8 +62,18 @@ from reef_stream.objective import (
     Advantages, ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages,
 )
 
-__all__ = ["CausalLM", "INPUT_BUILDERS", "SampleBatch", "TorchBackend", "collate",
-           "completion_logprobs", "inputs_builder", "select_rows", "unit_members"]
+__all__ = ["CausalLM", "INPUT_BUILDERS", "NonFiniteStep", "SampleBatch", "TorchBackend",
+           "UnitLimits", "collate", "completion_logprobs", "inputs_builder", "model_limits",
+           "select_rows", "unit_members", "untrainable"]
+
+
+class NonFiniteStep(FatalError):
+    """A step's advantages, loss or gradient norm are NaN or infinite, although every unit
+    passed ``untrainable``: the objective or the optimisation diverged (a learning rate too
+    high, an objective dividing by zero). Raised before the offending update reaches the
+    weights, so no checkpoint holds it; the backend's weights may hold the step's earlier
+    updates, so restore the newest checkpoint before training again. Replaying the step
+    gives the same result: change the recipe, do not retry."""
 
 
 class CausalLM(Protocol):
@@ -61,8 +81,12 @@ class CausalLM(Protocol):
 
     ``__call__(input_ids: long[B, L], attention_mask: bool[B, L]) -> float[B, L, V]``:
     next-token logits at every position (position ``i`` predicts token ``i + 1``).
-    For ``value_regression``: ``value(input_ids, attention_mask) -> float[B]``.
+    ``vocab_size: int``: ``V``, the number of token ids (a Hugging Face model's
+    ``config.vocab_size`` serves too). ``max_len: int`` (optional): the most tokens a row
+    may hold. For ``value_regression``: ``value(input_ids, attention_mask) -> float[B]``.
     """
+
+    vocab_size: int
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
 
@@ -143,7 +167,8 @@ def _advantage_rows(advantages: Advantages, rows: np.ndarray, batch: SampleBatch
     if values.shape[1] < t:
         raise FatalError(f"per-token advantages are {values.shape[1]} tokens wide, but a "
                          f"completion has {t} tokens")
-    return values * (mask & batch.completion_mask)
+    # where, not a product: a padding value is ignored even when it is NaN.
+    return torch.where(mask & batch.completion_mask, values, 0.0)
 
 
 def policy_gradient_inputs(model: Any, batch: SampleBatch, advantages: Advantages,
@@ -190,6 +215,135 @@ def inputs_builder(family: LossFamily[Any]) -> InputsBuilder:
         raise ConfigurationError(f"the torch backend cannot build {family.inputs.__name__} for "
                                  f"loss family {family.name!r}; it builds: {known}")
     return builder
+
+
+# --------------------------------------------------------------------------- trainable units
+
+
+@dataclass(frozen=True, slots=True)
+class UnitLimits:
+    """What the backend's model takes: token ids in ``0 .. vocab_size - 1``; at most
+    ``max_length`` tokens a sample, prompt and completion together (None: no limit)."""
+
+    vocab_size: int
+    max_length: int | None = None
+
+
+def model_limits(model: Any) -> UnitLimits:
+    """The ``UnitLimits`` of a ``CausalLM``: its ``vocab_size`` (else ``config.vocab_size``)
+    and its ``max_len`` if it has one. ``ConfigurationError`` when it says no vocabulary
+    size: without one, a unit's token ids cannot be checked before they index the logits."""
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is None:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise ConfigurationError(
+            f"the model {type(model).__name__} says no vocabulary size (vocab_size: "
+            f"{vocab!r}): give it a positive int attribute `vocab_size`; the trainer checks "
+            "every unit's token ids against it (reef_stream.training.CausalLM)")
+    max_len = getattr(model, "max_len", None)
+    return UnitLimits(vocab_size=vocab,
+                      max_length=max_len if isinstance(max_len, int) and max_len > 0 else None)
+
+
+def untrainable(unit: Any, limits: UnitLimits) -> str | None:
+    """Why the torch backend cannot train ``unit`` (a sentence naming the unit, the
+    generation and what is wrong), or None when it can. Pure; called by the trainer for
+    every unit (a few numpy reductions over the unit's arrays), after ``unit_members``
+    accepted it.
+
+    What must hold, and why (what training would do otherwise):
+
+    - the unit has samples: ``collate`` of a micro batch of empty units raises;
+    - one behaviour logprob per completion token: ``collate`` copies them into the
+      completion's row (a mismatch raises, or a single value broadcasts over the row);
+    - a sample has a token (prompt and completion are not both empty): a micro batch of
+      such samples is a sequence of length 0, which the model cannot run;
+    - at most ``limits.max_length`` tokens, prompt and completion together, when the model
+      has a limit (``TinyTransformer`` raises beyond it);
+    - every token id is in ``0 .. vocab_size - 1``: completion ids index the logits
+      (``completion_logprobs``; an error on a CPU, a device-side assert that kills the
+      process on a GPU), prompt and completion ids the embedding (an error, or a model that
+      clamps ids trains on tokens nobody generated);
+    - every behaviour logprob is finite: the importance ratio ``exp(current - behaviour)``
+      of a NaN or infinite one is NaN or infinite, and so are the loss and every weight
+      after the update;
+    - the reward and its components are finite: the objective makes advantages of them
+      (NaN in, NaN out) and reports their mean as a metric.
+
+    The first problem is named; when other samples have problems too, their count.
+    """
+    members = unit_members(unit)
+    name = f"unit {getattr(unit, 'unit_id', '?')} cannot be trained"
+    if not members:
+        return f"{name}: it has no samples"
+    if _fits(members, limits):
+        return None
+    problems = [problem for sample in members
+                if (problem := _sample_problem(sample, limits)) is not None]
+    if not problems:
+        return None
+    more = (f"; {len(problems) - 1} more of its {len(members)} samples cannot be trained either"
+            if len(problems) > 1 else "")
+    return f"{name}: {problems[0]}{more}"
+
+
+def _fits(members: Sequence[Sample], limits: UnitLimits) -> bool:
+    """True when ``_sample_problem`` finds nothing in any of ``members``: the same
+    conditions over the whole unit at once (one pass over all its token ids, one over all its
+    logprobs), the common case. False sends ``untrainable`` to the samples to say which."""
+    longest = limits.max_length if limits.max_length is not None else math.inf
+    for sample in members:
+        completion = len(sample.completion_token_ids)
+        if (len(sample.completion_logprobs) != completion
+                or not 0 < len(sample.prompt_token_ids) + completion <= longest
+                or not math.isfinite(sample.reward)
+                or not all(map(math.isfinite, sample.reward_components.values()))):
+            return False
+    ids = np.concatenate([a for s in members for a in (s.prompt_token_ids,
+                                                       s.completion_token_ids)])
+    logprobs = np.concatenate([s.completion_logprobs for s in members])
+    # A NaN or an infinity makes the sum non-finite (float32 values cannot overflow a
+    # float64 sum).
+    return (bool(ids.min() >= 0 and ids.max() < limits.vocab_size)
+            and (not logprobs.size or math.isfinite(logprobs.sum(dtype=np.float64))))
+
+
+def _sample_problem(sample: Sample, limits: UnitLimits) -> str | None:
+    """The first reason ``untrainable`` finds in one sample, or None."""
+    generation = sample.generation_id
+    prompt, completion = sample.prompt_token_ids, sample.completion_token_ids
+    logprobs = sample.completion_logprobs
+    if len(logprobs) != len(completion):
+        return (f"generation {generation} has {len(completion)} completion tokens but "
+                f"{len(logprobs)} completion logprobs (the loss needs one per token)")
+    length = len(prompt) + len(completion)
+    if length == 0:
+        return f"generation {generation} has no tokens (its prompt and completion are empty)"
+    if limits.max_length is not None and length > limits.max_length:
+        return (f"generation {generation} has {length} tokens ({len(prompt)} prompt + "
+                f"{len(completion)} completion); the model takes at most {limits.max_length}")
+    for part, ids in (("prompt", prompt), ("completion", completion)):
+        if ids.size and (ids.min() < 0 or ids.max() >= limits.vocab_size):
+            at = int(np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))[0])
+            return (f"{part} token id {int(ids[at])} at position {at} of generation "
+                    f"{generation} is outside the model's vocabulary "
+                    f"(0..{limits.vocab_size - 1})")
+    if not np.isfinite(logprobs).all():
+        at = int(np.flatnonzero(~np.isfinite(logprobs))[0])
+        return (f"completion logprob at position {at} of generation {generation} is "
+                f"{_number(logprobs[at])}")
+    if not math.isfinite(sample.reward):
+        return f"reward of generation {generation} is {_number(sample.reward)}"
+    for component, value in sorted(sample.reward_components.items()):
+        if not math.isfinite(value):
+            return f"reward component {component!r} of generation {generation} is {_number(value)}"
+    return None
+
+
+def _number(value: float) -> str:
+    """``NaN``, ``inf``, ``-inf`` or the value."""
+    return "NaN" if math.isnan(value) else repr(float(value))
 
 
 def select_rows(advantages: Advantages, rows: np.ndarray) -> Advantages:
@@ -239,6 +393,8 @@ class TorchBackend:
         self.optimizer_batch = schedule.optimizer_batch_size // ranks
         torch.manual_seed(schedule.seed)
         model = backend.model()
+        #: What a unit must fit (``untrainable``).
+        self.limits = model_limits(model)
         optimizer = (backend.optimizer(model.parameters()) if backend.optimizer
                      else torch.optim.AdamW(model.parameters(), lr=1e-3))
         # A model may have parameters a family does not use (a value head under
@@ -383,6 +539,10 @@ class TorchBackend:
         Deterministic given the units, the result, ``step`` and the
         backend's state. Under data parallelism every rank must call it for
         the same step (it all-reduces).
+
+        ``NonFiniteStep`` when an advantage of a real token, a micro batch's
+        loss or an optimizer batch's gradient norm is NaN or infinite: raised
+        before that update reaches the weights, naming the step and units.
         """
         schedule = self.schedule
         members = [unit_members(u) for u in units]
@@ -390,6 +550,12 @@ class TorchBackend:
         if result.advantages.num_samples != starts[-1]:
             raise FatalError(f"the objective returned {result.advantages.num_samples} advantage "
                              f"rows for {starts[-1]} samples")
+        bad = _non_finite_rows(result.advantages)
+        if bad.size:
+            owners = sorted({int(i) for i in np.searchsorted(starts, bad, side="right") - 1})
+            raise NonFiniteStep(_diverged(step, [units[i] for i in owners], (
+                f"the objective returned NaN or infinite advantages for {bad.size} of "
+                f"{starts[-1]} samples (first: row {int(bad[0])})")))
         gap = torch.zeros(6, dtype=torch.float64, device=self.accelerator.device)
         before = self._parameters()
         self.model.train()
@@ -411,14 +577,22 @@ class TorchBackend:
                     if epoch == 0 and first == 0:  # no update yet: the weights of step - 1
                         self._behaviour_gap(inputs, samples, step, gap)
                     output = self.loss(inputs)
+                    loss = float(output.loss.detach())
+                    if not math.isfinite(loss):
+                        raise NonFiniteStep(_diverged(step, [units[i] for i in chosen], (
+                            f"the loss of a micro batch (epoch {epoch + 1}) is {_number(loss)}")))
                     self.accelerator.backward(output.loss * (len(chosen) / len(batch_units)))
                     micro_batches += 1
-                    totals["loss"] = totals.get("loss", 0.0) + float(output.loss.detach())
+                    totals["loss"] = totals.get("loss", 0.0) + loss
                     for name, value in output.metrics.items():
                         totals[name] = totals.get(name, 0.0) + float(value)
                     if self.between_micro_batches:
                         self.between_micro_batches(micro_batches)
                 grad_norm = self._clip_gradients()
+                if not math.isfinite(grad_norm):
+                    raise NonFiniteStep(_diverged(step, [units[i] for i in batch_units], (
+                        f"the gradient norm of an optimizer batch (epoch {epoch + 1}) is "
+                        f"{_number(grad_norm)}")))
                 totals[TRAINER_GRAD_NORM] = totals.get(TRAINER_GRAD_NORM, 0.0) + grad_norm
                 updates += 1
                 self.optimizer.step()
@@ -429,3 +603,22 @@ class TorchBackend:
         metrics.update(self._update_ratio(before))
         metrics.update({f"objective.{k}": v for k, v in result.metrics.items()})
         return metrics
+
+
+def _non_finite_rows(advantages: Advantages) -> np.ndarray:
+    """Rows (samples) with a NaN or infinite advantage; per token, on real tokens only."""
+    values = np.asarray(advantages.values)
+    if isinstance(advantages, PerTokenAdvantages):
+        return np.flatnonzero((~np.isfinite(values) & np.asarray(advantages.mask)).any(axis=1))
+    return np.flatnonzero(~np.isfinite(values))
+
+
+def _diverged(step: int, units: Sequence[Any], what: str) -> str:
+    """The message of a ``NonFiniteStep``: what, where, and what to do."""
+    ids = [getattr(u, "unit_id", "?") for u in units]
+    named = ", ".join(ids[:8]) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
+    return (f"step {step}, units {named}: {what}. The trainer checks every unit "
+            "before training it (reef_stream.training.untrainable), so the objective or the "
+            "optimisation diverged: the step was abandoned before this update reached the "
+            "weights and no checkpoint holds it. Replaying it gives the same result: fix the "
+            "objective or lower the learning rate, then start the trainer again")

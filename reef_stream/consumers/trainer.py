@@ -7,14 +7,32 @@ What a step is. The trainer reads every partition of the units topic
 (manually assigned: a step must not depend on a rebalance) and merges them
 into one order that is a function of the log alone
 (``reef_stream.unit_order.PartitionMerge``). Taking units in that order, it
-skips a unit whose id it already trained (a unit the processor re-emitted
-after a crash; counted), drops a unit whose behaviour policy is more than
-``schedule.max_staleness`` versions behind its own (counted and
-dead-lettered, never trained silently), dead-letters one that does not
-decode, and keeps the rest until it holds ``schedule.units_per_step``. Those
-units, the objective's result on them and ``TorchBackend.train_step`` make
-the step. So the units of step N are a pure function of the log and the
-checkpoint of step N-1, and a restarted trainer rebuilds the same steps.
+
+1. dead-letters a unit that does not decode as the recipe's unit type
+   (``invalid``);
+2. skips a unit whose id it already trained or holds (a unit the processor
+   re-emitted after a crash; ``duplicates``, no dead letter);
+3. dead-letters a unit that decodes but that the backend cannot train
+   (``reef_stream.training.untrainable``: no samples, a token id outside the
+   model's vocabulary, logprobs and tokens of different lengths, an empty or
+   too long sequence, a NaN or infinite logprob or reward; ``invalid``, the
+   reason names the unit, the generation and what is wrong), so a poison pill
+   never reaches the step, where it would crash the trainer (again after every
+   restart) or write NaN weights;
+4. dead-letters a unit whose behaviour policy is more than
+   ``schedule.max_staleness`` versions behind its own (``stale``, never trained
+   silently);
+
+and keeps the rest until it holds ``schedule.units_per_step``. (Duplicates
+are skipped before the check: a unit id is deterministic in its content and
+was checked when first trained. The check comes before staleness, which
+depends on the trainer's step: the dead letter names the defect of the record
+itself.) Those units, the objective's result on them and
+``TorchBackend.train_step`` make the step. So the units of step N are a pure
+function of the log and the checkpoint of step N-1, and a restarted trainer
+rebuilds the same steps. Should a step's advantages, loss or gradient norm
+still be NaN or infinite, ``train_step`` raises ``NonFiniteStep`` (fatal)
+before that update reaches the weights: nothing of the step is acknowledged.
 
 Acknowledgement (``_acknowledge``, the one place the order is written down):
 
@@ -82,7 +100,7 @@ from reef_stream.recipe import Recipe
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.serde import SchemaRegistry
-from reef_stream.training import TorchBackend, select_rows, unit_members
+from reef_stream.training import TorchBackend, select_rows, unit_members, untrainable
 from reef_stream.unit_order import Ordered, PartitionMerge
 
 log = logging.getLogger(__name__)
@@ -105,6 +123,7 @@ class TrainerSummary:
     units_trained: int = 0
     duplicates: int = 0
     stale: int = 0
+    #: Units that do not decode or cannot be trained (``untrainable``), dead-lettered.
     invalid: int = 0
     resume_seconds: float = 0.0
     first_step_seconds: float | None = None
@@ -255,6 +274,13 @@ class Trainer:
             self.summary.data_seconds += time.monotonic() - started
         if unit_hash(unit.unit_id) in self.trained or unit.unit_id in self.pending_ids:
             self.summary.duplicates += 1
+            return
+        checked = time.monotonic()
+        problem = untrainable(unit, self.backend.limits)
+        self.summary.data_seconds += time.monotonic() - checked
+        if problem is not None:
+            self.summary.invalid += 1
+            self._dead_letter(message, problem, "UntrainableUnit")
             return
         oldest = min((m.policy_version for m in unit_members(unit)), default=self.step)
         if self.step - oldest > self.recipe.schedule.max_staleness:
