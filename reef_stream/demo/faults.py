@@ -197,10 +197,13 @@ class FaultRun:
 
 
 def run_broker_faults(options: DemoOptions, *, settings: Settings, workdir: Path,
-                      timeline: Timeline | None = Timeline(), say: Callable[[str], None] = print,
+                      timeline: Timeline | None = Timeline(), versions_after: int = 0,
+                      say: Callable[[str], None] = print,
                       show: Callable[[dict[str, Any]], None] | None = None) -> FaultRun:
     """Start the cluster and Redis under ``workdir``, run the demo with the faults, stop both;
     see the module docstring. ``options.drain_s`` must be set (the checks need the drain).
+    The demo may stop (on its target) once the faults are undone and ``versions_after``
+    versions were promoted since: ``options.target=0`` makes that the stopping rule.
     ``timeline=None``: the baseline, the same run and checks with no fault injected."""
     if not options.drain_s:
         raise ValueError("a broker-fault run needs DemoOptions.drain_s (the checks follow it)")
@@ -217,16 +220,20 @@ def run_broker_faults(options: DemoOptions, *, settings: Settings, workdir: Path
         if timeline is None:
             return FaultRun(demo.run(), baseline=True)
         faults = BrokerFaults(cluster, timeline, say)
+
+        def promoted_after() -> int:
+            last = max((f.undone_at or 0.0 for f in faults.injected), default=0.0)
+            return sum(1 for at, p in demo.publications
+                       if at > last and p.decision is Decision.PROMOTED)
+
         faults.start()
         try:
-            result = demo.run(may_stop=faults.done.is_set)
+            result = demo.run(may_stop=lambda: faults.done.is_set()
+                              and promoted_after() >= versions_after)
         finally:
             faults.stop()
-        last = max((f.undone_at or 0.0 for f in faults.injected), default=0.0)
-        after = sum(1 for at, p in demo.publications
-                    if at > last and p.decision is Decision.PROMOTED)
         return FaultRun(result, faults.injected,
-                        None if faults.error is None else repr(faults.error), after)
+                        None if faults.error is None else repr(faults.error), promoted_after())
     finally:
         redis.down()
         cluster.down()

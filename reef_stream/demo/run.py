@@ -469,8 +469,8 @@ def unit_ledger(bootstrap: str, ns: str, recipe: str, store: Path) -> dict[str, 
 
     ``trained``: distinct unit ids trained; ``trained_twice``: ids in more than
     one step (must be 0); ``lost``: ids in the log before the newest
-    checkpoint's offsets that were neither trained nor dead-lettered as too stale
-    (must be 0); ``dropped``: the dead-lettered ones; ``duplicates``: extra
+    checkpoint's offsets that were neither trained nor dead-lettered by the trainer (too
+    stale, or untrainable; must be 0); ``dropped``: the dead-lettered ones; ``duplicates``: extra
     records of an id already in the log (a processor re-emission).
     """
     from reef_stream.checkpoints import CheckpointStore, load
@@ -495,7 +495,7 @@ def unit_ledger(bootstrap: str, ns: str, recipe: str, store: Path) -> dict[str, 
 
 
 def _dropped_units(bootstrap: str, ns: str, units_topic: str) -> set[str]:
-    """Ids of the units the trainer dead-lettered (too stale)."""
+    """Ids of the units the trainer dead-lettered (too stale, or untrainable)."""
     registry, dropped = SchemaRegistry.default(), set()
     for message in read_to_end(bootstrap, declarations.dead_letters(ns)):
         letter = registry.decode(message.value(), message.headers(), DeadLetter)

@@ -4,11 +4,10 @@ from the log. ``bench/broker_faults.py`` is the long run (target 0.9).
 
 What it asserts: every fault was injected and undone, every acknowledged generation is in its
 topic, every generation has exactly one outcome, no unit was trained twice or lost, and the
-loop went on publishing new versions after the last fault. Reaching the target accuracy is
-printed, not asserted: on two cores, with three brokers beside six stage processes, how fast
-SAO learns after the faults varies too much from run to run (0.56 at version 138 in one run,
-0.13 at version 160 in another, version 30 in 6 minutes in a third) for a CI-sized run; the
-bench run reports it.
+loop went on: it stops once 10 versions were promoted after the last fault was undone. The
+accuracy is printed, not asserted: on two cores, three brokers beside seven stage processes
+leave the trainer a fraction of a core, too little to learn the task in a CI-sized run (the
+same holds without faults: ``bench/broker_faults.py --no-faults``); the bench run reports it.
 """
 
 from __future__ import annotations
@@ -22,10 +21,12 @@ from reef_stream.demo.run import DemoOptions
 @pytest.mark.timeout(900)
 def test_the_loop_survives_a_killed_a_paused_and_a_controller_broker(settings, tmp_path,
                                                                        namespace):
-    options = DemoOptions(target=0.5, time_limit=360, drain_s=120, run_dir=tmp_path / "run",
-                          namespace=namespace)
+    # Target 0: the run stops on versions_after, 10 versions promoted after the last fault.
+    options = DemoOptions(target=0.0, rate=75.0, time_limit=360, drain_s=120,
+                          run_dir=tmp_path / "run", namespace=namespace)
     run = run_broker_faults(options, settings=settings, workdir=tmp_path,
-                            timeline=Timeline(first_s=45, gap_s=10, down_s=5, pause_s=12))
+                            timeline=Timeline(first_s=45, gap_s=10, down_s=5, pause_s=12),
+                            versions_after=10)
     print(run.result.line())
     print(run.verdict())
     checks = {what: held for what, held, _ in run.checks()}
@@ -39,7 +40,6 @@ def test_the_loop_survives_a_killed_a_paused_and_a_controller_broker(settings, t
         assert checks[promise], run.verdict()
     outcomes = run.result.outcomes
     assert outcomes["generations"] > 1000 and outcomes["in_units"] > 0, outcomes
-    # The loop went on: the trainer and the evaluator kept publishing after the last fault
-    # (the runs so far: 25 to 150 versions in the minutes after it).
+    # The loop went on: the trainer and the evaluator kept publishing after the last fault.
     assert checks["the loop went on after the faults"], run.verdict()
-    assert run.promoted_after_faults >= 10, run.verdict()
+    assert run.promoted_after_faults >= 10 and run.result.reached, run.verdict()
