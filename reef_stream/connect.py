@@ -7,6 +7,7 @@ servers and win; otherwise the local ones that ``reef kafka up`` and
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import time
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 # this module loads without the Kafka client).
 _AUTHENTICATION = -169
 _SSL = -181
+#: How long ``await_answer`` still waits for an answer after a refusal was reported.
+REFUSAL_GRACE_S = 2.0
 
 
 def bootstrap_servers(settings: Settings) -> str:
@@ -95,16 +98,53 @@ def describe_security(settings: Settings) -> str:
     return protocol
 
 
-def last_refusal() -> str | None:
-    """The last refused login or TLS handshake any client of this process reported, or None.
+def last_refusal(since: float | None = None) -> str | None:
+    """The last refused login or TLS handshake any client of this process reported, or None;
+    with ``since`` (a ``time.monotonic()``), only one reported at or after then.
 
     For a caller whose request timed out, to say why (the librdkafka error
-    alone says only "broker transport failure").
+    alone says only "broker transport failure"). A client reports only when it
+    is polled: see ``check_refused``.
     """
+    if since is not None and _last_refusal_at < since:
+        return None
     return _last_refusal
 
 
+def check_refused(client: Any, since: float | None = None) -> None:
+    """Serve ``client``'s callbacks (``poll(0)``: its ``error_cb`` runs then), and raise
+    ``ConfigurationError`` with ``last_refusal(since)`` if there is one. Does not block.
+    ``client``: an admin client, a producer, or a consumer with nothing assigned (a
+    consumer's poll would take a message)."""
+    client.poll(0)
+    refusal = last_refusal(since)
+    if refusal is not None:
+        raise ConfigurationError(refusal)
+
+
+def await_answer(client: Any, future: concurrent.futures.Future[T]) -> T:
+    """``future.result()`` of a request of ``client`` (an admin client's futures), polling the
+    client meanwhile: once a refused login or TLS handshake is reported and the answer has not
+    come ``REFUSAL_GRACE_S`` later (a reconnect may still get through), raises
+    ``ConfigurationError`` saying why, instead of waiting out the request's timeout for an
+    error that says only "timed out" or "transport failure". Otherwise blocks until the future
+    is done (the request's own timeout bounds that); its exception propagates as is."""
+    since, refused_at = time.monotonic(), None
+    while True:
+        try:
+            return future.result(timeout=0.2)
+        except concurrent.futures.TimeoutError:
+            client.poll(0)
+            refusal = last_refusal(since)
+            if refusal is None:
+                continue
+            refused_at = refused_at or time.monotonic()
+            if time.monotonic() - refused_at >= REFUSAL_GRACE_S:
+                raise ConfigurationError(refusal) from None
+
+
 _last_refusal: str | None = None
+_last_refusal_at = float("-inf")
 
 
 class _RefusalReporter:
@@ -118,11 +158,11 @@ class _RefusalReporter:
         self._reported: set[int] = set()
 
     def __call__(self, error: Any) -> None:
-        global _last_refusal
+        global _last_refusal, _last_refusal_at
         code = error.code()
         if code in (_AUTHENTICATION, _SSL):
             message = refusal_message(self._bootstrap, self._settings, code, error.str())
-            _last_refusal = message
+            _last_refusal, _last_refusal_at = message, time.monotonic()
             if code not in self._reported:
                 self._reported.add(code)
                 log.error("%s", message)

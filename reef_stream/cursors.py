@@ -19,11 +19,16 @@ partition is ``high - committed``.
 Every function takes the cluster's bootstrap address, blocks for a few round
 trips to it, and returns frozen dataclasses. Nothing here prints: the
 ``reef replay | tail | lag`` commands (``reef_stream.commands.cursors``) do.
+A cluster that refuses the client's login or TLS handshake (``REEF_KAFKA_*``)
+is a ConfigurationError saying what to check, within seconds, from every
+function here (``reef_stream.connect.await_answer``), not a request that
+times out saying only "broker transport failure".
 """
 
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import dataclasses
 import enum
 import heapq
@@ -50,7 +55,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, ConsumerGroupDescription, OffsetSpec
 
-from reef_stream.connect import client_config
+from reef_stream.connect import await_answer, check_refused, client_config
 from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
 from reef_stream.topics.serde import SCHEMA_NAME_HEADER, decode
 
@@ -176,7 +181,7 @@ def resolve_topic(bootstrap: str, namespace: str, name: str) -> TopicInfo:
     when neither exists.
     """
     admin = _admin(bootstrap)
-    metadata = _ask("listing the topics", lambda: admin.list_topics(timeout=TIMEOUT_S))
+    metadata = _list_topics(admin)
     prefix = f"{namespace}."
     candidates = [name] if name.startswith(prefix) else [prefix + name, name]
     for candidate in candidates:
@@ -335,7 +340,7 @@ def _offsets_for_time(
     consumer: Consumer, topic: str, ms: int, marks: dict[int, Watermarks]
 ) -> dict[int, tuple[int, str]]:
     answers = _ask(
-        f"looking up offsets by time in {topic}",
+        f"looking up offsets by time in {topic}", consumer,
         lambda: consumer.offsets_for_times(
             [TopicPartition(topic, p, ms) for p in marks], timeout=TIMEOUT_S),
     )
@@ -354,8 +359,8 @@ def _alter(admin: AdminClient, group: str, topic: str, moves: tuple[PartitionMov
     request = ConsumerGroupTopicPartitions(
         group, [TopicPartition(topic, move.partition, move.after) for move in moves])
     what = f"moving the offsets of consumer group {group!r}"
-    answer = _ask(what, lambda: admin.alter_consumer_group_offsets(
-        [request], request_timeout=TIMEOUT_S)[group].result())
+    answer = _ask(what, admin, lambda: admin.alter_consumer_group_offsets(
+        [request], request_timeout=TIMEOUT_S)[group])
     for partition in answer.topic_partitions:
         if partition.error and partition.error.code() == KafkaError.UNKNOWN_MEMBER_ID:
             raise RetryableError(
@@ -605,9 +610,11 @@ def lag(bootstrap: str, group: str | None = None) -> tuple[GroupLag, ...]:
     """The lag of every consumer group of the cluster (or of ``group`` alone), by group name."""
     admin = _admin(bootstrap)
     if group is None:
-        listing = _ask("listing the consumer groups",
-                       lambda: admin.list_consumer_groups(request_timeout=TIMEOUT_S).result())
+        started = time.monotonic()
+        listing = _ask("listing the consumer groups", admin,
+                       lambda: admin.list_consumer_groups(request_timeout=TIMEOUT_S))
         if listing.errors:
+            check_refused(admin, started)
             raise RetryableError(
                 "listing the consumer groups: some brokers did not answer "
                 f"({'; '.join(map(str, listing.errors))}); try again")
@@ -629,8 +636,8 @@ def _all_committed(admin: AdminClient, group: str) -> dict[tuple[str, int], int]
     """Every (topic, partition) → committed offset of ``group``."""
     request = ConsumerGroupTopicPartitions(group)
     what = f"reading the offsets of consumer group {group!r}"
-    answer = _ask(what, lambda: admin.list_consumer_group_offsets(
-        [request], request_timeout=TIMEOUT_S)[group].result())
+    answer = _ask(what, admin, lambda: admin.list_consumer_group_offsets(
+        [request], request_timeout=TIMEOUT_S)[group])
     return {(tp.topic, tp.partition): tp.offset for tp in answer.topic_partitions or []
             if tp.offset >= 0}
 
@@ -652,30 +659,60 @@ def _reader(bootstrap: str) -> Consumer:
     }))
 
 
-def _ask(what: str, request: Callable[[], T]) -> T:
-    """``request()``, asked again while the group coordinator is moving or starting.
+def _ask(what: str, client: Any, request: Callable[[], T | concurrent.futures.Future[T]]) -> T:
+    """The answer to ``request()``, a request of ``client`` that answers at once or returns a
+    future of its answer (an admin client's); asked again while the group coordinator is
+    moving or starting.
 
-    Any other failure, or one that lasts ``TIMEOUT_S``, is a RetryableError
-    saying ``what`` was being done.
+    A refused login or TLS handshake is a ConfigurationError saying what to
+    check, raised within seconds of ``client`` reporting it
+    (``connect.await_answer``). Any other failure, or one that lasts
+    ``TIMEOUT_S``, is a RetryableError saying ``what`` was being done.
     """
-    deadline = time.monotonic() + TIMEOUT_S
+    started = time.monotonic()
+    deadline = started + TIMEOUT_S
     while True:
         try:
-            return request()
+            answer = request()
+            if isinstance(answer, concurrent.futures.Future):
+                answer = await_answer(client, answer)
+            return answer
         except KafkaException as exc:
             error = exc.args[0]
             if error.code() in _COORDINATOR_BUSY and time.monotonic() < deadline:
                 time.sleep(0.2)
                 continue
+            check_refused(client, started)
             raise RetryableError(
                 f"{what}: the Kafka cluster answered {error.str()}; check that it is "
                 "reachable and try again") from exc
 
 
+def _list_topics(admin: AdminClient) -> Any:
+    """The cluster's metadata. ``list_topics`` blocks without serving the client's callbacks,
+    so it is asked in growing slices of time (1, 2, 4, 8 s), polling in between: a refused
+    login or TLS handshake is a ConfigurationError within seconds; a cluster that does not
+    answer within ``TIMEOUT_S`` is a RetryableError."""
+    started = time.monotonic()
+    deadline, wait = started + TIMEOUT_S, 1.0
+    while True:
+        try:
+            return admin.list_topics(timeout=max(min(wait, deadline - time.monotonic()), 0.1))
+        except KafkaException as exc:
+            error = exc.args[0]
+            check_refused(admin, started)
+            if time.monotonic() >= deadline or error.code() not in (KafkaError._TRANSPORT,
+                                                                     KafkaError._TIMED_OUT):
+                raise RetryableError(
+                    f"listing the topics: the Kafka cluster answered {error.str()}; check that "
+                    "it is reachable and try again") from exc
+            wait = min(wait * 2, 8.0)
+
+
 def _describe_group(admin: AdminClient, group: str) -> ConsumerGroupDescription:
     """The group's state and members (state DEAD, no members, for a group that does not exist)."""
-    return _ask(f"describing consumer group {group!r}", lambda: admin.describe_consumer_groups(
-        [group], request_timeout=TIMEOUT_S)[group].result())
+    return _ask(f"describing consumer group {group!r}", admin,
+                lambda: admin.describe_consumer_groups([group], request_timeout=TIMEOUT_S)[group])
 
 
 def _raise_partition_error(partition: TopicPartition, what: str) -> None:
@@ -698,16 +735,18 @@ def _list_offsets(
     keys = list(keys)
     if not keys:
         return {}
+    started = time.monotonic()
     futures = admin.list_offsets({TopicPartition(t, p): spec for t, p in keys},
                                  request_timeout=TIMEOUT_S)
     found: dict[tuple[str, int], int | None] = {}
     for tp, future in futures.items():
         try:
-            found[(tp.topic, tp.partition)] = future.result().offset
+            found[(tp.topic, tp.partition)] = await_answer(admin, future).offset
         except KafkaException as exc:
             if gone_ok and exc.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
                 found[(tp.topic, tp.partition)] = None
                 continue
+            check_refused(admin, started)
             raise RetryableError(
                 f"reading the watermarks of {tp.topic}[{tp.partition}]: the Kafka cluster "
                 f"answered {exc.args[0].str()}; try again") from exc
@@ -720,8 +759,8 @@ def _committed(
     """The group's committed offset per partition; None where it never committed."""
     request = ConsumerGroupTopicPartitions(group, [TopicPartition(topic, p) for p in partitions])
     what = f"reading the offsets of consumer group {group!r}"
-    answer = _ask(what, lambda: admin.list_consumer_group_offsets(
-        [request], request_timeout=TIMEOUT_S)[group].result())
+    answer = _ask(what, admin, lambda: admin.list_consumer_group_offsets(
+        [request], request_timeout=TIMEOUT_S)[group])
     committed = {}
     for tp in answer.topic_partitions:
         _raise_partition_error(tp, what)

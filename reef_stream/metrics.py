@@ -76,6 +76,10 @@ PROCESSOR_TRANSACTIONS = "transactions"
 PROCESSOR_ABORTED_TRANSACTIONS = "aborted_transactions"
 #: Input records that did not decode (dead-lettered).
 PROCESSOR_INVALID_RECORDS = "invalid_records"
+#: Checkpoint events (``<ns>.checkpoints``, read for staleness) that did not decode, read by this
+#: process (running total). The evaluator, which consumes that topic as a group, dead-letters
+#: them; the processor only counts them.
+PROCESSOR_CHECKPOINTS_UNDECODABLE = "checkpoints_undecodable"
 #: Distributions of what the processor joined (``reef_stream.record_stats``), each written as
 #: ``<name>.count``, ``.mean``, ``.std`` and a cumulative ``<name>.bucket`` per upper bound
 #: ``le`` (Prometheus' histogram convention; the last bound is ``+Inf``), running totals since
@@ -146,6 +150,9 @@ FOLLOWER_POLICY_VERSION = "policy_version"
 FOLLOWER_VERSIONS_LOADED = "versions_loaded"
 #: Versions refused: checksum mismatch, unreadable checkpoint, or the callback raised.
 FOLLOWER_VERSIONS_REFUSED = "versions_refused"
+#: Records of ``<ns>.publications`` that did not decode, read by this replica (running total).
+#: The evaluator dead-letters them; replicas only count them.
+FOLLOWER_PUBLICATIONS_UNDECODABLE = "publications_undecodable"
 #: Seconds from a publication's arrival to the serving code having its weights.
 FOLLOWER_LOAD_SECONDS = "load_seconds"
 #: Seconds from the checkpoint's creation by the trainer (the publication's

@@ -39,6 +39,18 @@ the checkpoint on restart; step 2 then finds its decision in the ledger. A
 publication that cannot be stored, or a copy that cannot be written, stops
 the worker with a ``FatalError`` and leaves the offset uncommitted.
 
+Undecodable publications. The evaluator owns ``<ns>.publications``, so a
+record there that does not decode (raw bytes, another schema, an unknown
+fingerprint, no headers: written by something else) is dead-lettered by the
+evaluator (stage ``evaluator``, reason ``undecodable publication: ...``) when
+its ledger reads it: at start, before each decision, and while idle. The
+letter is keyed ``coordinates_key`` (``<topic>/<partition>/<offset>`` of the
+bad record) and acknowledged before the worker goes on. That is at least
+once with a stable key: every reading of the topic from its beginning (a
+restarted worker, a standby member of the group, another recipe's evaluator)
+letters the record again under the same key, so a reader of the dead letters
+deduplicates by key. Other readers (replicas' ``Follower``) only count them.
+
 Publications are keyed by model, so compaction keeps each model's latest
 decision. A REJECTED publication is keyed ``<model>#rejected`` so that it
 cannot compact away the model's last PROMOTED one (which late replicas and a
@@ -66,7 +78,7 @@ from typing import TYPE_CHECKING, Any
 
 import fsspec
 from confluent_kafka import (
-    OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition,
+    OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition,
 )
 
 from reef_stream.checkpoints import MANIFEST, CheckpointError, verify, write_durably
@@ -87,7 +99,7 @@ if TYPE_CHECKING:
     from reef_stream.fleet import Fleet
 
 __all__ = ["EvaluateOptions", "EvaluateSummary", "EvaluatorWorker", "PublicationLedger",
-           "PublicationStore", "default_group", "default_publication_url",
+           "PublicationStore", "coordinates_key", "default_group", "default_publication_url",
            "publication_key"]
 
 log = logging.getLogger(__name__)
@@ -124,6 +136,12 @@ def publication_key(publication: Publication) -> bytes:
     return (publication.model + REJECTED_KEY_SUFFIX).encode()
 
 
+def coordinates_key(topic: str, partition: int, offset: int) -> bytes:
+    """``<topic>/<partition>/<offset>``: the key of the dead letter of a publication that does
+    not decode; the same at every reading of that record (topic names hold no ``/``)."""
+    return f"{topic}/{partition}/{offset}".encode()
+
+
 # --------------------------------------------------------------------------- the ledger
 
 
@@ -134,13 +152,21 @@ class PublicationLedger:
 
     Reads with ``assign()`` from the beginning and a throwaway group id; commits nothing.
     ``open`` then ``catch_up`` (and ``poll`` to follow); ``close`` at the end. Not
-    thread-safe: one thread uses it. Records that do not decode, and tombstones, are skipped
-    with a warning: the evaluator owns that topic.
+    thread-safe: one thread uses it.
+
+    A record that does not decode (``InvalidRecord``: not Avro, another schema, an unknown
+    fingerprint, no headers) is left out of the fold, counted in ``undecodable`` and handed
+    to ``on_undecodable(message, error)``, once per record this ledger reads, on the thread
+    that called ``catch_up`` or ``poll``; what it raises propagates from there. Without
+    ``on_undecodable`` it is logged as a warning naming its topic, partition and offset. The
+    evaluator, the topic's owner, dead-letters it (``EvaluatorWorker``); every other reader
+    counts it. Tombstones (a compaction delete, no value) are skipped silently.
     """
 
     def __init__(self, bootstrap: str, namespace: str, *,
                  registry: SchemaRegistry | None = None,
-                 consumer_config: dict | None = None) -> None:
+                 consumer_config: dict | None = None,
+                 on_undecodable: Callable[[Message, InvalidRecord], None] | None = None) -> None:
         self.topic = declarations.publications(namespace)
         self._registry = registry or SchemaRegistry.default()
         self._consumer = Consumer(client_config(bootstrap, {
@@ -154,8 +180,11 @@ class PublicationLedger:
         self._promoted: dict[str, Publication] = {}
         self._decided: dict[str, int] = {}
         self._by_checkpoint: dict[str, Publication] = {}
+        self._on_undecodable = on_undecodable
         #: Publications read from the log (not counting ``record``).
         self.read = 0
+        #: Records read from the log that did not decode.
+        self.undecodable = 0
 
     def open(self) -> PublicationLedger:
         """Assign every partition of the topic from its beginning. Blocks for metadata (up to
@@ -249,7 +278,11 @@ class PublicationLedger:
                     message.value(), message.headers(), Publication, topic=message.topic(),
                     partition=message.partition(), offset=message.offset())
             except InvalidRecord as error:
-                log.warning("skipping a publication that does not decode: %s", error)
+                self.undecodable += 1
+                if self._on_undecodable is None:
+                    log.warning("skipping a publication that does not decode: %s", error)
+                else:
+                    self._on_undecodable(message, error)
                 continue
             self.read += 1
             self._fold(publication)
@@ -433,8 +466,9 @@ class EvaluateSummary:
     """The worker's counters. ``checkpoints``: events read; ``promoted`` / ``rejected``:
     decisions published; ``duplicates``: candidates already decided (same checkpoint id, or a
     version not newer than one decided); ``skipped``: checkpoints of another recipe or model;
-    ``undecodable``: records dead-lettered; ``failed_measures``: tries of ``measure`` that
-    raised."""
+    ``undecodable``: checkpoint events dead-lettered; ``failed_measures``: tries of ``measure``
+    that raised; ``undecodable_publications``: records of ``<ns>.publications`` dead-lettered
+    (see the module docstring)."""
 
     group: str = ""
     checkpoints: int = 0
@@ -444,6 +478,7 @@ class EvaluateSummary:
     skipped: int = 0
     undecodable: int = 0
     failed_measures: int = 0
+    undecodable_publications: int = 0
     elapsed_s: float = 0.0
 
     @property
@@ -453,7 +488,7 @@ class EvaluateSummary:
     def line(self) -> str:
         """One line for the log: ``evaluator <group>: checkpoints=... promoted=... ...``."""
         names = ("checkpoints", "promoted", "rejected", "duplicates", "skipped", "undecodable",
-                 "failed_measures")
+                 "failed_measures", "undecodable_publications")
         counts = " ".join(f"{name}={getattr(self, name)}" for name in names)
         return f"evaluator {self.group}: {counts} elapsed_s={self.elapsed_s:.1f}"
 
@@ -520,18 +555,22 @@ class EvaluatorWorker:
         """Decide on checkpoints until stopped; return the counters. Blocks.
 
         Announces the evaluator's warning first, then reads ``<ns>.publications`` to its end
-        (the incumbents) before the first decision. Raises ``ConfigurationError`` for a missing
-        topic and ``FatalError`` when a decision cannot be stored (its offset stays
-        uncommitted, so a restart decides it again).
+        (the incumbents; a record there that does not decode is dead-lettered) before the first
+        decision. Raises ``ConfigurationError`` for a missing topic and ``FatalError`` when a
+        decision or a dead letter cannot be stored (its offset stays uncommitted, so a restart
+        decides it again).
         """
         started = time.monotonic()
         if self.warning:
             self._announce(self.warning)
-        ledger = PublicationLedger(self.bootstrap, self.namespace, registry=self._registry)
         producer = Producer(client_config(self.bootstrap, {
             "acks": "all", "enable.idempotence": True, "linger.ms": 0,
             "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000) - 5000,
         }))
+        ledger = PublicationLedger(
+            self.bootstrap, self.namespace, registry=self._registry,
+            on_undecodable=lambda message, error: self._undecodable_publication(
+                producer, message, error))
         metrics = MetricsWriter(producer, self.namespace, STAGE,
                                 {"group": self.group, "recipe": self.recipe.name})
         consumer = Consumer(client_config(self.bootstrap, {
@@ -569,6 +608,7 @@ class EvaluatorWorker:
             message = consumer.poll(0.2)
             producer.poll(0)
             if message is None:
+                ledger.poll(0)  # meanwhile: what others publish, and letters for what is bad
                 idle = self.options.idle_exit
                 if idle is not None:
                     if self._last_assigned is None:  # still joining the group: allow for it
@@ -774,8 +814,23 @@ class EvaluatorWorker:
             raise FatalError(f"{what} was refused by the broker: {error.str()}; its offset stays "
                              "uncommitted")
 
+    def _undecodable_publication(self, producer: Producer, message: Message,
+                                 error: InvalidRecord) -> None:
+        """The ledger's ``on_undecodable``: dead-letter a record of ``<ns>.publications`` that
+        does not decode, keyed by its coordinates (``coordinates_key``), and block until the
+        broker acknowledged the letter (``FatalError`` otherwise). At least once with a stable
+        key: a restarted worker reads the topic from its beginning and letters the record again
+        under the same key."""
+        self._dead_letter(producer, message, f"undecodable publication: {error}",
+                          type(error).__name__, key=coordinates_key(
+                              message.topic(), message.partition(), message.offset()))
+        self.summary.undecodable_publications += 1
+
     def _dead_letter(self, producer: Producer, message: Message, reason: str,
-                     error_type: str) -> None:
+                     error_type: str, *, key: bytes | None = None) -> None:
+        """Produce the ``DeadLetter`` of ``message`` (kept whole, with ``reason``) to
+        ``<ns>.dead-letters`` and block until it is acknowledged (``_deliver``). Its Kafka key is
+        ``key``, or else the message's own key."""
         letter = DeadLetter(reason=reason, error_type=error_type, source_topic=message.topic(),
                             source_partition=message.partition(), source_offset=message.offset(),
                             key=message.key(), value=message.value(),
@@ -783,8 +838,10 @@ class EvaluatorWorker:
                                           for k, v in (message.headers() or ())),
                             stage=STAGE, created_at=now_ms())
         value, headers = self._registry.encode(letter)
-        self._deliver(producer, declarations.dead_letters(self.namespace), message.key(), value,
-                      headers, f"the dead letter for {message.topic()}@{message.offset()}")
+        self._deliver(producer, declarations.dead_letters(self.namespace),
+                      message.key() if key is None else key, value, headers,
+                      f"the dead letter for {message.topic()}[{message.partition()}]@"
+                      f"{message.offset()}")
         log.warning("dead-lettered %s[%d]@%d: %s", message.topic(), message.partition(),
                     message.offset(), reason)
 

@@ -32,6 +32,14 @@ never loaded: a replica started late, or one that was busy, goes straight to
 the newest promoted version (convergence). REJECTED publications, and other
 models', are ignored.
 
+A record on the publications topic that does not decode (raw bytes, another
+schema, an unknown fingerprint, no headers) is logged once as a warning
+naming its topic, partition and offset, counted (``undecodable``, and the
+metric ``FOLLOWER_PUBLICATIONS_UNDECODABLE``) and otherwise ignored: serving
+goes on. A replica writes no dead letter for it: every replica reads every
+record, and the evaluator, the topic's owner, dead-letters it once per
+reading (``reef_stream.consumers.evaluator``).
+
 Reporting: every ``heartbeat_s`` seconds (and after every load) the replica
 writes ``replica → model, version, host, state, last seen`` to the Redis
 projection (``reef_stream.fleet``, expiring after its TTL) and the same as a
@@ -64,7 +72,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from confluent_kafka import Producer
+from confluent_kafka import Message, Producer
 
 from reef_stream.checkpoints import CheckpointError, load_weights
 from reef_stream.config import Settings, load_settings
@@ -77,8 +85,8 @@ from reef_stream.fleet import (
 )
 from reef_stream.metrics import (
     FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, FOLLOWER_LOAD_SECONDS, FOLLOWER_POLICY_VERSION,
-    FOLLOWER_PUBLICATION_TO_SERVING_SECONDS, FOLLOWER_VERSIONS_LOADED,
-    FOLLOWER_VERSIONS_REFUSED, STAGE_FOLLOWER, MetricsWriter,
+    FOLLOWER_PUBLICATION_TO_SERVING_SECONDS, FOLLOWER_PUBLICATIONS_UNDECODABLE,
+    FOLLOWER_VERSIONS_LOADED, FOLLOWER_VERSIONS_REFUSED, STAGE_FOLLOWER, MetricsWriter,
 )
 
 __all__ = ["AUTO", "Follower", "LoadedVersion", "default_replica_id"]
@@ -163,6 +171,7 @@ class Follower:
         self._refused: dict[int, tuple[Exception, float]] = {}
         self._loads = 0
         self._refusals = 0
+        self._undecodable = 0
         self._ready = False
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -191,6 +200,12 @@ class Follower:
         """Versions refused and not superseded since: version → why."""
         with self._lock:
             return {version: str(error) for version, (error, _) in self._refused.items()}
+
+    @property
+    def undecodable(self) -> int:
+        """Records of the publications topic that did not decode, read since ``run`` began."""
+        with self._lock:
+            return self._undecodable
 
     @property
     def error(self) -> BaseException | None:
@@ -292,7 +307,8 @@ class Follower:
         """Follow publications until ``stop``. Blocks. Raises ``ConfigurationError`` when the
         publications topic does not exist, ``RetryableError`` when it cannot be read."""
         ledger = PublicationLedger(self.bootstrap, self.namespace,
-                                   consumer_config=self._consumer_config)
+                                   consumer_config=self._consumer_config,
+                                   on_undecodable=self._undecodable_publication)
         self._producer = Producer(client_config(self.bootstrap, {"linger.ms": 50}))
         self._metrics = MetricsWriter(self._producer, self.namespace, STAGE_FOLLOWER,
                                       {"replica": self.replica_id, "model": self.model})
@@ -400,6 +416,18 @@ class Follower:
                 self._on_refused(publication, error)
             except Exception as callback_error:  # noqa: BLE001 - a reporting hook
                 log.warning("on_refused raised %s", callback_error)
+
+    def _undecodable_publication(self, message: Message, error: InvalidRecord) -> None:
+        """The ledger's ``on_undecodable``: log and count, never a dead letter (see the module
+        docstring). Called once per record, on the follower's thread."""
+        with self._lock:
+            self._undecodable += 1
+            count = self._undecodable
+        log.warning("replica %s ignores a record of %s[%d]@%d that does not decode (%s: %s); "
+                    "the evaluator dead-letters it, serving goes on", self.replica_id,
+                    message.topic(), message.partition(), message.offset(),
+                    type(error).__name__, error.reason)
+        self._metric(FOLLOWER_PUBLICATIONS_UNDECODABLE, count)
 
     def _retry_due(self) -> bool:
         now = time.monotonic()

@@ -3,27 +3,34 @@ only promoted versions reach replicas, and a late replica converges on the newes
 
 The tests write real checkpoints of a tiny model (tests.recipes.evaluators) and produce their
 Checkpoint events themselves (no trainer); the evaluator runs in this process or as `reef
-evaluate`; replicas are ``Follower``s in this process.
+evaluate`; replicas are ``Follower``s in this process. Records on the publications topic that
+do not decode are dead-lettered by the evaluator, keyed by where they are, at every reading.
 """
 
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 import torch
 
 from reef_stream.checkpoints import CheckpointStore, load_weights
+from reef_stream.consumers.evaluator import EvaluatorWorker, coordinates_key
 from reef_stream.consumers.follower import Follower
 from reef_stream.events import DeadLetter, Decision, Metric
 from reef_stream.metrics import (
     CONSUMER_LAG, EVALUATOR_CANDIDATE_VERSION, EVALUATOR_MEASUREMENT, STAGE_EVALUATOR,
 )
+from reef_stream.recipe import load_recipe
 from reef_stream.topics.declarations import checkpoints, dead_letters, metrics
 from tests.helpers import consume_events, reef
 from tests.integration.publishing import (
-    Loads, create_topics, eventually, fleet_of, produce_checkpoints, publication_keys,
+    Loads, create_topics, eventually, fleet_of, produce_checkpoints, promoted, publication_keys,
     read_publications, run_evaluator, settings_for, write_checkpoint,
+)
+from tests.integration.undecodable import (
+    GARBAGE, decodable_publications, letters, other_schema, publish_raw,
 )
 from tests.recipes.evaluators import score, weights
 
@@ -214,3 +221,62 @@ def test_reef_evaluate_warns_about_accept_everything_and_marks_publications_unev
     shown = reef("fleet", env=cli_env)
     assert "tiny" in shown.stdout and "UNEVALUATED" in shown.stdout
 
+
+
+def test_undecodable_publications_are_dead_lettered_by_the_evaluator_under_a_stable_key(
+        setup, kafka_bootstrap, namespace, tmp_path):
+    settings, _ = setup
+    v1, v2 = (write_checkpoint(tmp_path / "ckpt", step, alpha) for step, alpha in ((1, 0.5),
+                                                                                   (2, 0.8)))
+    # Around v1's promotion (the incumbent): bytes that are no Avro and carry no header, and a
+    # valid event of another schema. Then v2's checkpoint event, to decide on.
+    garbage_at, _, foreign_at = publish_raw(kafka_bootstrap, namespace, GARBAGE, promoted(v1),
+                                            other_schema())
+    produce_checkpoints(kafka_bootstrap, namespace, v2)
+
+    summary = run_evaluator("promoting", settings)
+
+    # The evaluator went on: v1 was read as the incumbent and v2 beat it.
+    assert (summary.promoted, summary.undecodable_publications) == (1, 2)
+    decided = decodable_publications(kafka_bootstrap, namespace, 2)
+    assert [(p.policy_version, p.decision, p.incumbent_version) for p in decided] == [
+        (1, Decision.PROMOTED, None), (2, Decision.PROMOTED, 1)]
+    written = letters(kafka_bootstrap, namespace, 2, stage=STAGE_EVALUATOR)
+    assert set(written) == {garbage_at, foreign_at}
+    for where, raw in ((garbage_at, GARBAGE), (foreign_at, other_schema())):
+        ((key, letter),) = written[where]
+        assert key == coordinates_key(*where) == f"{where[0]}/{where[1]}/{where[2]}".encode()
+        assert letter.value == raw.value and letter.key == raw.key
+        assert letter.reason.startswith("undecodable publication: ")
+    assert "no 'reef-schema-fp' header" in written[garbage_at][0][1].reason
+    assert written[garbage_at][0][1].error_type == "UnknownSchemaError"
+    assert "reef.events.Metric" in written[foreign_at][0][1].reason
+    assert "cannot be read as reef.events.Publication" in written[foreign_at][0][1].reason
+
+    # A replica reading the same topic goes on too, to the newest promoted version.
+    loads = Loads()
+    with Follower("tiny", on_version=loads, settings=settings, fleet=None) as replica:
+        assert replica.wait_ready(30) == 2 and loads.versions == [2]
+        assert replica.undecodable == 2
+
+    # A restarted evaluator reads the topic from its beginning and letters both again, under
+    # the same keys (at least once, with a stable key); one that is running and idle letters
+    # a new bad record as it arrives, with no checkpoint event to decide on.
+    worker = EvaluatorWorker(load_recipe("tests.recipes.promoting"), settings=settings)
+    running = threading.Thread(target=worker.run, daemon=True)
+    running.start()
+    try:
+        eventually(lambda: worker.summary.undecodable_publications == 2, 30,
+                   "the letters of the restarted evaluator")
+        (late_at,) = publish_raw(kafka_bootstrap, namespace, GARBAGE)
+        eventually(lambda: worker.summary.undecodable_publications == 3, 30,
+                   "the letter of a bad record written while the evaluator is idle")
+    finally:
+        worker.stop()
+        running.join(30)
+    assert worker.summary.decided == 0 and not running.is_alive()
+    written = letters(kafka_bootstrap, namespace, 5, stage=STAGE_EVALUATOR)
+    assert {where: [key for key, _ in pairs] for where, pairs in written.items()} == {
+        garbage_at: [coordinates_key(*garbage_at)] * 2,
+        foreign_at: [coordinates_key(*foreign_at)] * 2,
+        late_at: [coordinates_key(*late_at)]}

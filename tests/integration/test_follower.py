@@ -1,12 +1,14 @@
 """Serving replicas against the real broker and Redis: a tampered, mismatched or missing
 checkpoint is refused and the previous version keeps serving; generations must carry a version
-the replica served; `reef follow` reports what it loaded.
+the replica served; `reef follow` reports what it loaded; a record on the publications topic
+that does not decode is counted and logged, and serving goes on.
 
 The tests play the evaluator: they write real checkpoints and produce Publication events.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -15,6 +17,7 @@ from reef_stream.consumers.follower import Follower
 from reef_stream.errors import InvalidRecord
 from reef_stream.events import Generation
 from reef_stream.intake.producer import RecordProducer
+from reef_stream.metrics import FOLLOWER_PUBLICATIONS_UNDECODABLE, STAGE_FOLLOWER
 from reef_stream.topics.declarations import generations
 from tests.faults.records import generation
 from tests.helpers import consume_events, reef
@@ -22,6 +25,7 @@ from tests.integration.publishing import (
     Loads, create_topics, eventually, fleet_of, produce_publications, promoted, settings_for,
     write_checkpoint,
 )
+from tests.integration.undecodable import GARBAGE, letters, metric_values, other_schema, publish_raw
 
 
 @pytest.fixture
@@ -154,3 +158,37 @@ def test_reef_follow_once_reports_the_verified_version(setup, cli_env, kafka_boo
     assert refused.returncode == 1
     assert "refused version 2 of model tiny" in refused.stderr and "meta.json" in refused.stderr
     assert "keeps serving nothing" in refused.stderr
+
+
+def test_undecodable_publications_are_counted_and_logged_never_dead_lettered_by_a_replica(
+        setup, kafka_bootstrap, namespace, tmp_path, caplog):
+    settings, _ = setup
+    v1, v2, v3 = (write_checkpoint(tmp_path / "ckpt", step, 0.1 * step) for step in (1, 2, 3))
+    bad = publish_raw(kafka_bootstrap, namespace, GARBAGE, promoted(v1), other_schema(),
+                      promoted(v2))[0::2]
+    loads = Loads()
+    caplog.set_level(logging.WARNING, logger="reef_stream.consumers.follower")
+    with Follower("tiny", on_version=loads, settings=settings, fleet=None,
+                  heartbeat_s=0.5) as replica:
+        assert replica.wait_ready(30) == 2 and loads.versions == [2]
+        assert replica.undecodable == 2
+
+        # Read as they arrive, while serving: counted once each; a valid version still loads.
+        bad += publish_raw(kafka_bootstrap, namespace, other_schema(), promoted(v3))[:1]
+        assert replica.wait_for_version(3, 30) == 3
+        assert replica.undecodable == 3
+        labels = {"replica": replica.replica_id, "model": "tiny"}
+        eventually(lambda: metric_values(kafka_bootstrap, namespace, STAGE_FOLLOWER,
+                                         FOLLOWER_PUBLICATIONS_UNDECODABLE, **labels)[-1:] == [3],
+                   30, "the undecodable count in the metrics topic")
+    assert metric_values(kafka_bootstrap, namespace, STAGE_FOLLOWER,
+                         FOLLOWER_PUBLICATIONS_UNDECODABLE, **labels) == [1, 2, 3]
+    assert loads.versions == [2, 3]
+    # One warning per record, naming where it is; no dead letter (that is the evaluator's).
+    warned = [r.getMessage() for r in caplog.records if "does not decode" in r.getMessage()]
+    assert len(warned) == 3
+    for message, (topic, partition, offset) in zip(warned, bad):
+        assert f"{topic}[{partition}]@{offset}" in message
+    assert "UnknownSchemaError" in warned[0] and "reef-schema-fp" in warned[0]
+    assert "reef.events.Metric" in warned[1]
+    assert letters(kafka_bootstrap, namespace, 0) == {}

@@ -9,7 +9,9 @@ Clients are configured only through ``REEF_KAFKA_*``, as a deployment would be:
 RecordProducer), ``reef tail`` (a consumer) and a transactional producer (the
 processor's kind) work with the right password; a wrong password or an
 untrusted CA is refused with an error that says what to check and never shows
-the password.
+the password, and on the admin path of ``reef lag`` / ``reef replay``
+(``reef_stream.cursors``) that error comes within seconds, not after a
+request's 30 s timeout as "broker transport failure".
 """
 
 from __future__ import annotations
@@ -235,3 +237,33 @@ def test_a_plaintext_client_gets_nothing(broker):
     admin = AdminClient(client_config(broker.bootstrap, security=False))
     with pytest.raises(Exception):  # noqa: B017
         admin.list_topics(timeout=3)
+
+
+def _error_line(result: subprocess.CompletedProcess) -> str:
+    """The one `error: ...` message the `reef` command ends with, unwrapped (not the log line
+    the client's error callback printed before it)."""
+    found = re.search(r"^error: .*", result.stderr, re.MULTILINE | re.DOTALL)
+    assert found, result.stdout + result.stderr
+    return " ".join(found.group(0).split())
+
+
+@pytest.mark.parametrize("args", [
+    ("lag",),
+    ("lag", "--group", "trainers"),
+    ("replay", "--group", "trainers", "--topic", "generations", "--to-earliest"),
+], ids=["lag", "lag-group", "replay"])
+def test_a_wrong_password_on_the_admin_path_of_lag_and_replay_says_why(broker, namespace,
+                                                                       tmp_path, args):
+    env = broker.env(namespace, tmp_path / "home", password=WRONG_PASSWORD)
+    started = time.monotonic()
+    result = _reef(env, *args)
+    elapsed = time.monotonic() - started
+    error = _error_line(result)
+    assert result.returncode == 2, (result.returncode, result.stderr)  # a configuration problem
+    assert "refused to authenticate" in error, error
+    assert f"SCRAM-SHA-256 as '{USER}'" in error and "REEF_KAFKA_SASL_PASSWORD" in error, error
+    assert "transport failure" not in error.split("The client said:")[0], error
+    assert WRONG_PASSWORD not in result.stdout + result.stderr
+    # The refusal is reported within a second or so (2-4 s in all, on an idle machine); a
+    # command that waited out a request's timeout would take 30 s or more.
+    assert elapsed < 25, f"`reef {' '.join(args)}` took {elapsed:.1f} s to say why"
