@@ -37,9 +37,12 @@ time is one the caller passes in, never the wall clock):
    generation id, its ``created_at`` is the latest event time of its members
    and their feedback: re-emitted after a restart, in any order, it is the same.
 
-State is kept per *key* (a group key; feedback ahead of its generation under
-``group_id or generation_id``). Each ``Step`` names the keys it changed;
-``snapshot(key)`` is that key's state as JSON-ready data, ``restore`` loads it.
+Pending state is kept per *key* (a group key; feedback ahead of its
+generation under ``group_id or generation_id``); what is remembered of a
+concluded generation or a closed group (for rules 1, 3 and 5) is a compact
+entry of ``reef_stream.processor_ledger.Ledger``, whose segments have keys of
+their own. Each ``Step`` names the keys it changed; ``snapshot(key)`` is that
+key's state as JSON-ready data, ``restore`` loads it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import functools
 import hashlib
 import heapq
 import json
@@ -59,6 +63,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
 from reef_stream.events import EpochMillis, Feedback, Generation
+from reef_stream.processor_ledger import Ledger, segment_of
 from reef_stream.topics.serde import FINGERPRINT_HEADER, SchemaRegistry
 
 UnitT = TypeVar("UnitT")
@@ -66,7 +71,9 @@ EventT = TypeVar("EventT")
 UnitT_co = TypeVar("UnitT_co", covariant=True)
 
 #: How long a concluded generation (and a closed group) is remembered to recognise
-#: duplicates and late feedback: 1 hour of the caller's clock.
+#: duplicates and late feedback: 1 hour of the caller's clock, unless the processor sets its
+#: own ``retention_ms`` (see ``Processor``). Memory grows with it: ~100 bytes per generation
+#: that concluded within it (``reef_stream.processor_ledger``).
 DEFAULT_RETENTION_MS = 3_600_000
 
 
@@ -188,7 +195,8 @@ class UnitBuilder(Protocol[UnitT_co]):
 @runtime_checkable
 class Processor(Protocol[UnitT_co]):
     """Recorded generations + feedback -> typed units: a grouping, a feedback policy and a
-    unit builder. ``ProcessorState`` drives it; it never touches Kafka."""
+    unit builder. ``ProcessorState`` drives it; it never touches Kafka. It may set
+    ``retention_ms`` (else ``DEFAULT_RETENTION_MS``; above the feedback timeout)."""
 
     grouping: Grouping
     feedback: FeedbackPolicy
@@ -219,6 +227,11 @@ def processor_problems(processor: Any) -> list[str]:
     if not isinstance(processor.feedback.missing, MissingFeedback):
         problems.append(f"processor.feedback.missing must be a MissingFeedback, "
                         f"got {processor.feedback.missing!r}")
+    retention = getattr(processor, "retention_ms", DEFAULT_RETENTION_MS)
+    if not isinstance(retention, int) or isinstance(retention, bool) or not problems \
+            and retention <= timeout:
+        problems.append(f"processor.retention_ms must be an integer above the feedback timeout "
+                        f"({timeout!r} ms), got {retention!r}")
     unit_type = processor.units.unit_type
     if not (isinstance(unit_type, type) and dataclasses.is_dataclass(unit_type)
             and isinstance(getattr(unit_type, "SCHEMA", None), str)):
@@ -384,37 +397,21 @@ class _Member:
     record: dict[str, str] | None = None  # the generation, encoded once for snapshots
 
 
-@dataclass(slots=True)
-class _Concluded:
-    outcome: str
-    at: int
-    sources: list[str]
-    detail: str
-
-
-@dataclass(slots=True)
-class _Closed:
-    how: str  # "emitted" complete; "resolved" when it could not complete; "invalid"
-    at: int
-    detail: str
-
-
 @dataclass(slots=True, eq=False)
 class _Bucket:
-    """The state of one key: a group (declared size, members admitted, deadline, whether
-    closed), its pending members, feedback ahead of its generation, concluded generations."""
+    """The pending state of one key: an open group (declared size, members admitted, deadline,
+    the first member's id, its pending members) and feedback ahead of its generation. What
+    concluded or closed is in the ledger."""
 
     size: int | None = None
     admitted: int = 0
     deadline: int = 0
-    closed: _Closed | None = None
+    first: str | None = None
     members: dict[str, _Member] = field(default_factory=dict)
     orphans: dict[str, dict[str, _Received]] = field(default_factory=dict)
-    concluded: dict[str, _Concluded] = field(default_factory=dict)
 
     def empty(self) -> bool:
-        return not (self.members or self.orphans or self.concluded or self.closed
-                    or self.size is not None)
+        return not (self.members or self.orphans or self.size is not None)
 
 
 class ProcessorState(Generic[UnitT]):
@@ -431,13 +428,18 @@ class ProcessorState(Generic[UnitT]):
     interleaving of ``offer_generation``, ``offer_feedback``,
     ``observe_checkpoint`` and ``tick``. Offering a record twice is safe (the
     second is a duplicate); ``tick`` and ``observe_checkpoint`` are idempotent.
+    ``retention_ms`` (None: the processor's, else ``DEFAULT_RETENTION_MS``): how
+    long concluded generations and closed groups are remembered, by ledger
+    entries without their records (``reef_stream.processor_ledger``).
     """
 
     def __init__(self, processor: Processor[UnitT], *, recipe: str,
-                 max_staleness: int | None = None, retention_ms: int = DEFAULT_RETENTION_MS):
+                 max_staleness: int | None = None, retention_ms: int | None = None):
         problems = processor_problems(processor)
         timeout = getattr(getattr(processor, "feedback", None), "timeout_ms", 0)
-        if isinstance(timeout, int) and retention_ms <= timeout:
+        if retention_ms is None:
+            retention_ms = getattr(processor, "retention_ms", DEFAULT_RETENTION_MS)
+        elif isinstance(timeout, int) and retention_ms <= timeout:
             problems.append(f"retention_ms ({retention_ms}) must exceed the feedback timeout "
                             f"({timeout} ms)")
         if max_staleness is not None and max_staleness < 0:
@@ -450,16 +452,18 @@ class ProcessorState(Generic[UnitT]):
         self._clock = 0
         self._newest: int | None = None
         self._buckets: dict[str, _Bucket] = {}
-        self._where: dict[str, str] = {}  # generation id -> its key, pending or concluded
+        self._ledger = Ledger(retention_ms, functools.partial(_implied_closure, recipe))
+        self._where: dict[str, str] = {}  # pending generation id -> its key
         self._orphan_at: dict[str, str] = {}  # generation id -> key holding its early feedback
         self._active: set[str] = set()  # keys with pending members
         self._timers: list[tuple[int, str]] = []  # heap; an entry is live iff _wake[key] == time
         self._wake: dict[str, int] = {}
+        self._rewrite: set[str] = set()  # keys restored from version-1 snapshots (see restore)
 
     @classmethod
-    def for_recipe(cls, recipe: Any, *, retention_ms: int = DEFAULT_RETENTION_MS) -> ProcessorState:
-        """The state machine of ``recipe``'s processor, with its name and its schedule's
-        ``max_staleness``."""
+    def for_recipe(cls, recipe: Any, *, retention_ms: int | None = None) -> ProcessorState:
+        """The state machine of ``recipe``'s processor, with its name, its schedule's
+        ``max_staleness`` and (unless given) its processor's retention."""
         return cls(recipe.processor, recipe=recipe.name,
                    max_staleness=recipe.schedule.max_staleness, retention_ms=retention_ms)
 
@@ -475,8 +479,8 @@ class ProcessorState(Generic[UnitT]):
         return self._newest
 
     def keys(self) -> list[str]:
-        """Every key holding state, sorted."""
-        return sorted(self._buckets)
+        """Every key holding state, sorted (the ledger's segment keys among them)."""
+        return sorted([*self._buckets, *self._ledger.keys()])
 
     def pending_generations(self) -> list[str]:
         """Ids of the generations without an outcome yet, sorted."""
@@ -492,7 +496,9 @@ class ProcessorState(Generic[UnitT]):
         """The earliest time at which ``tick`` may decide something; None if nothing waits."""
         while self._timers and self._wake.get(self._timers[0][1]) != self._timers[0][0]:
             heapq.heappop(self._timers)
-        return self._timers[0][0] if self._timers else None
+        due = [t for t in (self._timers[0][0] if self._timers else None,
+                           self._ledger.next_expiry()) if t is not None]
+        return min(due, default=None)
 
     # ------------------------------------------------------------------- input
 
@@ -509,10 +515,10 @@ class ProcessorState(Generic[UnitT]):
         """Take one generation that arrived at ``at``. Non-blocking; a duplicate is dropped."""
         step, gid = _StepBuilder(), generation.generation_id
         self._clock = max(self._clock, at)
-        if gid in self._where:
+        if gid in self._where or self._ledger.concluded(gid) is not None:
             reason = f"generation {gid} was already received"
             step.duplicates.append(DroppedGeneration(generation, reason, origin, at))
-            return step.build()
+            return self._done(step)
         member = _Member(generation, at, at + self._timeout, origin)
         try:
             key, size = self._group_of(generation)
@@ -525,11 +531,12 @@ class ProcessorState(Generic[UnitT]):
         self._adopt_orphans(member, step)
         if rejection is not None:
             outcome, reason = rejection
-            if outcome is Outcome.INVALID and size and bucket.closed is None:
+            if outcome is Outcome.INVALID and size and self._ledger.closure(key) is None:
                 self._invalidate(key, bucket, reason, at, step)
             self._conclude(key, bucket, member, outcome, reason, at, step)
             return self._done(step)
         bucket.size, bucket.admitted = size, bucket.admitted + 1
+        bucket.first = bucket.first or gid
         bucket.deadline = max(bucket.deadline, member.deadline)
         if stale := self._staleness(generation):
             self._conclude(key, bucket, member, Outcome.TOO_STALE, stale, at, step)
@@ -549,19 +556,11 @@ class ProcessorState(Generic[UnitT]):
         duplicate = f"feedback from {source!r} for {gid} was already received"
         if not self.processor.feedback.wants(source):
             step.fate(entry, FeedbackFate.IGNORED, f"the processor does not use {source!r}", at)
-            return step.build()
+            return self._done(step)
         if (key := self._where.get(gid)) is not None:
             bucket = self._bucket(key, step)
-            member = bucket.members.get(gid)
-            if member is None:  # concluded
-                concluded = bucket.concluded[gid]
-                if source in concluded.sources:
-                    step.fate(entry, FeedbackFate.DUPLICATE, duplicate, at)
-                else:
-                    concluded.sources.append(source)
-                    step.fate(entry, FeedbackFate.LATE, f"arrived after generation {gid} "
-                              f"concluded as {concluded.outcome} ({concluded.detail})", at)
-            elif source in member.seen:
+            member = bucket.members[gid]
+            if source in member.seen:
                 step.fate(entry, FeedbackFate.DUPLICATE, duplicate, at)
             elif member.score is not None:
                 member.seen.add(source)
@@ -572,6 +571,15 @@ class ProcessorState(Generic[UnitT]):
                 member.received[source] = entry
                 self._try_score(key, bucket, member, at, step, final=False)
                 self._check_group(key, bucket, at, step)
+            return self._done(step)
+        if (concluded := self._ledger.concluded(gid)) is not None:
+            if source in concluded.sources:
+                step.fate(entry, FeedbackFate.DUPLICATE, duplicate, at)
+            else:
+                sources = tuple(sorted((*concluded.sources, source)))
+                step.touched.add(self._ledger.update(gid, concluded._replace(sources=sources)))
+                step.fate(entry, FeedbackFate.LATE, f"arrived after generation {gid} "
+                          f"concluded as {concluded.outcome}", at)
             return self._done(step)
         key = self._orphan_at.get(gid) or feedback.group_id or gid
         waiting = self._bucket(key, step).orphans.setdefault(gid, {})
@@ -588,7 +596,7 @@ class ProcessorState(Generic[UnitT]):
         ``max_staleness`` versions behind it ends TOO_STALE."""
         step = _StepBuilder()
         if self._newest is not None and policy_version <= self._newest:
-            return step.build()
+            return self._done(step)
         self._newest = policy_version
         for key in sorted(self._active) if self.max_staleness is not None else ():
             bucket = self._buckets[key]
@@ -614,6 +622,7 @@ class ProcessorState(Generic[UnitT]):
                 due.add(key)
         for key in sorted(due & self._buckets.keys()):
             self._sweep(key, self._buckets[key], now, step)
+        step.touched.update(self._ledger.expire(now))
         return self._done(step)
 
     # ------------------------------------------------------------------- snapshot / restore
@@ -623,45 +632,51 @@ class ProcessorState(Generic[UnitT]):
         events as Avro bytes in base64 with their schema fingerprint), or None when the key
         holds nothing (delete it from the table). Call it for each key in ``Step.touched``;
         it changes nothing (it caches each event's encoding)."""
+        if segment_of(key) is not None:
+            return self._ledger.snapshot(key)
         bucket = self._buckets.get(key)
         if bucket is None or bucket.empty():
             return None
         return {
-            "version": 1, "size": bucket.size, "admitted": bucket.admitted,
-            "deadline": bucket.deadline,
-            "closed": (closed := bucket.closed) and {"how": closed.how, "at": closed.at,
-                                                     "detail": closed.detail},
+            "version": 2, "size": bucket.size, "admitted": bucket.admitted,
+            "deadline": bucket.deadline, "first": bucket.first,
             "members": [_member_record(bucket.members[g]) for g in sorted(bucket.members)],
             "orphans": [{"generation_id": g, "received": _received_records(bucket.orphans[g])}
                         for g in sorted(bucket.orphans)],
-            "concluded": [{"generation_id": g, "outcome": c.outcome, "at": c.at,
-                           "sources": list(c.sources), "detail": c.detail}
-                          for g, c in sorted(bucket.concluded.items())],
         }
 
     def restore(self, key: str, snapshot: Mapping[str, Any]) -> None:
-        """Load ``key``'s state from ``snapshot``, replacing what the key held. Idempotent;
-        call it for every saved key before offering records after a restart."""
-        if snapshot.get("version") != 1:
-            raise FatalError(f"snapshot of {key!r} has unknown version {snapshot.get('version')!r}")
+        """Load ``key``'s state from ``snapshot``, replacing what the key held (a ledger
+        segment's entries are added). Idempotent; call it for every saved key before offering
+        records after a restart. A version-1 snapshot (before the ledger) loads too: the next
+        ``Step`` names its key and the segments it went to, for the caller to rewrite them."""
+        version = snapshot.get("version")
+        if version not in (1, 2) or (version == 1 and segment_of(key) is not None):
+            raise FatalError(f"snapshot of {key!r} has unknown version {version!r}")
+        if segment_of(key) is not None:
+            self._ledger.restore(key, snapshot)
+            return
         self._forget(key)
-        closed = snapshot["closed"]
         bucket = self._buckets[key] = _Bucket(
             size=snapshot["size"], admitted=snapshot["admitted"], deadline=snapshot["deadline"],
-            closed=None if closed is None else _Closed(**closed))
+            first=snapshot.get("first"))
+        if version == 1:  # its concluded generations and closed group go to the ledger
+            self._rewrite |= {key, *self._ledger.migrate(key, snapshot)}
+            if snapshot["closed"] is not None:
+                bucket.size, bucket.admitted, bucket.deadline = None, 0, 0
         for record in snapshot["members"]:
             member = _member_from(record)
             bucket.members[member.generation.generation_id] = member
         for record in snapshot["orphans"]:
             bucket.orphans[record["generation_id"]] = _received_from(record["received"])
             self._orphan_at[record["generation_id"]] = key
-        for record in snapshot["concluded"]:
-            bucket.concluded[record["generation_id"]] = _Concluded(
-                record["outcome"], record["at"], list(record["sources"]), record["detail"])
-        self._where.update(dict.fromkeys([*bucket.members, *bucket.concluded], key))
+        self._where.update(dict.fromkeys(bucket.members, key))
         if bucket.members:
             self._active.add(key)
-        self._schedule(key, bucket)
+        if bucket.empty():
+            del self._buckets[key]
+        else:
+            self._schedule(key, bucket)
 
     # ------------------------------------------------------------------- the rules
 
@@ -670,6 +685,10 @@ class ProcessorState(Generic[UnitT]):
         size = self.processor.grouping.size(generation)
         if not isinstance(key, str) or not key:
             raise InvalidRecord(f"the grouping gave the key {key!r}, not a non-empty string")
+        try:
+            key.encode()
+        except UnicodeEncodeError as error:
+            raise InvalidRecord(f"the grouping gave the key {key!r}, not UTF-8: {error}") from None
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise InvalidRecord(f"the grouping gave the size {size!r}, not a positive integer")
         return key, size
@@ -677,10 +696,11 @@ class ProcessorState(Generic[UnitT]):
     def _admission(self, key: str, bucket: _Bucket, gid: str,
                    size: int) -> tuple[Outcome, str] | None:
         """Why generation ``gid`` of declared ``size`` cannot join group ``key`` (None if it can)."""
-        if (closed := bucket.closed) is not None:
-            if closed.how == "resolved":
-                return Outcome.EXPIRED, f"arrived after its group {key!r} closed: {closed.detail}"
-            return Outcome.INVALID, f"its group {key!r} is closed: {closed.detail}"
+        if (closed := self._ledger.closure(key)) is not None:
+            how, detail = closed
+            if how == "resolved":
+                return Outcome.EXPIRED, f"arrived after its group {key!r} closed: {detail}"
+            return Outcome.INVALID, f"its group {key!r} is closed: {detail}"
         if bucket.size is not None and size != bucket.size:
             return Outcome.INVALID, (f"group_size disagreement in group {key!r}: {gid} declares "
                                      f"{size}, earlier members {bucket.size}")
@@ -738,8 +758,7 @@ class ProcessorState(Generic[UnitT]):
 
     def _check_group(self, key: str, bucket: _Bucket, now: int, step: _StepBuilder) -> None:
         """Emit the group if complete; resolve it if it can no longer complete."""
-        if bucket.closed is not None or bucket.size is None \
-                or any(m.score is None for m in bucket.members.values()):
+        if bucket.size is None or any(m.score is None for m in bucket.members.values()):
             return
         if len(bucket.members) == bucket.size:
             self._emit(key, bucket, now, step, how="emitted")
@@ -751,12 +770,11 @@ class ProcessorState(Generic[UnitT]):
         scored, size = sum(m.score is not None for m in bucket.members.values()), bucket.size
         if scored and self.processor.grouping.accept_incomplete(scored, size):
             return self._emit(key, bucket, now, step, how="resolved")
-        detail = f"{why}: {scored} of {size} members scored"
+        detail = _incomplete(why, scored, size)
         for gid in sorted(bucket.members):
             self._conclude(key, bucket, bucket.members[gid], Outcome.EXPIRED,
-                           f"its group {key!r} is incomplete ({detail})", now, step)
-        bucket.closed = _Closed("resolved", now, f"incomplete ({detail})")
-        step.touched.add(key)
+                           f"its group {key!r} is {detail}", now, step)
+        self._close(key, bucket, "resolved", detail, now, step)
 
     def _emit(self, key: str, bucket: _Bucket, now: int, step: _StepBuilder, *, how: str) -> None:
         members = [bucket.members[g] for g in sorted(bucket.members)]
@@ -772,30 +790,38 @@ class ProcessorState(Generic[UnitT]):
         step.units.append(EmittedUnit(uid, key, unit, ids))
         for member in members:
             self._conclude(key, bucket, member, Outcome.UNIT, f"in unit {uid}", now, step, unit=uid)
-        of = f" of {bucket.size}" if how == "resolved" else ""
-        bucket.closed = _Closed(how, now, f"emitted as unit {uid} with {len(ids)}{of} members")
+        self._close(key, bucket, how, _emitted(uid, len(ids), bucket.size, how), now, step)
 
     def _invalidate(self, key: str, bucket: _Bucket, reason: str, now: int,
                     step: _StepBuilder) -> None:
         for gid in sorted(bucket.members):
             self._conclude(key, bucket, bucket.members[gid], Outcome.INVALID, reason, now, step)
-        bucket.closed = _Closed("invalid", now, reason)
-        step.touched.add(key)
+        self._close(key, bucket, "invalid", reason, now, step)
 
     def _conclude(self, key: str, bucket: _Bucket, member: _Member, outcome: Outcome,
                   reason: str, now: int, step: _StepBuilder, *, unit: str | None = None) -> None:
-        """Give ``member`` its one outcome; feedback it held without using it is UNUSED."""
+        """Give ``member`` its one outcome; feedback it held without using it is UNUSED. From
+        here on only its ledger entry is kept (none of its records)."""
         gid = member.generation.generation_id
         bucket.members.pop(gid, None)
-        self._where[gid] = key
+        self._where.pop(gid, None)
         for _, entry in sorted(member.received.items()):
             step.fate(entry, FeedbackFate.UNUSED,
                       f"generation {gid} ended {outcome.value} without using it", now,
                       member.generation)
         member.received = {}
-        bucket.concluded[gid] = _Concluded(outcome.name, now, sorted(member.seen), unit or reason)
+        step.touched.add(self._ledger.conclude(gid, outcome.name, tuple(member.seen), now))
         step.generations.append(GenerationOutcome(member.generation, outcome, reason, key, unit,
                                                   member.origin, now))
+        step.touched.add(key)
+
+    def _close(self, key: str, bucket: _Bucket, how: str, detail: str, now: int,
+               step: _StepBuilder) -> None:
+        """Close group ``key`` (its members have concluded): the ledger remembers it, and the
+        bucket holds no group any more."""
+        only = bucket.first if bucket.admitted == 1 else None
+        step.touched.add(self._ledger.close(key, how, detail, now, only_member=only))
+        bucket.size, bucket.admitted, bucket.deadline, bucket.first = None, 0, 0, None
         step.touched.add(key)
 
     def _sweep(self, key: str, bucket: _Bucket, now: int, step: _StepBuilder) -> None:
@@ -815,15 +841,8 @@ class ProcessorState(Generic[UnitT]):
             if member.score is None and member.deadline <= now:
                 self._try_score(key, bucket, member, now, step, final=True)
         self._check_group(key, bucket, now, step)
-        if bucket.closed is None and bucket.size is not None and bucket.deadline <= now:
+        if bucket.size is not None and bucket.deadline <= now:
             self._resolve(key, bucket, now, step, why="its deadline passed")
-        for gid in [g for g, c in bucket.concluded.items() if c.at + self.retention_ms <= now]:
-            del bucket.concluded[gid]
-            if self._where.get(gid) == key:
-                del self._where[gid]
-        closed = bucket.closed
-        if closed is not None and closed.at + self.retention_ms <= now and not bucket.members:
-            bucket.closed, bucket.size, bucket.admitted, bucket.deadline = None, None, 0, 0
 
     # ------------------------------------------------------------------- bookkeeping
 
@@ -835,6 +854,8 @@ class ProcessorState(Generic[UnitT]):
 
     def _done(self, step: _StepBuilder) -> Step:
         """Drop emptied keys and reschedule the touched ones; the step, frozen."""
+        step.touched |= self._rewrite
+        self._rewrite = set()
         for key in step.touched & self._buckets.keys():
             bucket = self._buckets[key]
             if not bucket.members:
@@ -850,10 +871,7 @@ class ProcessorState(Generic[UnitT]):
         """Set ``key``'s wake-up to the earliest time anything in it is due."""
         times = [m.deadline for m in bucket.members.values() if m.score is None]
         times += [r.arrived + self._timeout for w in bucket.orphans.values() for r in w.values()]
-        times += [c.at + self.retention_ms for c in bucket.concluded.values()]
-        if bucket.closed is not None:
-            times.append(bucket.closed.at + self.retention_ms)
-        elif bucket.size is not None:
+        if bucket.size is not None:
             times.append(bucket.deadline)
         wake = min(times, default=None)
         if wake is None:
@@ -866,11 +884,28 @@ class ProcessorState(Generic[UnitT]):
         bucket = self._buckets.pop(key, None) or _Bucket()
         self._active.discard(key)
         self._wake.pop(key, None)
-        for index, gids in ((self._where, [*bucket.members, *bucket.concluded]),
+        for index, gids in ((self._where, list(bucket.members)),
                             (self._orphan_at, list(bucket.orphans))):
             for gid in gids:
                 if index.get(gid) == key:
                     del index[gid]
+
+
+def _emitted(uid: str, members: int, size: int | None, how: str) -> str:
+    of = f" of {size}" if how == "resolved" else ""
+    return f"emitted as unit {uid} with {members}{of} members"
+
+
+def _incomplete(why: str, scored: int, size: int | None) -> str:
+    return f"incomplete ({why}: {scored} of {size} members scored)"
+
+
+def _implied_closure(recipe: str, key: str, outcome: str) -> tuple[str, str]:
+    """How and why a group of one closed whose only member, generation ``key``, concluded as
+    ``outcome`` (``Ledger`` remembers such a group with its member)."""
+    if outcome == Outcome.UNIT.name:
+        return "emitted", _emitted(unit_id(recipe, [key]), 1, 1, "emitted")
+    return "resolved", _incomplete("it can no longer complete", 0, 1)
 
 
 def _score_problem(score: Any, received: Mapping[str, Feedback]) -> str:

@@ -14,8 +14,9 @@ Kafka transaction holds, atomically:
    offset;
 3. the snapshot of every state key the batch touched (``Step.touched``), to
    the compacted changelog ``<ns>.processor-state.<recipe>`` (partition p
-   holds the state of input partition p; key: state key; a tombstone when
-   the key holds nothing any more);
+   holds the state of input partition p; key: state key, UTF-8, the
+   ledger's segment keys surrogate-escaped (``reef_stream.processor_ledger``);
+   a tombstone when the key holds nothing any more);
 4. the consumed offsets (``send_offsets_to_transaction`` with the consumer's
    group metadata, KIP-447).
 
@@ -552,9 +553,9 @@ class ProcessorRuntime:
                         if message.error().code() != KafkaError._PARTITION_EOF:
                             raise KafkaException(message.error())
                     elif message.value() is None:
-                        tables[message.partition()].pop(message.key().decode(), None)
+                        tables[message.partition()].pop(_key_str(message.key()), None)
                     else:
-                        tables[message.partition()][message.key().decode()] = message.value()
+                        tables[message.partition()][_key_str(message.key())] = message.value()
                 for tp in reader.position([TopicPartition(self.changelog, p) for p in list(ends)]):
                     if tp.offset >= 0 and tp.offset >= ends[tp.partition]:
                         del ends[tp.partition]
@@ -642,7 +643,12 @@ class ProcessorRuntime:
 
         Only this recipe's checkpoints count; the newest policy version among
         them is what staleness is measured against. A checkpoint event that
-        does not decode is skipped with a warning: the trainer owns that topic.
+        does not decode is logged (naming its topic, partition and offset),
+        counted in ``counts["checkpoints.undecodable"]`` (read once per
+        process, outside any transaction) and in the metric
+        ``PROCESSOR_CHECKPOINTS_UNDECODABLE``, and otherwise ignored; no dead
+        letter here: the evaluator, which consumes that topic as a group,
+        dead-letters it.
         """
         for message in self._checkpoints.consume(100, timeout=0):
             if message.error() is not None:
@@ -652,7 +658,12 @@ class ProcessorRuntime:
                     message.value(), message.headers(), Checkpoint, topic=message.topic(),
                     partition=message.partition(), offset=message.offset())
             except InvalidRecord as error:
-                log.warning("skipping a checkpoint event: %s", error)
+                self.counts["checkpoints.undecodable"] += 1
+                log.warning("ignoring a checkpoint event that does not decode (the evaluator "
+                            "dead-letters it): %s", error)
+                if self._metrics is not None:
+                    self._metrics.write(metrics.PROCESSOR_CHECKPOINTS_UNDECODABLE,
+                                        self.counts["checkpoints.undecodable"])
                 continue
             if checkpoint.recipe == self.recipe.name and (
                     self.newest_checkpoint is None or checkpoint.policy_version > self.newest_checkpoint):
@@ -718,7 +729,7 @@ class ProcessorRuntime:
             for p, part in self._parts.items():
                 for key in sorted(part.touched):
                     snapshot = part.state.snapshot(key)
-                    producer.produce(self.changelog, partition=p, key=key.encode(),
+                    producer.produce(self.changelog, partition=p, key=_key_bytes(key),
                                      value=None if snapshot is None else dumps_snapshot(snapshot))
                     self._poll()
             offsets = [TopicPartition(t, p, o) for (t, p), o in sorted(positions.items())]
@@ -807,6 +818,15 @@ class ProcessorRuntime:
         value, headers = self.registry.encode(letter)
         self._producer.produce(self.dead_letters, value=value, key=key, headers=headers)
         self._poll()
+
+
+def _key_bytes(key: str) -> bytes:
+    """A state key as its changelog key (a ledger segment key's lone surrogate as one byte)."""
+    return key.encode("utf-8", "surrogateescape")
+
+
+def _key_str(key: bytes) -> str:
+    return key.decode("utf-8", "surrogateescape")
 
 
 def run_processor_runtime(recipe: Any, *, bootstrap: str, namespace: str, group: str | None = None,

@@ -4,18 +4,24 @@ For each stage, hypothesis draws one batch of hostile messages (``hostile.raw_me
 bytes, valid Avro of another schema, an unknown or malformed fingerprint, no headers, a
 tombstone, a truncated record, bytes left over), they go onto the stage's input topic between
 valid records, and the stage runs once over all of it. Every hostile message must end as a dead
-letter naming its topic, partition and offset with a reason (the follower, which reads the
-publications without a group, logs and skips them: the evaluator owns that topic); the stage
-must not crash or stall, and the valid records around them must flow on:
+letter naming its topic, partition and offset with a reason (side readers count instead: the
+follower, which reads the publications without a group, logs and counts them and the
+evaluator, the topic's owner, dead-letters them; the processor counts the checkpoint events it
+reads for staleness, which the evaluator dead-letters); the stage must not crash or stall, and
+the valid records around them must flow on:
 
 - processor (generations + feedback; also generations and feedback that decode but break the
   intake's rules, and duplicates): the valid groups become units;
 - reward worker (generations): the valid generations get their feedback;
-- trainer (units): a step is trained and checkpointed;
+- trainer (units; also units that decode but cannot be trained: a token id outside the model's
+  vocabulary, a NaN or infinite logprob or reward, logprobs of another length, no samples): a
+  step is trained and checkpointed;
 - evaluator (checkpoints; also checkpoints whose URI no filesystem can open): a decision for
   every decodable candidate, the valid ones promoted;
 - follower (publications; also a promoted publication whose URI no filesystem can open): it
-  refuses that one, keeps running and loads the next valid version.
+  refuses that one, keeps running and loads the next valid version; then an evaluator letters
+  every hostile publication but tombstones, keyed by where it is;
+- processor (checkpoints, its side read): it counts them and still sees the valid checkpoint.
 """
 
 from __future__ import annotations
@@ -32,17 +38,19 @@ from hypothesis import strategies as st
 
 from reef_stream.config import load_settings
 from reef_stream.connect import client_config
+from reef_stream.consumers.evaluator import coordinates_key
 from reef_stream.consumers.follower import Follower
 from reef_stream.consumers.processor import ProcessorRuntime
 from reef_stream.consumers.reward import RewardOptions, RewardWorker
 from reef_stream.consumers.trainer import Trainer
+from reef_stream import metrics
 from reef_stream.events import (
     Checkpoint, DeadLetter, Decision, Feedback, Generation, Publication, RolloutUnit,
 )
 from reef_stream.recipe import load_recipe
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
-from tests.helpers import consume_events
+from tests.helpers import consume_all, consume_events
 from tests.integration.publishing import (
     Loads, create_topics, promoted, run_evaluator, write_checkpoint,
 )
@@ -223,29 +231,70 @@ def test_the_reward_worker_dead_letters_undecodable_generations_and_rewards_the_
 # --------------------------------------------------------------------------- trainer
 
 
+@st.composite
+def untrainable_unit(draw, i: int) -> RolloutUnit:
+    """Unit ``i`` of ``rollout_unit`` (vocabulary 64), spoiled so that it decodes but cannot be
+    trained: one sample gets a token id outside the vocabulary, a NaN or infinite logprob or
+    reward, or logprobs of another length than its completion; or the unit has no samples."""
+    unit = rollout_unit(i)
+    kind = draw(st.sampled_from(["token", "logprob", "reward", "lengths", "no samples"]))
+    if kind == "no samples":
+        return dataclasses.replace(unit, members=())
+    member = draw(st.integers(0, len(unit.members) - 1))
+    sample = unit.members[member]
+    not_finite = st.sampled_from([float("nan"), float("inf"), float("-inf")])
+    if kind == "token":
+        name = draw(st.sampled_from(["prompt_token_ids", "completion_token_ids"]))
+        ids = getattr(sample, name).copy()
+        ids[draw(st.integers(0, len(ids) - 1))] = draw(
+            st.one_of(st.integers(-2**31, -1), st.integers(64, 2**31 - 1)))
+        changes = {name: ids}
+    elif kind == "logprob":
+        logprobs = sample.completion_logprobs.copy()
+        logprobs[draw(st.integers(0, len(logprobs) - 1))] = draw(not_finite)
+        changes = {"completion_logprobs": logprobs}
+    elif kind == "reward":
+        changes = {"reward": draw(not_finite)}
+    else:
+        length = draw(st.integers(0, 30).filter(lambda n: n != len(sample.completion_token_ids)))
+        changes = {"completion_logprobs": np.full(length, -1.0, np.float32)}
+    members = list(unit.members)
+    members[member] = dataclasses.replace(sample, **changes)
+    return dataclasses.replace(unit, members=tuple(members))
+
+
 def test_the_trainer_dead_letters_undecodable_units_and_trains_a_step(
         kafka_bootstrap, namespace, tmp_path):
     create_unit_topics(kafka_bootstrap, namespace)
     topic = declarations.units(namespace, "trainable")
     hostile = draw_once(st.lists(raw_message(RolloutUnit, rollout_unit(0)), min_size=6,
                                  max_size=12))
+    untrainable = list(draw_once(st.tuples(*(untrainable_unit(100 + k) for k in range(4)))))
     valid = [rollout_unit(i) for i in range(4)]  # units_per_step is 4
-    items = [(topic, r) for r in hostile[:3] + valid[:2] + hostile[3:] + valid[2:]]
+    items = [(topic, r) for r in hostile[:3] + untrainable[:2] + valid[:2] + hostile[3:]
+             + untrainable[2:] + valid[2:]]
     landed = produce(kafka_bootstrap, items, key_of=lambda unit: unit.unit_id.encode(),
                      one_by_one=True)  # in this order of broker time: the trainer's order
     hostile_at = {landed[i] for i, (_, item) in enumerate(items) if isinstance(item, RawMessage)}
+    untrainable_at = {landed[i]: item.unit_id for i, (_, item) in enumerate(items)
+                      if item in untrainable}
 
     trainer = Trainer(load_recipe("tests.recipes.trainable"), bootstrap=kafka_bootstrap,
                       namespace=namespace, group="doors", checkpoints=str(tmp_path / "ckpt"),
                       max_steps=1, idle_exit=10, settings=load_settings())
     summary = trainer.run()
 
-    assert (summary.steps, summary.units_trained, summary.invalid) == (1, 4, len(hostile))
+    assert (summary.steps, summary.units_trained, summary.invalid) == \
+        (1, 4, len(hostile) + len(untrainable))
     (event,) = consume_events(kafka_bootstrap, declarations.checkpoints(namespace), 1, Checkpoint)
     assert event.step == 1
     letters = letters_at(kafka_bootstrap, namespace, "trainer")
-    assert set(letters) == hostile_at
-    assert all("unit cannot be trained" in v[0].reason for v in letters.values())
+    assert set(letters) == hostile_at | set(untrainable_at)
+    assert all("unit cannot be trained" in letters[at][0].reason for at in hostile_at)
+    for at, unit_id in untrainable_at.items():
+        (letter,) = letters[at]
+        assert letter.error_type == "UntrainableUnit", letter
+        assert letter.reason.startswith(f"unit {unit_id} cannot be trained: "), letter.reason
 
 
 # --------------------------------------------------------------------------- evaluator
@@ -304,18 +353,76 @@ def test_the_follower_skips_hostile_publications_and_loads_the_next_valid_versio
                                  max_size=10))
     settings_ = load_settings({"REEF_BOOTSTRAP_SERVERS": kafka_bootstrap,
                                "REEF_NAMESPACE": namespace, "REEF_HOME": str(tmp_path / "home")})
-    produce(kafka_bootstrap, [(topic, m) for m in hostile[:2]] +
-            [(topic, promoted(v1, uri="s3://no-such-bucket/v1"))],
-            key_of=lambda p: p.model.encode())
+    landed = produce(kafka_bootstrap, [(topic, m) for m in hostile[:2]] +
+                     [(topic, promoted(v1, uri="s3://no-such-bucket/v1"))],
+                     key_of=lambda p: p.model.encode())[:2]
     loads, refusals = Loads(), Refusals()
-    caplog.set_level(logging.WARNING, logger="reef_stream.consumers.evaluator")
+    caplog.set_level(logging.WARNING, logger="reef_stream.consumers.follower")
     with Follower("tiny", on_version=loads, on_refused=refusals, settings=settings_, fleet=None,
                   heartbeat_s=1, retry_s=60) as replica:
         assert replica.wait_ready(30) is None  # v1 cannot be opened: refused, nothing served
         assert [v for v, _ in refusals.seen] == [1] and "s3://" in refusals.seen[0][1]
-        produce(kafka_bootstrap, [(topic, m) for m in hostile[2:]] + [(topic, promoted(v2))],
-                key_of=lambda p: p.model.encode())
+        landed += produce(kafka_bootstrap, [(topic, m) for m in hostile[2:]] +
+                          [(topic, promoted(v2))], key_of=lambda p: p.model.encode())[:-1]
         assert replica.wait_for_version(2, 30) == 2
+        undecodable = replica.undecodable
     assert loads.versions == [2]
-    skipped = [r for r in caplog.records if "does not decode" in r.getMessage()]
-    assert len(skipped) == sum(m.value is not None for m in hostile)
+    # Tombstones are compaction deletes, skipped silently; everything else is counted, once.
+    bad_at = {where for where, m in zip(landed, hostile) if m.value is not None}
+    assert undecodable == len(bad_at)
+    skipped = [r.getMessage() for r in caplog.records if "does not decode" in r.getMessage()]
+    assert len(skipped) == len(bad_at)
+    assert {where for where in bad_at for message in skipped
+            if f"{where[0]}[{where[1]}]@{where[2]}" in message} == bad_at
+    assert letters_at(kafka_bootstrap, namespace, "follower") == {}  # replicas write none
+
+    # The topic's owner letters each of them, keyed by where it is.
+    summary = run_evaluator("promoting", settings_, fleet=None, idle_exit=3)
+    assert summary.undecodable_publications == len(bad_at)
+    keyed = {}
+    for message in consume_all(kafka_bootstrap, declarations.dead_letters(namespace),
+                               len(bad_at)):
+        letter = registry.decode(message.value(), message.headers(), DeadLetter)
+        keyed.setdefault((letter.source_topic, letter.source_partition, letter.source_offset),
+                         []).append((message.key(), letter))
+    assert set(keyed) == bad_at
+    for where, pairs in keyed.items():
+        ((key, letter),) = pairs
+        assert key == coordinates_key(*where) and letter.stage == "evaluator"
+        assert letter.reason.startswith("undecodable publication: ") and letter.error_type
+
+
+# --------------------------------------------------------------------------- processor side read
+
+
+def test_the_processor_counts_hostile_checkpoint_events_and_sees_the_valid_one(
+        kafka_bootstrap, namespace):
+    create_processor_topics(kafka_bootstrap, namespace)
+    topic = declarations.checkpoints(namespace)
+    valid = Checkpoint(checkpoint_id="ckpt-5", recipe=RECIPE.name, trainer_group="trainers",
+                       step=5, model="tiny", policy_version=5, uri="file:///tmp/ckpt",
+                       sha256="00" * 32, offsets=(), trained_unit_count=40,
+                       created_at=1_795_000_000_000)
+    hostile = draw_once(st.lists(raw_message(Checkpoint, valid), min_size=3, max_size=8))
+    landed = produce(kafka_bootstrap, [(topic, m) for m in hostile] + [(topic, valid)])
+    runtime = ProcessorRuntime(RECIPE, bootstrap=kafka_bootstrap, namespace=namespace,
+                               instance="side-read", log_every_s=60, metrics_every_s=0.5)
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _run(runtime.run, errors), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: runtime.newest_checkpoint == 5 or errors, 60, "the valid checkpoint")
+    finally:
+        runtime.stop()
+        thread.join(30)
+    assert not errors, errors
+    # Tombstones included: none of them is a checkpoint event.
+    assert runtime.counts["checkpoints.undecodable"] == len(hostile)
+    written = [m for m in consume_events(kafka_bootstrap, declarations.metrics(namespace), 1)
+               if m.stage == metrics.STAGE_PROCESSOR
+               and m.name == metrics.PROCESSOR_CHECKPOINTS_UNDECODABLE
+               and m.labels.get("instance") == "side-read"]
+    assert [m.value for m in written] == list(range(1, len(hostile) + 1))
+    # The evaluator dead-letters them (see the evaluator's test above); the processor does not.
+    hostile_at = set(landed[:-1])
+    assert not hostile_at & set(letters_at(kafka_bootstrap, namespace, "processor"))

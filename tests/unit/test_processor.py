@@ -21,6 +21,7 @@ from reef_stream.processor import (
     loads_snapshot,
     unit_id,
 )
+from reef_stream.processor_ledger import segment_key
 from reef_stream.processor_parts import ByGroupId, ComposedProcessor, RequireSources, Ungrouped
 from reef_stream.testing import Advance, NewCheckpoint, Restart, run_processor
 
@@ -450,8 +451,11 @@ def test_snapshots_are_json_data_that_restore_and_are_dropped_when_empty():
     (emitted,) = step.units
     assert emitted.member_ids == ("a", "b")
     assert [o.origin for o in step.generations] == [where, None]
+    # concluded, the group's key holds nothing; its ledger segment remembers it
+    assert fresh.snapshot("grp") is None and fresh.keys() == [segment_key(0)]
     step = fresh.tick(13 + fresh.retention_ms)
-    assert step.touched == ("grp",) and fresh.snapshot("grp") is None and fresh.keys() == []
+    assert step.touched == (segment_key(0),) and fresh.snapshot(segment_key(0)) is None
+    assert fresh.keys() == []
     # after the retention, the group's records are forgotten: a replay is new again
     assert fresh.offer_generation(generation("a", "grp", 2), at=10**8).duplicates == ()
 
