@@ -36,7 +36,6 @@ from typing import Any
 from reef_stream.errors import FatalError
 from reef_stream.events import Feedback, Generation
 from reef_stream.processor import (
-    DEFAULT_RETENTION_MS,
     DroppedGeneration,
     EmittedUnit,
     FeedbackOutcome,
@@ -126,7 +125,7 @@ def run_processor(
     start: int = 0,
     tick: int = 1,
     finish: bool = False,
-    retention_ms: int = DEFAULT_RETENTION_MS,
+    retention_ms: int | None = None,
 ) -> Outcomes:
     """Feed ``records`` (in order) through the processor of ``subject`` and return what it decided.
 
@@ -135,7 +134,8 @@ def run_processor(
     ``Processor`` (recipe name "test", no staleness limit unless given).
     ``newest_checkpoint_version`` is observed before the first record.
     Raises ``FatalError`` if the state machine ever gives a generation id two
-    outcomes (within ``retention_ms``), or loses count of a record: every
+    outcomes (within ``retention_ms``: None, the processor's own, else
+    ``DEFAULT_RETENTION_MS``), or loses count of a record: every
     generation offered must have an outcome, be a duplicate or be pending,
     and every feedback record offered a fate or be waiting (it must not fail).
     """
