@@ -80,6 +80,8 @@ PROCESSOR_INVALID_RECORDS = "invalid_records"
 #: process (running total). The evaluator, which consumes that topic as a group, dead-letters
 #: them; the processor only counts them.
 PROCESSOR_CHECKPOINTS_UNDECODABLE = "checkpoints_undecodable"
+#: Units emitted that the newest checkpoint's offsets have not passed (schedule.max_backlog_steps).
+PROCESSOR_TRAINER_BACKLOG = "trainer_backlog"
 #: Distributions of what the processor joined (``reef_stream.record_stats``), each written as
 #: ``<name>.count``, ``.mean``, ``.std`` and a cumulative ``<name>.bucket`` per upper bound
 #: ``le`` (Prometheus' histogram convention; the last bound is ``+Inf``), running totals since

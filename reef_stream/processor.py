@@ -16,9 +16,11 @@ time is one the caller passes in, never the wall clock):
    ``EXPIRED`` (no complete feedback within ``timeout_ms`` of its arrival,
    or its group could not complete), ``TOO_STALE`` (``policy_version`` more
    than ``max_staleness`` behind the newest checkpoint observed, at arrival
-   or later) or ``INVALID`` (ungroupable, ``group_size`` disagreeing within
-   its group, more generations than the group's size, its group already
-   emitted, feedback that does not combine), with a reason.
+   or later), ``SHED`` (its unit was complete while ``max_backlog`` units or
+   more waited for the trainer, see ``observe_backlog``) or ``INVALID``
+   (ungroupable, ``group_size`` disagreeing within its group, more
+   generations than the group's size, its group already emitted, feedback
+   that does not combine), with a reason.
 3. Feedback joins its generation by id, whichever arrives first, and gets
    exactly one ``FeedbackFate``: ``USED``, ``IGNORED`` (a source the policy
    does not want), ``DUPLICATE`` (generation id and source seen before),
@@ -32,7 +34,7 @@ time is one the caller passes in, never the wall clock):
    When it can no longer complete, or at its deadline (its members' latest),
    its scored members form a smaller unit if ``Grouping.accept_incomplete``
    allows, and expire otherwise. A generation for a closed group is INVALID,
-   or EXPIRED if the group closed at its deadline.
+   or EXPIRED if the group closed at its deadline, or SHED if it was shed.
 6. A unit's id is ``unit_id(recipe, member ids)``, its members are ordered by
    generation id, its ``created_at`` is the latest event time of its members
    and their feedback: re-emitted after a restart, in any order, it is the same.
@@ -75,6 +77,9 @@ UnitT_co = TypeVar("UnitT_co", covariant=True)
 #: own ``retention_ms`` (see ``Processor``). Memory grows with it: ~100 bytes per generation
 #: that concluded within it (``reef_stream.processor_ledger``).
 DEFAULT_RETENTION_MS = 3_600_000
+#: Why a shed group closed (the same words for every one: the ledger stores a group of one
+#: that was shed without an entry of its own).
+SHED_CLOSURE = "shed: the trainer's backlog was full"
 
 
 # =========================================================================== the extension API
@@ -257,6 +262,7 @@ class Outcome(enum.Enum):
     UNIT = "unit"
     EXPIRED = "expired"
     TOO_STALE = "too_stale"
+    SHED = "shed"
     INVALID = "invalid"
 
     @property
@@ -431,10 +437,12 @@ class ProcessorState(Generic[UnitT]):
     ``retention_ms`` (None: the processor's, else ``DEFAULT_RETENTION_MS``): how
     long concluded generations and closed groups are remembered, by ledger
     entries without their records (``reef_stream.processor_ledger``).
+    ``max_backlog`` (None: no bound): see ``observe_backlog``.
     """
 
     def __init__(self, processor: Processor[UnitT], *, recipe: str,
-                 max_staleness: int | None = None, retention_ms: int | None = None):
+                 max_staleness: int | None = None, retention_ms: int | None = None,
+                 max_backlog: int | None = None):
         problems = processor_problems(processor)
         timeout = getattr(getattr(processor, "feedback", None), "timeout_ms", 0)
         if retention_ms is None:
@@ -444,10 +452,14 @@ class ProcessorState(Generic[UnitT]):
                             f"({timeout} ms)")
         if max_staleness is not None and max_staleness < 0:
             problems.append(f"max_staleness must be at least 0, got {max_staleness}")
+        if max_backlog is not None and max_backlog < 1:
+            problems.append(f"max_backlog must be at least 1 unit, got {max_backlog}")
         if problems:
             raise ConfigurationError(problems)
         self.processor, self.recipe = processor, recipe
         self.max_staleness, self.retention_ms = max_staleness, retention_ms
+        self.max_backlog = max_backlog
+        self._backlog = 0       # units waiting for the trainer, as last observed (+ emitted since)
         self._timeout: int = processor.feedback.timeout_ms
         self._clock = 0
         self._newest: int | None = None
@@ -463,9 +475,10 @@ class ProcessorState(Generic[UnitT]):
     @classmethod
     def for_recipe(cls, recipe: Any, *, retention_ms: int | None = None) -> ProcessorState:
         """The state machine of ``recipe``'s processor, with its name, its schedule's
-        ``max_staleness`` and (unless given) its processor's retention."""
+        ``max_staleness`` and backlog bound, and (unless given) its processor's retention."""
         return cls(recipe.processor, recipe=recipe.name,
-                   max_staleness=recipe.schedule.max_staleness, retention_ms=retention_ms)
+                   max_staleness=recipe.schedule.max_staleness, retention_ms=retention_ms,
+                   max_backlog=recipe.schedule.max_backlog_units)
 
     # ------------------------------------------------------------------- reading (pure)
 
@@ -590,6 +603,15 @@ class ProcessorState(Generic[UnitT]):
             self._orphan_at[gid] = key
         return self._done(step)
 
+    def observe_backlog(self, units: int) -> None:
+        """Learn how many units wait for the trainer: emitted, and not yet behind the offsets of
+        its newest checkpoint. Non-blocking. Until the next call, each unit emitted counts one
+        more. While they are ``max_backlog`` or more (and a checkpoint was observed: a trainer
+        exists), a unit that completes is not emitted: its generations end SHED, so the queue
+        in front of the trainer stays short and what it trains stays fresh (see
+        ``reef_stream.schedule``)."""
+        self._backlog = max(int(units), 0)
+
     def observe_checkpoint(self, policy_version: int) -> Step:
         """Learn that a checkpoint of ``policy_version`` exists. Non-blocking, idempotent.
         When it is the newest yet, every pending generation now more than
@@ -700,6 +722,8 @@ class ProcessorState(Generic[UnitT]):
             how, detail = closed
             if how == "resolved":
                 return Outcome.EXPIRED, f"arrived after its group {key!r} closed: {detail}"
+            if how == "shed":
+                return Outcome.SHED, f"arrived after its group {key!r} was shed"
             return Outcome.INVALID, f"its group {key!r} is closed: {detail}"
         if bucket.size is not None and size != bucket.size:
             return Outcome.INVALID, (f"group_size disagreement in group {key!r}: {gid} declares "
@@ -778,6 +802,15 @@ class ProcessorState(Generic[UnitT]):
 
     def _emit(self, key: str, bucket: _Bucket, now: int, step: _StepBuilder, *, how: str) -> None:
         members = [bucket.members[g] for g in sorted(bucket.members)]
+        if self.max_backlog is not None and self._newest is not None \
+                and self._backlog >= self.max_backlog:
+            reason = (f"{self._backlog} units wait for the trainer (max_backlog "
+                      f"{self.max_backlog}), so this unit would be trained stale")
+            for member in members:
+                self._conclude(key, bucket, member, Outcome.SHED, reason, now, step)
+            self._close(key, bucket, "shed", SHED_CLOSURE, now, step)
+            return
+        self._backlog += 1
         ids = tuple(m.generation.generation_id for m in members)
         uid, builder = unit_id(self.recipe, ids), self.processor.units
         unit = builder.build(
@@ -905,6 +938,8 @@ def _implied_closure(recipe: str, key: str, outcome: str) -> tuple[str, str]:
     ``outcome`` (``Ledger`` remembers such a group with its member)."""
     if outcome == Outcome.UNIT.name:
         return "emitted", _emitted(unit_id(recipe, [key]), 1, 1, "emitted")
+    if outcome == Outcome.SHED.name:
+        return "shed", SHED_CLOSURE
     return "resolved", _incomplete("it can no longer complete", 0, 1)
 
 

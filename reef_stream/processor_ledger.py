@@ -67,7 +67,8 @@ class Concluded(NamedTuple):
 
 
 class Closed(NamedTuple):
-    """What is remembered of a closed group: ``how`` ("emitted", "resolved", "invalid"), why."""
+    """What is remembered of a closed group: ``how`` ("emitted", "resolved", "shed", "invalid"),
+    why."""
 
     how: str
     detail: str

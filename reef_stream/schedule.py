@@ -13,6 +13,16 @@ behaviour policy may be: a generation whose ``policy_version`` is more than
 ``max_staleness`` versions behind is dropped as too stale (by the processor,
 with a dead letter), never trained on.
 
+``max_backlog_steps`` bounds the queue in front of the trainer: the units
+emitted that no checkpoint has taken yet. Beyond ``max_backlog_steps *
+units_per_step`` of them, the processor sheds the units it completes (their
+generations end SHED, with a dead letter) instead of queueing them. The units
+topic is otherwise an unbounded buffer: when generations come faster than the
+trainer trains, every unit waits its turn, the trainer only ever reaches units
+that are nearly ``max_staleness`` stale, and a fault's backlog never drains.
+A short queue keeps what is trained fresh, at the price of the samples shed.
+None (the default): no bound.
+
 A schedule checks its own invariants when it is built and raises one
 ``ConfigurationError`` listing every problem.
 """
@@ -41,6 +51,8 @@ class Schedule:
     seed: int = 0
     #: In policy versions: 0 trains only on samples of the newest checkpoint.
     max_staleness: int
+    #: In steps of units waiting for the trainer; None: unbounded (see the module docstring).
+    max_backlog_steps: int | None = None
 
     def __post_init__(self) -> None:
         problems = schedule_problems(self)
@@ -67,7 +79,17 @@ class Schedule:
             f"shuffle {'on' if self.shuffle else 'off'} (seed {self.seed}), "
             f"max staleness {self.max_staleness} policy version"
             f"{'' if self.max_staleness == 1 else 's'}"
+            + ("" if self.max_backlog_steps is None else
+               f", backlog at most {self.max_backlog_steps} step"
+               f"{'' if self.max_backlog_steps == 1 else 's'} of units")
         )
+
+    @property
+    def max_backlog_units(self) -> int | None:
+        """``max_backlog_steps`` in units (None: unbounded)."""
+        if self.max_backlog_steps is None:
+            return None
+        return self.max_backlog_steps * self.units_per_step
 
 
 def schedule_problems(schedule: Schedule) -> list[str]:
@@ -84,6 +106,11 @@ def schedule_problems(schedule: Schedule) -> list[str]:
             problems.append(f"schedule.{name} must be at least {minimum}, got {value}")
         else:
             valid.add(name)
+    backlog = schedule.max_backlog_steps
+    if backlog is not None and (not isinstance(backlog, int) or isinstance(backlog, bool)
+                                or backlog < 1):
+        problems.append(f"schedule.max_backlog_steps must be None or an integer of at least 1, "
+                        f"got {backlog!r}")
     if not isinstance(schedule.shuffle, bool):
         problems.append(f"schedule.shuffle must be True or False, got {schedule.shuffle!r}")
     for larger, smaller in (("units_per_step", "optimizer_batch_size"),

@@ -7,7 +7,7 @@
 Kafka transaction holds, atomically:
 
 1. the units of the batch, to ``<ns>.units.<recipe>`` (key: unit id);
-2. a dead letter for every non-unit outcome (expired, too stale, invalid
+2. a dead letter for every non-unit outcome (expired, too stale, shed, invalid
    generations; late, unused, orphaned feedback, and records that do not
    decode or fail ``intake.validation.validate``), to ``<ns>.dead-letters``,
    with the reason, the original record and its source topic / partition /
@@ -27,6 +27,14 @@ every generation gets exactly one outcome in the committed log. Units carry
 ``unit_id(recipe, members)``, so even a reader that is not ``read_committed``
 (or a future runtime bug) sees a re-emitted unit under its original id and
 can deduplicate; the trainer deduplicates by unit id regardless.
+
+The trainer's backlog. With the schedule's ``max_backlog_steps``, every
+``BACKLOG_EVERY_S`` the runtime measures the units waiting for the trainer
+(the units topic's end offsets less the newest checkpoint's offsets, read
+from the checkpoint events it follows for staleness) and gives the figure to
+every partition's state (``ProcessorState.observe_backlog``), which sheds
+the units that complete while it is full: their generations end SHED, with
+dead letters, in the same transaction as everything else.
 
 Why not faust-streaming (issue 4 asked for it first): its ``exactly_once``
 mode has open duplicate bugs (faust-streaming #323, #517, #177), so the
@@ -162,6 +170,8 @@ SESSION_TIMEOUT_MS = 10_000
 #: Longest a record waits (wall clock, from when it was read) for the other topic of its
 #: pair to be read past its timestamp while that topic has unread records.
 MAX_IDLE_S = 5.0
+#: Seconds between two measurements of the trainer's backlog (with ``max_backlog_steps``).
+BACKLOG_EVERY_S = 1.0
 
 
 #: Seconds after which an open transaction is reported stuck (``_watch_commits``); a healthy
@@ -260,6 +270,11 @@ class ProcessorRuntime:
         #: every partition's state has observed (None: apply it at the next batch).
         self.newest_checkpoint: int | None = None
         self._observed: int | None = None
+        #: The newest checkpoint's next offset per partition of the units topic, and the units
+        #: emitted past it when last measured (``_observe_backlog``; None: not measured).
+        self._trainer_at: dict[int, int] = {}
+        self.backlog: int | None = None
+        self._backlog_at = 0.0
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -270,14 +285,7 @@ class ProcessorRuntime:
     def run(self, *, ready: threading.Event | None = None) -> None:
         """Create the topics it needs, then process until ``stop``. Blocks."""
         partitions = self._ensure_topics()
-        self._producer = Producer(client_config(self.bootstrap, {
-            "transactional.id": f"reef-process.{self.ns}.{self.recipe.name}.{self.group}.{self.instance}",
-            "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
-            "linger.ms": 5,
-            "compression.type": "lz4",
-            "message.max.bytes": 16 * MiB + 1024,
-        }))
-        self._producer.init_transactions(60)  # fences a predecessor and aborts its transaction
+        self._producer = self._transactional_producer()
         self._start_metrics()
         threading.Thread(target=self._watch_commits, name="reef-commit-watchdog",
                          daemon=True).start()
@@ -422,6 +430,7 @@ class ProcessorRuntime:
                              "count and every member the range assignor")
         started = time.monotonic()
         self._parts = self._restore(sorted(gens))
+        self._backlog_at = 0.0  # nor the backlog: measure it at the next batch
         self._observed = None  # restored states have not seen the newest checkpoint
         self._start_positions(assigned)
         log.info("assigned partitions %s; state restored in %.2f s (%d keys)", sorted(gens),
@@ -507,6 +516,43 @@ class ProcessorRuntime:
         self._parts = {}
         self._consumer = self._subscribe()
 
+    def _transactional_producer(self) -> Producer:
+        """A producer with this instance's transactional id, initialised: its
+        ``init_transactions`` fences any earlier producer of the id and aborts its open
+        transaction."""
+        producer = Producer(client_config(self.bootstrap, {
+            "transactional.id": f"reef-process.{self.ns}.{self.recipe.name}.{self.group}.{self.instance}",
+            "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
+            "linger.ms": 5,
+            "compression.type": "lz4",
+            "message.max.bytes": 16 * MiB + 1024,
+        }))
+        producer.init_transactions(60)
+        return producer
+
+    def _renew_producer(self, fenced: FatalError) -> None:
+        """Replace a producer fenced at a transaction by a new one with the same transactional
+        id, at most ``MAX_REJOINS`` times in ``REJOIN_WINDOW_S`` (counted with ``_rejoin``'s;
+        then ``fenced`` is raised).
+
+        Called only for a transaction open longer than ``transaction.timeout.ms``: then the
+        fence is the broker's, not a newer instance's. A transaction that could not finish in
+        time while a broker was down is aborted by its coordinator, which bumps the producer's
+        epoch, and the old producer's next request fails as fenced (seen after SIGKILLing a
+        broker under load). The transaction is aborted, so renewing is what a restart would
+        do; the caller rewinds the states and offsets. A fence within the timeout is a newer
+        instance's (another process with this ``--instance``): that one stays fatal.
+        """
+        now = time.monotonic()
+        self._rejoins = [t for t in self._rejoins if now - t < REJOIN_WINDOW_S] + [now]
+        if len(self._rejoins) > MAX_REJOINS:
+            raise FatalError(f"{fenced}; fenced {len(self._rejoins)} times within "
+                             f"{REJOIN_WINDOW_S:.0f} s: is another processor running with "
+                             f"--instance {self.instance}?") from fenced
+        log.warning("%s; starting a new transactional producer (instance %s) and going back "
+                    "to the committed state", fenced, self.instance)
+        self._producer = self._transactional_producer()
+
     def _still_the_instance(self, fenced: FatalError) -> None:
         """Commit a transaction of one harmless tombstone (``PROBE_KEY``); ``FatalError`` if it
         fails (a newer instance holds the transactional id)."""
@@ -591,6 +637,7 @@ class ProcessorRuntime:
         steps: list[tuple[int, Step]] = []
         bad: list[Any] = []
         positions: dict[tuple[str, int], int] = {}
+        self._observe_backlog()
         if self.newest_checkpoint is not None and self._observed != self.newest_checkpoint:
             # Generations now more than max_staleness behind end TOO_STALE, in this transaction.
             steps += [(p, part.state.observe_checkpoint(self.newest_checkpoint))
@@ -668,6 +715,31 @@ class ProcessorRuntime:
             if checkpoint.recipe == self.recipe.name and (
                     self.newest_checkpoint is None or checkpoint.policy_version > self.newest_checkpoint):
                 self.newest_checkpoint = checkpoint.policy_version
+                self._trainer_at = {o.partition: o.offset for o in checkpoint.offsets
+                                    if o.topic == self.units_topic}
+
+    def _observe_backlog(self) -> None:
+        """With a backlog bound (``schedule.max_backlog_steps``), at most every
+        ``BACKLOG_EVERY_S``: measure the units waiting for the trainer (the units topic's end
+        offsets, less the newest checkpoint's; transaction markers count too, so it errs
+        high by a few) and tell every partition's state. A failed measurement keeps the last."""
+        if self.recipe.schedule.max_backlog_units is None or self.newest_checkpoint is None \
+                or time.monotonic() - self._backlog_at < BACKLOG_EVERY_S:
+            return
+        self._backlog_at = time.monotonic()
+        try:
+            metadata = self._checkpoints.list_topics(self.units_topic, timeout=5)
+            ends = {p: self._checkpoints.get_watermark_offsets(
+                TopicPartition(self.units_topic, p), timeout=5)[1]
+                for p in metadata.topics[self.units_topic].partitions}
+        except (KafkaException, KeyError) as error:
+            log.debug("could not measure the trainer's backlog: %s", error)
+            return
+        self.backlog = sum(max(end - self._trainer_at.get(p, 0), 0) for p, end in ends.items())
+        for part in self._parts.values():
+            part.state.observe_backlog(self.backlog)
+        if self._metrics is not None:
+            self._metrics.write(metrics.PROCESSOR_TRAINER_BACKLOG, self.backlog)
 
     def _partition_count(self, topic: str) -> int:
         metadata = self._consumer.list_topics(topic, timeout=30).topics[topic]
@@ -692,10 +764,12 @@ class ProcessorRuntime:
         rebuilds the states from the changelog and rewinds consumption to the committed
         offsets (what a restart would do). That includes a ``produce`` refused with
         ``_STATE`` because an earlier record of the transaction already failed (the
-        transaction is then abortable, but that error does not say so); a fatal error, or
-        an abort that fails (e.g. being fenced), is fatal."""
+        transaction is then abortable, but that error does not say so). A producer fenced
+        after the transaction was open longer than its timeout gets a successor
+        (``_renew_producer``) and rewinds the same way; any other fatal error, or an abort
+        that fails (e.g. being fenced), is fatal."""
         producer, counts = self._producer, Counter()
-        self._commit_began = time.monotonic()
+        self._commit_began = began = time.monotonic()
         try:
             producer.begin_transaction()
             for p, step in steps:
@@ -739,15 +813,23 @@ class ProcessorRuntime:
             self._retry(lambda: producer.commit_transaction(60))
         except KafkaException as exc:
             error = exc.args[0]
-            if error.fatal():
+            # Open past its timeout: a fence (or the fatal state it leaves) is the broker's.
+            timed_out = time.monotonic() - began >= TRANSACTION_TIMEOUT_MS / 1000
+            if timed_out and error.code() in (KafkaError._FENCED, KafkaError._FATAL):
+                self._renew_producer(FatalError(f"the processor's transaction failed: {error}"))
+            elif error.fatal():
                 raise FatalError(f"the processor's transaction failed: {error}") from exc
-            log.warning("transaction failed (%s); aborting it and rebuilding state from the "
-                        "changelog", error)
-            try:
-                producer.abort_transaction(60)
-            except KafkaException as abort:
-                raise FatalError(f"the processor's transaction failed ({error}) and could not "
-                                 f"be aborted: {abort.args[0]}") from abort
+            else:
+                log.warning("transaction failed (%s); aborting it and rebuilding state from "
+                            "the changelog", error)
+                try:
+                    producer.abort_transaction(60)
+                except KafkaException as abort:
+                    failed = FatalError(f"the processor's transaction failed ({error}) and could "
+                                        f"not be aborted: {abort.args[0]}")
+                    if not (timed_out and abort.args[0].code() == KafkaError._FENCED):
+                        raise failed from abort
+                    self._renew_producer(failed)
             self.aborted += 1
             self._rewind()
             return
@@ -778,6 +860,7 @@ class ProcessorRuntime:
         """After an aborted transaction: the states as committed, input from the committed offsets."""
         assignment = self._consumer.assignment()
         self._parts = self._restore(sorted({tp.partition for tp in assignment}))
+        self._backlog_at = 0.0  # nor the backlog: measure it at the next batch
         self._observed = None  # restored states have not seen the newest checkpoint (as in _assign)
         committed = self._consumer.committed(assignment, timeout=30)
         for tp in committed:

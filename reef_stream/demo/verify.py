@@ -3,7 +3,7 @@
 ``GenerationOutcomes`` counts, over the generations in ``<ns>.generations``:
 
 - whether each ended in exactly one unit of the recipe or one of the processor's dead letters
-  (expired, too stale, invalid), and none in more than one (``update``, ``counts``);
+  (expired, too stale, shed, invalid), and none in more than one (``update``, ``counts``);
 - of the generation ids a producer saw acknowledged (the replicas' ``--acked-log`` files),
   those the topic does not hold (``missing``).
 
@@ -60,7 +60,7 @@ class GenerationOutcomes:
             self._in_units |= members
         generations_topic = self._generations.topic
         for message in self._letters.to_end():
-            # The processor's dead letters of generations: an outcome (expired, too stale,
+            # The processor's dead letters of generations: an outcome (expired, too stale, shed,
             # invalid), a unit too large to emit, or a record that failed validation; each
             # carries the record.
             letter = registry.decode(message.value(), message.headers(), DeadLetter)

@@ -9,6 +9,9 @@
 - A second instance with the same ``--instance`` (same transactional id) fences
   the first: the first stops with a FatalError, the second carries on, and the
   committed log holds every outcome exactly once.
+- A transaction held open past its timeout (as while a broker is down) is
+  aborted by the broker, which fences the producer: the runtime starts a new
+  producer, rewinds, and the committed log still holds every outcome once.
 - A second live processor joins the group while input flows, and later the first
   leaves: the partitions move twice and every generation still gets exactly one
   outcome, none sits in two units, and the two instances' committed counts add
@@ -171,6 +174,44 @@ def test_a_second_instance_with_the_same_transactional_id_fences_the_first(
     assert back.unit_records == len(back.units), "a unit committed twice"
     counted = first.runtime.counts["units"] + second.runtime.counts["units"]
     assert counted == len(back.units), "a unit committed by both instances, or by neither"
+
+
+def test_a_transaction_the_broker_timed_out_gets_a_new_producer_and_loses_nothing(
+        kafka_bootstrap, namespace, monkeypatch):
+    import reef_stream.consumers.processor as runtime_module
+
+    # A 2-s transaction timeout; the broker looks for timed-out transactions every 10 s.
+    monkeypatch.setattr(runtime_module, "TRANSACTION_TIMEOUT_MS", 2_000)
+    create_topics(kafka_bootstrap, namespace)
+    work = make_workload(windows=8, groups_per_window=10, seed=11)
+    proc = Running(kafka_bootstrap, namespace, "timed-out")
+    try:
+        proc.wait_ready()
+        produce(kafka_bootstrap, namespace, work.windows[:3])
+        wait_for(lambda: proc.runtime.counts["units"] > 0, 30, "the first units")
+        # The next transaction stalls after its first record, past the timeout and the
+        # broker's next check: the broker aborts it and bumps the producer's epoch.
+        real_poll, stalled = proc.runtime._poll, threading.Event()
+
+        def stall_once() -> None:
+            if not stalled.is_set():
+                stalled.set()
+                time.sleep(15)
+            real_poll()
+
+        proc.runtime._poll = stall_once
+        produce(kafka_bootstrap, namespace, work.windows[3:5])
+        wait_for(lambda: proc.runtime.aborted >= 1 or proc.error, 60, "the fenced transaction")
+        assert proc.error is None, proc.error
+        produce(kafka_bootstrap, namespace, work.windows[5:])
+        back = read_back(kafka_bootstrap, namespace, work, alive=proc.thread.is_alive)
+    finally:
+        proc.stop()
+    assert stalled.is_set() and proc.runtime.aborted >= 1
+    assert proc.error is None, proc.error
+    check_invariant(back, work)
+    assert back.unit_records == len(back.units), "a unit committed twice"
+    assert proc.runtime.counts["units"] == len(back.units), "counts of aborted transactions kept"
 
 
 # --------------------------------------------------------------------------- rebalance

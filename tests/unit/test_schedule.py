@@ -29,6 +29,13 @@ def test_a_consistent_schedule_and_what_follows_from_it():
 def test_defaults_one_epoch_shuffled_with_seed_zero():
     s = schedule()
     assert (s.epochs, s.shuffle, s.seed) == (1, True, 0)
+    assert s.max_backlog_steps is None and s.max_backlog_units is None
+
+
+def test_a_backlog_bound_in_steps_is_a_bound_in_units():
+    s = schedule(max_backlog_steps=3)
+    assert s.max_backlog_units == 24
+    assert s.describe().endswith("max staleness 1 policy version, backlog at most 3 steps of units")
 
 
 def test_every_problem_is_listed_at_once():
@@ -52,6 +59,10 @@ def test_every_problem_is_listed_at_once():
     ({"shuffle": 1}, "schedule.shuffle must be True or False, got 1"),
     ({"optimizer_batch_size": 3}, "schedule.units_per_step (8) must be a multiple of "
                                   "schedule.optimizer_batch_size (3)"),
+    ({"max_backlog_steps": 0}, "schedule.max_backlog_steps must be None or an integer of at "
+                               "least 1, got 0"),
+    ({"max_backlog_steps": 1.5}, "schedule.max_backlog_steps must be None or an integer of at "
+                                 "least 1, got 1.5"),
 ])
 def test_each_invariant(overrides, problem):
     with pytest.raises(ConfigurationError) as caught:

@@ -1,0 +1,100 @@
+"""The processor sheds units while too many wait for the trainer (``max_backlog``,
+``schedule.max_backlog_steps``): ``ProcessorState`` directly, no broker."""
+
+from __future__ import annotations
+
+import pytest
+
+from reef_stream.errors import ConfigurationError
+from reef_stream.processor import Outcome, ProcessorState, dumps_snapshot, loads_snapshot
+from reef_stream.schedule import Schedule
+from tests.unit.test_processor import GROUPED, feedback, generation
+
+
+def _state(max_backlog: int | None = 2) -> ProcessorState:
+    state = ProcessorState(GROUPED, recipe="test", max_staleness=8, max_backlog=max_backlog)
+    state.observe_checkpoint(5)
+    return state
+
+
+def _joined(state: ProcessorState, gid: str, at: int, group: str | None = None, size: int = 1):
+    """Offer generation ``gid`` and its feedback; every outcome decided, and units emitted."""
+    first = state.offer_generation(generation(gid, group, size), at=at)
+    second = state.offer_feedback(feedback(gid, group=group), at=at + 1)
+    return ([(o.generation.generation_id, o.outcome, o.reason)
+             for o in first.generations + second.generations],
+            [u.unit_id for u in first.units + second.units])
+
+
+def test_units_are_shed_while_the_backlog_is_full_and_emitted_again_once_it_drains():
+    state = _state(max_backlog=2)
+    state.observe_backlog(1)
+    outcomes, units = _joined(state, "g1", 10)
+    assert [o[:2] for o in outcomes] == [("g1", Outcome.UNIT)] and len(units) == 1
+    # 1 measured + 1 emitted since = 2 = the bound: the next complete unit is shed.
+    outcomes, units = _joined(state, "g2", 20)
+    assert units == [] and outcomes == [("g2", Outcome.SHED, "2 units wait for the trainer "
+                                         "(max_backlog 2), so this unit would be trained stale")]
+    assert Outcome.SHED.dead_letter
+    state.observe_backlog(0)                       # the trainer caught up
+    outcomes, units = _joined(state, "g3", 30)
+    assert [o[:2] for o in outcomes] == [("g3", Outcome.UNIT)] and len(units) == 1
+
+
+def test_a_shed_generation_sent_again_is_a_duplicate_not_a_second_outcome():
+    state = _state(max_backlog=1)
+    state.observe_backlog(5)
+    outcomes, _ = _joined(state, "g1", 10)
+    assert outcomes[0][1] is Outcome.SHED
+    again = state.offer_generation(generation("g1"), at=50)
+    assert not again.generations and len(again.duplicates) == 1
+
+
+def test_a_group_is_shed_whole_and_a_member_arriving_after_it_is_shed_too():
+    state = _state(max_backlog=1)
+    state.observe_backlog(3)
+    first, _ = _joined(state, "a", 10, group="G", size=2)
+    assert first == []                                 # waits for its second member
+    second, units = _joined(state, "b", 20, group="G", size=2)
+    assert units == [] and sorted(o[:2] for o in second) == [("a", Outcome.SHED),
+                                                              ("b", Outcome.SHED)]
+    late = state.offer_generation(generation("c", "G", 2), at=30)
+    assert [(o.generation.generation_id, o.outcome) for o in late.generations] == [
+        ("c", Outcome.SHED)]
+
+
+def test_nothing_is_shed_before_a_checkpoint_shows_a_trainer_exists_or_without_a_bound():
+    no_trainer = ProcessorState(GROUPED, recipe="test", max_staleness=8, max_backlog=1)
+    no_trainer.observe_backlog(1_000)
+    assert [o[1] for o in _joined(no_trainer, "g1", 10)[0]] == [Outcome.UNIT]
+    unbounded = _state(max_backlog=None)
+    unbounded.observe_backlog(1_000_000)
+    assert [o[1] for o in _joined(unbounded, "g1", 10)[0]] == [Outcome.UNIT]
+
+
+def test_the_bound_comes_from_the_schedule_in_units_and_must_be_positive():
+    schedule = Schedule(units_per_step=8, optimizer_batch_size=8, micro_batch_size=8,
+                        max_staleness=4, max_backlog_steps=3)
+    assert schedule.max_backlog_units == 24
+    with pytest.raises(ConfigurationError, match="max_backlog must be at least 1 unit, got 0"):
+        ProcessorState(GROUPED, recipe="test", max_backlog=0)
+
+
+def test_what_was_shed_is_remembered_across_a_restart_from_the_snapshots():
+    state = _state(max_backlog=1)
+    state.observe_backlog(9)
+    _joined(state, "g1", 10)
+    _joined(state, "a", 20, group="G", size=2)
+    _joined(state, "b", 30, group="G", size=2)
+    restored = _state(max_backlog=1)
+    for key in state.keys():
+        restored.restore(key, json_round_trip(state.snapshot(key)))
+    assert restored.keys() == state.keys()
+    assert len(restored.offer_generation(generation("g1"), at=40).duplicates) == 1
+    late = restored.offer_generation(generation("c", "G", 2), at=50)
+    assert [(o.generation.generation_id, o.outcome) for o in late.generations] == [
+        ("c", Outcome.SHED)]
+
+
+def json_round_trip(snapshot):
+    return loads_snapshot(dumps_snapshot(snapshot))
