@@ -25,10 +25,9 @@ recipe = Recipe(
     objective=GroupNormalisedAdvantage(epsilon=1e-4),
     # A unit is one group of GROUP_SIZE samples: 16 groups (256 samples) a step, one update
     # (a second pass or smaller batches learned slower or collapsed on the demo task). Samples
-    # up to 8 versions old train, their ratio clipped; the gradient norm is clipped at 1. At
-    # most 4 steps of groups wait for the trainer; the processor sheds the surplus.
+    # up to 8 versions old train, their ratio clipped; the gradient norm is clipped at 1.
     schedule=Schedule(units_per_step=16, optimizer_batch_size=16, micro_batch_size=16,
-                      epochs=1, shuffle=True, seed=0, max_staleness=8, max_backlog_steps=4),
+                      epochs=1, shuffle=True, seed=0, max_staleness=8),
     backend=Backend(name="torch", loss_families=(POLICY_GRADIENT,), model=policy_model,
                     losses={POLICY_GRADIENT: ClippedPolicyGradient(epsilon=CLIP_EPSILON)},
                     max_grad_norm=1.0),

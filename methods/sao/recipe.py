@@ -29,11 +29,11 @@ recipe = Recipe(
     # old are corrected, not dropped (the demo's replicas serve a version a few steps behind
     # the trainer: evaluating and publishing take time). The gradient norm is clipped at 1:
     # without it the policy sometimes collapses onto wrong answers after a large update.
-    # At most 4 steps of units wait for the trainer: when generations come faster than it
-    # trains (or after a broker fault), the processor sheds the surplus instead of queueing
-    # it, so the trainer learns from fresh samples, not from ones 16 versions old.
+    # No bound on the units waiting for the trainer (max_backlog_steps): on the demo's two
+    # cores a bound of 4 steps shed half the generations and learned slower, as the samples'
+    # staleness came mostly from before the queue (serving, reward and processor latency).
     schedule=Schedule(units_per_step=256, optimizer_batch_size=256, micro_batch_size=256,
-                      epochs=1, shuffle=True, seed=0, max_staleness=16, max_backlog_steps=4),
+                      epochs=1, shuffle=True, seed=0, max_staleness=16),
     backend=Backend(name="torch", loss_families=(SAO_TRUNCATED_PG,), model=policy_model,
                     losses={SAO_TRUNCATED_PG: TruncatedPolicyGradient(truncation=TRUNCATION)},
                     max_grad_norm=1.0),

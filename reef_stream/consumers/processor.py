@@ -644,6 +644,10 @@ class ProcessorRuntime:
                       for p, part in self._parts.items()]
             self._observed = self.newest_checkpoint
         for p, part in self._parts.items():
+            if self.backlog is not None:
+                # Units other partitions emitted since the measurement count for this one too.
+                part.state.observe_backlog(self.backlog)
+                first = len(steps)
             caught_up: set[str] | None = None
             while True:
                 heads = {t: q[0][1] for t, q in part.queues.items() if q}
@@ -672,15 +676,16 @@ class ProcessorRuntime:
                     continue
                 steps.append((p, part.state.offer(record, at=at, origin=Origin(topic, p, offset))))
             due = part.state.next_deadline()
-            if due is None:
-                continue
-            now = part.state.clock
-            if not any(part.queues.values()) and due > now:
-                caught_up = self._caught_up(p) if caught_up is None else caught_up
-                if caught_up.issuperset(self._topics):
-                    now = now_ms()  # nothing unread: the wall clock is the frontier
-            if due <= now:
-                steps.append((p, part.state.tick(now)))
+            if due is not None:
+                now = part.state.clock
+                if not any(part.queues.values()) and due > now:
+                    caught_up = self._caught_up(p) if caught_up is None else caught_up
+                    if caught_up.issuperset(self._topics):
+                        now = now_ms()  # nothing unread: the wall clock is the frontier
+                if due <= now:
+                    steps.append((p, part.state.tick(now)))
+            if self.backlog is not None:
+                self.backlog += sum(len(step.units) for _, step in steps[first:])
         if not positions and not steps:
             return
         self._commit(steps, bad, positions)

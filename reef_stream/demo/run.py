@@ -44,7 +44,7 @@ from reef_stream.connect import client_config
 from reef_stream.consumers.processor import EXIT_RESTART
 from reef_stream.demo.verify import GenerationOutcomes
 from reef_stream.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
-from reef_stream.metrics import TRAINER_STALENESS_MEAN, TRAINER_STEPS
+from reef_stream.metrics import CONSUMER_LAG, TRAINER_STALENESS_MEAN, TRAINER_STEPS
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.reading import read_to_end
@@ -91,6 +91,8 @@ class Sample:
     at: float
     offsets: dict[str, int]
     steps: int = 0
+    #: The trainer's lag on the units topic (its ``consumer_lag`` metrics, summed).
+    trainer_lag: int = 0
 
 
 @dataclass
@@ -208,6 +210,7 @@ class Demo:
         self.restarts: Counter = Counter()   # stages that exited with EXIT_RESTART
         self.last_status: dict[str, Any] = {}
         self.was_overloaded: str | None = None   # the last ``overloaded`` diagnosis
+        self.trainer_lag: dict[str, int] = {}     # partition -> the trainer's lag on the units
         self.stages = self._stages()
 
     # ----------------------------------------------------------------- the stages
@@ -343,10 +346,14 @@ class Demo:
                     self.steps = max(self.steps, int(event.value))
                 elif event.name == TRAINER_STALENESS_MEAN:
                     self.staleness = event.value
+                elif event.name == CONSUMER_LAG and event.labels.get("topic") == \
+                        self.topics["units"]:
+                    self.trainer_lag[event.labels.get("partition", "")] = int(event.value)
         offsets = {name: end_offset(watcher, topic) for name, topic in self.topics.items()}
         if self.samples:   # a failed read keeps the last known figure
             offsets = {k: v if v >= 0 else self.samples[-1].offsets[k] for k, v in offsets.items()}
-        self.samples.append(Sample(now, {k: max(v, 0) for k, v in offsets.items()}, self.steps))
+        self.samples.append(Sample(now, {k: max(v, 0) for k, v in offsets.items()}, self.steps,
+                                   sum(self.trainer_lag.values())))
 
     def accuracy(self) -> tuple[float | None, int | None]:
         """Held-out accuracy and version of the newest promoted publication."""
@@ -375,32 +382,29 @@ class Demo:
         """Whether units arrive faster than the trainer trains them, so that what it trains
         has waited until nearly too stale; None if not.
 
-        The trainer takes units in log order. When the processor emits them faster than the
-        trainer trains (over the last ``OVERLOAD_WINDOW_S``), a backlog builds and every unit
-        the trainer reaches has waited about ``max_staleness`` versions: it trains only the
+        The trainer takes units in log order. When they arrive faster than it trains, its lag
+        on the units topic grows (by more than a step of units over ``OVERLOAD_WINDOW_S``) and
+        every unit it reaches has waited about ``max_staleness`` versions: it trains only the
         stalest samples it may and dead-letters the rest as too stale. Nothing is lost or
         silent, but learning from samples that stale is slow, and a fault's backlog never
-        drains. The cure is capacity: fewer generations, or more CPU for the trainer.
+        drains. The cures: fewer generations, more CPU for the trainer, or a bound on the
+        queue (``schedule.max_backlog_steps``).
         """
         limit = self.recipe.schedule.max_staleness
-        if (self.staleness is None or self.staleness < 0.75 * limit
-                or not self.samples):
+        if self.staleness is None or self.staleness < 0.75 * limit or not self.samples:
             return None
         newest = self.samples[-1]
         old = next(s for s in self.samples if s.at >= newest.at - OVERLOAD_WINDOW_S)
-        span = newest.at - old.at
-        if span < OVERLOAD_WINDOW_S / 2:
+        if newest.at - old.at < OVERLOAD_WINDOW_S / 2 \
+                or newest.trainer_lag - old.trainer_lag <= self.recipe.schedule.units_per_step:
             return None
-        emitted = (newest.offsets["units"] - old.offsets["units"]) / span
-        trained = (newest.steps - old.steps) * self.recipe.schedule.units_per_step / span
-        if emitted <= 1.2 * trained:
-            return None
-        self.was_overloaded = (f"overloaded: the processor emits {emitted:.0f} units/s, the "
-                               f"trainer trains {trained:.0f}/s, so the units it reaches have "
-                               f"waited until nearly too stale (mean staleness "
-                               f"{self.staleness:.1f}, max_staleness {limit}) and the rest are "
-                               "dead-lettered as too stale; lower the replicas' rate or give the "
-                               "trainer more CPU")
+        self.was_overloaded = (f"overloaded: the trainer's lag on the units topic grew from "
+                               f"{old.trainer_lag} to {newest.trainer_lag} records in "
+                               f"{newest.at - old.at:.0f} s, so the units it reaches have waited "
+                               f"until nearly too stale (mean staleness {self.staleness:.1f}, "
+                               f"max_staleness {limit}); lower the replicas' rate, give the "
+                               "trainer more CPU, or bound the queue (schedule."
+                               "max_backlog_steps)")
         return self.was_overloaded
 
     def stalled(self) -> str | None:

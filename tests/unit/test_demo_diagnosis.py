@@ -24,34 +24,32 @@ def demo(tmp_path, monkeypatch):
                 bootstrap="127.0.0.1:1", redis_url="redis://127.0.0.1:1")
 
 
-def _observe(demo: Demo, seconds: int, units_per_s: float, steps_per_s: float,
-             staleness: float) -> None:
+def _observe(demo: Demo, seconds: int, lag_growth_per_s: float, staleness: float) -> None:
     demo.staleness = staleness
     for t in range(seconds + 1):
-        demo.samples.append(Sample(float(t), {"generations": 0, "feedback": 0,
-                                              "units": int(t * units_per_s)},
-                                   int(t * steps_per_s)))
+        demo.samples.append(Sample(float(t), {"generations": 0, "feedback": 0, "units": 0},
+                                   t, 500 + int(t * lag_growth_per_s)))
 
 
-def test_more_units_than_the_trainer_trains_with_stale_samples_is_overloaded(demo):
+def test_a_growing_trainer_lag_with_stale_samples_is_overloaded(demo):
     assert demo.recipe.schedule.units_per_step == 256 and demo.recipe.schedule.max_staleness == 16
-    _observe(demo, 40, units_per_s=150, steps_per_s=0.2, staleness=15.8)   # trains ~51/s
+    _observe(demo, 40, lag_growth_per_s=100, staleness=15.8)
     said = demo.overloaded()
-    assert said is not None and "emits 150 units/s" in said and "trains 51/s" in said
+    assert said is not None and "grew from 1500 to 4500 records in 30 s" in said
     assert demo.was_overloaded == said
 
 
-@pytest.mark.parametrize("units_per_s, steps_per_s, staleness", [
-    (150, 0.2, 3.0),     # a backlog, but what is trained is fresh: not (yet) the symptom
-    (250, 1.0, 15.0),    # the trainer keeps up (256/s): stale for another reason
+@pytest.mark.parametrize("lag_growth_per_s, staleness", [
+    (100, 3.0),     # a growing backlog, but what is trained is fresh: not (yet) the symptom
+    (5, 15.0),      # stale, but the trainer keeps up (its lag is flat): stale for another reason
 ])
-def test_not_overloaded(demo, units_per_s, steps_per_s, staleness):
-    _observe(demo, 40, units_per_s, steps_per_s, staleness)
+def test_not_overloaded(demo, lag_growth_per_s, staleness):
+    _observe(demo, 40, lag_growth_per_s, staleness)
     assert demo.overloaded() is None
 
 
 def test_too_short_a_history_says_nothing(demo):
-    _observe(demo, 10, units_per_s=150, steps_per_s=0.2, staleness=16)
+    _observe(demo, 10, lag_growth_per_s=100, staleness=16)
     assert demo.overloaded() is None
 
 
