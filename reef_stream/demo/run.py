@@ -305,6 +305,7 @@ class Demo:
         tally = GenerationOutcomes(self.bootstrap, self.ns, self.recipe)
         try:
             while True:
+                self._check_stages(draining=True)   # e.g. a processor restarting (status 75)
                 outcomes = tally.update()
                 self.show({**self.last_status, "draining": outcomes})
                 if outcomes["no_outcome"] == 0 or time.monotonic() > deadline:
@@ -316,10 +317,13 @@ class Demo:
         finally:
             tally.close()
 
-    def _check_stages(self) -> None:
+    def _check_stages(self, draining: bool = False) -> None:
         """A stage that exited on its own is a failure of the demo (say which and why), but for
-        one that asked to be restarted (``EXIT_RESTART``), as a supervisor would."""
+        one that asked to be restarted (``EXIT_RESTART``), as a supervisor would. ``draining``:
+        the replicas were stopped on purpose; the others are still supervised."""
         for stage in self.stages.values():
+            if draining and stage.name.startswith("replica-"):
+                continue
             if not stage.alive and stage.process.returncode == EXIT_RESTART:
                 self.restarts[stage.name] += 1
                 stage.start()

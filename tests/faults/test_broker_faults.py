@@ -22,7 +22,9 @@ from reef_stream.demo.run import DemoOptions
 def test_the_loop_survives_a_killed_a_paused_and_a_controller_broker(settings, tmp_path,
                                                                        namespace):
     # Target 0: the run stops on versions_after, 10 versions promoted after the last fault.
-    options = DemoOptions(target=0.0, rate=75.0, time_limit=360, drain_s=120,
+    # The drain outlasts the processor's stuck-commit watchdog (120 s, then status 75 and a
+    # restart): a processor stuck on a dead coordinator just before it still settles it all.
+    options = DemoOptions(target=0.0, rate=75.0, time_limit=360, drain_s=300,
                           run_dir=tmp_path / "run", namespace=namespace)
     run = run_broker_faults(options, settings=settings, workdir=tmp_path,
                             timeline=Timeline(first_s=45, gap_s=10, down_s=5, pause_s=12),
