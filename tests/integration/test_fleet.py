@@ -55,7 +55,10 @@ def test_fleet_rebuild_restores_the_projection_after_redis_lost_it(
         kafka_bootstrap, redis_url, namespace, tmp_path, cli_env):
     create_topics(kafka_bootstrap, namespace)
     settings = settings_for(kafka_bootstrap, redis_url, namespace, tmp_path / "home")
-    fleet = fleet_of(redis_url, namespace, ttl_s=60)
+    # Heartbeats every 30 s, so every reader here counts a replica live for 180 s: `reef fleet
+    # --json` with its default TTL (20 s) once found both replicas' last heartbeats older
+    # than that, on a loaded CI machine, and listed none.
+    fleet = fleet_of(redis_url, namespace, ttl_s=180)
     produce_checkpoints(kafka_bootstrap, namespace,
                         *(write_checkpoint(tmp_path / "ckpt", step, alpha)
                           for step, alpha in ((1, 0.5), (2, 0.3), (3, 0.7))))
@@ -64,7 +67,7 @@ def test_fleet_rebuild_restores_the_projection_after_redis_lost_it(
     def replica(name: str, model: str = "tiny") -> Follower:
         # Long heartbeats: nothing rewrites Redis behind the test's back while it checks.
         return Follower(model, on_version=Loads(), settings=settings, fleet=fleet,
-                        replica_id=name, heartbeat_s=30, ttl_s=60)
+                        replica_id=name, heartbeat_s=30, ttl_s=180)
 
     with replica("serving-a") as a, replica("serving-b") as b, \
             replica("waiting-c", model="unpublished") as c:
@@ -86,16 +89,17 @@ def test_fleet_rebuild_restores_the_projection_after_redis_lost_it(
         shown = reef("fleet", env=cli_env)
         assert "no models in the fleet projection" in shown.stdout
 
-        rebuilt = reef("fleet", "--rebuild", "--ttl", "60", env=cli_env)
+        rebuilt = reef("fleet", "--rebuild", "--ttl", "180", env=cli_env)
         assert "3 publications" in rebuilt.stdout and "3 live replicas" in rebuilt.stdout
         after = fleet.snapshot()
         assert after.models == before.models
 
         for row in ("serving-a", "serving-b", "waiting-c", "unpublished", "held-out-score"):
             assert row in rebuilt.stdout
-        as_json = json.loads(reef("fleet", "--json", "--model", "tiny", env=cli_env).stdout)
+        as_json = json.loads(reef("fleet", "--json", "--model", "tiny", "--ttl", "180",
+                                  env=cli_env).stdout)
         (tiny,) = as_json["models"]
         assert tiny["published"]["version"] == 3 and tiny["serving"] == 3
         assert {r["replica"]: r["version"] for r in tiny["replicas"]} == {
             "serving-a": 3, "serving-b": 3}
-        assert all(0 <= r["age_s"] < 60 for r in tiny["replicas"])
+        assert all(0 <= r["age_s"] < 180 for r in tiny["replicas"])

