@@ -225,8 +225,12 @@ class ProcessorRuntime:
                  instance: str = "0", batch: int = BATCH, log_every_s: float = 10.0,
                  metrics_every_s: float = 1.0, registry: SchemaRegistry | None = None,
                  max_unit_bytes: int | None = None,
-                 on_stuck: Callable[[str], None] | None = None):
+                 on_stuck: Callable[[str], None] | None = None,
+                 transaction_timeout_ms: int = TRANSACTION_TIMEOUT_MS):
         self.recipe, self.ns = recipe, namespace
+        #: The producer's ``transaction.timeout.ms``: the broker aborts (and fences) a
+        #: transaction open longer (see ``_renew_producer``).
+        self.transaction_timeout_ms = transaction_timeout_ms
         self.group = group or f"{namespace}.process.{recipe.name}"
         self.instance = instance
         self.batch, self.log_every_s, self.metrics_every_s = batch, log_every_s, metrics_every_s
@@ -522,7 +526,7 @@ class ProcessorRuntime:
         transaction."""
         producer = Producer(client_config(self.bootstrap, {
             "transactional.id": f"reef-process.{self.ns}.{self.recipe.name}.{self.group}.{self.instance}",
-            "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
+            "transaction.timeout.ms": self.transaction_timeout_ms,
             "linger.ms": 5,
             "compression.type": "lz4",
             "message.max.bytes": 16 * MiB + 1024,
@@ -819,7 +823,7 @@ class ProcessorRuntime:
         except KafkaException as exc:
             error = exc.args[0]
             # Open past its timeout: a fence (or the fatal state it leaves) is the broker's.
-            timed_out = time.monotonic() - began >= TRANSACTION_TIMEOUT_MS / 1000
+            timed_out = time.monotonic() - began >= self.transaction_timeout_ms / 1000
             if timed_out and error.code() in (KafkaError._FENCED, KafkaError._FATAL):
                 self._renew_producer(FatalError(f"the processor's transaction failed: {error}"))
             elif error.fatal():

@@ -181,14 +181,11 @@ def test_a_second_instance_with_the_same_transactional_id_fences_the_first(
 
 
 def test_a_transaction_the_broker_timed_out_gets_a_new_producer_and_loses_nothing(
-        kafka_bootstrap, namespace, monkeypatch):
-    import reef_stream.consumers.processor as runtime_module
-
-    # A 2-s transaction timeout; the broker looks for timed-out transactions every 10 s.
-    monkeypatch.setattr(runtime_module, "TRANSACTION_TIMEOUT_MS", 2_000)
+        kafka_bootstrap, namespace):
     create_topics(kafka_bootstrap, namespace)
     work = make_workload(windows=8, groups_per_window=10, seed=11)
-    proc = Running(kafka_bootstrap, namespace, "timed-out")
+    # A 2-s transaction timeout; the broker looks for timed-out transactions every 10 s.
+    proc = Running(kafka_bootstrap, namespace, "timed-out", transaction_timeout_ms=2_000)
     try:
         proc.wait_ready()
         produce(kafka_bootstrap, namespace, work.windows[:3])
