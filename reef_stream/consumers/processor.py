@@ -505,12 +505,7 @@ class ProcessorRuntime:
         states from the changelog and reads from the committed offsets, as a restart would.
         """
         self._still_the_instance(fenced)
-        now = time.monotonic()
-        self._rejoins = [t for t in self._rejoins if now - t < REJOIN_WINDOW_S] + [now]
-        if len(self._rejoins) > MAX_REJOINS:
-            raise FatalError(f"{fenced}; fenced {len(self._rejoins)} times within "
-                             f"{REJOIN_WINDOW_S:.0f} s: is another processor running with "
-                             f"--instance {self.instance}?") from fenced
+        self._count_fence(fenced)
         log.warning("%s; rejoining the group with a new consumer (instance %s)", fenced,
                     self.instance)
         try:
@@ -547,15 +542,20 @@ class ProcessorRuntime:
         do; the caller rewinds the states and offsets. A fence within the timeout is a newer
         instance's (another process with this ``--instance``): that one stays fatal.
         """
+        self._count_fence(fenced)
+        log.warning("%s; starting a new transactional producer (instance %s) and going back "
+                    "to the committed state", fenced, self.instance)
+        self._producer = self._transactional_producer()
+
+    def _count_fence(self, fenced: FatalError) -> None:
+        """Note one recovery from a fence; ``fenced`` is raised past ``MAX_REJOINS`` of them
+        (consumer rejoins and producer renewals together) within ``REJOIN_WINDOW_S``."""
         now = time.monotonic()
         self._rejoins = [t for t in self._rejoins if now - t < REJOIN_WINDOW_S] + [now]
         if len(self._rejoins) > MAX_REJOINS:
             raise FatalError(f"{fenced}; fenced {len(self._rejoins)} times within "
                              f"{REJOIN_WINDOW_S:.0f} s: is another processor running with "
                              f"--instance {self.instance}?") from fenced
-        log.warning("%s; starting a new transactional producer (instance %s) and going back "
-                    "to the committed state", fenced, self.instance)
-        self._producer = self._transactional_producer()
 
     def _still_the_instance(self, fenced: FatalError) -> None:
         """Commit a transaction of one harmless tombstone (``PROBE_KEY``); ``FatalError`` if it
