@@ -39,8 +39,12 @@ def create_topics(bootstrap: str, namespace: str, recipe: str = "trainable") -> 
 def produce_units(bootstrap: str, namespace: str, records, *, recipe: str = "trainable",
                   spread: bool = False) -> None:
     """Append ``records`` (units, or raw ``bytes`` that do not decode) to the units topic in this
-    order of broker time (one flush per record: each gets a later LogAppendTime). With
-    ``spread``, record ``i`` goes to partition ``i % 6`` instead of its key's partition."""
+    order of broker time: one flush per record, then a pause of two milliseconds, so that each
+    gets a later LogAppendTime than the one before (two appended within one millisecond would
+    tie, and a trainer orders ties by partition). With ``spread``, record ``i`` goes to
+    partition ``i % 6`` instead of its key's partition."""
+    import time
+
     from confluent_kafka import Producer
 
     from reef_stream.connect import client_config
@@ -58,3 +62,4 @@ def produce_units(bootstrap: str, namespace: str, records, *, recipe: str = "tra
             producer.produce(topic, key=record.unit_id.encode(), value=value, headers=headers,
                              **where)
         assert producer.flush(30) == 0
+        time.sleep(0.002)   # the broker runs on this host's clock
