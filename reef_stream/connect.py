@@ -143,6 +143,28 @@ def await_answer(client: Any, future: concurrent.futures.Future[T]) -> T:
                 raise ConfigurationError(refusal) from None
 
 
+def list_topics(client: Any, what: str, timeout: float = 30.0) -> Any:
+    """``client.list_topics()``: the cluster's metadata. That call blocks without serving the
+    client's callbacks, so it is asked in growing slices of time (1, 2, 4, 8 s), polling in
+    between: a refused login or TLS handshake is a ConfigurationError within seconds instead
+    of a "transport failure" after ``timeout``. A cluster that does not answer within
+    ``timeout`` is a RetryableError saying ``what`` was being done."""
+    started = time.monotonic()
+    deadline, wait = started + timeout, 1.0
+    while True:
+        try:
+            return client.list_topics(timeout=max(min(wait, deadline - time.monotonic()), 0.1))
+        except KafkaException as exc:
+            error = exc.args[0]
+            check_refused(client, started)
+            if time.monotonic() >= deadline or error.code() not in (KafkaError._TRANSPORT,
+                                                                     KafkaError._TIMED_OUT):
+                raise RetryableError(
+                    f"{what}: the Kafka cluster answered {error.str()}; check that it is "
+                    "reachable and try again") from exc
+            wait = min(wait * 2, 8.0)
+
+
 _last_refusal: str | None = None
 _last_refusal_at = float("-inf")
 

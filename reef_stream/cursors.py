@@ -55,7 +55,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, ConsumerGroupDescription, OffsetSpec
 
-from reef_stream.connect import await_answer, check_refused, client_config
+from reef_stream.connect import await_answer, check_refused, client_config, list_topics
 from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
 from reef_stream.topics.serde import SCHEMA_NAME_HEADER, decode
 
@@ -181,7 +181,7 @@ def resolve_topic(bootstrap: str, namespace: str, name: str) -> TopicInfo:
     when neither exists.
     """
     admin = _admin(bootstrap)
-    metadata = _list_topics(admin)
+    metadata = list_topics(admin, "listing the topics")
     prefix = f"{namespace}."
     candidates = [name] if name.startswith(prefix) else [prefix + name, name]
     for candidate in candidates:
@@ -686,27 +686,6 @@ def _ask(what: str, client: Any, request: Callable[[], T | concurrent.futures.Fu
             raise RetryableError(
                 f"{what}: the Kafka cluster answered {error.str()}; check that it is "
                 "reachable and try again") from exc
-
-
-def _list_topics(admin: AdminClient) -> Any:
-    """The cluster's metadata. ``list_topics`` blocks without serving the client's callbacks,
-    so it is asked in growing slices of time (1, 2, 4, 8 s), polling in between: a refused
-    login or TLS handshake is a ConfigurationError within seconds; a cluster that does not
-    answer within ``TIMEOUT_S`` is a RetryableError."""
-    started = time.monotonic()
-    deadline, wait = started + TIMEOUT_S, 1.0
-    while True:
-        try:
-            return admin.list_topics(timeout=max(min(wait, deadline - time.monotonic()), 0.1))
-        except KafkaException as exc:
-            error = exc.args[0]
-            check_refused(admin, started)
-            if time.monotonic() >= deadline or error.code() not in (KafkaError._TRANSPORT,
-                                                                     KafkaError._TIMED_OUT):
-                raise RetryableError(
-                    f"listing the topics: the Kafka cluster answered {error.str()}; check that "
-                    "it is reachable and try again") from exc
-            wait = min(wait * 2, 8.0)
 
 
 def _describe_group(admin: AdminClient, group: str) -> ConsumerGroupDescription:

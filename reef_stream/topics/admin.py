@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
-from reef_stream.connect import last_refusal
-from reef_stream.errors import ConfigurationError, RetryableError, TopicMismatchError
+from reef_stream.connect import list_topics
+from reef_stream.errors import RetryableError, TopicMismatchError
 from reef_stream.topics.declarations import Topic
 
 log = logging.getLogger(__name__)
@@ -173,11 +173,4 @@ def _wait_for_metadata(admin: AdminClient, names: list[str]):
 
 
 def _metadata(admin: AdminClient):
-    try:
-        return admin.list_topics(timeout=TIMEOUT_S)
-    except KafkaException as exc:
-        admin.poll(0)  # delivers the client's error callbacks: a refused login says why
-        refusal = last_refusal()
-        if refusal is not None:
-            raise ConfigurationError(refusal) from exc
-        raise RetryableError(f"The Kafka cluster did not answer: {exc}") from exc
+    return list_topics(admin, "reading the cluster's topics", TIMEOUT_S)

@@ -9,8 +9,9 @@ Clients are configured only through ``REEF_KAFKA_*``, as a deployment would be:
 RecordProducer), ``reef tail`` (a consumer) and a transactional producer (the
 processor's kind) work with the right password; a wrong password or an
 untrusted CA is refused with an error that says what to check and never shows
-the password, and on the admin path of ``reef lag`` / ``reef replay``
-(``reef_stream.cursors``) that error comes within seconds, not after a
+the password, and on the admin path of ``reef lag`` / ``reef replay`` /
+``reef topics create`` (``connect.list_topics``, ``connect.await_answer``) that
+error comes within seconds, not after a
 request's 30 s timeout as "broker transport failure".
 """
 
@@ -251,8 +252,9 @@ def _error_line(result: subprocess.CompletedProcess) -> str:
     ("lag",),
     ("lag", "--group", "trainers"),
     ("replay", "--group", "trainers", "--topic", "generations", "--to-earliest"),
-], ids=["lag", "lag-group", "replay"])
-def test_a_wrong_password_on_the_admin_path_of_lag_and_replay_says_why(broker, namespace,
+    ("topics", "create"),
+], ids=["lag", "lag-group", "replay", "topics-create"])
+def test_a_wrong_password_on_the_admin_path_says_why(broker, namespace,
                                                                        tmp_path, args):
     env = broker.env(namespace, tmp_path / "home", password=WRONG_PASSWORD)
     started = time.monotonic()
