@@ -32,7 +32,8 @@ token, finite rewards, ...): the trainer runs it on every unit and
 dead-letters the ones it names, so a unit that decodes but cannot be trained
 never reaches ``train_step``. Should a step's advantages, loss or gradient
 norm still be non-finite, ``train_step`` raises ``NonFiniteStep`` before that
-update reaches the weights.
+update reaches the weights, on every data-parallel rank (the ranks agree at
+each check, so none is left waiting in a collective).
 
 This module and ``reef_stream.losses`` / ``models`` / ``checkpoints`` are the
 only ones that import torch.
@@ -406,6 +407,36 @@ class TorchBackend:
         self.max_grad_norm = backend.max_grad_norm
         self.between_micro_batches = between_micro_batches
 
+    # Under data parallelism a rank that finds its advantages or a micro batch's loss NaN or
+    # infinite must not simply raise: the other ranks would wait for it in the next gradient
+    # all-reduce until the process group's timeout. So every rank says, at each of those two
+    # checks, whether it diverged (one all-reduce of a flag, MIN over ranks), and all raise.
+
+    def _diverged_everywhere(self) -> None:
+        """This rank diverged: tell the others (they raise in ``_unless_diverged_elsewhere``)."""
+        self._agree(False)
+
+    def _unless_diverged_elsewhere(self, step: int, what: str) -> None:
+        """Raise ``NonFiniteStep`` if another rank found ``what`` non-finite at this check."""
+        if not self._agree(True):
+            raise NonFiniteStep(
+                f"step {step}: another data-parallel rank found {what} NaN or infinite (that "
+                f"rank's error names its units; this is rank {self.rank}): the step was "
+                "abandoned on every rank before this update reached the weights, and no "
+                "checkpoint holds it")
+
+    def _agree(self, finite: bool) -> bool:
+        """Whether every rank is finite at this check (this rank's ``finite`` alone when it is
+        the only one)."""
+        if self.ranks == 1:
+            return finite
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if finite else 0.0], dtype=torch.float64,
+                            device=self.accelerator.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() == 1.0)
+
     def _clip_gradients(self) -> float:
         """The gradient's global norm before clipping; clipped to ``max_grad_norm`` when set.
         Under data parallelism the gradients are already averaged, so every rank agrees."""
@@ -553,9 +584,11 @@ class TorchBackend:
         bad = _non_finite_rows(result.advantages)
         if bad.size:
             owners = sorted({int(i) for i in np.searchsorted(starts, bad, side="right") - 1})
+            self._diverged_everywhere()
             raise NonFiniteStep(_diverged(step, [units[i] for i in owners], (
                 f"the objective returned NaN or infinite advantages for {bad.size} of "
                 f"{starts[-1]} samples (first: row {int(bad[0])})")))
+        self._unless_diverged_elsewhere(step, "the objective's advantages")
         gap = torch.zeros(6, dtype=torch.float64, device=self.accelerator.device)
         before = self._parameters()
         self.model.train()
@@ -579,8 +612,11 @@ class TorchBackend:
                     output = self.loss(inputs)
                     loss = float(output.loss.detach())
                     if not math.isfinite(loss):
+                        self._diverged_everywhere()
                         raise NonFiniteStep(_diverged(step, [units[i] for i in chosen], (
                             f"the loss of a micro batch (epoch {epoch + 1}) is {_number(loss)}")))
+                    self._unless_diverged_elsewhere(
+                        step, f"a micro batch's loss (epoch {epoch + 1})")
                     self.accelerator.backward(output.loss * (len(chosen) / len(batch_units)))
                     micro_batches += 1
                     totals["loss"] = totals.get("loss", 0.0) + loss

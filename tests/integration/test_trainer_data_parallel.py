@@ -20,13 +20,14 @@ from tests.unit_log import create_topics, produce_units, rollout_unit
 STEPS = 4
 
 
-def _torchrun(cli_env, group: str, store) -> subprocess.CompletedProcess:
+def _torchrun(cli_env, group: str, store, recipe: str = "tests.recipes.trainable_dp",
+              timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_ports(1)[0]), "-m", "reef_stream.cli", "train",
-         "--recipe", "tests.recipes.trainable_dp", "--group", group, "--checkpoints", str(store),
+         "--recipe", recipe, "--group", group, "--checkpoints", str(store),
          "--keep", "0", "--max-steps", str(STEPS)],
-        env=cli_env, capture_output=True, text=True, timeout=300)
+        env=cli_env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_two_ranks_own_disjoint_partitions_and_commit_together(kafka_bootstrap, cli_env,
@@ -69,6 +70,27 @@ def test_two_ranks_own_disjoint_partitions_and_commit_together(kafka_bootstrap, 
         finals[group] = steps[-1].weights
     for name, tensor in finals["dp1"].items():
         assert torch.equal(tensor, finals["dp2"][name]), name
+
+
+def test_a_step_that_diverges_on_one_rank_is_abandoned_on_both(kafka_bootstrap, cli_env,
+                                                                namespace, tmp_path):
+    create_topics(kafka_bootstrap, namespace)
+    log = [rollout_unit(i, policy_version=i // 4) for i in range(STEPS * 4 + 2)]
+    produce_units(kafka_bootstrap, namespace, log, spread=True)
+    # Step 1 trains units 0 and 2 on rank 0 and units 1 and 3 on rank 1; step 2 gives unit 5
+    # (partition 5) to rank 1, whose advantages are then NaN while rank 0's are finite. Had
+    # rank 1 raised alone, rank 0 would wait in the gradient all-reduce until the process
+    # group's timeout (30 min), well past this run's.
+    result = _torchrun(cli_env, "diverging", tmp_path / "ckpt", "tests.recipes.diverging_dp",
+                       timeout=180)
+    assert result.returncode != 0, result.stdout
+    errors = " ".join(result.stderr.split())   # each rank's message, wrapped to the terminal
+    assert f"error: step 2, units {log[5].unit_id}: the objective returned NaN or infinite " \
+        "advantages for 4 of 8 samples" in errors, result.stderr[-4000:]
+    assert "error: step 2: another data-parallel rank found the objective's advantages NaN " \
+        "or infinite (that rank's error names its units; this is rank 0)" in errors, \
+        result.stderr[-4000:]
+    assert [c.step for c in CheckpointStore(tmp_path / "ckpt").steps()] == [1]
 
 
 def test_a_data_parallel_recipe_refuses_to_run_on_one_process(cli_env, tmp_path):
