@@ -44,7 +44,9 @@ from reef_stream.connect import client_config
 from reef_stream.consumers.processor import EXIT_RESTART
 from reef_stream.demo.verify import GenerationOutcomes
 from reef_stream.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
-from reef_stream.metrics import CONSUMER_LAG, TRAINER_STALENESS_MEAN, TRAINER_STEPS
+from reef_stream.metrics import (
+    CONSUMER_LAG, PROCESSOR_UNITS, STAGE_PROCESSOR, TRAINER_STALENESS_MEAN, TRAINER_STEPS,
+)
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.reading import read_to_end
@@ -206,6 +208,9 @@ class Demo:
         self.steps = 0
         self.staleness: float | None = None  # mean over the newest step's samples
         self.samples: list[Sample] = []
+        #: Units each processor process has committed (its running ``units`` metric, by its
+        #: ``instance`` label): the units topic's end offsets also count transaction markers.
+        self.units_committed: dict[str, int] = {}
         self.kills: Counter = Counter()
         self.restarts: Counter = Counter()   # stages that exited with EXIT_RESTART
         self.last_status: dict[str, Any] = {}
@@ -343,6 +348,9 @@ class Demo:
                 continue
             if isinstance(event, Publication):
                 self.publications.append((now, event))
+            elif isinstance(event, Metric) and event.stage == STAGE_PROCESSOR:
+                if event.name == PROCESSOR_UNITS:
+                    self.units_committed[event.labels.get("instance", "")] = int(event.value)
             elif isinstance(event, Metric) and event.stage == "trainer":
                 if event.name == "objective.reward_mean":
                     self.rewards.append((now, event.value))
@@ -353,9 +361,11 @@ class Demo:
                 elif event.name == CONSUMER_LAG and event.labels.get("topic") == \
                         self.topics["units"]:
                     self.trainer_lag[event.labels.get("partition", "")] = int(event.value)
-        offsets = {name: end_offset(watcher, topic) for name, topic in self.topics.items()}
+        offsets = {name: end_offset(watcher, topic) for name, topic in self.topics.items()
+                   if name != "units"}
         if self.samples:   # a failed read keeps the last known figure
             offsets = {k: v if v >= 0 else self.samples[-1].offsets[k] for k, v in offsets.items()}
+        offsets["units"] = sum(self.units_committed.values())
         self.samples.append(Sample(now, {k: max(v, 0) for k, v in offsets.items()}, self.steps,
                                    sum(self.trainer_lag.values())))
 
