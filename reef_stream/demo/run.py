@@ -361,8 +361,9 @@ class Demo:
                 elif event.name == CONSUMER_LAG and event.labels.get("topic") == \
                         self.topics["units"]:
                     self.trainer_lag[event.labels.get("partition", "")] = int(event.value)
-        offsets = {name: end_offset(watcher, topic) for name, topic in self.topics.items()
-                   if name != "units"}
+        # Records per topic for the rates; units are counted by the processors (above).
+        offsets = {name: end_offset(watcher, self.topics[name])
+                   for name in ("generations", "feedback")}
         if self.samples:   # a failed read keeps the last known figure
             offsets = {k: v if v >= 0 else self.samples[-1].offsets[k] for k, v in offsets.items()}
         offsets["units"] = sum(self.units_committed.values())
