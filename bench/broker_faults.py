@@ -30,12 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reef_stream.commands.demo import DemoProgress  # noqa: E402
+from reef_stream.cli.demo import DemoProgress  # noqa: E402
 from reef_stream.config import load_settings  # noqa: E402
-from reef_stream.connect import KAFKA_LOGGER  # noqa: E402
+from reef_stream.topics.connect import KAFKA_LOGGER  # noqa: E402
 from reef_stream.demo.faults import Timeline, run_broker_faults  # noqa: E402
 from reef_stream.demo.run import DemoOptions  # noqa: E402
-from reef_stream.processes import interrupt_on_sigterm  # noqa: E402
+from reef_stream.ops.processes import interrupt_on_sigterm  # noqa: E402
 
 
 def main() -> int:

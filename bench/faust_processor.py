@@ -71,8 +71,10 @@ def worker(bootstrap: str, ns: str, units: int, guarantee: str, result: Path, *,
     import faust
 
     from reef_stream.errors import InvalidRecord
-    from reef_stream.events import Feedback, Generation
-    from reef_stream.processor import Origin, ProcessorState, dumps_snapshot
+    from reef_stream.topics.events import Feedback, Generation
+    from reef_stream.api.processor import Origin
+    from reef_stream.engine.join import ProcessorState
+    from reef_stream.engine.snapshots import dumps_snapshot
     from reef_stream.topics import declarations
     from reef_stream.topics.serde import SchemaRegistry
     from tests.integration.test_processor_runtime import RECIPE
@@ -154,7 +156,7 @@ def committed_count(bootstrap: str, topic: str, deadline_s: float) -> int:
     """How many records a ``read_committed`` reader finds in ``topic`` within the deadline."""
     from confluent_kafka import Consumer
 
-    from reef_stream.connect import client_config
+    from reef_stream.topics.connect import client_config
 
     consumer = Consumer(client_config(bootstrap, {
         "group.id": f"count-{uuid.uuid4().hex[:6]}", "auto.offset.reset": "earliest",
@@ -178,7 +180,7 @@ def run_faust(bootstrap: str, ns: str, units: int, guarantee: str, with_table: b
     """The faust worker in a child process: its result, or why there is none (the log tail)."""
     from confluent_kafka.admin import AdminClient
 
-    from reef_stream.connect import client_config
+    from reef_stream.topics.connect import client_config
     from reef_stream.topics.admin import ensure_topics
     from reef_stream.topics.declarations import Topic
 
@@ -237,7 +239,7 @@ def main() -> None:
 
     bench = _bench_processor()
     from reef_stream.config import load_settings
-    from reef_stream.kafka_local import configured_or_throwaway
+    from reef_stream.ops.kafka_local import configured_or_throwaway
 
     settings = load_settings()
     workdir = Path(tempfile.mkdtemp(prefix="reef-bench-"))

@@ -29,10 +29,10 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.config import load_settings
-from reef_stream.connect import client_config
-from reef_stream.events import FinishReason, Generation, SamplingParams
+from reef_stream.topics.connect import client_config
+from reef_stream.topics.events import FinishReason, Generation, SamplingParams
 from reef_stream.intake.producer import RecordProducer, record_key
-from reef_stream.kafka_local import configured_or_throwaway
+from reef_stream.ops.kafka_local import configured_or_throwaway
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.declarations import declare_topics, generations
 from reef_stream.topics.serde import SchemaRegistry

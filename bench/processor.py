@@ -38,11 +38,11 @@ from confluent_kafka.admin import AdminClient
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reef_stream.config import load_settings  # noqa: E402
-from reef_stream.connect import client_config  # noqa: E402
+from reef_stream.topics.connect import client_config  # noqa: E402
 from reef_stream.consumers.processor import ProcessorRuntime  # noqa: E402
-from reef_stream.events import Feedback, Generation, RolloutUnit  # noqa: E402
-from reef_stream.kafka_local import configured_or_throwaway  # noqa: E402
-from reef_stream.processor import unit_id  # noqa: E402
+from reef_stream.topics.events import Feedback, Generation, RolloutUnit  # noqa: E402
+from reef_stream.ops.kafka_local import configured_or_throwaway  # noqa: E402
+from reef_stream.api.processor import unit_id  # noqa: E402
 from reef_stream.topics import declarations  # noqa: E402
 from reef_stream.topics.admin import ensure_topics  # noqa: E402
 from reef_stream.topics.declarations import Topic  # noqa: E402

@@ -28,7 +28,7 @@ resident memory instead (allocator slack included; no restore). Figures,
 never assertions.
 
 Measured (2 shared cores, 200,000 generations, default options), before the
-ledger (``reef_stream.processor_ledger``) and with it: 1,252 -> 108 bytes per
+ledger (``reef_stream.engine.ledger``) and with it: 1,252 -> 108 bytes per
 concluded generation (tracemalloc; RSS 1,472 -> 134), against 123 for a set
 of the ids (ratio 10.2 -> 0.88); changelog written 459 -> 157 bytes per
 generation; restore 200,000 keys (72.5 MiB) in 7.7 s -> 668 keys (12.3 MiB)
@@ -52,13 +52,10 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from methods.sao.processor import REWARD_SOURCE, processor  # noqa: E402
-from reef_stream.events import Feedback, FinishReason, Generation, SamplingParams  # noqa: E402
-from reef_stream.processor import (  # noqa: E402
-    Origin,
-    ProcessorState,
-    dumps_snapshot,
-    loads_snapshot,
-)
+from reef_stream.topics.events import Feedback, FinishReason, Generation, SamplingParams  # noqa: E402
+from reef_stream.api.processor import Origin  # noqa: E402
+from reef_stream.engine.join import ProcessorState  # noqa: E402
+from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot  # noqa: E402
 from reef_stream.topics.serde import SchemaRegistry  # noqa: E402
 
 BATCH = 2000  # records per transaction, as reef_stream.consumers.processor.BATCH

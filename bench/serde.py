@@ -20,7 +20,7 @@ from io import BytesIO
 import numpy as np
 from fastavro import schemaless_reader, schemaless_writer
 
-from reef_stream.events import FinishReason, Generation, SamplingParams, now_ms, to_avro
+from reef_stream.topics.events import FinishReason, Generation, SamplingParams, now_ms, to_avro
 from reef_stream.topics.serde import SchemaRegistry
 
 PROMPT_LEN = 64

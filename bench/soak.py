@@ -28,11 +28,11 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reef_stream.config import load_settings  # noqa: E402
-from reef_stream.cursors import lag  # noqa: E402
+from reef_stream.topics.cursors import lag  # noqa: E402
 from reef_stream.demo.run import Demo, DemoOptions  # noqa: E402
-from reef_stream.kafka_local import configured_or_throwaway  # noqa: E402
-from reef_stream.processes import free_ports, interrupt_on_sigterm  # noqa: E402
-from reef_stream.redis_local import LocalRedis  # noqa: E402
+from reef_stream.ops.kafka_local import configured_or_throwaway  # noqa: E402
+from reef_stream.ops.processes import free_ports, interrupt_on_sigterm  # noqa: E402
+from reef_stream.ops.redis_local import LocalRedis  # noqa: E402
 
 MiB = 1 << 20
 

@@ -16,7 +16,7 @@
 | ``REEF_KAFKA_SSL_*`` | unset | Further TLS properties, passed to librdkafka under the name the variable spells in lower case with ``_`` as ``.``: ``REEF_KAFKA_SSL_CERTIFICATE_LOCATION`` → ``ssl.certificate.location``. Only the ones in ``KAFKA_SECURITY_PROPERTIES`` (client certificate and key, CRL, endpoint identification, ciphers); any other ``REEF_KAFKA_*`` variable is an error. |
 
 The ``REEF_KAFKA_*`` variables become librdkafka properties of every client
-reef-stream creates (producers, consumers, admin clients: ``reef_stream.connect.
+reef-stream creates (producers, consumers, admin clients: ``reef_stream.topics.connect.
 client_config``); a property a client sets itself wins. Only security properties
 can be set this way, so the environment cannot weaken a delivery guarantee
 (``acks``, idempotence, isolation level). Secrets are held out of ``repr`` and

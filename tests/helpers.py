@@ -7,7 +7,7 @@ import sys
 
 from confluent_kafka import Consumer
 
-from reef_stream.connect import client_config
+from reef_stream.topics.connect import client_config
 
 
 def reef(*args: str, env: dict[str, str], timeout: float = 180,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from reef_stream.events import RolloutUnit, Sample
-from reef_stream.processor import unit_id
+from reef_stream.topics.events import RolloutUnit, Sample
+from reef_stream.api.processor import unit_id
 
 
 def rollout_unit(i: int, *, recipe: str = "trainable", policy_version: int = 0, group_size: int = 4,
@@ -29,7 +29,7 @@ def create_topics(bootstrap: str, namespace: str, recipe: str = "trainable") -> 
     """Every topic of ``namespace``, with the units topic of ``recipe``."""
     from confluent_kafka.admin import AdminClient
 
-    from reef_stream.connect import client_config
+    from reef_stream.topics.connect import client_config
     from reef_stream.topics.admin import ensure_topics
     from reef_stream.topics.declarations import declare_topics
 
@@ -47,7 +47,7 @@ def produce_units(bootstrap: str, namespace: str, records, *, recipe: str = "tra
 
     from confluent_kafka import Producer
 
-    from reef_stream.connect import client_config
+    from reef_stream.topics.connect import client_config
     from reef_stream.topics.declarations import units as units_topic
     from reef_stream.topics.serde import SchemaRegistry
 

@@ -6,6 +6,6 @@
 ``README.md`` says more.
 """
 
-from methods.grpo.recipe import recipe
+from .recipe import recipe
 
 __all__ = ["recipe"]

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from reef_stream.errors import ConfigurationError
-from reef_stream.events import RolloutUnit
-from reef_stream.losses import POLICY_GRADIENT, LossFamily
-from reef_stream.objective import ObjectiveResult, PerSampleAdvantages
+from reef_stream.topics.events import RolloutUnit
+from reef_stream.api.losses import POLICY_GRADIENT, LossFamily
+from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages
 
 #: Metric names (the trainer reports them as ``objective.<name>``).
 METRIC_REWARD_MEAN = "reward_mean"

@@ -2,7 +2,7 @@
 
 A replica samples ``group_size`` completions of a prompt under one
 ``group_id``, each generation declaring that ``group_size``. Built-in parts
-(``reef_stream.processor_parts``):
+(``reef_stream.api.parts``):
 
 - ``ByGroupId()``: the group key is ``group_id``; the group is complete when
   its declared ``group_size`` members are scored. A group that cannot
@@ -16,8 +16,8 @@ A replica samples ``group_size`` completions of a prompt under one
 
 from __future__ import annotations
 
-from reef_stream.events import RolloutUnit
-from reef_stream.processor_parts import ByGroupId, ComposedProcessor, RequireSources
+from reef_stream.topics.events import RolloutUnit
+from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources
 
 #: The feedback source GRPO trains on (the demo task's reward function emits it).
 REWARD_SOURCE = "exact_match"

@@ -7,12 +7,12 @@ Replicas serving this recipe sample ``GROUP_SIZE`` completions per prompt under 
 
 from __future__ import annotations
 
-from methods.grpo.objective import GroupNormalisedAdvantage
-from methods.grpo.processor import processor
+from .objective import GroupNormalisedAdvantage
+from .processor import processor
 from reef_stream.demo.task import HeldOutAccuracy, exact_match, policy_model
-from reef_stream.losses import POLICY_GRADIENT, ClippedPolicyGradient
-from reef_stream.recipe import Backend, Recipe
-from reef_stream.schedule import Schedule
+from reef_stream.api.losses import POLICY_GRADIENT, ClippedPolicyGradient
+from reef_stream.api.recipe import Backend, Recipe
+from reef_stream.api.schedule import Schedule
 
 #: Completions sampled per prompt (each generation's declared group_size).
 GROUP_SIZE = 16

@@ -11,6 +11,6 @@ Read it in this order (``README.md`` walks through it):
   evaluator, as ``recipe`` (what ``load_recipe("methods.sao")`` takes).
 """
 
-from methods.sao.recipe import recipe
+from .recipe import recipe
 
 __all__ = ["recipe"]

@@ -19,7 +19,7 @@ whose gradient is what matters; do not read it as an objective.
 
 The family takes ``PolicyGradientInputs`` (the same tensors as the built-in
 ``policy_gradient`` family), so the torch backend builds its inputs the same
-way: ``reef_stream.training.INPUT_BUILDERS`` is keyed by a family's
+way: ``reef_stream.engine.training.INPUT_BUILDERS`` is keyed by a family's
 ``inputs`` type. Importing this module registers the family (idempotent).
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from reef_stream.errors import ConfigurationError
-from reef_stream.losses import (
+from reef_stream.api.losses import (
     LossFamily,
     LossOutput,
     PolicyGradientInputs,

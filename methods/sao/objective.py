@@ -40,11 +40,11 @@ from typing import Any
 
 import numpy as np
 
-from methods.sao.loss import SAO_TRUNCATED_PG
+from .loss import SAO_TRUNCATED_PG
 from reef_stream.errors import ConfigurationError
-from reef_stream.events import RolloutUnit
-from reef_stream.losses import LossFamily
-from reef_stream.objective import ObjectiveResult, PerSampleAdvantages, rollout_samples
+from reef_stream.topics.events import RolloutUnit
+from reef_stream.api.losses import LossFamily
+from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages, rollout_samples
 
 #: Metric names (the trainer reports them as ``objective.<name>``).
 METRIC_BASELINE = "baseline"                # mean of the baselines the step's samples used
@@ -63,7 +63,7 @@ class RewardStats:
     sorted: ``means[i]``, ``variances[i]`` and ``last_step[i]`` (the step
     that last updated ``keys[i]``) belong to ``keys[i]``. ``step`` counts
     the steps applied. Only ints, floats, strings and tuples of them, so a
-    checkpoint stores it (``reef_stream.objective.state_record``).
+    checkpoint stores it (``reef_stream.api.objective.state_record``).
     """
 
     step: int = 0

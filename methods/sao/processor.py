@@ -2,7 +2,7 @@
 
 SAO needs no groups (its baseline is the running per-prompt statistics of
 ``methods.sao.objective``), so the processor is three built-in parts
-composed (``reef_stream.processor_parts``):
+composed (``reef_stream.api.parts``):
 
 - ``Ungrouped``: every generation is its own group of one, whatever its
   ``group_id``;
@@ -14,13 +14,13 @@ composed (``reef_stream.processor_parts``):
   ``Sample``.
 
 The processor is pure (no Kafka); ``reef process`` runs it, and
-``reef_stream.testing.run_processor`` runs the same state machine in tests.
+``reef_stream.api.testing.run_processor`` runs the same state machine in tests.
 """
 
 from __future__ import annotations
 
-from reef_stream.events import RolloutUnit
-from reef_stream.processor_parts import ComposedProcessor, RequireSources, Ungrouped
+from reef_stream.topics.events import RolloutUnit
+from reef_stream.api.parts import ComposedProcessor, RequireSources, Ungrouped
 
 #: The feedback source SAO trains on (the demo task's reward function emits it).
 REWARD_SOURCE = "exact_match"

@@ -9,12 +9,12 @@ has a loss for it, and the schedule's batches fit.
 
 from __future__ import annotations
 
-from methods.sao.loss import SAO_TRUNCATED_PG, TruncatedPolicyGradient
-from methods.sao.objective import StreamingAdvantage
-from methods.sao.processor import processor
+from .loss import SAO_TRUNCATED_PG, TruncatedPolicyGradient
+from .objective import StreamingAdvantage
+from .processor import processor
 from reef_stream.demo.task import HeldOutAccuracy, exact_match, policy_model
-from reef_stream.recipe import Backend, Recipe
-from reef_stream.schedule import Schedule
+from reef_stream.api.recipe import Backend, Recipe
+from reef_stream.api.schedule import Schedule
 
 #: The importance-weight bound of the loss (V-trace's rho-bar).
 TRUNCATION = 1.0

@@ -81,22 +81,22 @@ from confluent_kafka import (
     OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition,
 )
 
-from reef_stream.checkpoints import MANIFEST, CheckpointError, verify, write_durably
+from reef_stream.engine.checkpoints import MANIFEST, CheckpointError, verify, write_durably
 from reef_stream.config import Settings, load_settings
-from reef_stream.connect import ask_broker, bootstrap_servers, client_config
+from reef_stream.topics.connect import ask_broker, bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, RetryableError
-from reef_stream.evaluator import Incumbent, Measurement, Selection
-from reef_stream.events import Checkpoint, DeadLetter, Decision, MessageHeader, Publication, now_ms
-from reef_stream.metrics import (
+from reef_stream.api.evaluator import Incumbent, Measurement, Selection
+from reef_stream.topics.events import Checkpoint, DeadLetter, Decision, MessageHeader, Publication, now_ms
+from reef_stream.ops.metrics import (
     EVALUATOR_CANDIDATE_VERSION, EVALUATOR_CANDIDATES_SKIPPED, EVALUATOR_DECISIONS,
     EVALUATOR_MEASURE_SECONDS, EVALUATOR_MEASUREMENT, STAGE_EVALUATOR, MetricsWriter,
 )
-from reef_stream.recipe import Recipe
+from reef_stream.api.recipe import Recipe
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
 
 if TYPE_CHECKING:
-    from reef_stream.fleet import Fleet
+    from reef_stream.consumers.fleet import Fleet
 
 __all__ = ["EvaluateOptions", "EvaluateSummary", "EvaluatorWorker", "PublicationLedger",
            "PublicationStore", "coordinates_key", "default_group", "default_publication_url",
@@ -500,7 +500,7 @@ class _Stopped(Exception):
 class EvaluatorWorker:
     """The candidate evaluator of one recipe; see the module docstring.
 
-    ``fleet``: the Redis projection to tell about publications (``reef_stream.fleet.Fleet``);
+    ``fleet``: the Redis projection to tell about publications (``reef_stream.consumers.fleet.Fleet``);
     None leaves Redis alone (``reef fleet --rebuild`` catches up). ``announce(text)``: how the
     evaluator's ``warning`` is shown at start [default: logged at WARNING]. ``on_decision(pub)``:
     called after each publication is acknowledged and committed (on ``run``'s thread).
@@ -875,6 +875,6 @@ class EvaluatorWorker:
 
 
 if __name__ == "__main__":
-    from reef_stream.commands.evaluate import main
+    from reef_stream.cli.evaluate import main
 
     main()

@@ -42,7 +42,7 @@ reading (``reef_stream.consumers.evaluator``).
 
 Reporting: every ``heartbeat_s`` seconds (and after every load) the replica
 writes ``replica → model, version, host, state, last seen`` to the Redis
-projection (``reef_stream.fleet``, expiring after its TTL) and the same as a
+projection (``reef_stream.consumers.fleet``, expiring after its TTL) and the same as a
 ``Metric`` to ``<ns>.metrics`` (the source ``reef fleet --rebuild`` reads).
 Redis or metric failures are logged and never stop serving. ``stop``
 removes the replica from the projection.
@@ -74,16 +74,16 @@ from dataclasses import dataclass
 import torch
 from confluent_kafka import Message, Producer
 
-from reef_stream.checkpoints import CheckpointError, load_weights
+from reef_stream.engine.checkpoints import CheckpointError, load_weights
 from reef_stream.config import Settings, load_settings
-from reef_stream.connect import bootstrap_servers, client_config
+from reef_stream.topics.connect import bootstrap_servers, client_config
 from reef_stream.consumers.evaluator import PublicationLedger
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, ReefError
-from reef_stream.events import Generation, Publication, now_ms
-from reef_stream.fleet import (
+from reef_stream.topics.events import Generation, Publication, now_ms
+from reef_stream.consumers.fleet import (
     DEFAULT_HEARTBEAT_S, DEFAULT_TTL_S, Fleet, ReplicaStatus, heartbeat_metric_labels,
 )
-from reef_stream.metrics import (
+from reef_stream.ops.metrics import (
     FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, FOLLOWER_LOAD_SECONDS, FOLLOWER_POLICY_VERSION,
     FOLLOWER_PUBLICATION_TO_SERVING_SECONDS, FOLLOWER_PUBLICATIONS_UNDECODABLE,
     FOLLOWER_VERSIONS_LOADED, FOLLOWER_VERSIONS_REFUSED, STAGE_FOLLOWER, MetricsWriter,
@@ -120,7 +120,7 @@ class Follower:
 
     ``initial_version``: the version the replica serves before anything is loaded (its base
     weights), or None when it serves nothing until the first load. ``fleet``: a
-    ``reef_stream.fleet.Fleet``, ``AUTO`` (the Redis the settings name, if any) or None (no
+    ``reef_stream.consumers.fleet.Fleet``, ``AUTO`` (the Redis the settings name, if any) or None (no
     Redis projection). ``on_refused(publication, error)``: told about each refusal.
     Constructing connects to nothing; raises ``ConfigurationError`` for bad arguments.
     """
@@ -488,7 +488,7 @@ class Follower:
         if isinstance(self._fleet_arg, Fleet) or self._fleet_arg is None:
             return self._fleet_arg
         if self._fleet_arg != AUTO:
-            raise ConfigurationError(f"fleet must be a reef_stream.fleet.Fleet, {AUTO!r} or None, "
+            raise ConfigurationError(f"fleet must be a reef_stream.consumers.fleet.Fleet, {AUTO!r} or None, "
                                      f"not {self._fleet_arg!r}")
         try:
             return Fleet.from_settings(self._settings, namespace=self.namespace, ttl_s=self.ttl_s)

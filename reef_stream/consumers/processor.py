@@ -1,8 +1,8 @@
 """The processor runtime: a recipe's processor over ``<ns>.generations`` + ``<ns>.feedback``.
 
 ``ProcessorRuntime`` (``reef process --recipe X``) runs
-``reef_stream.processor.ProcessorState`` (the same state machine that
-``reef_stream.testing.run_processor`` drives) as a confluent-kafka
+``reef_stream.engine.join.ProcessorState`` (the same state machine that
+``reef_stream.api.testing.run_processor`` drives) as a confluent-kafka
 *transactional consume-transform-produce loop*. Per batch of records, one
 Kafka transaction holds, atomically:
 
@@ -15,7 +15,7 @@ Kafka transaction holds, atomically:
 3. the snapshot of every state key the batch touched (``Step.touched``), to
    the compacted changelog ``<ns>.processor-state.<recipe>`` (partition p
    holds the state of input partition p; key: state key, UTF-8, the
-   ledger's segment keys surrogate-escaped (``reef_stream.processor_ledger``);
+   ledger's segment keys surrogate-escaped (``reef_stream.engine.ledger``);
    a tombstone when the key holds nothing any more);
 4. the consumed offsets (``send_offsets_to_transaction`` with the consumer's
    group metadata, KIP-447).
@@ -101,12 +101,12 @@ rewind), since a restored state does not hold it.
 Counts. ``counts`` holds ``Step.counts`` summed over committed transactions
 only (an aborted transaction's counts are dropped with it). They go to the
 log every ``log_every_s`` seconds and, as ``Metric`` events (names in
-``reef_stream.metrics``, labels ``recipe``, ``group``, ``instance``), to
+``reef_stream.ops.metrics``, labels ``recipe``, ``group``, ``instance``), to
 ``<ns>.metrics`` at most every ``metrics_every_s`` seconds and whenever they
 changed: generations by outcome, feedback by fate, duplicate generations,
 units, invalid records, transactions and aborted transactions, as running
 totals since the process started; with them the distributions of
-``reef_stream.record_stats`` (rewards per feedback source and policy version,
+``reef_stream.ops.record_stats`` (rewards per feedback source and policy version,
 completion lengths, truncation) and, whether or not anything committed, the
 consumer's lag per partition (``MetricsWriter.write_lag``). They go through a
 producer of their own, outside the transactions (see ``_emit_metrics``).
@@ -114,9 +114,9 @@ producer of their own, outside the transactions (see ``_emit_metrics``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -136,29 +136,29 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient
 
-from reef_stream.connect import ask_broker, client_config
+from reef_stream.topics.connect import ask_broker, client_config
 from reef_stream.errors import FatalError, InvalidRecord
-from reef_stream import metrics
-from reef_stream.events import Checkpoint, DeadLetter, Feedback, Generation, MessageHeader, now_ms
+from reef_stream.ops import metrics
+from reef_stream.topics.events import Checkpoint, DeadLetter, Feedback, Generation, MessageHeader, now_ms
 from reef_stream.intake.validation import validate
-from reef_stream.processor import (
+from reef_stream.engine.join import (
     FeedbackFate,
     FeedbackOutcome,
     GenerationOutcome,
-    Origin,
     Outcome,
     ProcessorState,
     Step,
-    dumps_snapshot,
-    loads_snapshot,
 )
-from reef_stream.record_stats import RecordStats
+from reef_stream.api.processor import Origin
+from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
+from reef_stream.ops.processes import stop_on_signals
+from reef_stream.ops.record_stats import RecordStats
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.declarations import MiB, Topic
 from reef_stream.topics.serde import SchemaRegistry
 
-log = logging.getLogger("reef_stream.processor")
+log = logging.getLogger("reef_stream.engine.join")
 
 STAGE = metrics.STAGE_PROCESSOR
 #: Most records taken per transaction.
@@ -352,7 +352,7 @@ class ProcessorRuntime:
         do. ``counts`` only changes when a transaction commits, so a value sent
         here never counts what an aborted transaction decided; a crash merely
         loses the last second of observations (the next process starts its
-        running totals at 0, as ``reef_stream.metrics`` says). ``acks=1`` and one
+        running totals at 0, as ``reef_stream.ops.metrics`` says). ``acks=1`` and one
         request in flight keep one instance's events in order without the
         idempotent producer's fatal states; the queue is bounded, and a metric
         that cannot be queued or delivered is counted in ``metrics_dropped``
@@ -928,11 +928,10 @@ def run_processor_runtime(recipe: Any, *, bootstrap: str, namespace: str, group:
     stuck transaction ends the process with ``EXIT_RESTART`` (see ``_watch_commits``)."""
     runtime = ProcessorRuntime(recipe, bootstrap=bootstrap, namespace=namespace, group=group,
                                instance=instance, batch=batch, on_stuck=_exit_for_restart)
-    if handle_signals:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: runtime.stop())
+    stopping = stop_on_signals(runtime.stop) if handle_signals else contextlib.nullcontext()
     try:
-        runtime.run()
+        with stopping:
+            runtime.run()
     except KafkaException as exc:
         raise FatalError(f"the processor stopped: {exc.args[0]}") from exc
     return runtime

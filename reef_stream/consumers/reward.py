@@ -58,12 +58,12 @@ resumed partition's next fetch comes only after the broker's fetch wait
 are dropped at once (uncommitted: the group reads them again); only running
 calls get the grace.
 
-Metrics: the counters of ``RewardSummary`` (``REWARD_*`` in ``reef_stream.metrics``,
+Metrics: the counters of ``RewardSummary`` (``REWARD_*`` in ``reef_stream.ops.metrics``,
 stage ``reward``, labels ``recipe``, ``group``, ``instance`` = host.pid) and the
 mean reward per feedback source go to ``<ns>.metrics`` through a plain producer
 of the worker's own, from the consumer loop at most once a second when they
 changed, and once at stop; they also set the process's Prometheus gauges
-(``reef_stream.prometheus``). Writing them never waits on the broker: a metric
+(``reef_stream.ops.prometheus``). Writing them never waits on the broker: a metric
 that cannot be queued or delivered is dropped (``metrics_dropped``).
 
 Threads: ``run`` owns the Kafka consumer and must be called from one thread;
@@ -93,16 +93,16 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from reef_stream.config import Settings, load_settings
-from reef_stream.connect import bootstrap_servers, client_config
+from reef_stream.topics.connect import bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
-from reef_stream.events import DeadLetter, Generation, MessageHeader, now_ms
+from reef_stream.topics.events import DeadLetter, Generation, MessageHeader, now_ms
 from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandle
-from reef_stream.metrics import (
+from reef_stream.ops.metrics import (
     REWARD_DROPPED, REWARD_FAILED, REWARD_INVALID, REWARD_MEAN, REWARD_RECORDS, REWARD_RETRIED,
     REWARD_REWARDED, REWARD_TIMED_OUT, REWARD_UNDECODABLE, STAGE_REWARD, MetricsWriter,
     metrics_producer,
 )
-from reef_stream.recipe import Recipe, Reward, feedback_for
+from reef_stream.api.recipe import Recipe, Reward, feedback_for
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import decode
 
@@ -763,7 +763,7 @@ def _is_coroutine_function(function: Any) -> bool:
 def _invalid_result(result: Any) -> str | None:
     """Why ``result`` is not a usable reward, or None."""
     if not isinstance(result, Reward):
-        return f"expected a reef_stream.recipe.Reward, got {type(result).__name__}"
+        return f"expected a reef_stream.api.recipe.Reward, got {type(result).__name__}"
     value = result.reward
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         return f"reward must be a number, not {type(value).__name__}"
@@ -773,6 +773,6 @@ def _invalid_result(result: Any) -> str | None:
 
 
 if __name__ == "__main__":
-    from reef_stream.commands.reward import main
+    from reef_stream.cli.reward import main
 
     main()

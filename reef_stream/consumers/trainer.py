@@ -6,14 +6,14 @@
 What a step is. The trainer reads every partition of the units topic
 (manually assigned: a step must not depend on a rebalance) and merges them
 into one order that is a function of the log alone
-(``reef_stream.unit_order.PartitionMerge``). Taking units in that order, it
+(``reef_stream.engine.unit_order.PartitionMerge``). Taking units in that order, it
 
 1. dead-letters a unit that does not decode as the recipe's unit type
    (``invalid``);
 2. skips a unit whose id it already trained or holds (a unit the processor
    re-emitted after a crash; ``duplicates``, no dead letter);
 3. dead-letters a unit that decodes but that the backend cannot train
-   (``reef_stream.training.untrainable``: no samples, a token id outside the
+   (``reef_stream.engine.training.untrainable``: no samples, a token id outside the
    model's vocabulary, logprobs and tokens of different lengths, an empty or
    too long sequence, a NaN or infinite logprob or reward; ``invalid``, the
    reason names the unit, the generation and what is wrong), so a poison pill
@@ -80,28 +80,28 @@ import torch
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from reef_stream.checkpoints import (
+from reef_stream.engine.checkpoints import (
     CheckpointContents, CheckpointError, CheckpointStore, StoredCheckpoint, default_store_url, load,
     unit_hash,
 )
 from reef_stream.config import Settings, load_settings
-from reef_stream.connect import client_config
+from reef_stream.topics.connect import client_config
 from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
-from reef_stream.events import Checkpoint, DeadLetter, MessageHeader, TopicOffset, now_ms
-from reef_stream.failpoints import failpoint
-from reef_stream.metrics import (
+from reef_stream.topics.events import Checkpoint, DeadLetter, MessageHeader, TopicOffset, now_ms
+from reef_stream.ops.failpoints import failpoint
+from reef_stream.ops.metrics import (
     STAGE_TRAINER, TRAINER_DATA_SECONDS, TRAINER_STALENESS_MAX, TRAINER_STALENESS_MEAN,
     TRAINER_STALENESS_SAMPLES, TRAINER_STEP_SECONDS, TRAINER_STEPS, TRAINER_UNITS_DUPLICATE,
     TRAINER_UNITS_INVALID, TRAINER_UNITS_STALE, TRAINER_UNITS_TRAINED,
     MetricsWriter,
 )
-from reef_stream.objective import state_from_record, state_record
-from reef_stream.recipe import Recipe
+from reef_stream.api.objective import state_from_record, state_record
+from reef_stream.api.recipe import Recipe
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.serde import SchemaRegistry
-from reef_stream.training import TorchBackend, select_rows, unit_members, untrainable
-from reef_stream.unit_order import Ordered, PartitionMerge
+from reef_stream.engine.training import TorchBackend, select_rows, unit_members, untrainable
+from reef_stream.engine.unit_order import Ordered, PartitionMerge
 
 log = logging.getLogger(__name__)
 

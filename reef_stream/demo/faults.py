@@ -37,10 +37,10 @@ from typing import Any
 
 from reef_stream.config import Settings
 from reef_stream.demo.run import Demo, DemoOptions, DemoResult
-from reef_stream.events import Decision
-from reef_stream.kafka_local import LocalCluster
-from reef_stream.processes import free_ports
-from reef_stream.redis_local import LocalRedis
+from reef_stream.topics.events import Decision
+from reef_stream.ops.kafka_local import LocalCluster
+from reef_stream.ops.processes import free_ports
+from reef_stream.ops.redis_local import LocalRedis
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,6 @@ import hashlib
 import json
 import logging
 import re
-import signal
 import threading
 import time
 import uuid
@@ -58,6 +57,7 @@ import torch
 from torch import nn
 
 from reef_stream.config import Settings, load_settings
+from reef_stream.ops.processes import stop_on_signals
 from reef_stream.consumers.follower import AUTO, Follower, LoadedVersion, default_replica_id
 from reef_stream.demo.task import (
     DEMO_SEED, ProblemStream, make_generation, policy_model, prompt_tensor, sample,
@@ -335,25 +335,24 @@ def main(model_name: str, grouped: bool, group_size: int, prompts: int, rate: fl
     torch.set_num_threads(threads)
     factory: Callable[[], nn.Module] = policy_model
     if recipe is not None:
-        from reef_stream.recipe import load_recipe
+        from reef_stream.api.recipe import load_recipe
 
         loaded = load_recipe(recipe)
         if loaded.backend.model is not None:
             factory = loaded.backend.model
         seed = loaded.schedule.seed if seed is None else seed
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    report = run_replica(model_name, grouped=grouped, group_size=group_size, prompts=prompts,
-                         rate=rate, temperature=temperature,
-                         seed=DEMO_SEED if seed is None else seed, sampling_seed=sampling_seed,
-                         model_factory=factory, replica_id=replica_id, stop_event=stop,
-                         max_generations=max_generations, heartbeat_s=heartbeat,
-                         acked_log=acked_log)
+    with stop_on_signals(stop.set):
+        report = run_replica(model_name, grouped=grouped, group_size=group_size, prompts=prompts,
+                             rate=rate, temperature=temperature,
+                             seed=DEMO_SEED if seed is None else seed, sampling_seed=sampling_seed,
+                             model_factory=factory, replica_id=replica_id, stop_event=stop,
+                             max_generations=max_generations, heartbeat_s=heartbeat,
+                             acked_log=acked_log)
     click.echo(report.to_json())
 
 
 if __name__ == "__main__":
-    from reef_stream.commands.evaluate import run_standalone
+    from reef_stream.cli.common import run_standalone
 
     run_standalone(main, "python -m reef_stream.demo.replica", "reef_stream")

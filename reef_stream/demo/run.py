@@ -40,11 +40,11 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPar
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.config import Settings
-from reef_stream.connect import client_config
+from reef_stream.topics.connect import client_config
 from reef_stream.consumers.processor import EXIT_RESTART
 from reef_stream.demo.verify import GenerationOutcomes
-from reef_stream.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
-from reef_stream.metrics import (
+from reef_stream.topics.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
+from reef_stream.ops.metrics import (
     CONSUMER_LAG, PROCESSOR_UNITS, STAGE_PROCESSOR, TRAINER_STALENESS_MEAN, TRAINER_STEPS,
 )
 from reef_stream.topics import declarations
@@ -180,7 +180,7 @@ class Demo:
 
     def __init__(self, options: DemoOptions, *, settings: Settings, bootstrap: str,
                  redis_url: str, show: Callable[[dict[str, Any]], None] | None = None) -> None:
-        from reef_stream.recipe import load_recipe
+        from reef_stream.api.recipe import load_recipe
 
         self.options, self.settings, self.bootstrap = options, settings, bootstrap
         self.recipe = load_recipe(options.recipe)
@@ -492,7 +492,7 @@ def unit_ledger(bootstrap: str, ns: str, recipe: str, store: Path) -> dict[str, 
     stale, or untrainable; must be 0); ``dropped``: the dead-lettered ones; ``duplicates``: extra
     records of an id already in the log (a processor re-emission).
     """
-    from reef_stream.checkpoints import CheckpointStore, load
+    from reef_stream.engine.checkpoints import CheckpointStore, load
 
     steps = CheckpointStore(store).steps()
     if not steps:
@@ -598,7 +598,7 @@ def write_report(demo: Demo, seconds: float, ledger: dict[str, int]) -> Path:
 
 def training_staleness(demo: Demo) -> list[int]:
     """Per trained sample: the step that trained it minus one, less its behaviour version."""
-    from reef_stream.checkpoints import CheckpointStore, load
+    from reef_stream.engine.checkpoints import CheckpointStore, load
 
     step_of: dict[str, int] = {}
     for stored in CheckpointStore(demo.store).steps():

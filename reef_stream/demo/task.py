@@ -21,7 +21,7 @@ Parts, for the method recipes and the demo:
   ``ProblemStream``: seeded training prompts, ``held_out_problems()``: the fixed evaluation
   set, balanced over the ten answers);
 - the policy ``TinyTransformer``, a small causal transformer that follows the trainer's model
-  contract (``reef_stream.training.CausalLM``), built by ``policy_model()`` at the demo's sizes;
+  contract (``reef_stream.engine.training.CausalLM``), built by ``policy_model()`` at the demo's sizes;
   ``initial_policy(seed)`` builds it exactly as the trainer does (``torch.manual_seed(seed)``
   then ``policy_model()``), so a replica serving version 0 serves the trainer's initial weights;
 - ``sample`` / ``greedy`` decoding and ``make_generation`` (the ``Generation`` event);
@@ -42,13 +42,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from reef_stream.checkpoints import load_weights
+from reef_stream.engine.checkpoints import load_weights
 from reef_stream.errors import ConfigurationError, FatalError
-from reef_stream.evaluator import Incumbent, Measurement, Selection
-from reef_stream.events import (
+from reef_stream.api.evaluator import Incumbent, Measurement, Selection
+from reef_stream.topics.events import (
     Checkpoint, Decision, EpochMillis, FinishReason, Generation, SamplingParams, now_ms,
 )
-from reef_stream.recipe import Reward
+from reef_stream.api.recipe import Reward
 
 __all__ = [
     "ALL_PROBLEMS", "ANSWER_TOKENS", "BOS", "DEMO_SEED", "DIGIT_TOKENS", "EOS", "PAD",
@@ -203,7 +203,7 @@ class _Block(nn.Module):
 class TinyTransformer(nn.Module):
     """A small causal transformer (learned positions, pre-norm blocks) with a value head.
 
-    Follows ``reef_stream.training.CausalLM``: ``input_ids: long[B, L]``, ``attention_mask:
+    Follows ``reef_stream.engine.training.CausalLM``: ``input_ids: long[B, L]``, ``attention_mask:
     bool[B, L]`` (True on real tokens) -> next-token logits ``float[B, L, vocab_size]``
     (position ``i`` predicts token ``i + 1``; position ``i`` attends to positions ``<= i``
     that are real tokens). ``value`` -> ``float[B]``, read at each row's last real token.

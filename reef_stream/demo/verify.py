@@ -20,12 +20,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from reef_stream.errors import InvalidRecord
-from reef_stream.events import DeadLetter, Generation
-from reef_stream.metrics import STAGE_PROCESSOR
+from reef_stream.topics.events import DeadLetter, Generation
+from reef_stream.ops.metrics import STAGE_PROCESSOR
 from reef_stream.topics import declarations
 from reef_stream.topics.reading import TopicReader
 from reef_stream.topics.serde import SchemaRegistry
-from reef_stream.training import unit_members
+from reef_stream.engine.training import unit_members
 
 class GenerationOutcomes:
     """Counts over the distinct generation ids of ``<ns>.generations``, kept up to date by

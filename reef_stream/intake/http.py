@@ -51,9 +51,9 @@ from typing import Any
 from aiohttp import web
 from confluent_kafka.admin import AdminClient
 
-from reef_stream.connect import client_config
+from reef_stream.topics.connect import client_config
 from reef_stream.errors import InvalidRecord, ReefError
-from reef_stream.events import Feedback, Generation
+from reef_stream.topics.events import Feedback, Generation
 from reef_stream.intake.aio import AsyncRecordProducer
 from reef_stream.intake.formats import Kind, parse_record
 from reef_stream.intake.producer import DeliveryState, SendHandle

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from reef_stream.errors import InvalidRecord
-from reef_stream.events import DeadLetter, now_ms
+from reef_stream.topics.events import DeadLetter, now_ms
 from reef_stream.intake.formats import NO_DEFAULTS, Kind, OpenAIDefaults, parse_record
 from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandle
 from reef_stream.intake.spool import SpoolFull

@@ -40,7 +40,7 @@ replica served), so a replica cannot emit a generation stamped with a version it
 
 Metrics: every ``metrics_every_s`` seconds (default 10; None: never) the
 background thread writes the producer's counters to ``<ns>.metrics`` (stage
-``intake``, names ``INTAKE_*`` in ``reef_stream.metrics``, labels ``instance``
+``intake``, names ``INTAKE_*`` in ``reef_stream.ops.metrics``, labels ``instance``
 and ``client``): records sent per topic, acknowledged, failed, refused by
 reason, and spooled now. They go through a producer of their own that may
 drop them (``metrics.metrics_producer``): metrics never hold records back.
@@ -68,10 +68,10 @@ from typing import Protocol
 from confluent_kafka import KafkaError, Producer
 
 from reef_stream.config import Settings, load_settings
-from reef_stream.connect import bootstrap_servers, client_config
+from reef_stream.topics.connect import bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, InvalidRecord, ReefError
-from reef_stream import metrics
-from reef_stream.events import DeadLetter, Feedback, Generation
+from reef_stream.ops import metrics
+from reef_stream.topics.events import DeadLetter, Feedback, Generation
 from reef_stream.intake.spool import FsyncPolicy, Spool, SpoolFull
 from reef_stream.intake.validation import check_size, validate
 from reef_stream.topics import declarations

@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from reef_stream.errors import InvalidRecord
-from reef_stream.events import DeadLetter, Feedback, FinishReason, Generation, SamplingParams
+from reef_stream.topics.events import DeadLetter, Feedback, FinishReason, Generation, SamplingParams
 
 #: Header bytes Kafka adds per record beyond key, value and headers (generous).
 RECORD_OVERHEAD = 128

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
-from reef_stream.connect import client_config
+from reef_stream.topics.connect import client_config
 
 #: Seconds a whole read may take before ``TimeoutError``.
 READ_TIMEOUT_S = 120.0

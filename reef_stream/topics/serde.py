@@ -60,7 +60,7 @@ from reef_stream.errors import (
     InvalidRecord,
     UnknownSchemaError,
 )
-from reef_stream.events import EVENT_TYPES, Event, from_avro, to_avro
+from reef_stream.topics.events import EVENT_TYPES, Event, from_avro, to_avro
 
 FINGERPRINT_HEADER = "reef-schema-fp"
 SCHEMA_NAME_HEADER = "reef-schema"
@@ -201,7 +201,7 @@ class SchemaRegistry:
         """
         schema_name = getattr(type(event), "SCHEMA", None)
         if schema_name is None:
-            raise TypeError(f"{type(event).__name__} is not an event of reef_stream.events")
+            raise TypeError(f"{type(event).__name__} is not an event of reef_stream.topics.events")
         known = self.current(schema_name)
         return self._write(known, to_avro(event), strict=False), list(known.headers)
 
@@ -306,7 +306,7 @@ class SchemaRegistry:
             return EVENT_TYPES[writer.name]
         except KeyError:
             raise UnknownSchemaError(
-                f"{writer.describe()} is not an event type of reef_stream.events; "
+                f"{writer.describe()} is not an event type of reef_stream.topics.events; "
                 "read it with decode_record",
                 **where,
             ) from None

@@ -9,7 +9,7 @@ from collections import Counter
 
 from confluent_kafka import Producer
 
-from reef_stream.connect import client_config
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import generations
 from tests.helpers import consume_all, reef
 

@@ -34,7 +34,7 @@ KILLS = 10
 
 def _spawn(env: dict[str, str]) -> tuple[subprocess.Popen, queue.Queue, list[str]]:
     child = subprocess.Popen(
-        [sys.executable, "-m", "reef_stream.commands.process",
+        [sys.executable, "-m", "reef_stream.cli.process",
          "--recipe", "tests.integration.test_processor_runtime:RECIPE", "--group", "kill-test",
          "--batch", "100"],  # many small transactions: kills land inside some
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

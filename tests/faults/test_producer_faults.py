@@ -11,7 +11,7 @@ import time
 from collections import Counter
 
 from reef_stream.config import PROJECT_ROOT, load_settings
-from reef_stream.events import Generation
+from reef_stream.topics.events import Generation
 from reef_stream.intake.producer import MESSAGE_TIMEOUT_MS, DeliveryState, RecordProducer
 from reef_stream.intake.spool import SpoolFull
 from reef_stream.topics.declarations import generations

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from reef_stream.processes import free_ports
+from reef_stream.ops.processes import free_ports
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"

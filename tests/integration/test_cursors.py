@@ -29,12 +29,12 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from reef_stream import cursors
-from reef_stream.cli import main
-from reef_stream.commands.cursors import COMMANDS
+from reef_stream.topics import cursors
+from reef_stream.cli.main import main
+from reef_stream.cli.cursors import COMMANDS
 from reef_stream.config import load_settings
-from reef_stream.connect import client_config
-from reef_stream.events import Feedback, FinishReason, Generation, SamplingParams, now_ms
+from reef_stream.topics.connect import client_config
+from reef_stream.topics.events import Feedback, FinishReason, Generation, SamplingParams, now_ms
 from reef_stream.topics.serde import encode
 from tests.helpers import reef
 

@@ -9,10 +9,10 @@ import math
 
 from confluent_kafka import Producer
 
-from reef_stream.connect import client_config
-from reef_stream.dashboard.store import SeriesStore
-from reef_stream.events import Decision, Metric, Publication
-from reef_stream.metrics import (
+from reef_stream.topics.connect import client_config
+from reef_stream.ops.dashboard.store import SeriesStore
+from reef_stream.topics.events import Decision, Metric, Publication
+from reef_stream.ops.metrics import (
     FOLLOWER_POLICY_VERSION, REWARD_REWARDED, STAGE_EVALUATOR, STAGE_FOLLOWER, STAGE_PROCESSOR,
     STAGE_REWARD, STAGE_TRAINER, TRAINER_LOGPROB_GAP_OLDER, TRAINER_LOGPROB_GAP_SAME_VERSION,
     TRAINER_STALENESS_MAX, TRAINER_STALENESS_MEAN, metric,

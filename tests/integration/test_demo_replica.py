@@ -26,11 +26,11 @@ import numpy as np
 import torch
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from reef_stream.checkpoints import CheckpointContents, CheckpointStore
-from reef_stream.connect import client_config
+from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
+from reef_stream.topics.connect import client_config
 from reef_stream.demo.replica import run_replica
 from reef_stream.demo.task import initial_policy, parse_prompt
-from reef_stream.events import Checkpoint, Decision, Generation, now_ms
+from reef_stream.topics.events import Checkpoint, Decision, Generation, now_ms
 from reef_stream.topics.declarations import generations
 from reef_stream.topics.serde import SchemaRegistry
 from tests.integration.publishing import (

@@ -15,14 +15,14 @@ import threading
 import pytest
 import torch
 
-from reef_stream.checkpoints import CheckpointStore, load_weights
+from reef_stream.engine.checkpoints import CheckpointStore, load_weights
 from reef_stream.consumers.evaluator import EvaluatorWorker, coordinates_key
 from reef_stream.consumers.follower import Follower
-from reef_stream.events import DeadLetter, Decision, Metric
-from reef_stream.metrics import (
+from reef_stream.topics.events import DeadLetter, Decision, Metric
+from reef_stream.ops.metrics import (
     CONSUMER_LAG, EVALUATOR_CANDIDATE_VERSION, EVALUATOR_MEASUREMENT, STAGE_EVALUATOR,
 )
-from reef_stream.recipe import load_recipe
+from reef_stream.api.recipe import load_recipe
 from reef_stream.topics.declarations import checkpoints, dead_letters, metrics
 from tests.helpers import consume_events, reef
 from tests.integration.publishing import (
@@ -198,7 +198,7 @@ def test_reef_evaluate_warns_about_accept_everything_and_marks_publications_unev
     produce_checkpoints(kafka_bootstrap, namespace, event)
     from confluent_kafka import Producer
 
-    from reef_stream.connect import client_config
+    from reef_stream.topics.connect import client_config
     garbage = Producer(client_config(kafka_bootstrap))
     garbage.produce(checkpoints(namespace), key=b"trainer-a", value=b"not avro")
     assert garbage.flush(30) == 0

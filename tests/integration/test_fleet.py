@@ -8,8 +8,8 @@ import json
 import time
 
 from reef_stream.consumers.follower import Follower
-from reef_stream.events import Decision, now_ms
-from reef_stream.fleet import ReplicaStatus
+from reef_stream.topics.events import Decision, now_ms
+from reef_stream.consumers.fleet import ReplicaStatus
 from tests.helpers import reef
 from tests.integration.publishing import (
     Loads, create_topics, eventually, fleet_of, produce_checkpoints, promoted, run_evaluator,

@@ -15,9 +15,9 @@ import pytest
 
 from reef_stream.consumers.follower import Follower
 from reef_stream.errors import InvalidRecord
-from reef_stream.events import Generation
+from reef_stream.topics.events import Generation
 from reef_stream.intake.producer import RecordProducer
-from reef_stream.metrics import FOLLOWER_PUBLICATIONS_UNDECODABLE, STAGE_FOLLOWER
+from reef_stream.ops.metrics import FOLLOWER_PUBLICATIONS_UNDECODABLE, STAGE_FOLLOWER
 from reef_stream.topics.declarations import generations
 from tests.faults.records import generation
 from tests.helpers import consume_events, reef

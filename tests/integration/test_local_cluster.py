@@ -6,7 +6,7 @@ import json
 
 from confluent_kafka import Producer
 
-from reef_stream.connect import client_config
+from reef_stream.topics.connect import client_config
 from tests.helpers import consume_all, reef
 
 

@@ -26,10 +26,10 @@ from collections import Counter
 import pytest
 from confluent_kafka import Producer
 
-from reef_stream import metrics
-from reef_stream.connect import client_config
+from reef_stream.ops import metrics
+from reef_stream.topics.connect import client_config
 from reef_stream.consumers.processor import ProcessorRuntime
-from reef_stream.events import Checkpoint, DeadLetter, FinishReason, Metric, RolloutUnit
+from reef_stream.topics.events import Checkpoint, DeadLetter, FinishReason, Metric, RolloutUnit
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import consume_all, consume_events

@@ -26,13 +26,13 @@ import numpy as np
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from reef_stream.connect import client_config
+from reef_stream.topics.connect import client_config
 from reef_stream.consumers.processor import ProcessorRuntime
-from reef_stream.events import DeadLetter, Feedback, FinishReason, Generation, RolloutUnit, SamplingParams
-from reef_stream.losses import POLICY_GRADIENT
-from reef_stream.processor_parts import ByGroupId, ComposedProcessor, RequireSources
-from reef_stream.recipe import Backend, Recipe
-from reef_stream.schedule import Schedule
+from reef_stream.topics.events import DeadLetter, Feedback, FinishReason, Generation, RolloutUnit, SamplingParams
+from reef_stream.api.losses import POLICY_GRADIENT
+from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources
+from reef_stream.api.recipe import Backend, Recipe
+from reef_stream.api.schedule import Schedule
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.serde import SchemaRegistry
@@ -279,7 +279,7 @@ def test_generations_behind_the_newest_checkpoint_end_too_stale(kafka_bootstrap,
     """max_staleness is 2: with checkpoint 5 published, version 4 trains, version 0 does not."""
     import dataclasses
 
-    from reef_stream.events import Checkpoint
+    from reef_stream.topics.events import Checkpoint
 
     create_topics(kafka_bootstrap, namespace)
     registry = SchemaRegistry.default()

@@ -46,10 +46,10 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
-from reef_stream.connect import client_config
+from reef_stream.topics.connect import client_config
 from reef_stream.consumers.processor import MAX_IDLE_S, ProcessorRuntime
 from reef_stream.errors import FatalError
-from reef_stream.events import Generation, RolloutUnit
+from reef_stream.topics.events import Generation, RolloutUnit
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import consume_all
@@ -216,7 +216,7 @@ def test_a_transaction_the_broker_timed_out_gets_a_new_producer_and_loses_nothin
 
 
 def _checkpoint_at(bootstrap: str, namespace: str, version: int, offsets: dict[int, int]):
-    from reef_stream.events import Checkpoint, TopicOffset
+    from reef_stream.topics.events import Checkpoint, TopicOffset
 
     topic = declarations.units(namespace, RECIPE.name)
     value, headers = SchemaRegistry.default().encode(Checkpoint(

@@ -9,12 +9,12 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.config import load_settings
-from reef_stream.connect import client_config
+from reef_stream.topics.connect import client_config
 from reef_stream.errors import InvalidRecord
-from reef_stream.events import Feedback, Generation, Metric
+from reef_stream.topics.events import Feedback, Generation, Metric
 from reef_stream.intake.aio import AsyncRecordProducer
 from reef_stream.intake.producer import DeliveryError, DeliveryState, RecordProducer, record_key
-from reef_stream.metrics import (
+from reef_stream.ops.metrics import (
     INTAKE_ACKNOWLEDGED, INTAKE_FAILED, INTAKE_REJECTED, INTAKE_SENT, INTAKE_SPOOLED, STAGE_INTAKE,
 )
 from reef_stream.topics.admin import ensure_topics

@@ -13,10 +13,10 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from reef_stream import metrics
-from reef_stream.connect import client_config
-from reef_stream.events import Metric
-from reef_stream.processes import free_ports
+from reef_stream.ops import metrics
+from reef_stream.topics.connect import client_config
+from reef_stream.topics.events import Metric
+from reef_stream.ops.processes import free_ports
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.declarations import declare_topics, generations
 from reef_stream.topics.declarations import metrics as metrics_topic

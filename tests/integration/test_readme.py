@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from reef_stream.config import PROJECT_ROOT
-from reef_stream.kafka_local import DEFAULT_PORT as KAFKA_PORT
-from reef_stream.processes import port_is_free
-from reef_stream.redis_local import DEFAULT_PORT as REDIS_PORT
-from reef_stream.checkpoints import CheckpointStore, load_weights
+from reef_stream.ops.kafka_local import DEFAULT_PORT as KAFKA_PORT
+from reef_stream.ops.processes import port_is_free
+from reef_stream.ops.redis_local import DEFAULT_PORT as REDIS_PORT
+from reef_stream.engine.checkpoints import CheckpointStore, load_weights
 from reef_stream.demo.task import accuracy, initial_policy, policy_model
-from reef_stream.events import Decision, Publication
-from reef_stream.recipe import load_recipe
+from reef_stream.topics.events import Decision, Publication
+from reef_stream.api.recipe import load_recipe
 from reef_stream.topics.declarations import publications
 from tests.helpers import consume_events, reef
 

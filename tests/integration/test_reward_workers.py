@@ -24,8 +24,8 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.config import load_settings
-from reef_stream.connect import client_config
-from reef_stream.events import DeadLetter, Feedback
+from reef_stream.topics.connect import client_config
+from reef_stream.topics.events import DeadLetter, Feedback
 from reef_stream.intake.producer import RecordProducer, record_key
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.declarations import dead_letters, declare_topics, feedback, generations

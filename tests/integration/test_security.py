@@ -32,9 +32,9 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.config import KAFKA_ENV_PREFIX, KAFKA_INFRA_DIR, load_settings
-from reef_stream.connect import client_config
-from reef_stream.kafka_local import _kafka_cluster_id, check_java, kafka_classpath
-from reef_stream.processes import free_ports, log_tail, reap
+from reef_stream.topics.connect import client_config
+from reef_stream.ops.kafka_local import _kafka_cluster_id, check_java, kafka_classpath
+from reef_stream.ops.processes import free_ports, log_tail, reap
 
 USER, PASSWORD = "reef-trainer", "s3cret-Trainer-pw"
 BROKER_USER, BROKER_PASSWORD = "broker", "s3cret-Broker-pw"
@@ -214,7 +214,7 @@ def test_a_wrong_password_is_refused_with_a_clear_error(broker, namespace, tmp_p
     with pytest.raises(Exception):  # noqa: B017 - librdkafka says only "transport failure"
         admin.list_topics(timeout=3)
     admin.poll(0)  # serves the error callback, which names the cause
-    from reef_stream.connect import last_refusal
+    from reef_stream.topics.connect import last_refusal
     refusal = last_refusal()
     assert refusal is not None and "refused to authenticate" in refusal
     assert WRONG_PASSWORD not in refusal
@@ -228,7 +228,7 @@ def test_an_untrusted_broker_certificate_is_refused(broker, namespace, tmp_path)
     with pytest.raises(Exception):  # noqa: B017
         admin.list_topics(timeout=3)
     admin.poll(0)
-    from reef_stream.connect import last_refusal
+    from reef_stream.topics.connect import last_refusal
     refusal = last_refusal()
     assert refusal is not None and "TLS connection" in refusal, refusal
     assert "REEF_KAFKA_SSL_CA_LOCATION" in refusal

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 
-from reef_stream.connect import client_config
-from reef_stream.metrics import (
+from reef_stream.topics.connect import client_config
+from reef_stream.ops.metrics import (
     PROCESSOR_GENERATIONS, STAGE_PROCESSOR, STAGE_TRAINER, TRAINER_LOGPROB_GAP_OLDER,
     TRAINER_STEPS, metric,
 )

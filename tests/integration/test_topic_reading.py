@@ -9,7 +9,7 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from reef_stream.connect import client_config
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.reading import TopicReader, read_to_end
 
 

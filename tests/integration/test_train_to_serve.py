@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from reef_stream.checkpoints import CheckpointStore, load, load_weights
-from reef_stream.events import Checkpoint, Metric, Publication
-from reef_stream.metrics import (
+from reef_stream.engine.checkpoints import CheckpointStore, load, load_weights
+from reef_stream.topics.events import Checkpoint, Metric, Publication
+from reef_stream.ops.metrics import (
     FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, FOLLOWER_PUBLICATION_TO_SERVING_SECONDS, STAGE_FOLLOWER,
 )
 from reef_stream.topics.declarations import checkpoints, metrics, publications

@@ -10,9 +10,9 @@ from collections import Counter
 import torch
 from confluent_kafka import Consumer, TopicPartition
 
-from reef_stream.checkpoints import CheckpointStore, load
-from reef_stream.connect import client_config
-from reef_stream.processes import free_ports
+from reef_stream.engine.checkpoints import CheckpointStore, load
+from reef_stream.topics.connect import client_config
+from reef_stream.ops.processes import free_ports
 from reef_stream.topics.declarations import units
 from tests.helpers import consume_all, reef
 from tests.unit_log import create_topics, produce_units, rollout_unit

@@ -9,11 +9,11 @@ import dataclasses
 import numpy as np
 import torch
 
-from reef_stream.checkpoints import CheckpointStore, load
+from reef_stream.engine.checkpoints import CheckpointStore, load
 from reef_stream.config import load_settings
 from reef_stream.consumers.trainer import Trainer
-from reef_stream.events import DeadLetter, RolloutUnit
-from reef_stream.recipe import load_recipe
+from reef_stream.topics.events import DeadLetter, RolloutUnit
+from reef_stream.api.recipe import load_recipe
 from reef_stream.topics.declarations import dead_letters, units
 from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import consume_events

@@ -24,7 +24,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from reef_stream.errors import InvalidRecord
-from reef_stream.events import (
+from reef_stream.topics.events import (
     Checkpoint, Feedback, FinishReason, Generation, Metric, SamplingParams,
 )
 from reef_stream.topics.serde import FINGERPRINT_HEADER, SCHEMA_NAME_HEADER, SchemaRegistry

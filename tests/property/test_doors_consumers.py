@@ -37,17 +37,17 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from reef_stream.config import load_settings
-from reef_stream.connect import client_config
+from reef_stream.topics.connect import client_config
 from reef_stream.consumers.evaluator import coordinates_key
 from reef_stream.consumers.follower import Follower
 from reef_stream.consumers.processor import ProcessorRuntime
 from reef_stream.consumers.reward import RewardOptions, RewardWorker
 from reef_stream.consumers.trainer import Trainer
-from reef_stream import metrics
-from reef_stream.events import (
+from reef_stream.ops import metrics
+from reef_stream.topics.events import (
     Checkpoint, DeadLetter, Decision, Feedback, Generation, Publication, RolloutUnit,
 )
-from reef_stream.recipe import load_recipe
+from reef_stream.api.recipe import load_recipe
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import consume_all, consume_events

@@ -29,10 +29,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from reef_stream.config import load_settings
-from reef_stream.connect import client_config
+from reef_stream.topics.connect import client_config
 from reef_stream.errors import InvalidRecord
-from reef_stream.events import DeadLetter, Generation
-from reef_stream.events import SamplingParams
+from reef_stream.topics.events import DeadLetter, Generation
+from reef_stream.topics.events import SamplingParams
 from reef_stream.intake.formats import NO_DEFAULTS, OpenAIDefaults, parse_record
 from reef_stream.intake.producer import DeliveryState, RecordProducer
 from reef_stream.topics.admin import ensure_topics

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reef_stream.errors import CorruptRecordError, InvalidRecord, UnknownSchemaError
-from reef_stream.events import (
+from reef_stream.topics.events import (
     Checkpoint, Decision, Feedback, Generation, Publication, RolloutUnit,
 )
 from reef_stream.intake.formats import parse_record

@@ -1,10 +1,10 @@
 """A recipe whose backend cannot run its objective's loss family, whose micro batches do not
 fit the backend's ranks, and that has no evaluator: three problems, reported together."""
 
-from reef_stream.losses import VALUE_REGRESSION
-from reef_stream.processor_parts import ByGroupId, ComposedProcessor, RequireSources
-from reef_stream.recipe import Backend, Recipe
-from reef_stream.schedule import Schedule
+from reef_stream.api.losses import VALUE_REGRESSION
+from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources
+from reef_stream.api.recipe import Backend, Recipe
+from reef_stream.api.schedule import Schedule
 from tests.recipes.parts import GroupBaseline
 
 recipe = Recipe(

@@ -1,9 +1,9 @@
 """A recipe whose schedule is inconsistent in three ways: it fails as it is built."""
 
-from reef_stream.losses import POLICY_GRADIENT
-from reef_stream.processor_parts import ByGroupId, ComposedProcessor, RequireSources
-from reef_stream.recipe import Backend, Recipe
-from reef_stream.schedule import Schedule
+from reef_stream.api.losses import POLICY_GRADIENT
+from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources
+from reef_stream.api.recipe import Backend, Recipe
+from reef_stream.api.schedule import Schedule
 from tests.recipes.parts import GroupBaseline
 
 recipe = Recipe(

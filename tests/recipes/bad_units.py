@@ -4,10 +4,10 @@ given as a string and an unregistered unit schema: every problem is listed."""
 from dataclasses import dataclass
 from typing import ClassVar
 
-from reef_stream.losses import POLICY_GRADIENT
-from reef_stream.processor_parts import ByGroupId, ComposedProcessor, RequireSources, RolloutUnits
-from reef_stream.recipe import Backend, Recipe
-from reef_stream.schedule import Schedule
+from reef_stream.api.losses import POLICY_GRADIENT
+from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources, RolloutUnits
+from reef_stream.api.recipe import Backend, Recipe
+from reef_stream.api.schedule import Schedule
 from tests.recipes.parts import GroupBaseline
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from reef_stream.objective import PerSampleAdvantages
+from reef_stream.api.objective import PerSampleAdvantages
 from tests.recipes.parts import GroupBaseline
 from tests.recipes.trainable_dp import recipe as two_ranks
 

@@ -1,9 +1,9 @@
 """A sound recipe: groups by group_id, one feedback source, group-baseline advantages."""
 
-from reef_stream.losses import POLICY_GRADIENT, VALUE_REGRESSION
-from reef_stream.processor_parts import ByGroupId, ComposedProcessor, RequireSources
-from reef_stream.recipe import Backend, Recipe
-from reef_stream.schedule import Schedule
+from reef_stream.api.losses import POLICY_GRADIENT, VALUE_REGRESSION
+from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources
+from reef_stream.api.recipe import Backend, Recipe
+from reef_stream.api.schedule import Schedule
 from tests.recipes.parts import GroupBaseline
 
 recipe = Recipe(

@@ -18,11 +18,11 @@ import os
 import threading
 import time
 
-from reef_stream.events import Generation
-from reef_stream.losses import POLICY_GRADIENT
-from reef_stream.processor_parts import ByGroupId, ComposedProcessor, RequireSources
-from reef_stream.recipe import Backend, NamedReward, Recipe, Reward
-from reef_stream.schedule import Schedule
+from reef_stream.topics.events import Generation
+from reef_stream.api.losses import POLICY_GRADIENT
+from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources
+from reef_stream.api.recipe import Backend, NamedReward, Recipe, Reward
+from reef_stream.api.schedule import Schedule
 from tests.recipes.parts import GroupBaseline
 
 

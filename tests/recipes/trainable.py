@@ -3,11 +3,11 @@
 Small sizes so a step takes milliseconds on a CPU: the trainer's tests and benchmark use it.
 """
 
-from reef_stream.losses import POLICY_GRADIENT
-from reef_stream.models import TinyCausalLM
-from reef_stream.processor_parts import ByGroupId, ComposedProcessor, RequireSources
-from reef_stream.recipe import Backend, Recipe
-from reef_stream.schedule import Schedule
+from reef_stream.api.losses import POLICY_GRADIENT
+from reef_stream.engine.models import TinyCausalLM
+from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources
+from reef_stream.api.recipe import Backend, Recipe
+from reef_stream.api.schedule import Schedule
 from tests.recipes.parts import GroupBaseline
 
 recipe = Recipe(

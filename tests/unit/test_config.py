@@ -62,7 +62,7 @@ def test_kafka_security_settings_become_librdkafka_properties(tmp_path):
 
 
 def test_every_client_gets_them_and_its_own_properties_win(tmp_path):
-    from reef_stream.connect import client_config
+    from reef_stream.topics.connect import client_config
 
     settings = load_settings(SECURE)
     config = client_config("b:9093", {"acks": "all", "sasl.username": "override"},
@@ -76,7 +76,7 @@ def test_every_client_gets_them_and_its_own_properties_win(tmp_path):
 
 
 def test_a_refusal_names_what_to_check_and_never_the_password():
-    from reef_stream.connect import refusal_message
+    from reef_stream.topics.connect import refusal_message
 
     settings = load_settings(SECURE)
     message = refusal_message("b:9093", settings, -169, "SASL authentication error")

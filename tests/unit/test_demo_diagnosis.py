@@ -7,7 +7,7 @@ import pytest
 
 from reef_stream.config import load_settings
 from reef_stream.demo.run import Demo, DemoOptions, Sample
-from reef_stream.events import Decision, Publication
+from reef_stream.topics.events import Decision, Publication
 
 
 def publication(version: int, decision: Decision) -> Publication:

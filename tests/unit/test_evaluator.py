@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from reef_stream.errors import FatalError
-from reef_stream.evaluator import (
+from reef_stream.api.evaluator import (
     AcceptEverything,
     CandidateEvaluator,
     Incumbent,
     Measurement,
     Selection,
 )
-from reef_stream.events import Checkpoint, Decision, Publication
+from reef_stream.topics.events import Checkpoint, Decision, Publication
 
 
 def checkpoint(version: int = 4) -> Checkpoint:

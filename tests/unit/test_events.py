@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from reef_stream.errors import CorruptRecordError, InvalidRecord
-from reef_stream.events import (
+from reef_stream.topics.events import (
     Checkpoint,
     Decision,
     FinishReason,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from reef_stream.errors import InvalidRecord
-from reef_stream.events import FinishReason, SamplingParams
+from reef_stream.topics.events import FinishReason, SamplingParams
 from reef_stream.intake.formats import (
     OpenAIDefaults,
     parse_feedback,

@@ -14,17 +14,18 @@ from click.testing import CliRunner
 from methods.grpo.objective import GroupNormalisedAdvantage, GroupState
 from methods.grpo.processor import FEEDBACK_TIMEOUT_MS, REWARD_SOURCE, processor
 from reef_stream.errors import ConfigurationError
-from reef_stream.events import (
+from reef_stream.topics.events import (
     Feedback, FinishReason, Generation, RolloutUnit, Sample, SamplingParams,
 )
-from reef_stream.losses import POLICY_GRADIENT, ClippedPolicyGradient, PolicyGradientInputs
-from reef_stream.models import TinyCausalLM
-from reef_stream.objective import state_from_record, state_record
-from reef_stream.processor import Outcome, unit_id
-from reef_stream.recipe import Backend, Recipe, load_recipe
-from reef_stream.schedule import Schedule
-from reef_stream.testing import Advance, run_processor
-from reef_stream.training import TorchBackend
+from reef_stream.api.losses import POLICY_GRADIENT, ClippedPolicyGradient, PolicyGradientInputs
+from reef_stream.engine.models import TinyCausalLM
+from reef_stream.api.objective import state_from_record, state_record
+from reef_stream.engine.join import Outcome
+from reef_stream.api.processor import unit_id
+from reef_stream.api.recipe import Backend, Recipe, load_recipe
+from reef_stream.api.schedule import Schedule
+from reef_stream.api.testing import Advance, run_processor
+from reef_stream.engine.training import TorchBackend
 
 def unit(key: str, *rewards: float) -> RolloutUnit:
     members = tuple(Sample(generation_id=f"{key}-{i}", prompt_id=key, policy_version=0,
@@ -208,7 +209,7 @@ def test_the_recipe_loads_with_its_bindings():
 
 
 def test_reef_check_prints_the_grpo_contract():
-    from reef_stream.cli import main
+    from reef_stream.cli.main import main
 
     result = CliRunner().invoke(main, ["check", "--recipe", "methods.grpo"])
     assert result.exit_code == 0, result.output

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from reef_stream.errors import ConfigurationError, FatalError
-from reef_stream.losses import (
+from reef_stream.api.losses import (
     POLICY_GRADIENT,
     VALUE_REGRESSION,
     ClippedPolicyGradient,

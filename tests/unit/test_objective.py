@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from reef_stream.errors import FatalError
-from reef_stream.events import RolloutUnit
-from reef_stream.losses import POLICY_GRADIENT
-from reef_stream.objective import (
+from reef_stream.topics.events import RolloutUnit
+from reef_stream.api.losses import POLICY_GRADIENT
+from reef_stream.api.objective import (
     Objective,
     ObjectiveResult,
     PerSampleAdvantages,
@@ -20,7 +20,7 @@ from reef_stream.objective import (
     state_from_record,
     state_record,
 )
-from reef_stream.testing import run_processor
+from reef_stream.api.testing import run_processor
 from tests.recipes.parts import GroupBaseline, RewardStats
 from tests.unit.test_processor import GROUPED, feedback, generation
 

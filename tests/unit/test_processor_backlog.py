@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from reef_stream.errors import ConfigurationError
-from reef_stream.processor import Outcome, ProcessorState, dumps_snapshot, loads_snapshot
-from reef_stream.schedule import Schedule
+from reef_stream.engine.join import Outcome, ProcessorState
+from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
+from reef_stream.api.schedule import Schedule
 from tests.unit.test_processor import GROUPED, feedback, generation
 
 

@@ -1,7 +1,7 @@
 """What the processor state keeps of concluded generations and closed groups (no broker).
 
 A concluded generation is remembered, for the retention, by a ledger entry
-without any of its records (``reef_stream.processor_ledger``); these tests
+without any of its records (``reef_stream.engine.ledger``); these tests
 hold it to the promises that entry serves: a duplicate of a concluded
 generation (or of its feedback) is still recognised, a generation for a
 closed group still refused, until exactly ``retention_ms`` after the end; a
@@ -20,19 +20,13 @@ import pytest
 
 from reef_stream.consumers.processor import _key_bytes, _key_str
 from reef_stream.errors import ConfigurationError
-from reef_stream.events import Feedback, Generation
-from reef_stream.processor import (
-    DEFAULT_RETENTION_MS,
-    FeedbackFate,
-    Outcome,
-    ProcessorState,
-    dumps_snapshot,
-    loads_snapshot,
-    unit_id,
-)
-from reef_stream.processor_ledger import segment_key, segment_of
-from reef_stream.processor_parts import ByGroupId, ComposedProcessor, Ungrouped
-from reef_stream.testing import Advance, NewCheckpoint, Restart, run_processor
+from reef_stream.topics.events import Feedback, Generation
+from reef_stream.api.processor import DEFAULT_RETENTION_MS, unit_id
+from reef_stream.engine.join import FeedbackFate, Outcome, ProcessorState
+from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
+from reef_stream.engine.ledger import segment_key, segment_of
+from reef_stream.api.parts import ByGroupId, ComposedProcessor, Ungrouped
+from reef_stream.api.testing import Advance, NewCheckpoint, Restart, run_processor
 from tests.unit.test_processor import GROUPED, TIMEOUT, _AlsoWants, _stream, feedback, generation
 
 UNGROUPED = ComposedProcessor(grouping=Ungrouped(), feedback=GROUPED.feedback)

@@ -9,9 +9,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from reef_stream import metrics
+from reef_stream.ops import metrics
 from reef_stream.errors import ConfigurationError
-from reef_stream.prometheus import Exposition, label_name, metric_name, serve
+from reef_stream.ops.prometheus import Exposition, label_name, metric_name, serve
 
 
 def test_names_and_labels_keep_only_what_prometheus_allows():

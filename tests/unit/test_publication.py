@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from reef_stream.checkpoints import (
+from reef_stream.engine.checkpoints import (
     CheckpointContents, CheckpointError, CheckpointStore, load_weights,
 )
 from reef_stream.config import load_settings
@@ -19,8 +19,8 @@ from reef_stream.consumers.evaluator import (
 )
 from reef_stream.consumers.follower import Follower
 from reef_stream.errors import ConfigurationError, InvalidRecord
-from reef_stream.events import Checkpoint, Decision, Publication
-from reef_stream.recipe import load_recipe
+from reef_stream.topics.events import Checkpoint, Decision, Publication
+from reef_stream.api.recipe import load_recipe
 from tests.faults.records import generation
 
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from reef_stream.cli import main
+from reef_stream.cli.main import main
 from reef_stream.config import SCHEMAS_DIR
 from reef_stream.errors import ConfigurationError
-from reef_stream.evaluator import AcceptEverything
-from reef_stream.events import Generation
-from reef_stream.losses import POLICY_GRADIENT, VALUE_REGRESSION
-from reef_stream.recipe import (
+from reef_stream.api.evaluator import AcceptEverything
+from reef_stream.topics.events import Generation
+from reef_stream.api.losses import POLICY_GRADIENT, VALUE_REGRESSION
+from reef_stream.api.recipe import (
     Backend,
     NamedReward,
     Recipe,
@@ -72,7 +72,7 @@ def test_unit_type_mismatch_string_loss_family_and_unknown_schema_are_all_listed
     assert len(problems) == 4
     text = "\n".join(problems)
     assert "recipe name 'bad units' must be" in text
-    assert "declares loss family 'policy_gradient', not a reef_stream.losses.LossFamily" in text
+    assert "declares loss family 'policy_gradient', not a reef_stream.api.losses.LossFamily" in text
     assert "no current schema named 'tests.PairUnit'" in text
     assert "the processor emits PairUnit units but the objective 'group-baseline' consumes " \
            "RolloutUnit" in text
@@ -85,7 +85,7 @@ def test_unit_type_mismatch_string_loss_family_and_unknown_schema_are_all_listed
     ("tests.recipes.good:nope", "module 'tests.recipes.good' has no nope attribute"),
     ("tests.recipes.parts", "has no recipe or RECIPE attribute"),
     ("tests/recipes/good.py", "is not a dotted module path"),
-    ("tests.recipes.parts:GroupBaseline", "expected a reef_stream.recipe.Recipe, got type"),
+    ("tests.recipes.parts:GroupBaseline", "expected a reef_stream.api.recipe.Recipe, got type"),
 ])
 def test_a_bad_path_is_one_clear_error(path, words):
     assert any(words in problem for problem in problems_of(path))

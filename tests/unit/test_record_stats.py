@@ -1,4 +1,4 @@
-"""The processor's distributions (``reef_stream.record_stats``) from outcomes whose values are
+"""The processor's distributions (``reef_stream.ops.record_stats``) from outcomes whose values are
 known: reward per source and version, completion lengths, truncation; no broker."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ import statistics
 import numpy as np
 import pytest
 
-from reef_stream import metrics
-from reef_stream.events import Feedback, FinishReason, Generation, SamplingParams
-from reef_stream.processor import (
+from reef_stream.ops import metrics
+from reef_stream.topics.events import Feedback, FinishReason, Generation, SamplingParams
+from reef_stream.engine.join import (
     FeedbackFate,
     FeedbackOutcome,
     GenerationOutcome,
     Outcome,
     Step,
 )
-from reef_stream.record_stats import Distribution, RecordStats
+from reef_stream.ops.record_stats import Distribution, RecordStats
 
 
 class RecordingWriter:

@@ -14,19 +14,20 @@ from methods.sao.loss import SAO_TRUNCATED_PG, TruncatedPolicyGradient
 from methods.sao.objective import RewardStats, StreamingAdvantage, decayed
 from methods.sao.processor import FEEDBACK_TIMEOUT_MS, REWARD_SOURCE, processor
 from reef_stream.errors import ConfigurationError
-from reef_stream.events import (
+from reef_stream.topics.events import (
     Feedback, FinishReason, Generation, RolloutUnit, Sample, SamplingParams,
 )
-from reef_stream.losses import (
+from reef_stream.api.losses import (
     POLICY_GRADIENT, PolicyGradientInputs, is_registered, loss_family, register_loss_family,
 )
-from reef_stream.models import TinyCausalLM
-from reef_stream.objective import state_from_record, state_record
-from reef_stream.processor import Outcome, unit_id
-from reef_stream.recipe import Backend, Recipe, load_recipe
-from reef_stream.schedule import Schedule
-from reef_stream.testing import Advance, run_processor
-from reef_stream.training import TorchBackend, inputs_builder, policy_gradient_inputs
+from reef_stream.engine.models import TinyCausalLM
+from reef_stream.api.objective import state_from_record, state_record
+from reef_stream.engine.join import Outcome
+from reef_stream.api.processor import unit_id
+from reef_stream.api.recipe import Backend, Recipe, load_recipe
+from reef_stream.api.schedule import Schedule
+from reef_stream.api.testing import Advance, run_processor
+from reef_stream.engine.training import TorchBackend, inputs_builder, policy_gradient_inputs
 
 def sample(prompt_id: str, reward: float, gid: str | None = None) -> Sample:
     return Sample(generation_id=gid or f"{prompt_id}-{reward}", prompt_id=prompt_id,
@@ -299,7 +300,7 @@ def test_the_recipe_loads_with_its_bindings():
 
 
 def test_reef_check_prints_the_sao_contract():
-    from reef_stream.cli import main
+    from reef_stream.cli.main import main
 
     result = CliRunner().invoke(main, ["check", "--recipe", "methods.sao"])
     assert result.exit_code == 0, result.output

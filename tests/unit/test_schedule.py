@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from reef_stream.errors import ConfigurationError
-from reef_stream.schedule import Schedule
+from reef_stream.api.schedule import Schedule
 
 
 def schedule(**overrides) -> Schedule:

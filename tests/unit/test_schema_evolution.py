@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reef_stream import events
+from reef_stream.topics import events
 from reef_stream.config import SCHEMAS_DIR
 from reef_stream.errors import UnknownSchemaError
-from reef_stream.events import (
+from reef_stream.topics.events import (
     EVENT_TYPES,
     FinishReason,
     Generation,

@@ -16,7 +16,7 @@ from reef_stream.errors import (
     InvalidRecord,
     UnknownSchemaError,
 )
-from reef_stream.events import (
+from reef_stream.topics.events import (
     EVENT_TYPES,
     Checkpoint,
     DeadLetter,

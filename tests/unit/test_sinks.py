@@ -1,4 +1,4 @@
-"""The metric → scalar mapping of `reef sink` (``reef_stream.sinks``), without a broker: known
+"""The metric → scalar mapping of `reef sink` (``reef_stream.ops.sinks``), without a broker: known
 metrics give known tags, steps, values and wall times; a trainer's metrics take the step of its
 last ``steps`` record; a missing extra names what to install."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from reef_stream.errors import ConfigurationError
-from reef_stream.metrics import (
+from reef_stream.ops.metrics import (
     PROCESSOR_GENERATIONS, STAGE_PROCESSOR, STAGE_TRAINER, TRAINER_LOGPROB_GAP_OLDER,
     TRAINER_STEPS, metric,
 )
-from reef_stream.sinks import Scalar, ScalarMapper, TensorBoardSink, WandbSink, scalar_tag
+from reef_stream.ops.sinks import Scalar, ScalarMapper, TensorBoardSink, WandbSink, scalar_tag
 
 TRAINER = {"recipe": "sao", "group": "g"}
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from reef_stream.errors import ConfigurationError
-from reef_stream.events import Sample
-from reef_stream.losses import VALUE_REGRESSION
-from reef_stream.objective import ObjectiveResult, PerSampleAdvantages
-from reef_stream.recipe import Backend, Recipe
-from reef_stream.schedule import Schedule
-from reef_stream.training import TorchBackend, collate, completion_logprobs
+from reef_stream.topics.events import Sample
+from reef_stream.api.losses import VALUE_REGRESSION
+from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages
+from reef_stream.api.recipe import Backend, Recipe
+from reef_stream.api.schedule import Schedule
+from reef_stream.engine.training import TorchBackend, collate, completion_logprobs
 from tests.recipes.trainable import recipe
 from tests.unit_log import rollout_unit
 
@@ -110,7 +110,7 @@ def test_max_grad_norm_clips_each_update_and_the_step_reports_the_norm_before_cl
 def test_a_bad_max_grad_norm_is_a_recipe_problem():
     import dataclasses
 
-    from reef_stream.recipe import recipe_problems
+    from reef_stream.api.recipe import recipe_problems
 
     for bad in (0, -1.0, float("nan"), True):
         broken = dataclasses.replace(recipe, backend=dataclasses.replace(recipe.backend,

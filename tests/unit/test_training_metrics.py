@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from reef_stream.metrics import (
+from reef_stream.ops.metrics import (
     TRAINER_KL_BEHAVIOUR, TRAINER_LOGPROB_GAP_OLDER, TRAINER_LOGPROB_GAP_OLDER_TOKENS,
     TRAINER_LOGPROB_GAP_SAME_VERSION, TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS,
     TRAINER_UPDATE_RATIO,
 )
-from reef_stream.training import TorchBackend, collate, completion_logprobs
+from reef_stream.engine.training import TorchBackend, collate, completion_logprobs
 from tests.recipes.trainable import recipe
 from tests.unit_log import rollout_unit
 
@@ -112,9 +112,9 @@ def test_with_several_updates_only_the_first_batch_is_measured_before_any_update
 
 
 def test_a_family_without_behaviour_logprobs_reports_no_gap():
-    from reef_stream.losses import VALUE_REGRESSION
-    from reef_stream.recipe import Backend, Recipe
-    from reef_stream.schedule import Schedule
+    from reef_stream.api.losses import VALUE_REGRESSION
+    from reef_stream.api.recipe import Backend, Recipe
+    from reef_stream.api.schedule import Schedule
     from tests.unit.test_training import RewardTargets
 
     regression = Recipe(

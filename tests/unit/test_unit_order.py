@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from reef_stream.unit_order import PartitionMerge
+from reef_stream.engine.unit_order import PartitionMerge
 
 # A log of three partitions: (partition, offset, broker timestamp).
 LOG = [(p, o, 1_000 + 7 * o + 3 * p + (o * p) % 5) for p in range(3) for o in range(20)]

@@ -14,13 +14,13 @@ import torch
 
 from reef_stream.demo.task import VOCAB_SIZE, TinyTransformer
 from reef_stream.errors import ConfigurationError, ReefError
-from reef_stream.events import RolloutUnit
-from reef_stream.losses import POLICY_GRADIENT, LossOutput
-from reef_stream.models import TinyCausalLM
-from reef_stream.objective import ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages
-from reef_stream.schedule import Schedule
+from reef_stream.topics.events import RolloutUnit
+from reef_stream.api.losses import POLICY_GRADIENT, LossOutput
+from reef_stream.engine.models import TinyCausalLM
+from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages
+from reef_stream.api.schedule import Schedule
 from reef_stream.topics.serde import SchemaRegistry
-from reef_stream.training import (
+from reef_stream.engine.training import (
     NonFiniteStep, TorchBackend, UnitLimits, model_limits, untrainable,
 )
 from tests.recipes.parts import RewardStats

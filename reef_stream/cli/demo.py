@@ -1,0 +1,122 @@
+"""``reef demo``: the project's main job (``reef_stream.demo.run``).
+
+    reef demo                                   SAO on the toy task, until 0.9 held-out accuracy
+    reef demo --recipe methods.grpo --chaos     GRPO, with the trainer and processor SIGKILLed
+
+Brings up the local broker and Redis if they are not running (or uses
+REEF_BOOTSTRAP_SERVERS / REEF_REDIS_URL), then runs every stage as a separate
+process and shows live progress. ``COMMANDS`` lists the command for
+``main.add_command``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+@click.command()
+@click.option("--recipe", "path", default="methods.sao", show_default=True,
+              metavar="MODULE[:ATTRIBUTE]",
+              help="The method to run: methods.sao (ungrouped) or methods.grpo (grouped).")
+@click.option("--replicas", type=click.IntRange(1, 8), default=2, show_default=True,
+              help="Serving replicas sampling from the newest promoted version.")
+@click.option("--rate", type=click.FloatRange(min=1), default=150.0, show_default=True,
+              metavar="PER_SECOND", help="Generations per second per replica.")
+@click.option("--target-accuracy", "target", type=click.FloatRange(0, 1), default=0.9,
+              show_default=True, help="Stop once a promoted version reaches this held-out "
+                                      "accuracy (greedy decoding).")
+@click.option("--time-limit", type=click.FloatRange(min=10), default=900.0, show_default=True,
+              metavar="SECONDS", help="Give up (exit status 1) after this long.")
+@click.option("--chaos", is_flag=True,
+              help="SIGKILL the trainer or the processor every 8-20 s and restart it; the run "
+                   "must still converge and its unit ledger show nothing lost or trained twice.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where logs, checkpoints and report.html go "
+                   "[default: $REEF_HOME/demo/<namespace>].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chaos.")
+@click.pass_context
+def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: float, time_limit: float,
+         chaos: bool, run_dir: Path | None, seed: int) -> None:
+    """Run the whole loop until the policy learns the toy task from reward alone.
+
+    Replicas sample answers to "a+b=" (the last digit of the sum) from the
+    newest promoted version and emit generations through the SDK; a reward
+    worker scores them by exact match; the processor builds units; the
+    trainer trains; the evaluator measures held-out accuracy and promotes a
+    checkpoint only if it does not regress. Each is a separate process.
+    Progress shows the published version, its held-out accuracy, the reward,
+    the trainer's steps, rejected candidates, the mean staleness of the last
+    step's samples (trainer version - behaviour version), the rates and, with
+    --chaos, the kills; and says "stalled" when the trainer ran so far past the
+    served version that no new generation can train, and "overloaded" when units
+    arrive faster than the trainer trains them (what it trains is then nearly too
+    stale: lower --rate). At the end report.html (accuracy
+    per published version, reward over time, staleness, throughput) is
+    written and its path printed; the unit ledger must show no unit lost or
+    trained twice.
+    """
+    from reef_stream.cli.servers import kafka_up, redis_up
+    from reef_stream.config import load_settings
+    from reef_stream.topics.connect import bootstrap_servers, redis_url
+    from reef_stream.demo.run import Demo, DemoOptions
+    from reef_stream.ops.processes import interrupt_on_sigterm
+
+    settings = load_settings()
+    if not settings.bootstrap_servers:
+        ctx.invoke(kafka_up)
+    if not settings.redis_url:
+        ctx.invoke(redis_up)
+    options = DemoOptions(recipe=path, replicas=replicas, rate=rate, target=target, time_limit=time_limit,
+                          chaos=chaos, run_dir=run_dir, seed=seed)
+    runner = Demo(options, settings=settings, bootstrap=bootstrap_servers(settings),
+                  redis_url=redis_url(settings), show=DemoProgress())
+    click.echo(f"demo {runner.ns}: {path}, {replicas} replicas, target {target:.2f}, "
+               f"logs in {runner.run_dir / 'logs'}")
+    interrupt_on_sigterm()    # SIGTERM stops the stages (and nothing else) as Ctrl-C does
+    result = runner.run()
+    click.echo(result.line())
+    if not (settings.bootstrap_servers and settings.redis_url):
+        click.echo("the local broker and Redis keep running (their data too): "
+                   "`reef kafka down` and `reef redis down` stop them")
+    if result.ledger.get("trained_twice") or result.ledger.get("lost"):
+        raise click.ClickException(f"the unit ledger is wrong: {result.ledger}")
+    if not result.reached:
+        sys.exit(1)
+
+
+class DemoProgress:
+    """One status line every few seconds (a terminal sees it rewritten in place)."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.every_s, self.last = every_s, 0.0
+        self.tty = sys.stdout.isatty()
+
+    def __call__(self, status: dict[str, Any]) -> None:
+        if not self.tty and time.monotonic() - self.last < self.every_s:
+            return
+        self.last = time.monotonic()
+        accuracy = status["accuracy"]
+        reward = status["reward"]
+        staleness = status.get("staleness")
+        rates = status["rates"]
+        line = (f"{status['elapsed']:6.0f} s  version {status['version'] or '-':>4}  "
+                f"accuracy {'-' if accuracy is None else f'{accuracy:.3f}':>5}  "
+                f"reward {'-' if reward is None else f'{reward:.2f}':>5}  "
+                f"steps {status['steps']:>4}  rejected {status['rejected']:>3}  "
+                f"staleness {'-' if staleness is None else f'{staleness:.1f}':>4}  "
+                f"gen/s {rates.get('generations', 0):6.0f}  units/s {rates.get('units', 0):5.0f}"
+                + (f"  kills {status['kills']}" if status["kills"] else "")
+                + (f"\n  {status['stalled']}" if status.get("stalled") else "")
+                + (f"\n  {status['overloaded']}" if status.get("overloaded") else ""))
+        if self.tty:
+            click.echo("\r" + line, nl=False)
+        else:
+            click.echo(line)
+
+
+COMMANDS = [demo]

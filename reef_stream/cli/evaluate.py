@@ -1,0 +1,112 @@
+"""``reef evaluate --recipe X``: decide on every checkpoint of a recipe, once, as a Publication.
+
+    reef evaluate --recipe methods.sao
+    reef evaluate --recipe methods.sao --model sao-small --publish-to s3://bucket/published
+    python -m reef_stream.consumers.evaluator --recipe methods.sao    # the same, without `reef`
+
+The worker is ``reef_stream.consumers.evaluator.EvaluatorWorker``; this
+command loads and checks the recipe, prints the evaluator's warning (the
+default AcceptEverything promotes every checkpoint unevaluated), connects the
+Redis fleet projection when Redis is configured, installs SIGTERM/SIGINT
+handlers that stop it cleanly, runs it and prints its one-line summary on
+exit. ``COMMANDS`` lists the command for ``main.add_command``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from reef_stream.cli.common import run_standalone, stop_on_signals
+from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
+from reef_stream.errors import ConfigurationError
+
+
+@click.command()
+@click.option("--recipe", "path", required=True, metavar="MODULE[:ATTRIBUTE]",
+              help="The recipe whose candidate evaluator decides: a dotted module path exposing "
+                   "`recipe` (methods.sao), or module:attribute. Only its checkpoints are decided.")
+@click.option("--group", "-g", default=None,
+              help="The consumer group on <namespace>.checkpoints; one member is active, others "
+                   "stand by [default: <namespace>.evaluate.<recipe name>].")
+@click.option("--model", "-m", default=None,
+              help="Decide only on checkpoints of this model [default: every model of the recipe].")
+@click.option("--publish-to", default=None, metavar="URL",
+              help="Where promoted checkpoints are copied, out of reach of the trainer's "
+                   "retention; a path or any fsspec URL "
+                   "[default: $REEF_HOME/published/<namespace>].")
+@click.option("--keep-published", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Published copies kept per model; older ones are deleted (0 keeps all).")
+@click.option("--retries", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Tries of the evaluator's measure after one that raised. A candidate whose "
+                   "every try failed is REJECTED with the error as its reason.")
+@click.option("--backoff", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Seconds before the first retry; doubled before each further one (at most 60).")
+@click.option("--max-candidates", type=click.IntRange(min=1), default=None,
+              help="Stop after this many decisions (for tests and batch runs).")
+@click.option("--idle-exit", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS",
+              help="Stop after this many seconds without a new checkpoint event "
+                   "[default: run until stopped].")
+@metrics_port_option
+@click.pass_context
+def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None,
+             publish_to: str | None, keep_published: int, retries: int, backoff: float,
+             max_candidates: int | None, idle_exit: float | None,
+             metrics_port: int | None) -> None:
+    """Evaluate candidate checkpoints and publish one decision per checkpoint.
+
+    Consumes <namespace>.checkpoints as a consumer group. For each checkpoint
+    of the recipe it verifies the files against their sha256, runs the
+    recipe's CandidateEvaluator (measure, then select against the incumbent:
+    the model's newest promoted version, read back from
+    <namespace>.publications at start) and produces one Publication, PROMOTED
+    or REJECTED, with the measurement, the reason and the evaluator's name.
+    A promoted checkpoint is first copied to the publication store, and the
+    Publication names the copy. Only promoted versions are served by
+    `reef follow` replicas.
+
+    Exactly one decision per checkpoint: a re-emitted Checkpoint event (same
+    id) or a version not newer than one already decided gets none. The
+    offset is committed only after the Publication is acknowledged.
+
+    The default evaluator (AcceptEverything) promotes everything without
+    measuring; a warning says so at start and its publications are marked
+    unevaluated. Stops on SIGTERM or Ctrl-C, --max-candidates or
+    --idle-exit, and prints a one-line summary.
+    """
+    from reef_stream.config import load_settings
+    from reef_stream.consumers.evaluator import EvaluateOptions, EvaluatorWorker
+    from reef_stream.consumers.fleet import Fleet
+    from reef_stream.api.recipe import load_recipe
+
+    settings = ctx.obj if ctx.obj is not None else load_settings()
+    logging.getLogger("reef_stream.consumers.evaluator").setLevel(logging.INFO)
+    recipe = load_recipe(path)
+    options = EvaluateOptions(group=group, model=model, publish_to=publish_to,
+                              keep_published=keep_published, retries=retries, backoff=backoff,
+                              max_candidates=max_candidates, idle_exit=idle_exit)
+    try:
+        fleet = Fleet.from_settings(settings)
+    except ConfigurationError:
+        fleet = None
+        click.echo("no Redis configured: the fleet projection is not updated "
+                   "(`reef fleet --rebuild` restores it later)", err=True)
+    worker = EvaluatorWorker(
+        recipe, settings=settings, options=options, fleet=fleet,
+        announce=lambda text: click.secho(text, fg="red", bold=True, err=True))
+    serve_metrics(metrics_port)
+    try:
+        with stop_on_signals(worker.stop):    # after the current candidate
+            worker.run()
+    finally:
+        click.echo(worker.summary.line())
+
+
+def main() -> None:
+    """Run ``evaluate`` on its own (``python -m reef_stream.consumers.evaluator``)."""
+    run_standalone(evaluate, "reef evaluate", "reef_stream.consumers.evaluator")
+
+
+COMMANDS = [evaluate]

@@ -1,0 +1,124 @@
+"""``reef follow --model M``: a replica following a model's publications, reporting what it loads.
+
+    reef follow --model sao-small                       # until SIGTERM / Ctrl-C
+    reef follow --model sao-small --once                # load the newest promoted version, exit
+    reef follow --model sao-small --until-version 12 --timeout 600
+
+It runs ``reef_stream.consumers.follower.Follower`` with a callback that only
+reports each verified version (tensor count and size); serving code uses the
+Python API and swaps the weights into its model instead. While it runs, the
+replica heartbeats into the Redis fleet projection (when Redis is
+configured) and into ``<ns>.metrics``, so ``reef fleet`` lists it.
+``COMMANDS`` lists the command for ``main.add_command``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from reef_stream.cli.common import stop_on_signals
+from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
+
+
+@click.command()
+@click.option("--model", "-m", required=True, help="The model whose promoted versions to follow.")
+@click.option("--replica-id", default=None,
+              help="This replica's name in the fleet [default: <host>-<pid>-<random>].")
+@click.option("--once", is_flag=True,
+              help="Read the publications, load the newest promoted version, report it and exit "
+                   "(status 1 if it was refused or nothing is published).")
+@click.option("--until-version", type=click.IntRange(min=0), default=None, metavar="VERSION",
+              help="Exit once this version (or a newer one) is loaded.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS", help="Give up after this long (status 1) [default: no limit].")
+@click.option("--heartbeat", type=click.FloatRange(min=0, min_open=True), default=5.0,
+              show_default=True, metavar="SECONDS",
+              help="Seconds between two heartbeats to the fleet projection.")
+@click.option("--retry", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, metavar="SECONDS",
+              help="Seconds between two tries of a refused version that is still the newest.")
+@metrics_port_option
+@click.pass_context
+def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
+           until_version: int | None, timeout: float | None, heartbeat: float,
+           retry: float, metrics_port: int | None) -> None:
+    """Follow a model's publications: load and verify the newest promoted version.
+
+    Reads <namespace>.publications from the start, loads the newest PROMOTED
+    version of the model (never a rejected one, never an older one: a
+    replica started late goes straight to the newest) and verifies its files
+    against the published sha256 before reporting it as loaded. A checksum
+    mismatch or an unreadable checkpoint is refused with an error naming the
+    cause, and the previous version keeps serving. Each load prints one
+    line: the version, its checkpoint, evaluator and size.
+
+    The replica heartbeats replica -> version, host, last seen into Redis
+    (REEF_REDIS_URL or `reef redis up`; expiring entries) and into
+    <namespace>.metrics; `reef fleet` shows it. Stops on SIGTERM or Ctrl-C,
+    --once, --until-version or --timeout.
+    """
+    from reef_stream.config import load_settings
+    from reef_stream.consumers.follower import Follower
+
+    settings = ctx.obj if ctx.obj is not None else load_settings()
+
+    def report(loaded) -> None:
+        publication = loaded.publication
+        size = sum(t.numel() * t.element_size() for t in loaded.weights.values())
+        evaluated = "" if publication.evaluated else ", UNEVALUATED"
+        click.echo(f"model {model}: loaded version {loaded.policy_version} (checkpoint "
+                   f"{publication.checkpoint_id}, {len(loaded.weights)} tensors, "
+                   f"{size / 1e6:.2f} MB, evaluator {publication.evaluator}{evaluated})")
+
+    # Refusals are logged as errors by the follower itself (the version, the cause, and what
+    # keeps serving).
+    follower = Follower(model, on_version=report, settings=settings, replica_id=replica_id,
+                        heartbeat_s=heartbeat, retry_s=retry)
+    click.echo(f"replica {follower.replica_id} following {model} in "
+               f"{follower.namespace}.publications")
+    serve_metrics(metrics_port)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    code = 0
+    # SIGTERM/SIGINT stop the follower (after a load in progress).
+    with stop_on_signals(lambda: follower.stop(timeout=0)):
+        try:
+            follower.start()
+            version = follower.wait_ready(_left(deadline))
+            if once:
+                code = 0 if version is not None and not follower.refused else 1
+                if version is None and not follower.refused:
+                    click.echo(f"no promoted version of {model} is published yet", err=True)
+            elif until_version is not None:
+                follower.wait_for_version(until_version, _left(deadline))
+            else:
+                while follower.error is None and not follower.stopping:
+                    if deadline is not None and time.monotonic() > deadline:
+                        code = 1
+                        break
+                    time.sleep(0.2)
+        except TimeoutError as error:
+            click.secho(f"error: {error}", fg="red", err=True)
+            code = 1
+        finally:
+            follower.stop()
+    if follower.error is not None:
+        raise follower.error
+    version = follower.policy_version
+    click.echo(f"replica {follower.replica_id}: serving "
+               f"{'nothing' if version is None else f'version {version}'} of {model}")
+    ctx.exit(code)
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+COMMANDS = [follow]
+
+
+if __name__ == "__main__":
+    from reef_stream.cli.common import run_standalone
+
+    run_standalone(follow, "reef follow", "reef_stream.consumers.follower")

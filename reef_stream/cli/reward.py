@@ -1,0 +1,100 @@
+"""``reef reward --recipe X``: run a recipe's reward function over generations as a consumer group.
+
+    reef reward --recipe methods.sao --concurrency 16 --timeout 20 --retries 2
+    python -m reef_stream.consumers.reward --recipe methods.sao      # the same, without `reef`
+
+The worker is ``reef_stream.consumers.reward.RewardWorker``; this command
+loads and checks the recipe, installs SIGTERM/SIGINT handlers that stop it
+cleanly (a second signal stops without waiting for running calls), runs it and
+prints its one-line summary on exit. Errors are ``reef_stream.errors``
+exceptions, which the ``reef`` group turns into one-line messages (``main``
+does the same when run on its own). ``COMMANDS`` lists the command for
+``main.add_command``. The recipe machinery is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import click
+
+from reef_stream.cli.common import run_standalone, stop_on_signals
+from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
+
+
+@click.command()
+@click.option("--recipe", "path", required=True, metavar="MODULE[:ATTRIBUTE]",
+              help="The recipe whose reward function runs: a dotted module path exposing "
+                   "`recipe` (methods.sao), or module:attribute. It must have a reward function.")
+@click.option("--concurrency", "-c", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Reward calls in flight at once (threads for a sync function, tasks on one "
+                   "asyncio loop for an async one).")
+@click.option("--backlog", type=click.IntRange(min=1), default=None,
+              help="Generations taken and not yet settled at most (waiting for a call slot, "
+                   "running, or waiting for the broker); beyond it the partitions pause "
+                   "[default: 1024, or 2 x --concurrency if more].")
+@click.option("--group", "-g", default=None,
+              help="The consumer group; workers in one group share the partitions "
+                   "[default: <namespace>.reward.<recipe name>].")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, help="Seconds one try of the reward function may take.")
+@click.option("--retries", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Tries after a failed one (raised or timed out). A generation whose every "
+                   "try failed goes to dead letters, never to feedback.")
+@click.option("--backoff", type=click.FloatRange(min=0), default=0.5, show_default=True,
+              help="Seconds before the first retry; doubled before each further one (at most 30).")
+@click.option("--grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On stop, seconds running calls get to finish before their generations are "
+                   "left uncommitted (the group reads them again).")
+@click.option("--max-records", type=click.IntRange(min=1), default=None,
+              help="Stop after taking this many generations (for tests and batch runs).")
+@click.option("--idle-exit", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS",
+              help="Stop after this many seconds without a new generation and nothing in flight "
+                   "(at least 30 s while the worker holds no partition: a rebalance may be "
+                   "under way) [default: run until stopped].")
+@metrics_port_option
+@click.pass_context
+def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
+           group: str | None, timeout: float, retries: int, backoff: float, grace: float,
+           max_records: int | None, idle_exit: float | None, metrics_port: int | None) -> None:
+    """Score generations with a recipe's reward function and emit Feedback.
+
+    Consumes <namespace>.generations as a consumer group and sends one
+    Feedback per generation to <namespace>.feedback, keyed like the
+    generation. A call that raises or times out on every try, or returns no
+    finite reward, becomes a dead letter (stage "reward") with the reason, the
+    number of tries and the original record; it is never scored 0. Offsets
+    are committed only past generations whose outcome the broker acknowledged,
+    so a killed worker re-reads at most its uncommitted tail (duplicate
+    feedback has the same id; the processor drops it).
+
+    Stops on SIGTERM or Ctrl-C (running calls finish, up to --grace), on
+    --max-records or --idle-exit, and prints a one-line summary: records,
+    rewarded, failed, invalid, undecodable, retried, timed_out, dropped. The
+    same counters go to <namespace>.metrics (stage "reward", at most once a
+    second and at stop) and, with --metrics-port, to Prometheus.
+    """
+    from reef_stream.config import load_settings
+    from reef_stream.consumers.reward import RewardOptions, RewardWorker
+    from reef_stream.api.recipe import load_recipe
+
+    settings = ctx.obj if ctx.obj is not None else load_settings()
+    recipe = load_recipe(path)
+    options = RewardOptions(concurrency=concurrency, backlog=backlog, timeout=timeout,
+                            retries=retries, backoff=backoff, grace=grace, group=group,
+                            max_records=max_records, idle_exit=idle_exit)
+    worker = RewardWorker(recipe, settings=settings, options=options)
+    serve_metrics(metrics_port)
+    # SIGTERM/SIGINT stop the worker cleanly; a second one stops it without the grace period.
+    try:
+        with stop_on_signals(lambda: worker.stop(now=worker.stopping)):
+            worker.run()
+    finally:
+        click.echo(worker.summary.line())
+
+
+def main() -> None:
+    """Run ``reward`` on its own (``python -m reef_stream.consumers.reward``)."""
+    run_standalone(reward, "reef reward", "reef_stream.consumers.reward")
+
+
+COMMANDS = [reward]

@@ -1,0 +1,60 @@
+"""``reef topics create|verify``: the declared topics of a namespace."""
+
+from __future__ import annotations
+
+import click
+
+from reef_stream.cli.common import progress, settings_of
+from reef_stream.topics.connect import bootstrap_servers, client_config
+from reef_stream.topics.declarations import declare_topics
+
+
+# --------------------------------------------------------------------------- reef topics
+
+
+@click.group()
+def topics() -> None:
+    """The topics of the namespace (REEF_NAMESPACE, default "reef")."""
+
+
+@topics.command("create")
+@click.option("--recipe", "recipes", multiple=True, help="Also the units topic of this recipe.")
+@click.pass_context
+def topics_create(ctx: click.Context, recipes: tuple[str, ...] = ()) -> None:
+    """Create the declared topics; verify the ones that exist (idempotent).
+
+    A topic that exists with settings other than its declaration is an error
+    listing every difference; it is never silently used.
+    """
+    from confluent_kafka.admin import AdminClient
+
+    from reef_stream.topics.admin import ensure_topics
+
+    settings = settings_of(ctx)
+    admin = AdminClient(client_config(bootstrap_servers(settings)))
+    report = ensure_topics(admin, declare_topics(settings.namespace, recipes))
+    for name in report.created:
+        progress(f"created {name}")
+    for name in report.verified:
+        progress(f"verified {name}")
+
+
+@topics.command("verify")
+@click.option("--recipe", "recipes", multiple=True, help="Also the units topic of this recipe.")
+@click.pass_context
+def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
+    """Check that every declared topic exists with its declared settings."""
+    from confluent_kafka.admin import AdminClient
+
+    from reef_stream.errors import TopicMismatchError
+    from reef_stream.topics.admin import verify_topics
+
+    settings = settings_of(ctx)
+    admin = AdminClient(client_config(bootstrap_servers(settings)))
+    problems = verify_topics(admin, declare_topics(settings.namespace, recipes))
+    if problems:
+        raise TopicMismatchError(problems)
+    progress("every declared topic exists with its declared settings")
+
+
+COMMANDS = [topics]

@@ -1,0 +1,80 @@
+"""``reef train --recipe X --group G``: run a trainer (``reef_stream.consumers.trainer``).
+
+    reef train --recipe methods.sao --group run-1
+    reef train --recipe tests.recipes.trainable --group g --checkpoints /data/ckpt --max-steps 100
+
+Consumes ``<ns>.units.<recipe>`` as consumer group G, trains a step per
+``units_per_step`` units, and acknowledges each step by writing its checkpoint,
+producing a Checkpoint event and committing the offsets, in that order. A
+trainer killed at any moment (SIGKILL included) and restarted resumes from
+its newest checkpoint and reaches the same weights. SIGINT / SIGTERM stop it
+after the step in progress. ``COMMANDS`` lists the command for
+``main.add_command``; also runnable as ``python -m reef_stream.cli.train``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import click
+
+from reef_stream.cli.common import stop_on_signals
+from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
+
+
+@click.command()
+@click.option("--recipe", "path", required=True, metavar="MODULE[:ATTRIBUTE]",
+              help="The recipe to train (as for `reef check`); its backend must have a model.")
+@click.option("--group", required=True,
+              help="The trainer's consumer group: its identity. Offsets, checkpoints and the "
+                   "model name (by default) belong to it; groups train independently.")
+@click.option("--checkpoints", "url", default=None, metavar="URL",
+              help="Checkpoint store: a directory or any fsspec URL "
+                   "[default: $REEF_HOME/checkpoints/<namespace>/<recipe>/<group>].")
+@click.option("--keep", type=click.IntRange(min=0), default=5, show_default=True,
+              help="Checkpoints to retain, newest first (0 keeps every one).")
+@click.option("--model", "model_name", default=None,
+              help="Model name in Checkpoint events and publications "
+                   "[default: the backend's model_name, else the group].")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None,
+              help="Stop once the trainer is at this step (counting from the first checkpoint).")
+@click.option("--idle-exit", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Stop after this long without a new unit (an unfinished step stays "
+                   "unacknowledged and is trained on the next run).")
+@metrics_port_option
+def train(path: str, group: str, url: str | None, keep: int, model_name: str | None,
+          max_steps: int | None, idle_exit: float | None, metrics_port: int | None) -> None:
+    """Train a recipe as a consumer group; checkpoints are the acknowledgements.
+
+    Each step's units come from the units topic in an order fixed by the log
+    (not by fetch timing); units already trained are skipped, units too stale
+    for the schedule are dropped to the dead letters, and every count goes to
+    <namespace>.metrics. Prints a summary when it stops. Under torchrun, the
+    rank with LOCAL_RANK=r serves its metrics on --metrics-port + r.
+    """
+    from reef_stream.config import load_settings
+    from reef_stream.topics.connect import bootstrap_servers
+    from reef_stream.consumers.trainer import Trainer
+    from reef_stream.api.recipe import load_recipe
+
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("reef_stream.consumers.trainer").setLevel(logging.INFO)
+    settings = load_settings()
+    recipe = load_recipe(path)
+    trainer = Trainer(recipe, bootstrap=bootstrap_servers(settings), namespace=settings.namespace,
+                      group=group, checkpoints=url, keep=keep, model_name=model_name,
+                      max_steps=max_steps, idle_exit=idle_exit, settings=settings)
+    if metrics_port:  # one port per rank on a host (torchrun sets LOCAL_RANK)
+        metrics_port += int(os.environ.get("LOCAL_RANK", "0"))
+    serve_metrics(metrics_port)
+    with stop_on_signals(trainer.stop):
+        summary = trainer.run()
+    click.echo(summary.line())
+
+
+COMMANDS = [train]
+
+
+if __name__ == "__main__":
+    train()

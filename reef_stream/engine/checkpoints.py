@@ -1,0 +1,365 @@
+"""Trainer checkpoints: written durably, found again after a crash, verified before they are loaded.
+
+A checkpoint is a directory under a store URL (a local path by default; any
+fsspec URL, e.g. ``memory://`` or ``s3://bucket/prefix`` with its fsspec
+package installed)::
+
+    <store>/step-00000042/
+        model.safetensors        the weights
+        optimizer.safetensors    the optimizer's tensors; the rest of its state is in meta.json
+        trainer.safetensors      RNG states and the ids of every unit trained so far (uint64 hashes)
+        meta.json                step, policy version, offsets, algorithm state, metrics, ...
+        MANIFEST.json            every file above with its size and sha256 -- written LAST
+
+A checkpoint exists once its ``MANIFEST.json`` does: the manifest is written
+after every other file is complete (and, on a local disk, fsynced, as is the
+directory), so a crash mid-write leaves a directory without a manifest, which
+readers ignore and the next write of that step replaces. The checkpoint's
+``sha256`` (the one a ``Checkpoint`` event carries) is the sha256 of the
+manifest's bytes; the manifest in turn pins every file, so checking the
+manifest against the event and each file against the manifest verifies
+everything (``verify``).
+
+Nothing here unpickles: tensors are safetensors, everything else JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from reef_stream.errors import FatalError, ReefError
+from reef_stream.topics.events import TopicOffset
+from reef_stream.ops.failpoints import failpoint
+
+__all__ = ["CheckpointContents", "CheckpointError", "CheckpointStore", "StoredCheckpoint",
+           "default_store_url", "load", "load_weights", "unit_hash", "verify", "write_durably"]
+
+MANIFEST = "MANIFEST.json"
+_STEP_DIR = re.compile(r"step-(\d{8,})\Z")
+
+
+class CheckpointError(ReefError):
+    """A checkpoint is missing, unreadable or does not match its checksum: do not load it."""
+
+
+def unit_hash(unit_id: str) -> int:
+    """The 64-bit hash a checkpoint stores for a trained unit id (first 8 bytes of its sha256)."""
+    return int.from_bytes(hashlib.sha256(unit_id.encode()).digest()[:8], "little")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CheckpointContents:
+    """Everything a trainer needs to continue exactly where a step left it.
+
+    ``weights``: the model's state dict. ``optimizer``: the optimizer's
+    ``state_dict()``. ``rng``: named RNG state tensors (``torch.get_rng_state()``,
+    ...). ``algorithm_state``: the objective's state as a ``state_record``.
+    ``offsets``: the next offset to consume per partition. ``trained_units``:
+    sorted unique ``unit_hash`` values of every unit trained up to this step.
+    ``step_units``: the ids of the units trained in this step, in step order.
+    """
+
+    step: int
+    policy_version: int
+    model: str
+    recipe: str
+    trainer_group: str
+    weights: Mapping[str, torch.Tensor]
+    optimizer: Mapping[str, Any]
+    rng: Mapping[str, torch.Tensor]
+    algorithm_state: Mapping[str, Any]
+    offsets: tuple[TopicOffset, ...]
+    trained_units: np.ndarray
+    step_units: tuple[str, ...] = ()
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    created_at: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCheckpoint:
+    """A durable checkpoint: where it is and the checksum that pins it."""
+
+    step: int
+    uri: str
+    sha256: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.sha256[:16]}-step{self.step}"
+
+
+class CheckpointStore:
+    """The checkpoints of one trainer group under ``url``. Not shared between groups."""
+
+    def __init__(self, url: str | os.PathLike[str]) -> None:
+        url = os.fspath(url)
+        self.fs, root = fsspec.core.url_to_fs(url)
+        self.root = root.rstrip("/")
+        self.local = "file" in _protocols(self.fs)
+        self.url = url
+
+    # ----------------------------------------------------------------- writing
+
+    def write(self, contents: CheckpointContents) -> StoredCheckpoint:
+        """Write ``contents`` as step ``contents.step``, durably; returns where and its sha256.
+
+        Blocks until every file (and, locally, the directory) is on disk. A
+        leftover incomplete directory of the same step is replaced. Raises
+        ``CheckpointError`` when the store cannot be written; nothing readable
+        is left behind then.
+        """
+        final = self._step_path(contents.step)
+        staging = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            files = _serialise(contents)
+            self.fs.makedirs(staging, exist_ok=True)
+            entries = {}
+            for name, data in files.items():
+                self._write_file(f"{staging}/{name}", data)
+                entries[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+                failpoint("checkpoint.mid-write", step=contents.step)
+            manifest = json.dumps({"format": 1, "step": contents.step, "files": entries},
+                                  sort_keys=True, indent=1).encode()
+            if self.fs.exists(final):  # an earlier, incomplete attempt at this step
+                self.fs.rm(final, recursive=True)
+            if self.local:
+                self._write_file(f"{staging}/{MANIFEST}", manifest)
+                os.rename(staging, final)
+                _fsync_dir(self.root)
+            else:  # object stores have no rename: copy the files, the manifest last
+                for name, data in files.items():
+                    self._write_file(f"{final}/{name}", data)
+                self._write_file(f"{final}/{MANIFEST}", manifest)
+                self.fs.rm(staging, recursive=True)
+        except OSError as exc:
+            raise CheckpointError(f"could not write checkpoint step {contents.step} to "
+                                  f"{self.url}: {exc}") from exc
+        return StoredCheckpoint(step=contents.step, uri=self._uri(final),
+                                sha256=hashlib.sha256(manifest).hexdigest())
+
+    def _write_file(self, path: str, data: bytes) -> None:
+        write_durably(self.fs, path, data, local=self.local)
+
+    # ----------------------------------------------------------------- reading
+
+    def steps(self) -> list[StoredCheckpoint]:
+        """Every complete checkpoint in the store, oldest first (incomplete ones are skipped)."""
+        if not self.fs.exists(self.root):
+            return []
+        found = []
+        for path in self.fs.ls(self.root, detail=False):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            match = _STEP_DIR.match(name)
+            if not match or not self.fs.exists(f"{path}/{MANIFEST}"):
+                continue
+            manifest = self.fs.cat_file(f"{path}/{MANIFEST}")
+            found.append(StoredCheckpoint(step=int(match.group(1)), uri=self._uri(path),
+                                          sha256=hashlib.sha256(manifest).hexdigest()))
+        return sorted(found, key=lambda c: c.step)
+
+    def latest(self) -> StoredCheckpoint | None:
+        """The newest complete checkpoint, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def prune(self, keep: int) -> list[int]:
+        """Delete all but the newest ``keep`` complete checkpoints, and stale staging
+        directories; returns the steps deleted. ``keep`` 0 keeps everything."""
+        if keep <= 0 or not self.fs.exists(self.root):
+            return []
+        steps = self.steps()
+        doomed = steps[:-keep]
+        for stored in doomed:
+            self.fs.rm(_path_of(stored.uri), recursive=True)
+        newest = steps[-1].step if steps else -1
+        for path in self.fs.ls(self.root, detail=False):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            if ".tmp-" in name and int(name.split("-")[1].split(".")[0]) <= newest:
+                self.fs.rm(path, recursive=True)
+        return [stored.step for stored in doomed]
+
+    def _step_path(self, step: int) -> str:
+        return f"{self.root}/step-{step:08d}"
+
+    def _uri(self, path: str) -> str:
+        protocol = _protocols(self.fs)[0]
+        return path if protocol == "file" else f"{protocol}://{path}"
+
+
+def verify(uri: str, sha256: str | None = None) -> dict[str, bytes]:
+    """Every file of the checkpoint at ``uri``, checked against its manifest, and the
+    manifest against ``sha256`` when given. Raises ``CheckpointError`` naming what is wrong."""
+    try:
+        fs, path = fsspec.core.url_to_fs(uri)
+        manifest_bytes = fs.cat_file(f"{path}/{MANIFEST}")
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {uri} cannot be read: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - e.g. s3:// without s3fs (ImportError)
+        raise CheckpointError(f"checkpoint {uri} cannot be opened: {type(exc).__name__}: "
+                              f"{exc}") from exc
+    actual = hashlib.sha256(manifest_bytes).hexdigest()
+    if sha256 is not None and actual != sha256:
+        raise CheckpointError(f"checkpoint {uri}: manifest sha256 is {actual}, expected {sha256} "
+                              "(changed or replaced since it was announced)")
+    try:
+        manifest = json.loads(manifest_bytes)
+        entries = manifest["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {uri}: unreadable manifest: {exc}") from exc
+    files = {}
+    for name, entry in entries.items():
+        try:
+            data = fs.cat_file(f"{path}/{name}")
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {uri}: {name} cannot be read: {exc}") from exc
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"checkpoint {uri}: {name} does not match its sha256 in the "
+                                  "manifest (tampered with or corrupted)")
+        files[name] = data
+    return files
+
+
+def load(uri: str, sha256: str | None = None) -> CheckpointContents:
+    """The verified contents of the checkpoint at ``uri`` (see ``verify``)."""
+    files = verify(uri, sha256)
+    try:
+        meta = json.loads(files["meta.json"])
+        trainer = st_load(files["trainer.safetensors"])
+        optimizer_tensors = st_load(files["optimizer.safetensors"])
+        return CheckpointContents(
+            step=meta["step"], policy_version=meta["policy_version"], model=meta["model"],
+            recipe=meta["recipe"], trainer_group=meta["trainer_group"],
+            weights=st_load(files["model.safetensors"]),
+            optimizer=_optimizer_from(meta["optimizer"], optimizer_tensors),
+            rng={name[len("rng."):]: t for name, t in trainer.items() if name.startswith("rng.")},
+            algorithm_state=meta["algorithm_state"],
+            offsets=tuple(TopicOffset(**o) for o in meta["offsets"]),
+            trained_units=trainer["trained_units"].numpy().view(np.uint64).copy(),
+            step_units=tuple(meta["step_units"]), metrics=meta["metrics"],
+            created_at=meta["created_at"])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {uri} is not a reef-stream checkpoint: {exc}") from exc
+
+
+def load_weights(uri: str, sha256: str) -> dict[str, torch.Tensor]:
+    """Only the weights of a checkpoint, after verifying all of it against ``sha256``.
+
+    What a serving replica calls before swapping weights in; raises
+    ``CheckpointError`` on any mismatch, so the caller keeps what it serves.
+    """
+    files = verify(uri, sha256)
+    try:
+        return st_load(files["model.safetensors"])
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
+        raise CheckpointError(f"checkpoint {uri}: model.safetensors is unreadable: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- serialisation
+
+
+def _serialise(contents: CheckpointContents) -> dict[str, bytes]:
+    weights = {name: t.detach().cpu().contiguous() for name, t in contents.weights.items()}
+    optimizer_meta, optimizer_tensors = _optimizer_to(contents.optimizer)
+    units = np.ascontiguousarray(np.asarray(contents.trained_units, dtype=np.uint64))
+    trainer = {f"rng.{name}": t.detach().cpu().contiguous() for name, t in contents.rng.items()}
+    trainer["trained_units"] = torch.from_numpy(units.view(np.int64).copy())
+    meta = {
+        "step": contents.step, "policy_version": contents.policy_version, "model": contents.model,
+        "recipe": contents.recipe, "trainer_group": contents.trainer_group,
+        "optimizer": optimizer_meta, "algorithm_state": dict(contents.algorithm_state),
+        "offsets": [{"topic": o.topic, "partition": o.partition, "offset": o.offset}
+                    for o in contents.offsets],
+        "step_units": list(contents.step_units), "metrics": dict(contents.metrics),
+        "created_at": contents.created_at or int(time.time() * 1000),
+    }
+    return {
+        "model.safetensors": st_save(weights),
+        "optimizer.safetensors": st_save(optimizer_tensors),
+        "trainer.safetensors": st_save(trainer),
+        "meta.json": json.dumps(meta, sort_keys=True).encode(),
+    }
+
+
+def _optimizer_to(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A torch optimizer state dict as JSON (param groups, scalars) + named tensors."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for param, values in state_dict.get("state", {}).items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{param}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(param), {})[name] = value
+    return {"param_groups": _jsonable(state_dict.get("param_groups", [])), "scalars": scalars}, tensors
+
+
+def _optimizer_from(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        _, param, name = key.split(".", 2)
+        state.setdefault(int(param), {})[name] = tensor
+    for param, values in meta["scalars"].items():
+        state.setdefault(int(param), {}).update(values)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, torch.Tensor) and value.ndim == 0:
+        return value.item()
+    raise FatalError(f"optimizer state holds a {type(value).__name__}, which a checkpoint "
+                     "cannot store as JSON")
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def _path_of(uri: str) -> str:
+    return fsspec.core.url_to_fs(uri)[1]
+
+
+def write_durably(fs: Any, path: str, data: bytes, *, local: bool) -> None:
+    """Write ``data`` to ``path``; on a local disk, fsynced before returning (blocks)."""
+    if local:
+        with open(path, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+    else:
+        with fs.open(path, "wb") as out:
+            out.write(data)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def default_store_url(home: Path, namespace: str, recipe: str, group: str) -> str:
+    """``$REEF_HOME/checkpoints/<ns>/<recipe>/<group>``: where ``reef train`` writes by default."""
+    return str(home / "checkpoints" / namespace / recipe / group)

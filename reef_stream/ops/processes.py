@@ -1,0 +1,108 @@
+"""Processes: the background servers reef-stream runs (Kafka nodes, Redis) and the one signal
+handler every long-running stage and command stops on (``stop_on_signals``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+
+def port_is_free(port: int) -> bool:
+    """True if nothing listens on ``127.0.0.1:port``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports that were free a moment ago."""
+    sockets, ports = [], []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+            ports.append(sock.getsockname()[1])
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+def process_matches(pid: int | None, marker: str) -> bool:
+    """True if ``pid`` is a live process whose command line contains ``marker``.
+
+    Checking the command line guards against a pid recycled after a reboot.
+    A command line that reads empty (a process in the middle of exec'ing, as
+    the java launcher does at start) counts as a match.
+    """
+    if not pid:
+        return False
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        cmdline = process.cmdline()
+        return not cmdline or marker in " ".join(cmdline)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def reap(pid: int | None) -> None:
+    """Collect the exit status of ``pid`` if this process started it (no zombie left)."""
+    if not pid:
+        return
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    """The end of a log file for an error message: from its last ERROR or FATAL line
+    (where the cause is, above any stack trace) if there is one, else the last lines."""
+    if not path.exists():
+        return f"(no log at {path})"
+    text = path.read_text(errors="replace").splitlines()
+    errors = [i for i, line in enumerate(text) if " ERROR " in line or " FATAL " in line]
+    start = errors[-1] if errors and errors[-1] >= len(text) - 200 else len(text) - lines
+    return "\n".join(text[max(start, 0):][:lines])
+
+
+def interrupt_on_sigterm() -> None:
+    """Make SIGTERM raise ``KeyboardInterrupt`` in the main thread, as Ctrl-C does, so a
+    long-running command stopped by a supervisor (or ``kill``, or a backgrounded shell job,
+    where SIGINT is ignored) runs its ``finally`` blocks: stops the stage processes and the
+    servers it started instead of leaving them behind."""
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+#: The signals a long-running stage stops on, after its current unit of work.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGINT call ``stop`` (which asks the stage to finish
+    its current work and return) instead of killing the process; the previous handlers come
+    back afterwards. Must be entered on the main thread."""
+    previous = {signum: signal.signal(signum, lambda *_: stop()) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
