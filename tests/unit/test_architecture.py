@@ -1,0 +1,114 @@
+"""The shape of the tree, checked: the author API is pure, modules import one another without
+cycles, and no module grows past 800 lines. These are the promises of the README's Layout
+section; a change that breaks one fails here, naming the modules."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import reef_stream
+
+PACKAGE = Path(reef_stream.__file__).resolve().parent
+MAX_LINES = 800
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (``__init__`` as the package's own name)."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__main__":
+            continue
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+def _is_script_block(node: ast.AST) -> bool:
+    """``if __name__ == "__main__":`` or ``if TYPE_CHECKING:``: imports there are not part of
+    the module's import graph (they run only as a script, or never)."""
+    if not isinstance(node, ast.If):
+        return False
+    text = ast.unparse(node.test)
+    return "__name__" in text or "TYPE_CHECKING" in text
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """The package modules ``name`` imports, at module level or inside functions."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if _is_script_block(child):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - child.level + 1]
+                                    + ([base] if base else []))
+                found.add(base)
+                found.update(f"{base}.{alias.name}" for alias in child.names)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {target for target in found if target in modules and target != name}
+
+
+def test_the_author_api_imports_neither_kafka_nor_redis():
+    """Every module of reef_stream.api, imported in a fresh interpreter, leaves confluent_kafka
+    and redis out of sys.modules: a method author's code never drags the service layer in."""
+    api = sorted(name for name in _modules() if name.startswith("reef_stream.api"))
+    assert "reef_stream.api.recipe" in api and "reef_stream.api.processor" in api
+    script = (f"import importlib, sys\nfor m in {api!r}: importlib.import_module(m)\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+              "('confluent_kafka', 'redis')))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "[]", f"reef_stream.api pulled in: {result.stdout.strip()}"
+
+
+def test_no_import_cycles_between_modules():
+    modules = _modules()
+    graph = {name: _imports(path, name, modules) for name, path in modules.items()}
+    # A package's __init__ is imported with each of its modules; an import of the package
+    # itself from inside it is not a cycle between modules.
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
+    cycles, state = [], {}
+
+    def walk(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                cycles.append(stack[stack.index(target):] + [target])
+            elif target not in state:
+                walk(target, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name, [])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_over_800_lines():
+    long = {name: n for name, path in _modules().items()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path):
+    """The checker itself: two modules importing each other (one lazily) are a cycle."""
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import x\n")
+    modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+    assert _imports(modules["a"], "a", modules) == {"b"}
+    assert _imports(modules["b"], "b", modules) == {"a"}
