@@ -42,7 +42,7 @@ from confluent_kafka.admin import AdminClient
 from reef_stream.config import Settings
 from reef_stream.topics.connect import client_config
 from reef_stream.consumers.processor import EXIT_RESTART
-from reef_stream.demo.verify import GenerationOutcomes
+from reef_stream.demo.verify import GenerationOutcomes, ledger_counts, letter_unit
 from reef_stream.topics.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
 from reef_stream.ops.metrics import (
     CONSUMER_LAG, PROCESSOR_UNITS, STAGE_PROCESSOR, TRAINER_STALENESS_MEAN, TRAINER_STEPS,
@@ -484,13 +484,10 @@ def end_offset(consumer: Consumer, topic: str) -> int:
 
 
 def unit_ledger(bootstrap: str, ns: str, recipe: str, store: Path) -> dict[str, int]:
-    """Every unit the trainer acknowledged, against every unit in the log before its offsets.
-
-    ``trained``: distinct unit ids trained; ``trained_twice``: ids in more than
-    one step (must be 0); ``lost``: ids in the log before the newest
-    checkpoint's offsets that were neither trained nor dead-lettered by the trainer (too
-    stale, or untrainable; must be 0); ``dropped``: the dead-lettered ones; ``duplicates``: extra
-    records of an id already in the log (a processor re-emission).
+    """Every unit the trainer acknowledged, against every unit in the log before its offsets:
+    reads the checkpoints in ``store``, the units topic up to the newest one's offsets and the
+    trainer's dead letters, and returns ``verify.ledger_counts`` of them (``trained_twice`` and
+    ``lost`` must be 0).
     """
     from reef_stream.engine.checkpoints import CheckpointStore, load
 
@@ -498,33 +495,22 @@ def unit_ledger(bootstrap: str, ns: str, recipe: str, store: Path) -> dict[str, 
     if not steps:
         return {"trained": 0, "trained_twice": 0, "lost": 0}
     contents = [load(c.uri, c.sha256) for c in steps]
-    trained = Counter(u for c in contents for u in c.step_units)
     offsets = {o.partition: o.offset for o in contents[-1].offsets}
     topic = declarations.units(ns, recipe)
-    registry, logged = SchemaRegistry.default(), Counter()
-    for message in read_to_end(bootstrap, topic, until=offsets):
-        logged[registry.decode(message.value(), message.headers(), RolloutUnit).unit_id] += 1
-    dropped = _dropped_units(bootstrap, ns, topic)
-    untrained = set(logged) - set(trained)
-    return {"trained": len(trained),
-            "trained_twice": sum(1 for n in trained.values() if n > 1),
-            "duplicates": sum(n - 1 for n in logged.values()),
-            "dropped": len(untrained & dropped),
-            "lost": len(untrained - dropped)}
+    registry = SchemaRegistry.default()
+    logged = [registry.decode(message.value(), message.headers(), RolloutUnit).unit_id
+              for message in read_to_end(bootstrap, topic, until=offsets)]
+    return ledger_counts((c.step_units for c in contents), logged,
+                         _dropped_units(bootstrap, ns, topic))
 
 
 def _dropped_units(bootstrap: str, ns: str, units_topic: str) -> set[str]:
     """Ids of the units the trainer dead-lettered (too stale, or untrainable)."""
-    registry, dropped = SchemaRegistry.default(), set()
-    for message in read_to_end(bootstrap, declarations.dead_letters(ns)):
-        letter = registry.decode(message.value(), message.headers(), DeadLetter)
-        if letter.source_topic == units_topic and letter.value is not None:
-            try:
-                dropped.add(registry.decode(letter.value, [(h.key, h.value) for h in
-                                                           letter.headers], RolloutUnit).unit_id)
-            except Exception:  # noqa: BLE001 - an undecodable unit has no id to match
-                pass
-    return dropped
+    registry = SchemaRegistry.default()
+    letters = (registry.decode(message.value(), message.headers(), DeadLetter)
+               for message in read_to_end(bootstrap, declarations.dead_letters(ns)))
+    return {unit for letter in letters
+            if (unit := letter_unit(letter, units_topic, registry)) is not None}
 
 
 def write_report(demo: Demo, seconds: float, ledger: dict[str, int]) -> Path:

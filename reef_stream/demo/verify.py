@@ -9,8 +9,14 @@
 
 It reads the topics to their current end (``reef_stream.topics.reading``: committed records
 only, no group, nothing committed) and keeps its place, so a caller waiting for the processor
-to catch up reads each record once. The trainer's side,
-no unit trained twice or lost, is ``reef_stream.demo.run.unit_ledger``.
+to catch up reads each record once. The trainer's side, no unit trained twice or lost, is
+``reef_stream.demo.run.unit_ledger``.
+
+The decisions themselves take records, not topics, so that a test can hand them a log built
+by hand: ``OutcomeTally`` (the generations' side), ``processor_letter_generation`` (which dead
+letters are a generation's outcome), ``letter_unit`` (which are a unit the trainer dropped) and
+``ledger_counts`` (the trainer's side). The readers
+here and in ``run.unit_ledger`` only feed them.
 """
 
 from __future__ import annotations
@@ -19,61 +25,44 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from reef_stream.engine.training import unit_members
 from reef_stream.errors import InvalidRecord
-from reef_stream.topics.events import DeadLetter, Generation
 from reef_stream.ops.metrics import STAGE_PROCESSOR
 from reef_stream.topics import declarations
+from reef_stream.topics.events import DeadLetter, Generation, RolloutUnit
 from reef_stream.topics.reading import TopicReader
 from reef_stream.topics.serde import SchemaRegistry
-from reef_stream.engine.training import unit_members
 
-class GenerationOutcomes:
-    """Counts over the distinct generation ids of ``<ns>.generations``, kept up to date by
-    ``update`` (each call reads only what the three topics gained since the last): see
-    ``counts``. ``close`` at the end."""
 
-    def __init__(self, bootstrap: str, namespace: str, recipe: Any) -> None:
-        self.namespace, self.unit_type = namespace, recipe.objective.unit_type
-        self._registry = SchemaRegistry.default()
-        self._generations = TopicReader(bootstrap, declarations.generations(namespace))
-        self._units = TopicReader(bootstrap, declarations.units(namespace, recipe.name))
-        self._letters = TopicReader(bootstrap, declarations.dead_letters(namespace))
+class OutcomeTally:
+    """The generations' side of a run, from records already decoded: every generation id the
+    topic holds, and every outcome (a unit it is a member of, a processor's dead letter of it).
+    Pure; the ``add_*`` methods may be called in any order and interleaved."""
+
+    def __init__(self) -> None:
         #: Every generation id in the topic so far.
         self.ids: set[str] = set()
-        self._undecodable = 0
+        #: Records of the generations topic that did not decode (no id to match).
+        self.undecodable = 0
         self._in_units: set[str] = set()
         self._outcomes: Counter[str] = Counter()
 
-    def update(self) -> dict[str, int]:
-        """Read what arrived since the last call; returns ``counts()``."""
-        registry = self._registry
-        for message in self._generations.to_end():
-            try:
-                self.ids.add(registry.decode(message.value(), message.headers(),
-                                             Generation).generation_id)
-            except InvalidRecord:
-                self._undecodable += 1
-        for message in self._units.to_end():
-            unit = registry.decode(message.value(), message.headers(), self.unit_type)
-            members = {m.generation_id for m in unit_members(unit)}
-            self._outcomes.update(members)
-            self._in_units |= members
-        generations_topic = self._generations.topic
-        for message in self._letters.to_end():
-            # The processor's dead letters of generations: an outcome (expired, too stale, shed,
-            # invalid), a unit too large to emit, or a record that failed validation; each
-            # carries the record.
-            letter = registry.decode(message.value(), message.headers(), DeadLetter)
-            if letter.stage != STAGE_PROCESSOR or letter.source_topic != generations_topic \
-                    or letter.value is None:
-                continue
-            try:
-                generation = registry.decode(letter.value,
-                                             [(h.key, h.value) for h in letter.headers], Generation)
-            except InvalidRecord:
-                continue  # an undecodable record: counted in ``undecodable``
-            self._outcomes[generation.generation_id] += 1
-        return self.counts()
+    def add_generation(self, generation_id: str | None) -> None:
+        """A record of the generations topic; ``None``: one that did not decode."""
+        if generation_id is None:
+            self.undecodable += 1
+        else:
+            self.ids.add(generation_id)
+
+    def add_unit(self, member_ids: Iterable[str]) -> None:
+        """A unit record: one outcome for each of its members."""
+        members = set(member_ids)
+        self._outcomes.update(members)
+        self._in_units |= members
+
+    def add_dead_letter(self, generation_id: str) -> None:
+        """A processor's dead letter of a generation: its outcome."""
+        self._outcomes[generation_id] += 1
 
     def counts(self) -> dict[str, int]:
         """``generations``, ``in_units``, ``dead_lettered``, ``no_outcome`` and ``more_than_one``
@@ -84,12 +73,110 @@ class GenerationOutcomes:
                 "dead_lettered": len((set(outcomes) - in_units) & ids),
                 "no_outcome": len(ids - set(outcomes)),
                 "more_than_one": sum(1 for n in outcomes.values() if n > 1),
-                "undecodable": self._undecodable}
+                "undecodable": self.undecodable}
+
+    def missing(self, acknowledged: Iterable[str]) -> set[str]:
+        """The ids in ``acknowledged`` that no record of the generations topic carries."""
+        return set(acknowledged) - self.ids
+
+
+def processor_letter_generation(letter: DeadLetter, generations_topic: str,
+                                registry: SchemaRegistry) -> str | None:
+    """The id of the generation ``letter`` carries when it is one of the processor's dead
+    letters of ``generations_topic`` (an outcome: expired, too stale, shed, invalid; a unit too
+    large to emit; a record that failed validation); ``None`` for any other letter, and for a
+    record that does not decode (counted as ``undecodable`` on the generations' side)."""
+    if letter.stage != STAGE_PROCESSOR or letter.source_topic != generations_topic \
+            or letter.value is None:
+        return None
+    try:
+        return registry.decode(letter.value, [(h.key, h.value) for h in letter.headers],
+                               Generation).generation_id
+    except InvalidRecord:
+        return None
+
+
+def letter_unit(letter: DeadLetter, units_topic: str, registry: SchemaRegistry) -> str | None:
+    """The id of the unit ``letter`` carries when it is a dead letter of ``units_topic`` (the
+    trainer's: too stale, or untrainable); ``None`` for any other letter, and for a record that
+    does not decode (no id to match)."""
+    if letter.source_topic != units_topic or letter.value is None:
+        return None
+    try:
+        return registry.decode(letter.value, [(h.key, h.value) for h in letter.headers],
+                               RolloutUnit).unit_id
+    except InvalidRecord:
+        return None
+
+
+def ledger_counts(steps: Iterable[Iterable[str]], logged: Iterable[str],
+                  dropped: Iterable[str]) -> dict[str, int]:
+    """The unit ledger of a trainer: ``steps``, the unit ids each acknowledged step trained
+    (its checkpoints' ``step_units``); ``logged``, the id of every record of the units topic
+    before the newest checkpoint's offsets (repeated for a record logged twice); ``dropped``,
+    the ids the trainer dead-lettered (too stale, or untrainable).
+
+    ``trained``: distinct ids trained; ``trained_twice``: ids in more than one step, or twice
+    in one (must be 0); ``lost``: logged ids neither trained nor dropped (must be 0);
+    ``dropped``: the logged ids dropped and not trained; ``duplicates``: extra records of an id
+    already logged (a processor re-emission)."""
+    trained = Counter(u for step in steps for u in step)
+    logged_ids = Counter(logged)
+    untrained = set(logged_ids) - set(trained)
+    dropped_ids = set(dropped)
+    return {"trained": len(trained),
+            "trained_twice": sum(1 for n in trained.values() if n > 1),
+            "duplicates": sum(n - 1 for n in logged_ids.values()),
+            "dropped": len(untrained & dropped_ids),
+            "lost": len(untrained - dropped_ids)}
+
+
+class GenerationOutcomes:
+    """An ``OutcomeTally`` fed from ``<ns>.generations``, the recipe's units topic and
+    ``<ns>.dead-letters``, kept up to date by ``update`` (each call reads only what the three
+    topics gained since the last): see ``counts``. ``close`` at the end."""
+
+    def __init__(self, bootstrap: str, namespace: str, recipe: Any) -> None:
+        self.namespace, self.unit_type = namespace, recipe.objective.unit_type
+        self._registry = SchemaRegistry.default()
+        self._generations = TopicReader(bootstrap, declarations.generations(namespace))
+        self._units = TopicReader(bootstrap, declarations.units(namespace, recipe.name))
+        self._letters = TopicReader(bootstrap, declarations.dead_letters(namespace))
+        self.tally = OutcomeTally()
+
+    @property
+    def ids(self) -> set[str]:
+        """Every generation id in the topic so far."""
+        return self.tally.ids
+
+    def update(self) -> dict[str, int]:
+        """Read what arrived since the last call; returns ``counts()``."""
+        registry, tally = self._registry, self.tally
+        for message in self._generations.to_end():
+            try:
+                tally.add_generation(registry.decode(message.value(), message.headers(),
+                                                     Generation).generation_id)
+            except InvalidRecord:
+                tally.add_generation(None)
+        for message in self._units.to_end():
+            unit = registry.decode(message.value(), message.headers(), self.unit_type)
+            tally.add_unit(m.generation_id for m in unit_members(unit))
+        generations_topic = self._generations.topic
+        for message in self._letters.to_end():
+            letter = registry.decode(message.value(), message.headers(), DeadLetter)
+            generation_id = processor_letter_generation(letter, generations_topic, registry)
+            if generation_id is not None:
+                tally.add_dead_letter(generation_id)
+        return self.counts()
+
+    def counts(self) -> dict[str, int]:
+        """``OutcomeTally.counts`` as of the last ``update``."""
+        return self.tally.counts()
 
     def missing(self, acknowledged: Iterable[str]) -> set[str]:
         """The ids in ``acknowledged`` that no record of the generations topic carries (as of
         the last ``update``)."""
-        return set(acknowledged) - self.ids
+        return self.tally.missing(acknowledged)
 
     def close(self) -> None:
         for reader in (self._generations, self._units, self._letters):
