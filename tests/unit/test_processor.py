@@ -110,6 +110,14 @@ def test_a_group_is_emitted_only_when_its_declared_size_is_scored():
     assert out.units[0].member_ids == ("a", "b", "c")
 
 
+def test_unit_id_is_pinned():
+    """Checkpoints store unit ids to deduplicate: a change to the hashing would make an upgraded
+    trainer train again the units it already trained. This literal must never change."""
+    assert unit_id("sao", ["g1", "g2"]) == "9ada6728c6471c5afce8407007a5d61a"
+    assert unit_id("sao", ["g2", "g1"]) == "9ada6728c6471c5afce8407007a5d61a"
+    assert unit_id("sao", ("g2", "g1")) == unit_id("sao", iter(["g1", "g2"]))
+
+
 def test_unit_ids_depend_on_members_and_recipe_only():
     assert unit_id("r", ["b", "a"]) == unit_id("r", ["a", "b"])
     assert unit_id("r", ["a", "b"]) != unit_id("other", ["a", "b"])
