@@ -86,7 +86,8 @@ from reef_stream.config import Settings, load_settings
 from reef_stream.topics.connect import ask_broker, bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, RetryableError
 from reef_stream.api.evaluator import Incumbent, Measurement, Selection
-from reef_stream.topics.events import Checkpoint, DeadLetter, Decision, MessageHeader, Publication, now_ms
+from reef_stream.topics.dead_letters import dead_letter
+from reef_stream.topics.events import Checkpoint, Decision, Publication, now_ms
 from reef_stream.ops.metrics import (
     EVALUATOR_CANDIDATE_VERSION, EVALUATOR_CANDIDATES_SKIPPED, EVALUATOR_DECISIONS,
     EVALUATOR_MEASURE_SECONDS, EVALUATOR_MEASUREMENT, STAGE_EVALUATOR, MetricsWriter,
@@ -831,12 +832,7 @@ class EvaluatorWorker:
         """Produce the ``DeadLetter`` of ``message`` (kept whole, with ``reason``) to
         ``<ns>.dead-letters`` and block until it is acknowledged (``_deliver``). Its Kafka key is
         ``key``, or else the message's own key."""
-        letter = DeadLetter(reason=reason, error_type=error_type, source_topic=message.topic(),
-                            source_partition=message.partition(), source_offset=message.offset(),
-                            key=message.key(), value=message.value(),
-                            headers=tuple(MessageHeader(key=k, value=v)
-                                          for k, v in (message.headers() or ())),
-                            stage=STAGE, created_at=now_ms())
+        letter = dead_letter(reason, error_type, stage=STAGE, message=message)
         value, headers = self._registry.encode(letter)
         self._deliver(producer, declarations.dead_letters(self.namespace),
                       message.key() if key is None else key, value, headers,

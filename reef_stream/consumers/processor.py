@@ -139,7 +139,8 @@ from confluent_kafka.admin import AdminClient
 from reef_stream.topics.connect import ask_broker, client_config
 from reef_stream.errors import FatalError, InvalidRecord
 from reef_stream.ops import metrics
-from reef_stream.topics.events import Checkpoint, DeadLetter, Feedback, Generation, MessageHeader, now_ms
+from reef_stream.topics.dead_letters import dead_letter
+from reef_stream.topics.events import Checkpoint, DeadLetter, Feedback, Generation, now_ms
 from reef_stream.intake.validation import validate
 from reef_stream.engine.join import (
     FeedbackFate,
@@ -890,21 +891,16 @@ class ProcessorRuntime:
                       f"{outcome.feedback.generation_id}) {kind}: {outcome.reason}")
         value, headers = self.registry.encode(event)
         key = (event.group_id or event.generation_id).encode()
-        self._send_dead_letter(DeadLetter(
-            reason=reason, error_type=f"processor.{kind}",
-            source_topic=where.topic if where else (
+        self._send_dead_letter(dead_letter(
+            reason, f"processor.{kind}", stage=STAGE,
+            topic=where.topic if where else (
                 self.generations if isinstance(event, Generation) else self.feedback),
-            source_partition=where and where.partition, source_offset=where and where.offset,
-            key=key, value=value, headers=tuple(MessageHeader(key=k, value=v) for k, v in headers),
-            stage=STAGE, created_at=now_ms()), key)
+            partition=where and where.partition, offset=where and where.offset,
+            key=key, value=value, headers=headers), key)
 
     def _dead_letter_raw(self, message: Any, error: InvalidRecord) -> None:
-        self._send_dead_letter(DeadLetter(
-            reason=str(error), error_type=type(error).__name__, source_topic=message.topic(),
-            source_partition=message.partition(), source_offset=message.offset(),
-            key=message.key(), value=message.value(),
-            headers=tuple(MessageHeader(key=k, value=v) for k, v in (message.headers() or ())),
-            stage=STAGE, created_at=now_ms()), message.key())
+        self._send_dead_letter(dead_letter(str(error), type(error).__name__, stage=STAGE,
+                                           message=message), message.key())
 
     def _send_dead_letter(self, letter: DeadLetter, key: bytes | None) -> None:
         value, headers = self.registry.encode(letter)

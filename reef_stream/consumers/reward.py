@@ -95,6 +95,7 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 from reef_stream.config import Settings, load_settings
 from reef_stream.topics.connect import bootstrap_servers, client_config
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
+from reef_stream.topics.dead_letters import dead_letter
 from reef_stream.topics.events import DeadLetter, Generation, MessageHeader, now_ms
 from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandle
 from reef_stream.ops.metrics import (
@@ -535,10 +536,9 @@ class RewardWorker:
     # ----------------------------------------------------------------- emitting
 
     def _dead_letter(self, taken: _Taken, reason: str, error_type: str) -> DeadLetter:
-        return DeadLetter(reason=reason, error_type=error_type, source_topic=taken.topic,
-                          source_partition=taken.partition, source_offset=taken.offset,
-                          key=taken.key, value=taken.value, headers=taken.headers,
-                          stage=STAGE, created_at=now_ms())
+        return dead_letter(reason, error_type, stage=STAGE, topic=taken.topic,
+                           partition=taken.partition, offset=taken.offset, key=taken.key,
+                           value=taken.value, headers=taken.headers)
 
     def _emit(self, producer: RecordProducer, event: Any, entry: list, outcome: str) -> bool:
         """Send the outcome of a record; it counts as done once the broker acknowledged it.

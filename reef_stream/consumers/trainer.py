@@ -87,7 +87,8 @@ from reef_stream.engine.checkpoints import (
 from reef_stream.config import Settings, load_settings
 from reef_stream.topics.connect import client_config
 from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
-from reef_stream.topics.events import Checkpoint, DeadLetter, MessageHeader, TopicOffset, now_ms
+from reef_stream.topics.dead_letters import dead_letter
+from reef_stream.topics.events import Checkpoint, TopicOffset, now_ms
 from reef_stream.ops.failpoints import failpoint
 from reef_stream.ops.metrics import (
     STAGE_TRAINER, TRAINER_DATA_SECONDS, TRAINER_STALENESS_MAX, TRAINER_STALENESS_MEAN,
@@ -536,12 +537,7 @@ class Trainer:
         return sorted(metadata.partitions)
 
     def _dead_letter(self, message: Any, reason: str, error_type: str) -> None:
-        letter = DeadLetter(
-            reason=reason, error_type=error_type, source_topic=message.topic(),
-            source_partition=message.partition(), source_offset=message.offset(),
-            key=message.key(), value=message.value(),
-            headers=tuple(MessageHeader(key=k, value=v) for k, v in (message.headers() or [])),
-            stage=STAGE_TRAINER, created_at=now_ms())
+        letter = dead_letter(reason, error_type, stage=STAGE_TRAINER, message=message)
         value, headers = self.registry.encode(letter)
         self.producer.produce(declarations.dead_letters(self.ns), key=message.key(), value=value,
                               headers=headers)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from reef_stream.errors import InvalidRecord
-from reef_stream.topics.events import DeadLetter, now_ms
+from reef_stream.topics.dead_letters import dead_letter
 from reef_stream.intake.formats import NO_DEFAULTS, Kind, OpenAIDefaults, parse_record
 from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandle
 from reef_stream.intake.spool import SpoolFull
@@ -159,18 +159,15 @@ def _reject(line: bytes, number: int, error: Exception, producer: RecordProducer
     group = reason_group(error)
     summary.rejected[group] += 1
     summary.first_rejection.setdefault(group, reason)
-    letter = DeadLetter(reason=reason, error_type=type(error).__name__,
-                        source_topic=summary.source, source_offset=number, key=None,
-                        value=line, headers=(), stage="import", created_at=now_ms())
+    letter = dead_letter(reason, type(error).__name__, stage="import", topic=summary.source,
+                         offset=number, value=line)
     try:
         handle = producer.send(letter)
     except InvalidRecord:  # the line itself is over the dead-letter topic's size limit
-        handle = producer.send(DeadLetter(
-            reason=f"{reason} (the line, {len(line)} bytes, is too large to keep here; it is "
-                   f"line {number} of {summary.source})",
-            error_type=letter.error_type, source_topic=letter.source_topic,
-            source_offset=number, key=None, value=None, headers=(), stage="import",
-            created_at=letter.created_at))
+        handle = producer.send(dead_letter(
+            f"{reason} (the line, {len(line)} bytes, is too large to keep here; it is "
+            f"line {number} of {summary.source})", letter.error_type, stage="import",
+            topic=letter.source_topic, offset=number, created_at=letter.created_at))
     summary.dead_letters_sent += 1
     deliveries.track(handle, dead_letter=True)
 
