@@ -98,11 +98,17 @@ def _kafka_answers(bootstrap: str) -> bool:
         return False
 
 
+#: The fixtures that reach a real broker or Redis: a test using one is an integration test.
+SERVICE_FIXTURES = frozenset({"kafka_bootstrap", "redis_url", "cli_env"})
+
+
 def pytest_collection_modifyitems(items):
-    """Mark tests by directory so `-m "not faults"` and friends work."""
+    """Mark tests by directory, and any test that uses the broker or Redis (the property tests
+    of tests/property/ that do, for one) as integration, so `-m "not integration"` runs only
+    tests that need no server, and `-m "not faults"` and friends work."""
     for item in items:
         path = Path(str(item.fspath))
-        if "integration" in path.parts:
+        if "integration" in path.parts or SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
         if "faults" in path.parts:
             item.add_marker(pytest.mark.faults)
