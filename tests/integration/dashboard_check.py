@@ -54,9 +54,11 @@ DEMO_CHARTS = (
 
 
 def require_chromium() -> None:
+    """Fail (never skip: a test that cannot run must not pass for one that did) without it."""
     if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is not installed (scripts/test.sh installs Debian's chromium): "
-                    "the dashboard page cannot be rendered")
+        pytest.fail(f"{CHROMIUM} is not installed, so the dashboard page cannot be rendered: "
+                    "bash scripts/test.sh installs Debian's chromium (apt-get install chromium)",
+                    pytrace=False)
 
 
 @contextmanager
@@ -178,7 +180,7 @@ def check_dashboard(env: dict[str, str], namespace: str, artifact_name: str = "d
     ``events``: wait until the dashboard read exactly that many records (else until its count
     settles). Saves test-artifacts/ARTIFACT_NAME.png. Returns ``{"url", "api" (the
     /api/series answer), "charts" ({id: {"series", "points", "canvas"}}), "screenshot"}``.
-    Skips the calling test where Chromium is not installed.
+    Fails the calling test where Chromium is not installed.
     """
     require_chromium()
     with running_dashboard(env, namespace) as url:
