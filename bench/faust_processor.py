@@ -1,5 +1,6 @@
 """The processor's job on faust-streaming, against a raw loop and the transactional loop.
 
+    pip install 'reef-stream[faust]'      # faust-streaming: an extra, for this benchmark only
     python bench/faust_processor.py [--generations 6000] [--skip-exactly-once]
 
 Issue 4 asked for the processor runtime on faust-streaming first, and for the
@@ -233,6 +234,10 @@ def main() -> None:
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if importlib.util.find_spec("faust") is None:
+        sys.exit("bench/faust_processor.py needs faust-streaming, an optional extra of "
+                 "reef-stream: pip install -e '.[faust]' (or REEF_SETUP_EXTRAS=test,faust "
+                 "bash scripts/setup.sh)")
     if args.worker:
         return worker(args.bootstrap, args.ns, args.units, args.guarantee, args.result,
                       with_table=not args.no_table)

@@ -27,6 +27,7 @@ Nothing else in the package reads the environment.
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import re
 from collections.abc import Mapping
@@ -34,12 +35,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from reef_stream.errors import ConfigurationError
+from reef_stream.errors import ConfigurationError, FatalError
 
-#: The repository root: schemas/ and infra/ are found from here.
+
+def _package_data(name: str) -> Path:
+    """A folder of reef_stream's package data (``reef_stream/_data/<name>``), as a path.
+
+    In the repository ``reef_stream/_data/schemas`` and ``reef_stream/_data/kafka`` are
+    links to the top-level ``schemas/`` and ``infra/kafka/``; a built wheel holds the
+    files themselves. Either way they are found through the installed package, never
+    from a source tree. Paths, not merely traversables: the JVM reads log4j.properties
+    by file name, so reef-stream runs from a package on disk (pip never installs zipped).
+    """
+    folder = importlib.resources.files("reef_stream").joinpath("_data", name)
+    if not isinstance(folder, Path) or not folder.is_dir():
+        raise FatalError(f"reef-stream's package data {name!r} is missing from {folder}: "
+                         "reinstall reef-stream (pip install --force-reinstall reef-stream)")
+    return folder.resolve()
+
+
+#: Avro schemas of every event (``schemas/`` in the repository), package data.
+SCHEMAS_DIR = _package_data("schemas")
+#: The local broker's templates: pom.xml, server.properties, log4j (``infra/kafka/``).
+KAFKA_INFRA_DIR = _package_data("kafka")
+#: The checkout this module sits in, when it sits in one (tests and benchmarks read the
+#: README and scripts from it); nothing at run time reads it.
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-SCHEMAS_DIR = PROJECT_ROOT / "schemas"
-KAFKA_INFRA_DIR = PROJECT_ROOT / "infra" / "kafka"
 
 DEFAULT_NAMESPACE = "reef"
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")

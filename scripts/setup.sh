@@ -2,7 +2,8 @@
 # Set up reef-stream on a fresh machine; safe to run again (it skips what is done).
 #
 #   - a virtual environment in .venv with reef-stream and its test extras, or the extras that
-#     REEF_SETUP_EXTRAS names (scripts/test.sh adds the optional sinks' tensorboard and wandb);
+#     REEF_SETUP_EXTRAS names (scripts/test.sh adds the optional sinks' tensorboard and wandb;
+#     REEF_SETUP_EXTRAS=test,faust adds faust-streaming for bench/faust_processor.py);
 #     pip's cache keeps torch, a few GB, so it is downloaded once per machine;
 #   - Debian's redis-server, where it is missing;
 #   - the Kafka broker's jars, fetched from Maven Central by Maven once (~/.m2).
@@ -32,7 +33,7 @@ fi
 
 stamp=.venv/.reef-installed
 extras=${REEF_SETUP_EXTRAS:-test}
-want=$( { cat pyproject.toml; echo "$extras"; } | sha256sum | cut -c1-16)
+want=$( { cat pyproject.toml setup.py; echo "$extras"; } | sha256sum | cut -c1-16)
 if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "Installing reef-stream and its dependencies into .venv (torch is large; pip caches it)"
   [ -x .venv/bin/python ] || "$python" -m venv .venv
