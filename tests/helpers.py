@@ -1,13 +1,35 @@
-"""Shared by the tests: run the real `reef` command line, read a whole topic back."""
+"""Shared by the tests: run the real `reef` command line, read a whole topic back, wait for a
+condition with a deadline (never a fixed sleep)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from confluent_kafka import Consumer
 
 from reef_stream.topics.connect import client_config
+
+T = TypeVar("T")
+
+
+def wait_until(condition: Callable[[], T], timeout: float, message: str, *,
+               poll_s: float = 0.1) -> T:
+    """Call ``condition`` every ``poll_s`` seconds until it returns something true, and return
+    that; fail the test saying ``message`` (what was awaited) if ``timeout`` seconds pass first.
+    How a test waits for something to happen: a fixed ``sleep`` is either too short on a
+    loaded machine or longer than needed everywhere else."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {message}")
+        time.sleep(poll_s)
 
 
 def reef(*args: str, env: dict[str, str], timeout: float = 180,

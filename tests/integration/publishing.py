@@ -8,7 +8,6 @@ by writing checkpoints with ``CheckpointStore`` and producing the events themsel
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,7 @@ from reef_stream.api.recipe import load_recipe
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.declarations import checkpoints, declare_topics, publications
 from reef_stream.topics.serde import encode
-from tests.helpers import consume_all, consume_events
+from tests.helpers import consume_all, consume_events, wait_until
 from tests.recipes.evaluators import weights
 
 TRAINER_GROUP = "trainer-a"
@@ -124,8 +123,5 @@ class Loads:
 
 
 def eventually(predicate, timeout: float = 15.0, what: str = "the condition") -> None:
-    """Wait until ``predicate()`` is true (polling), or fail the test."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not hold within {timeout} s"
-        time.sleep(0.1)
+    """Wait until ``predicate()`` is true (polling), or fail the test (``wait_until``)."""
+    wait_until(predicate, timeout, what)

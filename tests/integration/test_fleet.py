@@ -10,7 +10,7 @@ import time
 from reef_stream.consumers.follower import Follower
 from reef_stream.topics.events import Decision, now_ms
 from reef_stream.consumers.fleet import ReplicaStatus
-from tests.helpers import reef
+from tests.helpers import reef, wait_until
 from tests.integration.publishing import (
     Loads, create_topics, eventually, fleet_of, produce_checkpoints, promoted, run_evaluator,
     settings_for, write_checkpoint,
@@ -33,13 +33,17 @@ def test_the_serving_version_follows_the_live_replicas(redis_url, namespace, tmp
 
     fleet.leave("new", "m")  # the last replica of version 3 stopped
     assert [r.replica_id for r in fleet.replicas("m")] == ["fresh", "old"]
-    deadline = time.monotonic() + 10
-    while fleet.serving_version("m") != 2:  # v3 expires; the next heartbeat of "old" sets 2
-        assert time.monotonic() < deadline, fleet.serving_version("m")
+
+    def old_sets_2() -> bool:  # v3 expires; the next heartbeat of "old" sets 2
         beat("old", 2)
-        time.sleep(0.2)
-    time.sleep(1.7)  # nobody heartbeats: every replica and the serving version expire
-    assert fleet.replicas("m") == [] and fleet.serving_version("m") is None
+        return fleet.serving_version("m") == 2
+
+    wait_until(old_sets_2, 10, "serving version 2 once version 3 expired", poll_s=0.2)
+    last_beat = time.monotonic()
+    # Nobody heartbeats: every replica and the serving version expire (after the 1.5-s TTL).
+    wait_until(lambda: fleet.replicas("m") == [] and fleet.serving_version("m") is None, 10,
+               "every replica and the serving version to expire")
+    assert time.monotonic() - last_beat >= 1.0, "expired before its TTL"
 
     # The published version only moves forward; a rejection only names the model.
     v5, v4 = (write_checkpoint(tmp_path, step, 0.5) for step in (5, 4))

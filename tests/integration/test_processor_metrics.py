@@ -32,7 +32,7 @@ from reef_stream.consumers.processor import ProcessorRuntime
 from reef_stream.topics.events import Checkpoint, DeadLetter, FinishReason, Metric, RolloutUnit
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
-from tests.helpers import consume_all, consume_events
+from tests.helpers import consume_all, consume_events, wait_until
 from tests.integration.test_processor_runtime import (
     _COMPLETION,
     RECIPE,
@@ -70,10 +70,8 @@ def latest_metrics(bootstrap: str, namespace: str, instance: str) -> dict[tuple,
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.2)
+    """``wait_until``, polling every 0.2 s."""
+    wait_until(condition, timeout, what, poll_s=0.2)
 
 
 def test_metrics_topic_holds_the_true_running_counts(kafka_bootstrap, namespace):

@@ -31,7 +31,9 @@ from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.declarations import dead_letters, declare_topics, feedback, generations
 from reef_stream.topics.serde import decode
 from tests.faults.records import generation
-from tests.helpers import consume_all, consume_events
+from reef_stream.ops.metrics import REWARD_RECORDS, STAGE_REWARD
+from tests.helpers import consume_all, consume_events, wait_until
+from tests.integration.undecodable import metric_values
 
 _ROOT = Path(__file__).resolve().parents[2]
 _SUMMARY = re.compile(r"reward worker (\S+): (.*) elapsed_s=")
@@ -190,11 +192,9 @@ def test_two_workers_in_one_group_split_the_work(kafka_bootstrap, namespace, top
     workers = [_start(kafka_bootstrap, namespace, tmp_path, "paced", *args, log=log,
                       extra_env={"REWARD_TEST_GATE": str(gate)}) for log in logs]
     # Rewards wait at the gate until both workers hold their share of the six partitions.
-    deadline = time.monotonic() + 45
-    while _assignments(logs) is None:
-        assert time.monotonic() < deadline and all(w.poll() is None for w in workers), \
-            [log.read_text() for log in logs]
-        time.sleep(0.1)
+    wait_until(lambda: _assignments(logs) is not None or _exited(workers, logs), 45,
+               "both workers to hold their share of the six partitions")
+    assert not _exited(workers, logs), _exited(workers, logs)
     gate.touch()
     counts = [_finish(worker, log) for worker, log in zip(workers, logs)]
 
@@ -214,12 +214,20 @@ def test_sigterm_finishes_running_calls_drops_waiting_ones_and_commits(
     gate, log, group = tmp_path / "gate", tmp_path / "worker.log", f"{namespace}-term"
     worker = _start(kafka_bootstrap, namespace, tmp_path, "paced", "--group", group,
                     "--concurrency", "4", log=log, extra_env={"REWARD_TEST_GATE": str(gate)})
-    deadline = time.monotonic() + 45
-    while _assignments([log]) is None:
-        assert time.monotonic() < deadline and worker.poll() is None, log.read_text()
-        time.sleep(0.1)
-    time.sleep(0.5)  # the calls taken are waiting at the gate
+    wait_until(lambda: _assignments([log]) is not None or _exited([worker], [log]), 45,
+               "the worker to hold the six partitions")
+    assert not _exited([worker], [log]), _exited([worker], [log])
+    # Four calls run, waiting at the gate; more generations were taken and wait for a slot.
+    arrived = gate.with_name(f"{gate.name}.arrived")
+    wait_until(lambda: arrived.is_dir() and len(list(arrived.iterdir())) >= 4, 30,
+               "four calls waiting at the gate")
+    assert len(list(arrived.iterdir())) == 4, "more calls running than --concurrency"
+    wait_until(lambda: max(metric_values(kafka_bootstrap, namespace, STAGE_REWARD,
+                                         REWARD_RECORDS), default=0) > 4, 30,
+               "generations taken beyond the four running calls")
     worker.send_signal(signal.SIGTERM)
+    # The worker shows nothing when its handler has run (it polls every 0.1 s at most): this
+    # gives it that long, many times over, before the running calls may finish.
     time.sleep(0.5)
     gate.touch()  # within the grace period: the running calls finish
     counts = _finish(worker, log)
@@ -231,6 +239,12 @@ def test_sigterm_finishes_running_calls_drops_waiting_ones_and_commits(
     assert len(consume_all(kafka_bootstrap, feedback(namespace), counts["rewarded"])) \
         == counts["rewarded"]
     assert _committed(kafka_bootstrap, group, generations(namespace)) == counts["rewarded"]
+
+
+def _exited(workers, logs) -> list[str]:
+    """The logs of the workers that exited already (none should, before the test stops them)."""
+    return [f"exited {w.returncode}: {log.read_text()}" for w, log in zip(workers, logs)
+            if w.poll() is not None]
 
 
 def _assignments(logs) -> list[set[int]] | None:

@@ -8,7 +8,8 @@
 - ``not_finite``: returns a NaN reward, an invalid result.
 - ``paced``: like ``quick`` but an ``async`` function taking 20 ms, which first waits (up to
   30 s) for the file named by ``REWARD_TEST_GATE`` to exist, where that variable is set: a test
-  opens the gate once every worker of its group has its partitions.
+  opens the gate once every worker of its group has its partitions. Each call waiting at the
+  gate leaves a file named after its generation in ``$REWARD_TEST_GATE.arrived/``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import os
 import threading
 import time
+from pathlib import Path
 
 from reef_stream.topics.events import Generation
 from reef_stream.api.losses import POLICY_GRADIENT
@@ -53,7 +55,13 @@ def _flaky(generation: Generation) -> Reward:
 
 
 async def _paced(generation: Generation) -> Reward:
+    """Waits (up to 30 s) for the file ``$REWARD_TEST_GATE`` to exist; a call waiting there
+    says so with a file named after its generation in ``$REWARD_TEST_GATE.arrived/``."""
     gate = os.environ.get("REWARD_TEST_GATE")
+    if gate:
+        arrived = Path(f"{gate}.arrived")
+        arrived.mkdir(exist_ok=True)
+        (arrived / generation.generation_id).touch()
     deadline = time.monotonic() + 30
     while gate and not os.path.exists(gate) and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
