@@ -159,6 +159,10 @@ class Sample:
     Shapes: ``prompt_token_ids: int32[prompt_len]``,
     ``completion_token_ids: int32[completion_len]``,
     ``completion_logprobs: float32[completion_len]``.
+
+    ``finish_reason`` and ``temperature`` are the generation's (its ``finish_reason`` and
+    ``sampling.temperature``), so an objective can mask truncated completions (``LENGTH``) or
+    correct for the temperature the behaviour logprobs were sampled at.
     """
 
     generation_id: str
@@ -169,6 +173,8 @@ class Sample:
     completion_logprobs: np.ndarray = _packed(FLOAT32)
     reward: float
     reward_components: dict[str, float] = field(default_factory=dict)
+    finish_reason: FinishReason = FinishReason.UNKNOWN
+    temperature: float = 1.0
 
 
 @_event_with_arrays

@@ -241,4 +241,5 @@ def is_optional(hint) -> bool:
 def dataclass_default(py_field: dataclasses.Field):
     if py_field.default_factory is not dataclasses.MISSING:
         return py_field.default_factory()
-    return py_field.default
+    # An enum field's Avro default is its symbol.
+    return getattr(py_field.default, "value", py_field.default)
