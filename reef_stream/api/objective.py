@@ -102,7 +102,9 @@ class ObjectiveResult(Generic[StateT]):
     finite floats named without a prefix (the runtime adds the stage);
     ``proposed_state``: the algorithm state after this step, applied only
     when the step is acknowledged; ``loss_family``: the family the backend
-    must run on these advantages (the objective's declared one).
+    must run on these advantages: the objective's declared one, which the recipe
+    bound to the backend at load time (the trainer refuses a result naming another
+    family with a ``FatalError`` rather than train it with the wrong loss).
     """
 
     advantages: Advantages

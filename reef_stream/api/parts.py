@@ -9,6 +9,11 @@ and composes it with the others (no subclassing needed)::
         grouping=ByGroupId(),                                  # n completions of one prompt
         feedback=RequireSources(("exact_match",), timeout_ms=60_000),
     )                                                          # units: RolloutUnit
+    recipe = Recipe(..., processor=processor, reward=exact_match, group_size=8)
+
+A recipe checks its parts against each other: the reward function's source must be one
+the feedback policy wants, and a grouping by group id needs the recipe's ``group_size``
+(what replicas sample per prompt) for ``reef check``.
 
 All pure: no Kafka, no clock, no I/O.
 """
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 from reef_stream.errors import ConfigurationError, InvalidRecord
 from reef_stream.topics.events import EpochMillis, Feedback, Generation, RolloutUnit, Sample
@@ -44,6 +49,8 @@ class ByGroupId:
     """
 
     min_members: int | None = None
+    #: Groups the generations of one group_id: the recipe must declare its ``group_size``.
+    by_group_id: ClassVar[bool] = True
 
     @property
     def description(self) -> str:
@@ -71,6 +78,7 @@ class Ungrouped:
     """Every generation is its own one-sample unit, whatever its group_id."""
 
     description: str = "ungrouped: each scored generation is a unit of its own"
+    by_group_id: ClassVar[bool] = False
 
     def key(self, generation: Generation) -> str:
         return generation.generation_id
@@ -140,7 +148,8 @@ class RequireSources:
 
 @dataclass(frozen=True, slots=True)
 class RolloutUnits:
-    """Builds the default unit, ``RolloutUnit``: one ``Sample`` per member, in member order."""
+    """Builds the default unit, ``RolloutUnit``: one ``Sample`` per member, in member order
+    (with its generation's finish reason and sampling temperature)."""
 
     unit_type: type = RolloutUnit
 
@@ -152,7 +161,9 @@ class RolloutUnits:
                    prompt_token_ids=m.generation.prompt_token_ids,
                    completion_token_ids=m.generation.completion_token_ids,
                    completion_logprobs=m.generation.completion_logprobs,
-                   reward=m.score.reward, reward_components=dict(m.score.components))
+                   reward=m.score.reward, reward_components=dict(m.score.components),
+                   finish_reason=m.generation.finish_reason,
+                   temperature=m.generation.sampling.temperature)
             for m in members)
         return RolloutUnit(unit_id=unit_id, recipe=recipe, group_key=group_key, members=samples,
                            created_at=created_at)

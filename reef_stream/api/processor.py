@@ -100,6 +100,9 @@ class FeedbackPolicy(Protocol):
     ``timeout_ms``: how long after a generation arrives its feedback may
     complete (and how long feedback waits for its generation).
     ``missing``: what happens at that deadline. ``description`` says it all in words.
+    Optionally ``sources``: the tuple of sources it waits for (``RequireSources`` has it);
+    ``reef check`` then checks each is produced by the recipe's reward function or declared
+    external, as it always checks that the reward function's source is wanted.
     """
 
     timeout_ms: int

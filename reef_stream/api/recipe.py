@@ -1,14 +1,21 @@
 """``Recipe``: a method's processor, objective, schedule, backend and evaluator, bound and checked.
 
-A method package exposes one recipe::
+A recipe module binds a method to a task and exposes the result::
 
-    # methods/mymethod/__init__.py
+    # my_project/recipes.py
     recipe = Recipe(name="mymethod", processor=..., objective=..., schedule=Schedule(...),
-                    backend=Backend(name="torch", loss_families=(POLICY_GRADIENT,)))
+                    backend=Backend(name="torch", loss_families=(POLICY_GRADIENT,),
+                                    model=my_model, optimizer=AdamW(lr=1e-3)),
+                    evaluator=..., reward=my_reward, group_size=8)
 
-``load_recipe("methods.mymethod")`` imports exactly that module (or
-``"module:attribute"``), takes its ``recipe`` (or ``RECIPE``) and checks the
-bindings before anything runs:
+A method package stays task-agnostic: it exposes a factory (``methods.sao.recipe(model=...,
+reward=..., evaluator=...)``) and a task's module calls it (``reef_stream.demo.recipes``
+binds both example methods to the demo task).
+
+``load_recipe("my_project.recipes")`` imports exactly that module (or
+``"module:attribute"``), takes its ``recipe`` (or ``RECIPE``), applies the
+``--set`` overrides (``schedule.max_staleness=4``: ``apply_overrides``) and
+checks the bindings before anything runs:
 
 - the unit type the processor emits is the one the objective consumes, and
   its Avro schema is known (a current schema in ``schemas/``, with the same
@@ -17,7 +24,16 @@ bindings before anything runs:
 - the schedule's batch sizes fit the backend (the optimizer batch splits
   into micro batches on every data-parallel rank);
 - the processor, objective, evaluator and reward function follow their
-  protocols.
+  protocols;
+- the reward function's ``source`` is one the processor's feedback policy
+  wants (a typo would make every generation expire, waiting for it).
+
+Stricter, for the stages that need more: ``trains=True`` (``reef train``)
+requires ``Backend.model``; ``complete=True`` (``reef check``, ``reef demo``:
+the whole loop runs from this recipe) also requires ``group_size`` when the
+processor groups by group id (replicas sample that many completions per
+prompt), and that every feedback source the processor waits for comes from
+the recipe's reward function or is declared in ``external_sources``.
 
 Every problem found is listed in one ``ConfigurationError``; an import
 failure is one too, naming the module and the exception.
@@ -29,14 +45,17 @@ generations to produce feedback (``RewardFunction``).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import math
 import os
 import re
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+import types
+import typing
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Union, runtime_checkable
 
 from reef_stream.errors import ConfigurationError
 from reef_stream.api.evaluator import AcceptEverything, CandidateEvaluator
@@ -52,6 +71,40 @@ _RECIPE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}\Z")
 
 
 @dataclass(frozen=True, slots=True)
+class AdamW:
+    """An AdamW optimizer, as data: ``Backend(optimizer=AdamW(lr=3e-4))``, so its settings can be
+    overridden (``--set backend.optimizer.lr=1e-4``). Called with the model's parameters, it
+    returns ``torch.optim.AdamW`` with these settings (torch's defaults, but ``lr``)."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        problems = [f"AdamW.{name} must be a finite number >= 0, got {getattr(self, name)!r}"
+                    for name in ("lr", "weight_decay", "eps")
+                    if not _finite_at_least(getattr(self, name), 0.0)]
+        problems += [f"AdamW.{name} must be within [0, 1), got {getattr(self, name)!r}"
+                     for name in ("beta1", "beta2")
+                     if not _finite_at_least(getattr(self, name), 0.0) or getattr(self, name) >= 1]
+        if problems:
+            raise ConfigurationError(problems)
+
+    def __call__(self, parameters: Any) -> Any:
+        import torch
+
+        return torch.optim.AdamW(parameters, lr=self.lr, betas=(self.beta1, self.beta2),
+                                 eps=self.eps, weight_decay=self.weight_decay)
+
+
+def _finite_at_least(value: Any, least: float) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= least)
+
+
+@dataclass(frozen=True, slots=True)
 class Backend:
     """What the training backend of a recipe can do, and the model it trains.
 
@@ -62,7 +115,9 @@ class Backend:
     (see ``reef_stream.engine.training.CausalLM`` for what it must compute); the
     trainer seeds torch with the schedule's seed before calling it, so the
     initial weights are reproducible. ``optimizer``: called with the
-    model's parameters, returns a torch optimizer (default: AdamW, lr 1e-3).
+    model's parameters, returns a torch optimizer (default: AdamW, lr 1e-3; give
+    ``AdamW(lr=...)`` so ``--set backend.optimizer.lr=...`` can change it).
+    A recipe that trains must have a ``model`` (``load_recipe(..., trains=True)``).
     ``losses``: the loss to run per family, when not the family's
     ``reference``. ``model_name``: what publications and replicas call the
     model (default: the trainer group). ``max_grad_norm``: clip the
@@ -133,8 +188,14 @@ def feedback_for(generation: Generation, reward: Reward, *, source: str,
 
 @dataclass(frozen=True, slots=True)
 class Recipe:
-    """A method, bound: see the module docstring. Build it freely; ``load_recipe`` or
-    ``check_recipe`` validates it."""
+    """A method, bound to a task: see the module docstring. Build it freely; ``load_recipe``
+    or ``check_recipe`` validates it.
+
+    Group size lives here rather than in the ``Schedule``: the schedule is the trainer's
+    geometry (counted in units, whatever their size), while the group size is what the
+    serving side must do (sample that many completions per prompt) for the processor's
+    grouping to complete: a contract between replicas and processor, which the recipe binds.
+    """
 
     name: str
     processor: Processor[Any]
@@ -143,10 +204,21 @@ class Recipe:
     backend: Backend
     evaluator: CandidateEvaluator = field(default_factory=AcceptEverything)
     reward: RewardFunction | None = None
+    #: Completions a replica samples per prompt under one ``group_id`` (each generation
+    #: declares it as its ``group_size``); 1: ungrouped. Required (at least 2) when the
+    #: processor groups by group id (``ByGroupId``).
+    group_size: int = 1
+    #: Feedback sources produced outside ``reef reward`` (humans, environments, judges) that
+    #: the processor may wait for, besides the reward function's ``source``.
+    external_sources: tuple[str, ...] = ()
 
 
-def recipe_problems(recipe: Any, *, registry: SchemaRegistry | None = None) -> list[str]:
-    """Every problem with ``recipe``'s bindings, as sentences (empty when it is sound)."""
+def recipe_problems(recipe: Any, *, registry: SchemaRegistry | None = None, trains: bool = False,
+                    complete: bool = False) -> list[str]:
+    """Every problem with ``recipe``'s bindings, as sentences (empty when it is sound).
+
+    ``trains``: it is about to be trained, so its backend needs a model. ``complete``: the
+    whole loop is to run from it (implies ``trains``): see the module docstring."""
     if not isinstance(recipe, Recipe):
         return [f"expected a reef_stream.api.recipe.Recipe, got {type(recipe).__name__}"]
     problems: list[str] = []
@@ -186,36 +258,58 @@ def recipe_problems(recipe: Any, *, registry: SchemaRegistry | None = None) -> l
                 f"multiple of schedule.micro_batch_size ({schedule.micro_batch_size}) x the "
                 f"backend's data_parallel_size ({ranks})")
     problems += _evaluator_problems(recipe.evaluator)
-    problems += _reward_problems(recipe.reward)
+    reward_ok = not (found := _reward_problems(recipe.reward))
+    problems += found
+    problems += _sampling_problems(recipe)
+    if processor_ok and reward_ok:
+        problems += _source_problems(recipe, complete=complete)
+    if (trains or complete) and backend_ok and recipe.backend.model is None:
+        problems.append(f"the backend {recipe.backend.name!r} has no model, and a recipe that "
+                        "trains needs one: give Backend(model=<zero-argument callable building "
+                        "the torch module>)")
+    if complete and processor_ok and _groups_by_group_id(recipe.processor) \
+            and isinstance(recipe.group_size, int) and recipe.group_size < 2:
+        problems.append(f"the processor groups generations by group_id "
+                        f"({type(recipe.processor.grouping).__name__}) but the recipe declares no "
+                        "group size: set Recipe(group_size=N), the completions replicas sample "
+                        "per prompt (at least 2)")
     return problems
 
 
-def check_recipe(recipe: Any, *, registry: SchemaRegistry | None = None) -> Recipe:
-    """``recipe`` if its bindings are sound; otherwise one ``ConfigurationError`` listing every
-    problem."""
-    problems = recipe_problems(recipe, registry=registry)
+def check_recipe(recipe: Any, *, registry: SchemaRegistry | None = None, trains: bool = False,
+                 complete: bool = False) -> Recipe:
+    """``recipe`` if its bindings are sound (see ``recipe_problems``); otherwise one
+    ``ConfigurationError`` listing every problem."""
+    problems = recipe_problems(recipe, registry=registry, trains=trains, complete=complete)
     if problems:
         raise ConfigurationError(problems)
     return recipe
 
 
-def load_recipe(path: str, *, registry: SchemaRegistry | None = None) -> Recipe:
-    """Import the recipe at ``path`` and check it (``check_recipe``).
+def load_recipe(path: str, *, registry: SchemaRegistry | None = None,
+                overrides: Sequence[str] = (), trains: bool = False,
+                complete: bool = False) -> Recipe:
+    """Import the recipe at ``path``, apply ``overrides`` and check it (``check_recipe``).
 
     ``path`` is a dotted module path whose module exposes ``recipe`` or
-    ``RECIPE`` (``methods.sao``), or ``module:attribute``. Only that module is
-    imported (with the current directory importable, as under ``python -m``);
-    nothing else is searched. Blocks for the import. Raises one
-    ``ConfigurationError`` naming the module for an import failure, a missing
-    attribute, or every binding problem (each prefixed with ``path``).
+    ``RECIPE`` (``reef_stream.demo.recipes:sao``), or ``module:attribute``.
+    Only that module is imported, with the current directory first on
+    ``sys.path`` (as uvicorn does for its app), so a module of the checkout the
+    command runs in wins over an installed one; nothing else is searched.
+    ``overrides``: ``FIELD=VALUE`` items (``reef ... --set``), applied in order
+    by ``apply_overrides``. ``trains`` / ``complete``: see ``recipe_problems``.
+    Blocks for the import. Raises one ``ConfigurationError`` naming the module
+    for an import failure, a missing attribute, a method not bound to a task,
+    a bad override, or every binding problem (each prefixed with ``path``).
     """
     module_name, _, attribute = path.partition(":")
     if not module_name or not all(part.isidentifier() for part in module_name.split(".")) \
             or (attribute and not attribute.isidentifier()):
         raise ConfigurationError(f"recipe path {path!r} is not a dotted module path "
-                                 "(methods.sao) or module:attribute")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
+                                 "(my_project.recipes) or module:attribute")
+    cwd = os.getcwd()
+    if not sys.path or sys.path[0] not in (cwd, ""):
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ConfigurationError as error:
@@ -237,10 +331,132 @@ def load_recipe(path: str, *, registry: SchemaRegistry | None = None) -> Recipe:
     else:
         raise ConfigurationError(f"module {module_name!r} has no {' or '.join(names)} attribute; "
                                  "a recipe module exposes `recipe = Recipe(...)`")
-    problems = recipe_problems(recipe, registry=registry)
+    if callable(recipe) and not isinstance(recipe, (Recipe, type)):
+        factory = f"{getattr(recipe, '__module__', '?')}.{getattr(recipe, '__qualname__', '?')}"
+        raise ConfigurationError(
+            f"{path} is a method's recipe factory ({factory}), "
+            "not a recipe bound to a task: bind it in a module of yours "
+            "(`recipe = factory(model=..., reward=..., evaluator=...)`) and give that module; "
+            "reef_stream.demo.recipes binds the example methods to the demo task "
+            "(reef_stream.demo.recipes:sao, reef_stream.demo.recipes:grpo)")
+    if overrides and isinstance(recipe, Recipe):
+        try:
+            recipe = apply_overrides(recipe, overrides)
+        except ConfigurationError as error:
+            raise ConfigurationError([f"{path}: {problem}" for problem in error.problems]
+                                     ) from error
+    problems = recipe_problems(recipe, registry=registry, trains=trains, complete=complete)
     if problems:
         raise ConfigurationError([f"{path}: {problem}" for problem in problems])
     return recipe
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def apply_overrides(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
+    """``recipe`` with each ``FIELD=VALUE`` of ``overrides`` set, in order.
+
+    ``FIELD`` is a dotted path through the recipe's frozen dataclasses
+    (``schedule.max_staleness``, ``backend.optimizer.lr``, ``objective.decay``,
+    ``group_size``); each level is rebuilt with ``dataclasses.replace``, so
+    its own validation runs again. ``VALUE`` is read as the field's declared
+    type: an integer, a float, ``true``/``false``, a string, an enum member's
+    name or value, ``none`` where the field may be None. Pure. Raises one
+    ``ConfigurationError`` listing every bad item: a malformed one, an unknown
+    field (with the valid ones), a value of the wrong type, or a value the
+    config rejects.
+    """
+    problems: list[str] = []
+    for item in overrides:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            problems.append(f"--set {item!r}: expected FIELD=VALUE "
+                            "(e.g. schedule.max_staleness=4)")
+            continue
+        try:
+            recipe = _replaced(recipe, name.split("."), text.strip(), "")
+        except ConfigurationError as error:
+            problems += [f"--set {name}: {problem}" for problem in error.problems]
+    if problems:
+        raise ConfigurationError(problems)
+    return recipe
+
+
+def _replaced(config: Any, path: list[str], text: str, where: str) -> Any:
+    """``config`` with the field at ``path`` set from ``text``; ``where``: the path so far."""
+    label = where or "the recipe"
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise ConfigurationError(f"{label} is a {type(config).__name__}, which has no fields "
+                                 "to set; edit the recipe instead")
+    fields = {f.name: f for f in dataclasses.fields(config) if f.init}
+    head, rest = path[0], path[1:]
+    here = f"{where}.{head}" if where else head
+    if head not in fields:
+        raise ConfigurationError(f"{label} ({type(config).__name__}) has no field {head!r}; "
+                                 f"its fields: {', '.join(fields)}")
+    current = getattr(config, head)
+    if rest:
+        value = _replaced(current, rest, text, here)
+    else:
+        value = _parsed(text, _field_type(type(config), head, current), here)
+    try:
+        return dataclasses.replace(config, **{head: value})
+    except ConfigurationError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise ConfigurationError(f"{here}={text!r} is refused: {error}") from error
+
+
+def _field_type(cls: type, name: str, current: Any) -> Any:
+    try:
+        return typing.get_type_hints(cls)[name]
+    except Exception:  # noqa: BLE001 - an unresolvable annotation: go by the current value
+        return type(current)
+
+
+def _parsed(text: str, hint: Any, where: str) -> Any:
+    """``text`` as a value of type ``hint`` (see ``apply_overrides``)."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        options = typing.get_args(hint)
+        if type(None) in options and text.lower() in ("none", "null"):
+            return None
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _parsed(text, option, where)
+            except ConfigurationError:
+                continue
+        raise ConfigurationError(f"{where} takes {_type_name(hint)}, got {text!r}")
+    if hint is bool:
+        flags = {"true": True, "yes": True, "on": True, "1": True,
+                 "false": False, "no": False, "off": False, "0": False}
+        if text.lower() in flags:
+            return flags[text.lower()]
+        raise ConfigurationError(f"{where} takes true or false, got {text!r}")
+    if hint is int:
+        try:
+            return int(text, 10)
+        except ValueError:
+            raise ConfigurationError(f"{where} takes an integer, got {text!r}") from None
+    if hint is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigurationError(f"{where} takes a number, got {text!r}") from None
+    if hint is str:
+        return text
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        for member in hint:
+            if text in (member.name, str(member.value)):
+                return member
+        raise ConfigurationError(f"{where} takes one of {[m.name for m in hint]}, got {text!r}")
+    raise ConfigurationError(f"{where} is a {_type_name(hint)}, which --set cannot build; "
+                             "edit the recipe (or its factory's arguments) instead")
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
 # --------------------------------------------------------------------------- the checks
@@ -340,3 +556,56 @@ def _reward_problems(reward: Any) -> list[str]:
         return [f"reward function {reward!r} must be callable with a non-empty `source` "
                 "(wrap a plain function in NamedReward(source, function))"]
     return []
+
+
+def _groups_by_group_id(processor: Any) -> bool:
+    """Whether ``processor``'s grouping groups the generations of a group_id (and so needs
+    replicas to sample groups): a grouping says so with ``by_group_id = True``."""
+    return getattr(processor.grouping, "by_group_id", False) is True
+
+
+def _sampling_problems(recipe: Recipe) -> list[str]:
+    problems = []
+    size = recipe.group_size
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        problems.append(f"group_size must be a positive integer (1: ungrouped), got {size!r}")
+    external = recipe.external_sources
+    if isinstance(external, str) or not isinstance(external, tuple) \
+            or not all(isinstance(s, str) and s for s in external):
+        problems.append(f"external_sources must be a tuple of source names, got {external!r}")
+    return problems
+
+
+def _source_problems(recipe: Recipe, *, complete: bool) -> list[str]:
+    """The reward function's source against the feedback the processor waits for."""
+    feedback, reward = recipe.processor.feedback, recipe.reward
+    awaited = _awaited_sources(feedback)
+    problems = []
+    if reward is not None and not feedback.wants(reward.source):
+        waits = (f"it waits for {', '.join(repr(s) for s in awaited)}" if awaited
+                 else "its wants() refuses it")
+        problems.append(f"the reward function's feedback source {reward.source!r} is not one the "
+                        f"processor's feedback policy wants ({waits}): its feedback would be "
+                        "ignored and every generation would expire waiting")
+    if complete and awaited is not None:
+        produced = {*(() if reward is None else (reward.source,)),
+                    *(recipe.external_sources if isinstance(recipe.external_sources, tuple)
+                      else ())}
+        never = [s for s in awaited if s not in produced]
+        if never:
+            source = ("no reward function" if reward is None
+                      else f"the reward function's source is {reward.source!r}")
+            problems.append(
+                f"the processor waits for feedback from {', '.join(repr(s) for s in never)}, "
+                f"which nothing in the recipe produces ({source}; external_sources: "
+                f"{list(recipe.external_sources)}): fix the name, or declare a source fed from "
+                "outside in Recipe(external_sources=(...))")
+    return problems
+
+
+def _awaited_sources(feedback: Any) -> tuple[str, ...] | None:
+    """The sources a feedback policy waits for, when it says (``RequireSources.sources``)."""
+    sources = getattr(feedback, "sources", None)
+    if isinstance(sources, tuple) and all(isinstance(s, str) for s in sources):
+        return sources
+    return None

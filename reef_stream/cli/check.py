@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from reef_stream.cli.recipe_options import set_option
+
 if TYPE_CHECKING:  # imported when the command runs: they bring torch, which every reef command
     from reef_stream.api.recipe import Recipe  # would otherwise pay for at start
     from reef_stream.topics.serde import SchemaRegistry
@@ -28,20 +30,25 @@ if TYPE_CHECKING:  # imported when the command runs: they bring torch, which eve
 @click.option("--recipe", "path", required=True, metavar="MODULE[:ATTRIBUTE]",
               help="The recipe: a dotted module path exposing `recipe` (methods.sao), or "
                    "module:attribute. Only that module is imported.")
-def check(path: str) -> None:
+@set_option
+def check(path: str, overrides: tuple[str, ...]) -> None:
     """Check a recipe's bindings and print its contract.
 
     Verifies that the processor's unit type is the objective's input and has
     a known Avro schema, that the backend supports the objective's loss
     family, that the schedule's batch sizes fit, and that processor,
-    objective and evaluator follow their protocols. Prints the contract, or
-    every problem at once (exit status 2).
+    objective and evaluator follow their protocols, and that the whole loop
+    can run from it: the reward function's source is one the processor waits
+    for and every source it waits for is produced (by the reward function or
+    declared external), the backend has a model to train, and a processor
+    grouping by group id has the recipe's group size (what replicas sample
+    per prompt). Prints the contract, or every problem at once (exit status 2).
     """
     from reef_stream.api.recipe import load_recipe
     from reef_stream.topics.serde import SchemaRegistry
 
     registry = SchemaRegistry.default()
-    recipe = load_recipe(path, registry=registry)
+    recipe = load_recipe(path, registry=registry, overrides=overrides, complete=True)
     for line in contract_lines(recipe, path, registry):
         click.echo(line)
 
@@ -77,6 +84,18 @@ def contract_lines(recipe: Recipe, path: str, registry: SchemaRegistry) -> list[
     reward = recipe.reward
     lines.append("reward:    " + (f"feedback source {reward.source!r} (reef reward)" if reward
                                   else "none (feedback comes from outside)"))
+    if recipe.external_sources:
+        lines.append(f"            external feedback sources: "
+                     f"{', '.join(recipe.external_sources)}")
+    lines.append("sampling:  " + (f"groups of {recipe.group_size} completions per prompt "
+                                  "under one group_id" if recipe.group_size > 1 else
+                                  "ungrouped: one completion per prompt"))
+    model = recipe.backend.model
+    name = (f"{getattr(model, '__module__', '?')}.{model.__qualname__}"
+            if hasattr(model, "__qualname__") else repr(model))
+    lines.append(f"model:     {name}"
+                 + (f"; optimizer {recipe.backend.optimizer}" if recipe.backend.optimizer
+                    else "; optimizer AdamW (lr 1e-3, the default)"))
     return lines
 
 

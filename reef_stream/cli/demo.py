@@ -18,11 +18,15 @@ from typing import Any
 
 import click
 
+from reef_stream.cli.recipe_options import set_option
+
 
 @click.command()
 @click.option("--recipe", "path", default="methods.sao", show_default=True,
               metavar="MODULE[:ATTRIBUTE]",
-              help="The method to run: methods.sao (ungrouped) or methods.grpo (grouped).")
+              help="The method to run, bound to the demo task (reef_stream.demo.recipes): "
+                   "methods.sao (ungrouped) or methods.grpo (grouped); or any bound recipe.")
+@set_option
 @click.option("--replicas", type=click.IntRange(1, 8), default=2, show_default=True,
               help="Serving replicas sampling from the newest promoted version.")
 @click.option("--rate", type=click.FloatRange(min=1), default=150.0, show_default=True,
@@ -41,7 +45,8 @@ import click
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chaos.")
 @click.pass_context
 def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: float, time_limit: float,
-         chaos: bool, run_dir: Path | None, seed: int) -> None:
+         chaos: bool, run_dir: Path | None, seed: int,
+         overrides: tuple[str, ...] = ()) -> None:
     """Run the whole loop until the policy learns the toy task from reward alone.
 
     Replicas sample answers to "a+b=" (the last digit of the sum) from the
@@ -72,7 +77,7 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: floa
     if not settings.redis_url:
         ctx.invoke(redis_up)
     options = DemoOptions(recipe=path, replicas=replicas, rate=rate, target=target, time_limit=time_limit,
-                          chaos=chaos, run_dir=run_dir, seed=seed)
+                          chaos=chaos, run_dir=run_dir, seed=seed, overrides=overrides)
     runner = Demo(options, settings=settings, bootstrap=bootstrap_servers(settings),
                   redis_url=redis_url(settings), show=DemoProgress())
     click.echo(f"demo {runner.ns}: {path}, {replicas} replicas, target {target:.2f}, "

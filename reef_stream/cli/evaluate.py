@@ -20,6 +20,7 @@ import click
 
 from reef_stream.cli.common import run_standalone, stop_on_signals
 from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
+from reef_stream.cli.recipe_options import set_option
 from reef_stream.errors import ConfigurationError
 
 
@@ -27,6 +28,7 @@ from reef_stream.errors import ConfigurationError
 @click.option("--recipe", "path", required=True, metavar="MODULE[:ATTRIBUTE]",
               help="The recipe whose candidate evaluator decides: a dotted module path exposing "
                    "`recipe` (methods.sao), or module:attribute. Only its checkpoints are decided.")
+@set_option
 @click.option("--group", "-g", default=None,
               help="The consumer group on <namespace>.checkpoints; one member is active, others "
                    "stand by [default: <namespace>.evaluate.<recipe name>].")
@@ -54,7 +56,7 @@ from reef_stream.errors import ConfigurationError
 def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None,
              publish_to: str | None, keep_published: int, retries: int, backoff: float,
              max_candidates: int | None, idle_exit: float | None,
-             metrics_port: int | None) -> None:
+             metrics_port: int | None, overrides: tuple[str, ...] = ()) -> None:
     """Evaluate candidate checkpoints and publish one decision per checkpoint.
 
     Consumes <namespace>.checkpoints as a consumer group. For each checkpoint
@@ -83,7 +85,7 @@ def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None
 
     settings = ctx.obj if ctx.obj is not None else load_settings()
     logging.getLogger("reef_stream.consumers.evaluator").setLevel(logging.INFO)
-    recipe = load_recipe(path)
+    recipe = load_recipe(path, overrides=overrides)
     options = EvaluateOptions(group=group, model=model, publish_to=publish_to,
                               keep_published=keep_published, retries=retries, backoff=backoff,
                               max_candidates=max_candidates, idle_exit=idle_exit)

@@ -20,11 +20,13 @@ import logging
 import click
 
 from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
+from reef_stream.cli.recipe_options import set_option
 
 
 @click.command()
 @click.option("--recipe", "path", required=True, metavar="MODULE[:ATTRIBUTE]",
               help="The recipe whose processor runs (as for `reef check`).")
+@set_option
 @click.option("--group", default=None,
               help="Consumer group [default: <namespace>.process.<recipe name>].")
 @click.option("--instance", default="0", show_default=True,
@@ -34,7 +36,7 @@ from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
               help="Most records per transaction [default: 2000].")
 @metrics_port_option
 def process(path: str, group: str | None, instance: str, batch: int | None,
-            metrics_port: int | None) -> None:
+            metrics_port: int | None, overrides: tuple[str, ...] = ()) -> None:
     """Run a recipe's processor: generations + feedback -> units and dead letters.
 
     Every generation ends in exactly one unit or one dead letter (expired, too
@@ -52,7 +54,7 @@ def process(path: str, group: str | None, instance: str, batch: int | None,
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("reef_stream.engine.join").setLevel(logging.INFO)
     settings = load_settings()
-    recipe = load_recipe(path)
+    recipe = load_recipe(path, overrides=overrides)
     serve_metrics(metrics_port)
     run_processor_runtime(recipe, bootstrap=bootstrap_servers(settings),
                           namespace=settings.namespace, group=group, instance=instance,

@@ -18,12 +18,14 @@ import click
 
 from reef_stream.cli.common import run_standalone, stop_on_signals
 from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
+from reef_stream.cli.recipe_options import set_option
 
 
 @click.command()
 @click.option("--recipe", "path", required=True, metavar="MODULE[:ATTRIBUTE]",
               help="The recipe whose reward function runs: a dotted module path exposing "
                    "`recipe` (methods.sao), or module:attribute. It must have a reward function.")
+@set_option
 @click.option("--concurrency", "-c", type=click.IntRange(min=1), default=8, show_default=True,
               help="Reward calls in flight at once (threads for a sync function, tasks on one "
                    "asyncio loop for an async one).")
@@ -55,7 +57,8 @@ from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
 @click.pass_context
 def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
            group: str | None, timeout: float, retries: int, backoff: float, grace: float,
-           max_records: int | None, idle_exit: float | None, metrics_port: int | None) -> None:
+           max_records: int | None, idle_exit: float | None, metrics_port: int | None,
+           overrides: tuple[str, ...] = ()) -> None:
     """Score generations with a recipe's reward function and emit Feedback.
 
     Consumes <namespace>.generations as a consumer group and sends one
@@ -78,7 +81,7 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
     from reef_stream.api.recipe import load_recipe
 
     settings = ctx.obj if ctx.obj is not None else load_settings()
-    recipe = load_recipe(path)
+    recipe = load_recipe(path, overrides=overrides)
     options = RewardOptions(concurrency=concurrency, backlog=backlog, timeout=timeout,
                             retries=retries, backoff=backoff, grace=grace, group=group,
                             max_records=max_records, idle_exit=idle_exit)

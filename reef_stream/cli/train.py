@@ -21,11 +21,13 @@ import click
 
 from reef_stream.cli.common import stop_on_signals
 from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
+from reef_stream.cli.recipe_options import set_option
 
 
 @click.command()
 @click.option("--recipe", "path", required=True, metavar="MODULE[:ATTRIBUTE]",
               help="The recipe to train (as for `reef check`); its backend must have a model.")
+@set_option
 @click.option("--group", required=True,
               help="The trainer's consumer group: its identity. Offsets, checkpoints and the "
                    "model name (by default) belong to it; groups train independently.")
@@ -44,7 +46,8 @@ from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
                    "unacknowledged and is trained on the next run).")
 @metrics_port_option
 def train(path: str, group: str, url: str | None, keep: int, model_name: str | None,
-          max_steps: int | None, idle_exit: float | None, metrics_port: int | None) -> None:
+          max_steps: int | None, idle_exit: float | None, metrics_port: int | None,
+          overrides: tuple[str, ...] = ()) -> None:
     """Train a recipe as a consumer group; checkpoints are the acknowledgements.
 
     Each step's units come from the units topic in an order fixed by the log
@@ -61,7 +64,7 @@ def train(path: str, group: str, url: str | None, keep: int, model_name: str | N
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("reef_stream.consumers.trainer").setLevel(logging.INFO)
     settings = load_settings()
-    recipe = load_recipe(path)
+    recipe = load_recipe(path, overrides=overrides, trains=True)
     trainer = Trainer(recipe, bootstrap=bootstrap_servers(settings), namespace=settings.namespace,
                       group=group, checkpoints=url, keep=keep, model_name=model_name,
                       max_steps=max_steps, idle_exit=idle_exit, settings=settings)

@@ -385,6 +385,8 @@ class TorchBackend:
                 f"recipe {recipe.name!r}: its backend has no model; give "
                 "Backend(model=<callable building a torch module>) to train it")
         family = recipe.objective.loss_family
+        #: The family bound at load time; every step's ``ObjectiveResult`` must name it.
+        self.family = family
         self.builder = inputs_builder(family)
         self.loss = dict(backend.losses).get(family, family.reference)
         self.schedule = schedule
@@ -574,7 +576,15 @@ class TorchBackend:
         ``NonFiniteStep`` when an advantage of a real token, a micro batch's
         loss or an optimizer batch's gradient norm is NaN or infinite: raised
         before that update reaches the weights, naming the step and units.
+        ``FatalError`` when ``result.loss_family`` is not the family the recipe bound (the
+        objective's declared one, which the backend's loss and inputs were built for).
         """
+        if result.loss_family is not self.family:
+            raise FatalError(
+                f"step {step}: the objective's result asks for the loss family "
+                f"{result.loss_family.name!r} but the recipe bound {self.family.name!r} (its "
+                "objective's declared loss_family, checked against the backend at load time): "
+                "an objective returns results for the family it declares")
         schedule = self.schedule
         members = [unit_members(u) for u in units]
         starts = np.cumsum([0] + [len(m) for m in members])
