@@ -51,7 +51,9 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from methods.sao.processor import REWARD_SOURCE, processor  # noqa: E402
+from reef_stream.demo.recipes import sao as _sao  # noqa: E402
+
+REWARD_SOURCE, processor = _sao.reward.source, _sao.processor
 from reef_stream.topics.events import Feedback, FinishReason, Generation, SamplingParams  # noqa: E402
 from reef_stream.api.processor import Origin  # noqa: E402
 from reef_stream.engine.join import ProcessorState  # noqa: E402

@@ -37,7 +37,7 @@ from reef_stream.topics.connect import client_config  # noqa: E402
 from reef_stream.consumers.reward import RewardOptions, RewardWorker  # noqa: E402
 from reef_stream.demo.task import ProblemStream, exact_match, make_generation  # noqa: E402
 from reef_stream.ops.kafka_local import configured_or_throwaway  # noqa: E402
-from methods.sao.recipe import recipe as sao_recipe  # noqa: E402
+from reef_stream.demo.recipes import sao as sao_recipe  # noqa: E402
 from reef_stream.api.recipe import NamedReward  # noqa: E402
 from reef_stream.topics.declarations import feedback as feedback_topic  # noqa: E402
 from reef_stream.topics.declarations import generations as generations_topic  # noqa: E402

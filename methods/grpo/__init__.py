@@ -2,8 +2,8 @@
 
 ``processor.py`` (groups by ``group_id``, complete at the declared size),
 ``objective.py`` (``(r - mean) / (std + eps)`` within each group) and ``recipe.py``
-(bound to the demo task, as ``recipe``: what ``load_recipe("methods.grpo")`` takes);
-``README.md`` says more.
+(``recipe(model=..., reward=..., evaluator=..., group_size=16)``, the factory binding them to a
+task; ``reef_stream.demo.recipes:grpo`` binds it to the demo task); ``README.md`` says more.
 """
 
 from .recipe import recipe

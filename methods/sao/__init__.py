@@ -7,8 +7,9 @@ Read it in this order (``README.md`` walks through it):
   and the updated statistics (proposed);
 - ``loss.py``: the ``sao_truncated_pg`` loss family: a truncated importance-weighted
   policy gradient;
-- ``recipe.py``: the three bound to a schedule and the demo task's model, reward and
-  evaluator, as ``recipe`` (what ``load_recipe("methods.sao")`` takes).
+- ``recipe.py``: ``recipe(model=..., reward=..., evaluator=...)``, the factory binding the
+  three to a schedule and a task's model, reward and evaluator. The method knows no task:
+  ``reef_stream.demo.recipes:sao`` is SAO bound to the demo task.
 """
 
 from .recipe import recipe

@@ -1,7 +1,7 @@
 """A serving replica of the demo: sample the toy task from the newest promoted version, emit it.
 
     python -m reef_stream.demo.replica --model demo-grpo --grouped --group-size 16 --seed 7
-    python -m reef_stream.demo.replica --model demo-sao --ungrouped --recipe methods.sao
+    python -m reef_stream.demo.replica --model demo-sao --recipe reef_stream.demo.recipes:sao
 
 or, in Python, ``run_replica("demo-grpo", grouped=True, group_size=16, seed=7,
 stop_event=event)``. The replica:
@@ -305,8 +305,11 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
 @click.option("--seed", type=click.IntRange(min=0), default=None,
               help=f"The trainer's schedule seed: version 0 is the policy built under it "
                    f"[default: the recipe's, else {DEMO_SEED}].")
-@click.option("--recipe", default=None, metavar="MODULE",
-              help="Take the seed and the model factory from this recipe (methods.sao).")
+@click.option("--recipe", default=None, metavar="MODULE[:ATTRIBUTE]",
+              help="Take the seed and the model factory from this recipe "
+                   "(reef_stream.demo.recipes:sao).")
+@click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE",
+              help="Override a field of --recipe, as the other stages do (repeatable).")
 @click.option("--sample-seed", "--sampling-seed", "sampling_seed", type=click.IntRange(min=0),
               default=None,
               help="Seeds prompts and samples [default: derived from the replica id].")
@@ -325,7 +328,7 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
 def main(model_name: str, grouped: bool, group_size: int, prompts: int, rate: float | None,
          temperature: float, seed: int | None, recipe: str | None, sampling_seed: int | None,
          replica_id: str | None, max_generations: int | None, threads: int,
-         heartbeat: float, acked_log: Path | None) -> None:
+         heartbeat: float, acked_log: Path | None, overrides: tuple[str, ...] = ()) -> None:
     """A demo serving replica: sample the toy task from the newest promoted version of MODEL and
     send every completion as a Generation (REEF_* variables name the cluster and namespace).
 
@@ -337,7 +340,7 @@ def main(model_name: str, grouped: bool, group_size: int, prompts: int, rate: fl
     if recipe is not None:
         from reef_stream.api.recipe import load_recipe
 
-        loaded = load_recipe(recipe)
+        loaded = load_recipe(recipe, overrides=overrides)
         if loaded.backend.model is not None:
             factory = loaded.backend.model
         seed = loaded.schedule.seed if seed is None else seed

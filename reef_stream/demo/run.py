@@ -66,7 +66,11 @@ OVERLOAD_WINDOW_S = 30.0
 class DemoOptions:
     """What ``reef demo`` was asked for (see ``reef demo --help``)."""
 
+    #: An example method (``methods.sao``: bound to the demo task, ``reef_stream.demo.recipes``)
+    #: or any bound recipe path.
     recipe: str = "methods.sao"
+    #: ``FIELD=VALUE`` overrides of the recipe (``--set``), given to every stage alike.
+    overrides: tuple[str, ...] = ()
     replicas: int = 2
     #: Generations per second per replica. Two replicas at 150/s produce about what the
     #: trainer consumes on two cores (~1 step of 256 samples a second); faster replicas only
@@ -181,9 +185,12 @@ class Demo:
     def __init__(self, options: DemoOptions, *, settings: Settings, bootstrap: str,
                  redis_url: str, show: Callable[[dict[str, Any]], None] | None = None) -> None:
         from reef_stream.api.recipe import load_recipe
+        from reef_stream.demo.recipes import stage_recipe
 
         self.options, self.settings, self.bootstrap = options, settings, bootstrap
-        self.recipe = load_recipe(options.recipe)
+        #: What every stage loads: the demo's binding of an example method, or the path given.
+        self.recipe_path = stage_recipe(options.recipe)
+        self.recipe = load_recipe(self.recipe_path, overrides=options.overrides, complete=True)
         self.ns = options.namespace or f"demo{time.strftime('%Y%m%d%H%M%S')}"
         self.run_dir = options.run_dir or settings.home / "demo" / self.ns
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -222,8 +229,8 @@ class Demo:
 
     def _stages(self) -> dict[str, Stage]:
         reef = [sys.executable, "-m", "reef_stream.cli"]
-        recipe = ["--recipe", self.options.recipe]
-        sampling = sampling_of(self.options.recipe)
+        recipe = ["--recipe", self.recipe_path,
+                  *(arg for item in self.options.overrides for arg in ("--set", item))]
         logs = self.run_dir / "logs"
         stages = {
             "reward": Stage("reward", [*reef, "reward", *recipe], self.env, logs / "reward.log"),
@@ -237,13 +244,13 @@ class Demo:
         }
         for i in range(self.options.replicas):
             argv = [sys.executable, "-m", "reef_stream.demo.replica", "--model", MODEL,
-                    "--recipe", self.options.recipe.partition(":")[0],
+                    *recipe,
                     "--replica-id", f"replica-{i}", "--seed", str(self.recipe.schedule.seed),
                     "--sample-seed", str(1000 + i), "--rate", str(self.options.rate)]
             if self.options.drain_s:
                 argv += ["--acked-log", str(self._acked_log(i))]
-            if sampling.get("group_size"):
-                argv += ["--grouped", "--group-size", str(sampling["group_size"])]
+            if self.recipe.group_size > 1:
+                argv += ["--grouped", "--group-size", str(self.recipe.group_size)]
             stages[f"replica-{i}"] = Stage(f"replica-{i}", argv, self.env,
                                            logs / f"replica-{i}.log")
         return stages
@@ -445,22 +452,6 @@ class Demo:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def sampling_of(recipe_path: str) -> dict[str, Any]:
-    """How replicas sample for a recipe: grouped with ``group_size`` when its module (or the
-    package's ``recipe`` module) declares ``GROUP_SIZE``, else ungrouped (``{}``)."""
-    import importlib
-
-    name = recipe_path.partition(":")[0]
-    for candidate in (name, f"{name}.recipe"):
-        try:
-            module = importlib.import_module(candidate)
-        except ModuleNotFoundError:
-            continue
-        if getattr(module, "GROUP_SIZE", None):
-            return {"group_size": int(module.GROUP_SIZE)}
-    return {}
 
 
 def measured_accuracy(publication: Publication) -> float | None:

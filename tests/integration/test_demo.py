@@ -25,6 +25,7 @@ from reef_stream.topics.events import (
     Checkpoint, Decision, Feedback, Generation, Metric, Publication, RolloutUnit,
 )
 from reef_stream.api.recipe import load_recipe
+from reef_stream.demo.recipes import stage_recipe
 from reef_stream.topics.declarations import publications, units
 from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import consume_events, reef
@@ -60,7 +61,7 @@ def _claimed_publication(kafka_bootstrap, namespace, stdout) -> Publication:
 
 
 def _check_learned(kafka_bootstrap, namespace, recipe: str, run_dir, stdout) -> float:
-    seed = load_recipe(recipe).schedule.seed
+    seed = load_recipe(stage_recipe(recipe)).schedule.seed
     assert accuracy(initial_policy(seed)) <= 0.1
     newest = _claimed_publication(kafka_bootstrap, namespace, stdout)
     # Its published copy may be pruned by now; the trainer's store keeps every checkpoint.

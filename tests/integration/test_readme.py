@@ -72,7 +72,8 @@ def test_the_main_job_command_runs_the_demo_on_the_embedded_default(cli_env, tmp
         model = policy_model()
         model.load_state_dict(load_weights(stored[0].uri, stored[0].sha256))
         assert accuracy(model) >= 0.9
-        assert accuracy(initial_policy(load_recipe("methods.sao").schedule.seed)) <= 0.1
+        seed = load_recipe("reef_stream.demo.recipes:sao").schedule.seed
+        assert accuracy(initial_policy(seed)) <= 0.1
     finally:
         reef("kafka", "down", env=env)
         reef("redis", "down", env=env)

@@ -12,7 +12,8 @@ import torch
 from click.testing import CliRunner
 
 from methods.grpo.objective import GroupNormalisedAdvantage, GroupState
-from methods.grpo.processor import FEEDBACK_TIMEOUT_MS, REWARD_SOURCE, processor
+from methods.grpo.processor import FEEDBACK_TIMEOUT_MS
+from methods.grpo.processor import processor as grpo_processor
 from reef_stream.errors import ConfigurationError
 from reef_stream.topics.events import (
     Feedback, FinishReason, Generation, RolloutUnit, Sample, SamplingParams,
@@ -22,10 +23,14 @@ from reef_stream.engine.models import TinyCausalLM
 from reef_stream.api.objective import state_from_record, state_record
 from reef_stream.engine.join import Outcome
 from reef_stream.api.processor import unit_id
-from reef_stream.api.recipe import Backend, Recipe, load_recipe
+from reef_stream.api.recipe import Backend, Recipe, check_recipe, load_recipe
 from reef_stream.api.schedule import Schedule
 from reef_stream.api.testing import Advance, run_processor
 from reef_stream.engine.training import TorchBackend
+
+#: The source the tests' feedback comes from (the demo task's reward, as it happens).
+REWARD_SOURCE = "exact_match"
+processor = grpo_processor((REWARD_SOURCE,))
 
 def unit(key: str, *rewards: float) -> RolloutUnit:
     members = tuple(Sample(generation_id=f"{key}-{i}", prompt_id=key, policy_version=0,
@@ -199,8 +204,9 @@ def test_the_grpo_parts_learn_a_bandit_through_the_torch_backend():
 def test_the_recipe_loads_with_its_bindings():
     from methods.grpo.recipe import GROUP_SIZE
 
-    recipe = load_recipe("methods.grpo")
-    assert recipe.name == "grpo" and recipe.processor is processor
+    recipe = load_recipe("reef_stream.demo.recipes:grpo", complete=True)
+    assert recipe.name == "grpo" and recipe.processor == processor
+    assert recipe.group_size == GROUP_SIZE == 16
     assert recipe.objective.loss_family is POLICY_GRADIENT and recipe.backend.supports(
         POLICY_GRADIENT)
     assert recipe.backend.losses[POLICY_GRADIENT] == ClippedPolicyGradient(epsilon=0.2)
@@ -211,10 +217,10 @@ def test_the_recipe_loads_with_its_bindings():
 def test_reef_check_prints_the_grpo_contract():
     from reef_stream.cli.main import main
 
-    result = CliRunner().invoke(main, ["check", "--recipe", "methods.grpo"])
+    result = CliRunner().invoke(main, ["check", "--recipe", "reef_stream.demo.recipes:grpo"])
     assert result.exit_code == 0, result.output
     out = result.stdout
-    assert out.startswith("recipe grpo (methods.grpo): the bindings check out")
+    assert out.startswith("recipe grpo (reef_stream.demo.recipes:grpo): the bindings check out")
     for expected in [
         "to topic <ns>.units.grpo",
         "grouping:  by group_id (an ungrouped generation by its generation_id); complete when "
@@ -224,5 +230,23 @@ def test_reef_check_prints_the_grpo_contract():
         "backend:   torch: supports policy_gradient",
         "evaluates candidates before promoting them",
         "reward:    feedback source 'exact_match' (reef reward)",
+        "sampling:  groups of 16 completions per prompt under one group_id",
     ]:
         assert expected in out, expected
+
+
+def test_a_grpo_recipe_without_a_group_size_is_a_reef_check_error():
+    import dataclasses
+
+    from reef_stream.demo.recipes import grpo
+
+    ungrouped = dataclasses.replace(grpo, group_size=1)
+    with pytest.raises(ConfigurationError, match=r"groups generations by group_id \(ByGroupId\) "
+                       r"but the recipe declares no group size: set Recipe\(group_size=N\)"):
+        check_recipe(ungrouped, complete=True)
+    check_recipe(ungrouped)    # the processor, reward and trainer stages need no group size
+    from reef_stream.cli.main import main
+
+    result = CliRunner().invoke(main, ["check", "--recipe", "reef_stream.demo.recipes:grpo",
+                                       "--set", "group_size=1"])
+    assert result.exit_code == 2 and "declares no group size" in result.output, result.output

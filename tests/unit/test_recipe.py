@@ -155,16 +155,17 @@ def test_reward_functions_sync_or_async_and_the_feedback_they_make():
     async def judge(generation: Generation) -> Reward:
         return Reward(reward=float(np.mean(generation.completion_logprobs)))
 
-    assert recipe_problems(dataclasses.replace(GOOD, reward=NamedReward("judge", judge))) == []
+    assert recipe_problems(dataclasses.replace(GOOD, reward=NamedReward("exact_match", judge))
+                           ) == []
     (problem,) = recipe_problems(dataclasses.replace(GOOD, reward=judge))
     assert "NamedReward(source, function)" in problem
 
 
 def test_reef_check_prints_the_contract():
-    result = CliRunner().invoke(main, ["check", "--recipe", "tests.recipes.good"])
+    result = CliRunner().invoke(main, ["check", "--recipe", "tests.recipes.checkable"])
     assert result.exit_code == 0, result.output
     out = result.stdout
-    assert out.startswith("recipe good (tests.recipes.good): the bindings check out")
+    assert out.startswith("recipe good (tests.recipes.checkable): the bindings check out")
     for expected in [
         "unit:      reef.events.RolloutUnit (RolloutUnit, rollout_unit.avsc",
         "to topic <ns>.units.good",
@@ -182,15 +183,33 @@ def test_reef_check_prints_the_contract():
         "marked unevaluated",
         "WARNING: the candidate evaluator is AcceptEverything",
         "reward:    none",
+        "            external feedback sources: exact_match",
+        "sampling:  groups of 4 completions per prompt under one group_id",
+        "model:     tests.recipes.checkable.tiny_model; optimizer AdamW (lr 1e-3, the default)",
     ]:
         assert expected in out, expected
+
+
+def test_reef_check_refuses_a_recipe_the_whole_loop_cannot_run_which_a_stage_may_load():
+    """tests.recipes.good loads for `reef process` (no reward, no model, no group size), but
+    `reef check` asks whether the whole loop runs from it: every problem at once."""
+    result = CliRunner().invoke(main, ["check", "--recipe", "tests.recipes.good"])
+    assert result.exit_code == 2
+    error = " ".join(result.stderr.split())
+    assert error.startswith("error: 3 problems:"), error
+    assert "the processor waits for feedback from 'exact_match', which nothing in the recipe " \
+           "produces (no reward function; external_sources: [])" in error
+    assert "the backend 'torch-test' has no model, and a recipe that trains needs one" in error
+    assert "declares no group size: set Recipe(group_size=N)" in error
+    with pytest.raises(ConfigurationError, match="has no model, and a recipe that trains"):
+        load_recipe("tests.recipes.good", trains=True)
 
 
 def test_reef_check_lists_every_problem_and_exits_2():
     result = CliRunner().invoke(main, ["check", "--recipe", "tests.recipes.bad_loss"])
     assert result.exit_code == 2
     error = " ".join(result.stderr.split())  # rich wraps long lines
-    assert error.startswith("error: 3 problems:")
+    assert error.startswith("error: 6 problems:")   # the 3 at load, and 3 of `reef check`'s
     assert "backend 'values-only' does not support" in error and "no candidate evaluator" in error
     assert result.stdout == ""
 

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from methods.sao.loss import SAO_TRUNCATED_PG, TruncatedPolicyGradient
 from methods.sao.objective import RewardStats, StreamingAdvantage, decayed
-from methods.sao.processor import FEEDBACK_TIMEOUT_MS, REWARD_SOURCE, processor
+from methods.sao.processor import FEEDBACK_TIMEOUT_MS
+from methods.sao.processor import processor as sao_processor
 from reef_stream.errors import ConfigurationError
 from reef_stream.topics.events import (
     Feedback, FinishReason, Generation, RolloutUnit, Sample, SamplingParams,
@@ -28,6 +29,10 @@ from reef_stream.api.recipe import Backend, Recipe, load_recipe
 from reef_stream.api.schedule import Schedule
 from reef_stream.api.testing import Advance, run_processor
 from reef_stream.engine.training import TorchBackend, inputs_builder, policy_gradient_inputs
+
+#: The source the tests' feedback comes from (the demo task's reward, as it happens).
+REWARD_SOURCE = "exact_match"
+processor = sao_processor((REWARD_SOURCE,))
 
 def sample(prompt_id: str, reward: float, gid: str | None = None) -> Sample:
     return Sample(generation_id=gid or f"{prompt_id}-{reward}", prompt_id=prompt_id,
@@ -290,8 +295,8 @@ def test_the_sao_parts_learn_a_bandit_through_the_torch_backend():
 
 
 def test_the_recipe_loads_with_its_bindings():
-    recipe = load_recipe("methods.sao")
-    assert recipe.name == "sao" and recipe.processor is processor
+    recipe = load_recipe("reef_stream.demo.recipes:sao", complete=True)
+    assert recipe.name == "sao" and recipe.processor == processor
     assert recipe.objective.loss_family is SAO_TRUNCATED_PG
     assert recipe.backend.supports(SAO_TRUNCATED_PG) and recipe.evaluator.evaluates
     assert recipe.reward is not None and recipe.reward.source == REWARD_SOURCE
@@ -302,10 +307,10 @@ def test_the_recipe_loads_with_its_bindings():
 def test_reef_check_prints_the_sao_contract():
     from reef_stream.cli.main import main
 
-    result = CliRunner().invoke(main, ["check", "--recipe", "methods.sao"])
+    result = CliRunner().invoke(main, ["check", "--recipe", "reef_stream.demo.recipes:sao"])
     assert result.exit_code == 0, result.output
     out = result.stdout
-    assert out.startswith("recipe sao (methods.sao): the bindings check out")
+    assert out.startswith("recipe sao (reef_stream.demo.recipes:sao): the bindings check out")
     for expected in [
         "unit:      reef.events.RolloutUnit (RolloutUnit",
         "to topic <ns>.units.sao",
@@ -318,8 +323,15 @@ def test_reef_check_prints_the_sao_contract():
         "max staleness 16 policy versions",
         "evaluates candidates before promoting them",
         "reward:    feedback source 'exact_match' (reef reward)",
+        "sampling:  ungrouped: one completion per prompt",
+        "model:     reef_stream.demo.task.policy_model; optimizer AdamW(lr=0.001",
     ]:
         assert expected in out, expected
+
+
+def test_the_method_package_is_a_factory_that_load_recipe_refuses_unbound():
+    with pytest.raises(ConfigurationError, match="recipe factory .* not a recipe bound to a task"):
+        load_recipe("methods.sao")
 
 
 def test_the_readme_snippet_runs():
