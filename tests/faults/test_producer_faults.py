@@ -17,7 +17,7 @@ from reef_stream.intake.spool import SpoolFull
 from reef_stream.topics.declarations import generations
 from reef_stream.topics.serde import decode
 from tests.faults.records import generation
-from tests.helpers import consume_all, reef
+from tests.helpers import consume_all, reef, wait_until
 
 
 def _generation_ids(bootstrap: str, namespace: str, expected: int) -> Counter:
@@ -34,23 +34,28 @@ def test_every_record_handed_to_send_survives_a_broker_killed_mid_run(
     producer = RecordProducer(cluster.bootstrap, settings=load_settings(), namespace=namespace,
                               spool_dir=tmp_path / "spool")
     total, handed = 12_000, []
-    killed = threading.Event()
+    started, killed = threading.Event(), threading.Event()
 
     def kill_then_restart():
-        while len(handed) < 4_000:
-            time.sleep(0.01)
+        if not started.wait(120) or len(handed) < 4_000:   # the producing loop failed
+            return
         cluster.kill(1)
         killed.set()
-        time.sleep(5)
+        time.sleep(5)  # the outage: the broker stays down this long while records keep coming
         reef("kafka", "up", "--data", str(cluster.data_dir), env=_local_env(cli_env))
 
     chaos = threading.Thread(target=kill_then_restart)
     chaos.start()
-    for i in range(total):
-        handed.append(producer.send(generation(i)))
-        if killed.is_set() and i % 100 == 0:
-            time.sleep(0.005)  # keep producing through the outage, a little slower
-    chaos.join()
+    try:
+        for i in range(total):
+            handed.append(producer.send(generation(i)))
+            if i == 4_000:
+                started.set()
+            if killed.is_set() and i % 100 == 0:
+                time.sleep(0.005)  # keep producing through the outage, a little slower
+    finally:
+        started.set()
+        chaos.join()
     report = producer.flush(120)
     producer.close()
 
@@ -137,9 +142,9 @@ def test_without_fsync_records_still_spool_and_deliver(cluster, cli_env, namespa
     handles = [producer.send(generation(i)) for i in range(300)]
     # Records go to the spool once the client reports every broker down, at
     # the latest when librdkafka gives them back after MESSAGE_TIMEOUT_MS.
-    deadline = time.monotonic() + MESSAGE_TIMEOUT_MS / 1000 + 15
-    while not any(h.state is DeliveryState.SPOOLED for h in handles) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: any(h.state is DeliveryState.SPOOLED for h in handles),
+               MESSAGE_TIMEOUT_MS / 1000 + 15, "a record spooled while the broker is down",
+               poll_s=0.2)
     assert producer.report().spooled > 0
     reef("kafka", "up", "--data", str(cluster.data_dir), env=_local_env(cli_env))
     assert producer.flush(120).complete
