@@ -355,58 +355,88 @@ def load_recipe(path: str, *, registry: SchemaRegistry | None = None,
 
 
 def apply_overrides(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
-    """``recipe`` with each ``FIELD=VALUE`` of ``overrides`` set, in order.
+    """``recipe`` with each ``FIELD=VALUE`` of ``overrides`` set.
 
     ``FIELD`` is a dotted path through the recipe's frozen dataclasses
     (``schedule.max_staleness``, ``backend.optimizer.lr``, ``objective.decay``,
-    ``group_size``); each level is rebuilt with ``dataclasses.replace``, so
-    its own validation runs again. ``VALUE`` is read as the field's declared
-    type: an integer, a float, ``true``/``false``, a string, an enum member's
-    name or value, ``none`` where the field may be None. Pure. Raises one
+    ``group_size``). The items setting fields of one config are applied together
+    in one ``dataclasses.replace`` (so batch geometry can change in one go, in any
+    order), which runs that config's own validation again; a field given twice
+    takes its last value. ``VALUE`` is read as the field's declared type: an
+    integer, a float, ``true``/``false``, a string, an enum member's name or
+    value, ``none`` where the field may be None. Pure. Raises one
     ``ConfigurationError`` listing every bad item: a malformed one, an unknown
-    field (with the valid ones), a value of the wrong type, or a value the
+    field (with the valid ones), a value of the wrong type, or values the
     config rejects.
     """
     problems: list[str] = []
+    tree: dict[str, Any] = {}
     for item in overrides:
         name, sep, text = item.partition("=")
-        name = name.strip()
-        if not sep or not name:
+        path = name.strip().split(".")
+        if not sep or not all(part.strip() for part in path):
             problems.append(f"--set {item!r}: expected FIELD=VALUE "
                             "(e.g. schedule.max_staleness=4)")
             continue
+        node = tree
+        for part in path[:-1]:
+            child = node.setdefault(part.strip(), {})
+            if not isinstance(child, dict):
+                problems.append(f"--set {name.strip()}: {'.'.join(path[:-1])} is given a value "
+                                "too; set either it or its fields")
+                break
+            node = child
+        else:
+            node[path[-1].strip()] = text.strip()
+    if tree:
         try:
-            recipe = _replaced(recipe, name.split("."), text.strip(), "")
+            recipe = _replaced(recipe, tree, "")
         except ConfigurationError as error:
-            problems += [f"--set {name}: {problem}" for problem in error.problems]
+            problems += error.problems
     if problems:
         raise ConfigurationError(problems)
     return recipe
 
 
-def _replaced(config: Any, path: list[str], text: str, where: str) -> Any:
-    """``config`` with the field at ``path`` set from ``text``; ``where``: the path so far."""
+def _replaced(config: Any, tree: Mapping[str, Any], where: str) -> Any:
+    """``config`` with the fields of ``tree`` (name -> text, or name -> subtree) set;
+    ``where``: the path of ``config`` in the recipe (empty for the recipe)."""
     label = where or "the recipe"
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
-        raise ConfigurationError(f"{label} is a {type(config).__name__}, which has no fields "
-                                 "to set; edit the recipe instead")
+        raise ConfigurationError(f"--set {where}.{next(iter(tree))}: {label} is a "
+                                 f"{type(config).__name__}, which has no fields to set; edit "
+                                 "the recipe instead")
     fields = {f.name: f for f in dataclasses.fields(config) if f.init}
-    head, rest = path[0], path[1:]
-    here = f"{where}.{head}" if where else head
-    if head not in fields:
-        raise ConfigurationError(f"{label} ({type(config).__name__}) has no field {head!r}; "
-                                 f"its fields: {', '.join(fields)}")
-    current = getattr(config, head)
-    if rest:
-        value = _replaced(current, rest, text, here)
-    else:
-        value = _parsed(text, _field_type(type(config), head, current), here)
+    problems: list[str] = []
+    changes: dict[str, Any] = {}
+    for head, value in tree.items():
+        here = f"{where}.{head}" if where else head
+        if head not in fields:
+            problems.append(f"--set {here}: {label} ({type(config).__name__}) has no field "
+                            f"{head!r}; its fields: {', '.join(fields)}")
+            continue
+        try:
+            if isinstance(value, dict):
+                changes[head] = _replaced(getattr(config, head), value, here)
+            else:
+                hint = _field_type(type(config), head, getattr(config, head))
+                try:
+                    changes[head] = _parsed(value, hint, here)
+                except ConfigurationError as error:
+                    raise ConfigurationError([f"--set {here}: {p}" for p in error.problems]
+                                             ) from None
+        except ConfigurationError as error:
+            problems += error.problems
+    if problems:
+        raise ConfigurationError(problems)
+    given = ", ".join(f"{where}.{name}" if where else name for name in tree)
     try:
-        return dataclasses.replace(config, **{head: value})
-    except ConfigurationError:
-        raise
+        return dataclasses.replace(config, **changes)
+    except ConfigurationError as error:
+        raise ConfigurationError([f"--set {given}: {p}" for p in error.problems]) from None
     except (TypeError, ValueError) as error:
-        raise ConfigurationError(f"{here}={text!r} is refused: {error}") from error
+        raise ConfigurationError(f"--set {given}: refused by {type(config).__name__}: "
+                                 f"{error}") from None
 
 
 def _field_type(cls: type, name: str, current: Any) -> Any:
