@@ -11,7 +11,7 @@ from confluent_kafka import Producer
 
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import generations
-from tests.helpers import consume_all, reef
+from tests.helpers import consume_all, reef, wait_until
 
 
 def test_acknowledged_records_survive_sigkill_of_the_broker(cluster, cli_env, namespace):
@@ -43,8 +43,9 @@ def test_acknowledged_records_survive_sigkill_of_the_broker(cluster, cli_env, na
     thread = threading.Thread(target=produce_until_stopped)
     thread.start()
     try:
-        while len(acknowledged) < 5000:
-            time.sleep(0.05)
+        wait_until(lambda: len(acknowledged) >= 5000 or not thread.is_alive(), 120,
+                   "5000 acknowledged records", poll_s=0.05)
+        assert thread.is_alive(), "the producing thread stopped by itself"
         acknowledged_before_kill = set(acknowledged)
         cluster.kill(1)  # SIGKILL, waits until the process is gone
         time.sleep(2)  # keep producing into a dead broker for a while

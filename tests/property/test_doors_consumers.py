@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 
 import numpy as np
 from confluent_kafka import Producer
@@ -50,7 +49,7 @@ from reef_stream.topics.events import (
 from reef_stream.api.recipe import load_recipe
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
-from tests.helpers import consume_all, consume_events
+from tests.helpers import consume_all, consume_events, wait_until
 from tests.integration.publishing import (
     Loads, create_topics, promoted, run_evaluator, write_checkpoint,
 )
@@ -116,10 +115,8 @@ def letters_at(bootstrap: str, namespace: str, stage: str) -> dict[Where, list[D
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
-        time.sleep(0.5)
+    """``wait_until``, polling every 0.5 s."""
+    wait_until(predicate, timeout, what, poll_s=0.5)
 
 
 def _key(record) -> bytes:
