@@ -1,6 +1,6 @@
 """``reef check --recipe X``: load a recipe, check its bindings, print its contract.
 
-    reef check --recipe methods.sao
+    reef check --recipe reef_stream.demo.recipes:sao
     reef check --recipe my_package.recipes:small
 
 The contract is what the recipe promises the pipeline: the unit schema and
@@ -28,8 +28,8 @@ if TYPE_CHECKING:  # imported when the command runs: they bring torch, which eve
 
 @click.command()
 @click.option("--recipe", "path", required=True, metavar="MODULE[:ATTRIBUTE]",
-              help="The recipe: a dotted module path exposing `recipe` (methods.sao), or "
-                   "module:attribute. Only that module is imported.")
+              help="The recipe: a dotted module path exposing `recipe`, or module:attribute "
+                   "(reef_stream.demo.recipes:sao). Only that module is imported.")
 @set_option
 def check(path: str, overrides: tuple[str, ...]) -> None:
     """Check a recipe's bindings and print its contract.

@@ -1,8 +1,8 @@
 """``reef evaluate --recipe X``: decide on every checkpoint of a recipe, once, as a Publication.
 
-    reef evaluate --recipe methods.sao
-    reef evaluate --recipe methods.sao --model sao-small --publish-to s3://bucket/published
-    python -m reef_stream.consumers.evaluator --recipe methods.sao    # the same, without `reef`
+    reef evaluate --recipe reef_stream.demo.recipes:sao
+    reef evaluate --recipe reef_stream.demo.recipes:sao --model sao-small --publish-to s3://b/pub
+    python -m reef_stream.consumers.evaluator --recipe reef_stream.demo.recipes:sao  # without reef
 
 The worker is ``reef_stream.consumers.evaluator.EvaluatorWorker``; this
 command loads and checks the recipe, prints the evaluator's warning (the
@@ -27,7 +27,8 @@ from reef_stream.errors import ConfigurationError
 @click.command()
 @click.option("--recipe", "path", required=True, metavar="MODULE[:ATTRIBUTE]",
               help="The recipe whose candidate evaluator decides: a dotted module path exposing "
-                   "`recipe` (methods.sao), or module:attribute. Only its checkpoints are decided.")
+                   "`recipe`, or module:attribute (reef_stream.demo.recipes:sao). Only its "
+                   "checkpoints are decided.")
 @set_option
 @click.option("--group", "-g", default=None,
               help="The consumer group on <namespace>.checkpoints; one member is active, others "

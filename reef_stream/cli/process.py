@@ -1,6 +1,6 @@
 """``reef process --recipe X``: run a recipe's processor (``reef_stream.consumers.processor``).
 
-    reef process --recipe methods.sao
+    reef process --recipe reef_stream.demo.recipes:sao
     reef process --recipe tests.recipes.good --group trial-3 --instance 1
 
 Joins ``<ns>.generations`` and ``<ns>.feedback``, emits units to

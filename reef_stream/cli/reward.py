@@ -1,7 +1,7 @@
 """``reef reward --recipe X``: run a recipe's reward function over generations as a consumer group.
 
-    reef reward --recipe methods.sao --concurrency 16 --timeout 20 --retries 2
-    python -m reef_stream.consumers.reward --recipe methods.sao      # the same, without `reef`
+    reef reward --recipe reef_stream.demo.recipes:sao --concurrency 16 --timeout 20 --retries 2
+    python -m reef_stream.consumers.reward --recipe reef_stream.demo.recipes:sao   # without `reef`
 
 The worker is ``reef_stream.consumers.reward.RewardWorker``; this command
 loads and checks the recipe, installs SIGTERM/SIGINT handlers that stop it
@@ -24,7 +24,8 @@ from reef_stream.cli.recipe_options import set_option
 @click.command()
 @click.option("--recipe", "path", required=True, metavar="MODULE[:ATTRIBUTE]",
               help="The recipe whose reward function runs: a dotted module path exposing "
-                   "`recipe` (methods.sao), or module:attribute. It must have a reward function.")
+                   "`recipe`, or module:attribute (reef_stream.demo.recipes:sao). It must have a "
+                   "reward function.")
 @set_option
 @click.option("--concurrency", "-c", type=click.IntRange(min=1), default=8, show_default=True,
               help="Reward calls in flight at once (threads for a sync function, tasks on one "

@@ -1,6 +1,6 @@
 """``reef train --recipe X --group G``: run a trainer (``reef_stream.consumers.trainer``).
 
-    reef train --recipe methods.sao --group run-1
+    reef train --recipe reef_stream.demo.recipes:sao --group run-1
     reef train --recipe tests.recipes.trainable --group g --checkpoints /data/ckpt --max-steps 100
 
 Consumes ``<ns>.units.<recipe>`` as consumer group G, trains a step per

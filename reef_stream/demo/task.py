@@ -15,7 +15,8 @@ knows the task 100 %. The policy learns it from an exact-match reward alone.
     exact_match(generation)                           # Reward(1.0) or Reward(0.0)
     accuracy(policy, held_out_problems())             # greedy decoding, in [0, 1]
 
-Parts, for the method recipes and the demo:
+Parts, for the demo (``reef_stream.demo.recipes`` binds the task-agnostic methods to this
+task's model, reward and evaluator):
 
 - the vocabulary (``VOCABULARY``, ``encode``, ``decode``) and the problems (``Problem``,
   ``ProblemStream``: seeded training prompts, ``held_out_problems()``: the fixed evaluation
