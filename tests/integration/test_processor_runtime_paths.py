@@ -37,12 +37,13 @@ import time
 import uuid
 
 import numpy as np
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, IsolationLevel, Producer, TopicPartition
 from confluent_kafka.admin import (
     AdminClient,
     AlterConfigOpType,
     ConfigEntry,
     ConfigResource,
+    OffsetSpec,
     ResourceType,
 )
 
@@ -52,7 +53,7 @@ from reef_stream.errors import FatalError
 from reef_stream.topics.events import Generation, RolloutUnit
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
-from tests.helpers import consume_all
+from tests.helpers import consume_all, wait_until
 from tests.integration.test_processor_metrics import publish_checkpoint, wait_for
 from tests.integration.test_processor_runtime import (
     RECIPE,
@@ -103,6 +104,20 @@ def set_units_max_bytes(bootstrap: str, namespace: str, value: int) -> None:
     admin = AdminClient(client_config(bootstrap))  # alive until the futures resolve
     for future in admin.incremental_alter_configs([resource]).values():
         future.result(30)
+
+
+def open_transaction(bootstrap: str, namespace: str) -> bool:
+    """Whether a transaction is open on a partition of ``namespace``'s topics: its last stable
+    offset (the end a read_committed consumer sees) is behind its end. An aborted or committed
+    transaction's marker brings the two together again."""
+    admin = AdminClient(client_config(bootstrap))
+    topics = admin.list_topics(timeout=10).topics
+    latest = {TopicPartition(name, p): OffsetSpec.latest() for name, topic in topics.items()
+              if name.startswith(f"{namespace}.") for p in topic.partitions}
+    ends = [{tp: future.result(30).offset for tp, future in
+             admin.list_offsets(latest, isolation_level=level).items()}
+            for level in (IsolationLevel.READ_COMMITTED, IsolationLevel.READ_UNCOMMITTED)]
+    return any(ends[0][tp] < ends[1][tp] for tp in latest)
 
 
 def fresh(work: Workload, version: int) -> Workload:
@@ -197,7 +212,11 @@ def test_a_transaction_the_broker_timed_out_gets_a_new_producer_and_loses_nothin
         def stall_once() -> None:
             if not stalled.is_set():
                 stalled.set()
-                time.sleep(15)
+                # Stalled until the broker saw the transaction open, then aborted it.
+                wait_until(lambda: open_transaction(kafka_bootstrap, namespace), 30,
+                           "the stalled transaction to be open on the broker")
+                wait_until(lambda: not open_transaction(kafka_bootstrap, namespace), 60,
+                           "the broker to abort the timed-out transaction", poll_s=0.5)
             real_poll()
 
         proc.runtime._poll = stall_once
