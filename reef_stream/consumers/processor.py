@@ -68,30 +68,21 @@ when the counts are equal; ``_on_assign`` checks it and refuses to run
 otherwise. Members use the eager protocol: a rebalance revokes everything,
 always between transactions (callbacks run inside ``consume``).
 
-Fencing and restart. ``transactional.id`` is
-``reef-process.<ns>.<recipe>.<group>.<instance>`` and the consumer's
-``group.instance.id`` is ``<instance>`` (``--instance``, default ``0``; give
-each concurrent processor of a group its own). A restarted instance
-(1) fences its predecessor and aborts its open transaction at
-``init_transactions`` (so nothing waits for ``transaction.timeout.ms``), and
-(2) takes its predecessor's place in the group at once (static membership:
-no wait for the session timeout). Zombies of *other* members are fenced by
+Fencing and restart. The consumer's ``group.instance.id`` is ``<instance>``
+(``--instance``, default ``0``; give each concurrent processor of a group its
+own). A restarted instance (1) fences its predecessor and aborts its open
+transaction (``reef_stream.consumers.fencing``), and (2) takes its
+predecessor's place in the group at once (static membership: no wait for the
+session timeout). Zombies of *other* members are fenced by
 the group generation in ``send_offsets_to_transaction`` (KIP-447). On
 assignment each partition's state is rebuilt from its changelog partition
 (read ``read_committed`` to the end); consumption then starts at the
 committed offsets (librdkafka fetches them as stable offsets).
 
 Clock. Record timestamps are the clock, per partition pair, and a pair's
-records are offered in timestamp order across its two topics: a record
-waits in memory (unoffered, its offset uncommitted) until the other topic
-has been read past its timestamp or has nothing unread (position at the
-high watermark of the last fetch), as Kafka Streams synchronises the
-partitions of a task, but at most ``MAX_IDLE_S`` from when it was read (the
-other topic lags rather than stops, e.g. its records sit behind a producer's
-open transaction; Kafka Streams' ``max.task.idle.ms``). Without this, the state machine's clock (the newest
-time offered) ran ahead on whichever topic librdkafka handed over first and
-expired hundreds of generations whose feedback was merely unread (seen in
-the kill test). After each batch a pair is ticked with its state's clock;
+records are offered in timestamp order across its two topics, a record
+waiting at most ``MAX_IDLE_S`` for the other topic to be read past it
+(``reef_stream.consumers.pairs``). After each batch a pair is ticked with its state's clock;
 when neither topic has anything unread, with the wall clock, so a generation
 whose feedback never comes still expires when input stops. The newest
 checkpoint version of the recipe (``<ns>.checkpoints``, read every loop) is
@@ -120,14 +111,12 @@ import os
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
-    TIMESTAMP_NOT_AVAILABLE,
     Consumer,
     KafkaError,
     KafkaException,
@@ -156,8 +145,11 @@ from reef_stream.ops.processes import stop_on_signals
 from reef_stream.ops.record_stats import RecordStats
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
-from reef_stream.topics.declarations import MiB, Topic
+from reef_stream.topics.declarations import MiB
 from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.consumers.changelog import changelog, changelog_topic, read_changelog
+from reef_stream.consumers.fencing import TransactionalIdentity, watch_commits
+from reef_stream.consumers.pairs import PartitionPair
 
 log = logging.getLogger("reef_stream.engine.join")
 
@@ -173,46 +165,12 @@ SESSION_TIMEOUT_MS = 10_000
 MAX_IDLE_S = 5.0
 #: Seconds between two measurements of the trainer's backlog (with ``max_backlog_steps``).
 BACKLOG_EVERY_S = 1.0
-
-
-#: Seconds after which an open transaction is reported stuck (``_watch_commits``); a healthy
-#: one commits in well under a second.
-STUCK_COMMIT_S = 120.0
 #: `reef process`'s exit status when it stops for its supervisor to restart it (EX_TEMPFAIL).
 EXIT_RESTART = 75
-#: A consumer fenced as a static member is replaced at most this often (``_rejoin``).
-MAX_REJOINS = 3
-REJOIN_WINDOW_S = 600.0
-#: The changelog key of ``_still_the_instance``'s tombstone (no state has it).
-PROBE_KEY = b"reef.probe"
 
 
 class _ConsumerFenced(FatalError):
     """The consumer was fenced as a static group member (its only fatal error)."""
-
-
-def changelog(ns: str, recipe: str) -> str:
-    """The compacted topic holding the processor state of ``recipe``, one partition per input partition."""
-    return f"{ns}.processor-state.{recipe}"
-
-
-def changelog_topic(ns: str, recipe: str, partitions: int) -> Topic:
-    return Topic(changelog(ns, recipe), partitions, config={
-        "cleanup.policy": "compact",
-        "max.message.bytes": str(16 * MiB),
-        "min.compaction.lag.ms": "0",
-    }, doc=f"Changelog of the pending state of recipe {recipe!r}'s processor")
-
-
-@dataclass
-class _Partition:
-    """The state of one co-partitioned pair (generations[p], feedback[p])."""
-
-    state: ProcessorState[Any]
-    touched: set[str] = field(default_factory=set)
-    #: By topic: records read, not offered yet, as (message, timestamp, when read (monotonic)).
-    queues: dict[str, deque[tuple[Any, int, float]]] = field(default_factory=dict)
-    next: dict[str, int] = field(default_factory=dict)  # next offset to read, by topic
 
 
 class ProcessorRuntime:
@@ -256,15 +214,17 @@ class ProcessorRuntime:
         self._metrics: metrics.MetricsWriter | None = None
         self._metrics_sent: tuple[int, int] = (0, 0)  # (transactions, aborted) last emitted
         self._metrics_at = 0.0
-        self._rejoins: list[float] = []  # when the consumer was last replaced (_rejoin)
+        self._identity = TransactionalIdentity(
+            bootstrap, f"reef-process.{namespace}.{recipe.name}.{self.group}.{instance}",
+            timeout_ms=transaction_timeout_ms, probe_topic=self.changelog, instance=instance)
         #: ``on_stuck(why)``: called (on a watchdog thread) when a transaction has not committed
-        #: ``STUCK_COMMIT_S`` after it began; see ``_watch_commits``. None: logged only.
+        #: ``STUCK_COMMIT_S`` after it began; see ``fencing.watch_commits``. None: logged only.
         self._on_stuck = on_stuck
         self._commit_began: float | None = None
         #: Rewards per source and version, completion lengths, truncation (committed steps only).
         self.stats = RecordStats()
         self.metrics_dropped = 0
-        self._parts: dict[int, _Partition] = {}
+        self._parts: dict[int, PartitionPair] = {}
         self._stop = threading.Event()
         self._callback_error: BaseException | None = None
         self._consumer: Consumer | None = None
@@ -290,10 +250,11 @@ class ProcessorRuntime:
     def run(self, *, ready: threading.Event | None = None) -> None:
         """Create the topics it needs, then process until ``stop``. Blocks."""
         partitions = self._ensure_topics()
-        self._producer = self._transactional_producer()
+        self._producer = self._identity.new_producer()
         self._start_metrics()
-        threading.Thread(target=self._watch_commits, name="reef-commit-watchdog",
-                         daemon=True).start()
+        threading.Thread(target=watch_commits, name="reef-commit-watchdog", daemon=True,
+                         args=(self._stop, lambda: self._commit_began, self._on_stuck,
+                               self.recipe.name)).start()
         self._consumer = self._subscribe()
         self._checkpoints = Consumer(client_config(self.bootstrap, {
             "group.id": f"{self.group}.checkpoints", "enable.auto.commit": False,
@@ -471,28 +432,6 @@ class ProcessorRuntime:
                            on_revoke=self._on_revoke, on_lost=self._on_revoke)
         return consumer
 
-    def _watch_commits(self) -> None:
-        """Until ``stop``: report a transaction still open ``STUCK_COMMIT_S`` after it began.
-
-        librdkafka's ``send_offsets_to_transaction`` can wait forever, past its timeout, for a
-        group coordinator that was killed (confluentinc/librdkafka#5456, #5511, open). Nothing
-        in this process can end that call, so the watchdog tells ``on_stuck``: `reef process`
-        exits with ``EXIT_RESTART`` for its supervisor to start it again, which is as safe as
-        any crash (the next instance's ``init_transactions`` aborts the open transaction).
-        """
-        reported = None
-        while not self._stop.wait(1.0):
-            began = self._commit_began
-            if began is None or began == reported or time.monotonic() - began < STUCK_COMMIT_S:
-                continue
-            reported = began
-            why = (f"a transaction has not committed {STUCK_COMMIT_S:.0f} s after it began "
-                   "(librdkafka can wait forever on a group coordinator that died: "
-                   "confluentinc/librdkafka#5456)")
-            log.critical("processor %s: %s", self.recipe.name, why)
-            if self._on_stuck is not None:
-                self._on_stuck(why)
-
     def _rejoin(self, fenced: FatalError) -> None:
         """Replace a consumer fenced as a static member by a new one with the same instance id,
         at most ``MAX_REJOINS`` times in ``REJOIN_WINDOW_S`` (then ``fenced`` is raised).
@@ -505,8 +444,8 @@ class ProcessorRuntime:
         rejoining: the fence arrives between transactions, and the new member restores the
         states from the changelog and reads from the committed offsets, as a restart would.
         """
-        self._still_the_instance(fenced)
-        self._count_fence(fenced)
+        self._identity.prove(self._producer, fenced)
+        self._identity.count(fenced)
         log.warning("%s; rejoining the group with a new consumer (instance %s)", fenced,
                     self.instance)
         try:
@@ -515,20 +454,6 @@ class ProcessorRuntime:
             log.warning("closing the fenced consumer: %s", error)
         self._parts = {}
         self._consumer = self._subscribe()
-
-    def _transactional_producer(self) -> Producer:
-        """A producer with this instance's transactional id, initialised: its
-        ``init_transactions`` fences any earlier producer of the id and aborts its open
-        transaction."""
-        producer = Producer(client_config(self.bootstrap, {
-            "transactional.id": f"reef-process.{self.ns}.{self.recipe.name}.{self.group}.{self.instance}",
-            "transaction.timeout.ms": self.transaction_timeout_ms,
-            "linger.ms": 5,
-            "compression.type": "lz4",
-            "message.max.bytes": 16 * MiB + 1024,
-        }))
-        producer.init_transactions(60)
-        return producer
 
     def _renew_producer(self, fenced: FatalError) -> None:
         """Replace a producer fenced at a transaction by a new one with the same transactional
@@ -543,78 +468,24 @@ class ProcessorRuntime:
         do; the caller rewinds the states and offsets. A fence within the timeout is a newer
         instance's (another process with this ``--instance``): that one stays fatal.
         """
-        self._count_fence(fenced)
+        self._identity.count(fenced)
         log.warning("%s; starting a new transactional producer (instance %s) and going back "
                     "to the committed state", fenced, self.instance)
-        self._producer = self._transactional_producer()
-
-    def _count_fence(self, fenced: FatalError) -> None:
-        """Note one recovery from a fence; ``fenced`` is raised past ``MAX_REJOINS`` of them
-        (consumer rejoins and producer renewals together) within ``REJOIN_WINDOW_S``."""
-        now = time.monotonic()
-        self._rejoins = [t for t in self._rejoins if now - t < REJOIN_WINDOW_S] + [now]
-        if len(self._rejoins) > MAX_REJOINS:
-            raise FatalError(f"{fenced}; fenced {len(self._rejoins)} times within "
-                             f"{REJOIN_WINDOW_S:.0f} s: is another processor running with "
-                             f"--instance {self.instance}?") from fenced
-
-    def _still_the_instance(self, fenced: FatalError) -> None:
-        """Commit a transaction of one harmless tombstone (``PROBE_KEY``); ``FatalError`` if it
-        fails (a newer instance holds the transactional id)."""
-        producer = self._producer
-        try:
-            producer.begin_transaction()
-            producer.produce(self.changelog, partition=0, key=PROBE_KEY, value=None)
-            producer.commit_transaction(60)
-        except KafkaException as exc:
-            raise FatalError(f"{fenced}, and the transactional id is fenced too: "
-                             f"{exc.args[0]}") from exc
+        self._producer = self._identity.new_producer()
 
     def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
         # Eager protocol: everything is revoked, always between transactions.
         self._parts = {}
 
-    def _restore(self, partitions: list[int]) -> dict[int, _Partition]:
+    def _restore(self, partitions: list[int]) -> dict[int, PartitionPair]:
         """Each partition's state, from its changelog partition read to the end."""
-        parts = {p: _Partition(ProcessorState.for_recipe(self.recipe),
-                               queues={t: deque() for t in self._topics}) for p in partitions}
-        if not partitions:
-            return parts
-        reader = Consumer(client_config(self.bootstrap, {
-            "group.id": f"{self.group}.restore", "enable.auto.commit": False,
-            "isolation.level": "read_committed", "enable.partition.eof": True,
-            "fetch.max.bytes": 64 * MiB}))
-        try:
-            ends = {}
-            for p in partitions:
-                _, high = ask_broker(f"reading the offsets of {self.changelog}[{p}]",
-                                     lambda p=p: reader.get_watermark_offsets(
-                                         TopicPartition(self.changelog, p), timeout=30))
-                if high > 0:
-                    ends[p] = high
-            tables: dict[int, dict[str, bytes]] = {p: {} for p in partitions}
-            reader.assign([TopicPartition(self.changelog, p, 0) for p in ends])
-            deadline = time.monotonic() + 120
-            while ends:
-                if time.monotonic() > deadline:
-                    raise FatalError(f"could not read {self.changelog} partitions {sorted(ends)} "
-                                     "to their end within 120 s")
-                for message in reader.consume(5000, timeout=0.5):
-                    if message.error() is not None:
-                        if message.error().code() != KafkaError._PARTITION_EOF:
-                            raise KafkaException(message.error())
-                    elif message.value() is None:
-                        tables[message.partition()].pop(_key_str(message.key()), None)
-                    else:
-                        tables[message.partition()][_key_str(message.key())] = message.value()
-                for tp in reader.position([TopicPartition(self.changelog, p) for p in list(ends)]):
-                    if tp.offset >= 0 and tp.offset >= ends[tp.partition]:
-                        del ends[tp.partition]
-        finally:
-            reader.close()
+        parts = {p: PartitionPair(ProcessorState.for_recipe(self.recipe), self._topics)
+                 for p in partitions}
+        tables = read_changelog(self.bootstrap, f"{self.group}.restore", self.changelog,
+                                partitions)
         for p, table in tables.items():
             for key, data in table.items():
-                parts[p].state.restore(key, loads_snapshot(data))
+                parts[p].state.restore(_key_str(key), loads_snapshot(data))
         return parts
 
     # ----------------------------------------------------------------- processing
@@ -635,10 +506,7 @@ class ProcessorRuntime:
                 continue
             part = self._parts.get(message.partition())
             if part is not None:  # else a record of a partition revoked within this poll
-                kind, at = message.timestamp()
-                part.next[message.topic()] = message.offset() + 1
-                part.queues[message.topic()].append(
-                    (message, now_ms() if kind == TIMESTAMP_NOT_AVAILABLE else at, time.monotonic()))
+                part.queue(message)
         steps: list[tuple[int, Step]] = []
         bad: list[Any] = []
         positions: dict[tuple[str, int], int] = {}
@@ -653,22 +521,14 @@ class ProcessorRuntime:
                 # Units other partitions emitted since the measurement count for this one too.
                 part.state.observe_backlog(self.backlog)
                 first = len(steps)
-            caught_up: set[str] | None = None
-            while True:
-                heads = {t: q[0][1] for t, q in part.queues.items() if q}
-                if not heads:
-                    break
-                if len(heads) == 1:
-                    # the other topic's queue is empty: go on only if it has nothing unread,
-                    # or the head record has waited MAX_IDLE_S since it was read (each record
-                    # waits at most that long, not one MAX_IDLE_S after the other)
-                    caught_up = self._caught_up(p) if caught_up is None else caught_up
-                    if not caught_up.issuperset(set(self._topics) - heads.keys()):
-                        (head,) = heads
-                        if time.monotonic() - part.queues[head][0][2] < MAX_IDLE_S:
-                            break
-                topic = min(heads, key=lambda t: (heads[t], t != self.generations))
-                message, at, _ = part.queues[topic].popleft()
+            caught: list[set[str]] = []  # _caught_up(p), asked at most once per batch
+
+            def caught_up(p: int = p, caught: list[set[str]] = caught) -> set[str]:
+                if not caught:
+                    caught.append(self._caught_up(p))
+                return caught[0]
+
+            for topic, message, at in part.ready(caught_up, MAX_IDLE_S):
                 offset = message.offset()
                 positions[(topic, p)] = offset + 1
                 reader = Generation if topic == self.generations else Feedback
@@ -683,9 +543,8 @@ class ProcessorRuntime:
             due = part.state.next_deadline()
             if due is not None:
                 now = part.state.clock
-                if not any(part.queues.values()) and due > now:
-                    caught_up = self._caught_up(p) if caught_up is None else caught_up
-                    if caught_up.issuperset(self._topics):
+                if not part.held() and due > now:
+                    if caught_up().issuperset(self._topics):
                         now = now_ms()  # nothing unread: the wall clock is the frontier
                 if due <= now:
                     steps.append((p, part.state.tick(now)))
@@ -921,7 +780,7 @@ def run_processor_runtime(recipe: Any, *, bootstrap: str, namespace: str, group:
                           instance: str = "0", batch: int = BATCH,
                           handle_signals: bool = True) -> ProcessorRuntime:
     """Run until SIGINT / SIGTERM (with ``handle_signals``); the runtime, for its counts. A
-    stuck transaction ends the process with ``EXIT_RESTART`` (see ``_watch_commits``)."""
+    stuck transaction ends the process with ``EXIT_RESTART`` (see ``fencing.watch_commits``)."""
     runtime = ProcessorRuntime(recipe, bootstrap=bootstrap, namespace=namespace, group=group,
                                instance=instance, batch=batch, on_stuck=_exit_for_restart)
     stopping = stop_on_signals(runtime.stop) if handle_signals else contextlib.nullcontext()
