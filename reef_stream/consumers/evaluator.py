@@ -65,26 +65,21 @@ an hour by default, so a long evaluation keeps the group membership).
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import threading
 import time
-import urllib.parse
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import fsspec
 from confluent_kafka import (
-    OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition,
+    Message, Producer, TopicPartition,
 )
 
-from reef_stream.engine.checkpoints import MANIFEST, CheckpointError, verify, write_durably
+from reef_stream.engine.checkpoints import CheckpointError, verify
 from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import ask_broker, bootstrap_servers, client_config
-from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, RetryableError
+from reef_stream.topics.connect import bootstrap_servers, client_config
+from reef_stream.errors import ConfigurationError, InvalidRecord
 from reef_stream.api.evaluator import Incumbent, Measurement, Selection
 from reef_stream.topics.dead_letters import dead_letter
 from reef_stream.topics.events import Checkpoint, Decision, Publication, now_ms
@@ -95,6 +90,11 @@ from reef_stream.ops.metrics import (
 from reef_stream.api.recipe import Recipe
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.consumers.stage import DELIVERY_TIMEOUT_S, StageLoop, deliver
+from reef_stream.consumers.publications import (
+    PublicationLedger, PublicationStore,
+    default_publication_url, publication_key,
+)
 
 if TYPE_CHECKING:
     from reef_stream.consumers.fleet import Fleet
@@ -106,12 +106,6 @@ __all__ = ["EvaluateOptions", "EvaluateSummary", "EvaluatorWorker", "Publication
 log = logging.getLogger(__name__)
 
 STAGE = STAGE_EVALUATOR
-#: Appended to the model in the key of a REJECTED publication (see the module docstring).
-REJECTED_KEY_SUFFIX = "#rejected"
-#: How long a publication or dead letter may take to be acknowledged before the worker stops.
-DELIVERY_TIMEOUT_S = 60.0
-#: How long reading a topic up to its end may take before it is given up (RetryableError).
-READ_TIMEOUT_S = 60.0
 #: The longest wait between two tries of ``measure``.
 MAX_BACKOFF_S = 60.0
 #: With ``idle_exit``: how much longer a worker waits that the group has not assigned yet.
@@ -123,302 +117,10 @@ def default_group(recipe: Recipe, namespace: str) -> str:
     return f"{namespace}.evaluate.{recipe.name}"
 
 
-def default_publication_url(settings: Settings, namespace: str) -> str:
-    """``$REEF_HOME/published/<ns>``: where promoted checkpoints are copied unless told."""
-    return str(settings.home / "published" / namespace)
-
-
-
-
-def publication_key(publication: Publication) -> bytes:
-    """The Kafka key of a publication: the model, or ``<model>#rejected`` for a rejection."""
-    if publication.decision is Decision.PROMOTED:
-        return publication.model.encode()
-    return (publication.model + REJECTED_KEY_SUFFIX).encode()
-
-
 def coordinates_key(topic: str, partition: int, offset: int) -> bytes:
     """``<topic>/<partition>/<offset>``: the key of the dead letter of a publication that does
     not decode; the same at every reading of that record (topic names hold no ``/``)."""
     return f"{topic}/{partition}/{offset}".encode()
-
-
-# --------------------------------------------------------------------------- the ledger
-
-
-class PublicationLedger:
-    """What ``<ns>.publications`` says so far, per model: the newest PROMOTED publication
-    (the incumbent, what replicas serve), the newest decided version, and the decision on
-    each checkpoint id still in the log.
-
-    Reads with ``assign()`` from the beginning and a throwaway group id; commits nothing.
-    ``open`` then ``catch_up`` (and ``poll`` to follow); ``close`` at the end. Not
-    thread-safe: one thread uses it.
-
-    A record that does not decode (``InvalidRecord``: not Avro, another schema, an unknown
-    fingerprint, no headers) is left out of the fold, counted in ``undecodable`` and handed
-    to ``on_undecodable(message, error)``, once per record this ledger reads, on the thread
-    that called ``catch_up`` or ``poll``; what it raises propagates from there. Without
-    ``on_undecodable`` it is logged as a warning naming its topic, partition and offset. The
-    evaluator, the topic's owner, dead-letters it (``EvaluatorWorker``); every other reader
-    counts it. Tombstones (a compaction delete, no value) are skipped silently.
-    """
-
-    def __init__(self, bootstrap: str, namespace: str, *,
-                 registry: SchemaRegistry | None = None,
-                 consumer_config: dict | None = None,
-                 on_undecodable: Callable[[Message, InvalidRecord], None] | None = None) -> None:
-        self.topic = declarations.publications(namespace)
-        self._registry = registry or SchemaRegistry.default()
-        self._consumer = Consumer(client_config(bootstrap, {
-            "group.id": f"reef-ledger-{uuid.uuid4().hex}",
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "enable.partition.eof": True,
-            **(consumer_config or {}),
-        }))
-        self._positions: dict[int, int] = {}
-        self._promoted: dict[str, Publication] = {}
-        self._decided: dict[str, int] = {}
-        self._by_checkpoint: dict[str, Publication] = {}
-        self._on_undecodable = on_undecodable
-        #: Publications read from the log (not counting ``record``).
-        self.read = 0
-        #: Records read from the log that did not decode.
-        self.undecodable = 0
-
-    def open(self) -> PublicationLedger:
-        """Assign every partition of the topic from its beginning. Blocks for metadata (up to
-        30 s). Raises ``ConfigurationError`` when the topic does not exist."""
-        metadata = self._consumer.list_topics(self.topic, timeout=30)
-        topic = metadata.topics.get(self.topic)
-        if topic is None or topic.error is not None or not topic.partitions:
-            raise ConfigurationError(f"topic {self.topic} does not exist: run `reef topics create`")
-        partitions = sorted(topic.partitions)
-        for p in partitions:
-            low, _ = self._watermarks(p)
-            self._positions[p] = max(low, 0)
-        self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in partitions])
-        return self
-
-    def catch_up(self, timeout: float = READ_TIMEOUT_S) -> list[Publication]:
-        """Read every publication up to the end of the log as of this call; returns them in
-        log order (already folded in). Blocks until then; raises ``RetryableError`` if the
-        end is not reached within ``timeout`` seconds. Idempotent."""
-        ends = {p: self._watermarks(p)[1] for p in self._positions}
-        read: list[Publication] = []
-        deadline = time.monotonic() + timeout
-        while any(self._positions[p] < end for p, end in ends.items()):
-            if time.monotonic() > deadline:
-                behind = {p: (self._positions[p], end) for p, end in ends.items()
-                          if self._positions[p] < end}
-                raise RetryableError(f"could not read {self.topic} to its end within "
-                                     f"{timeout:.0f} s (at/end per partition: {behind}); check "
-                                     "that the cluster is reachable, then start again")
-            read += self._take(self._consumer.consume(500, timeout=0.2))
-        return read
-
-    def poll(self, timeout: float) -> list[Publication]:
-        """The publications that arrived since the last call, folded in; waits up to
-        ``timeout`` seconds for the first one. Blocks; returns [] when none came."""
-        return self._take(self._consumer.consume(500, timeout=timeout))
-
-    def record(self, publication: Publication) -> None:
-        """Fold in a publication this process just produced, before it is read back. Idempotent."""
-        self._fold(publication)
-
-    def incumbent(self, model: str) -> Publication | None:
-        """The newest PROMOTED publication of ``model``, or None."""
-        return self._promoted.get(model)
-
-    def decided_version(self, model: str) -> int | None:
-        """The newest policy version of ``model`` with a decision (promoted or rejected)."""
-        return self._decided.get(model)
-
-    def decision(self, checkpoint_id: str) -> Publication | None:
-        """The decision on ``checkpoint_id``, if it is still in the log (compaction keeps the
-        latest per key; ``decided_version`` covers what it removed)."""
-        return self._by_checkpoint.get(checkpoint_id)
-
-    def models(self) -> list[str]:
-        """Every model with at least one decision, sorted."""
-        return sorted(self._decided)
-
-    def close(self) -> None:
-        self._consumer.close()
-
-    def __enter__(self) -> PublicationLedger:
-        return self.open()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def _watermarks(self, partition: int) -> tuple[int, int]:
-        return ask_broker(f"reading the offsets of {self.topic}[{partition}]",
-                          lambda: self._consumer.get_watermark_offsets(
-                              TopicPartition(self.topic, partition), timeout=10))
-
-    def _take(self, messages: list[Message]) -> list[Publication]:
-        taken = []
-        for message in messages:
-            error = message.error()
-            if error is not None:
-                if error.code() == KafkaError._PARTITION_EOF:
-                    self._positions[message.partition()] = message.offset()
-                elif error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
-                    raise ConfigurationError(f"topic {self.topic} does not exist: run "
-                                             "`reef topics create`")
-                else:
-                    log.warning("reading %s: %s", self.topic, error.str())
-                continue
-            self._positions[message.partition()] = message.offset() + 1
-            if message.value() is None:
-                continue
-            try:
-                publication = self._registry.decode(
-                    message.value(), message.headers(), Publication, topic=message.topic(),
-                    partition=message.partition(), offset=message.offset())
-            except InvalidRecord as error:
-                self.undecodable += 1
-                if self._on_undecodable is None:
-                    log.warning("skipping a publication that does not decode: %s", error)
-                else:
-                    self._on_undecodable(message, error)
-                continue
-            self.read += 1
-            self._fold(publication)
-            taken.append(publication)
-        return taken
-
-    def _fold(self, publication: Publication) -> None:
-        model, version = publication.model, publication.policy_version
-        if publication.decision is Decision.PROMOTED:
-            current = self._promoted.get(model)
-            if current is None or version >= current.policy_version:
-                self._promoted[model] = publication
-        if version > self._decided.get(model, -1):
-            self._decided[model] = version
-        self._by_checkpoint[publication.checkpoint_id] = publication
-
-
-# --------------------------------------------------------------------------- the store
-
-
-class PublicationStore:
-    """Copies of promoted checkpoints, at ``<url>/<model>/v<version>``, out of reach of the
-    trainer's retention. ``url`` is a local path or any fsspec URL.
-
-    A copy holds every file of the checkpoint, byte for byte (manifest included), so it has
-    the checkpoint's sha256 and ``checkpoints.load_weights(copy_uri, sha256)`` verifies it.
-    """
-
-    def __init__(self, url: str | os.PathLike[str]) -> None:
-        url = os.fspath(url)
-        self.fs, root = fsspec.core.url_to_fs(url)
-        self.root = root.rstrip("/")
-        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        self._protocol = protocol
-        self.local = protocol in ("file", "local")
-        self.url = url
-
-    def uri_of(self, model: str, version: int) -> str:
-        """Where version ``version`` of ``model`` is (or would be) kept."""
-        return self._uri(self._path(model, version))
-
-    def publish(self, candidate: Checkpoint) -> str:
-        """Copy the candidate's checkpoint into the store and verify the copy against
-        ``candidate.sha256``; returns the copy's URI.
-
-        Blocks for the copy (the whole checkpoint is read into memory once). Idempotent: a
-        copy already there that verifies is kept; one that does not is replaced. Raises
-        ``CheckpointError`` when the source does not verify, ``FatalError`` when the store
-        cannot be written.
-        """
-        final = self._path(candidate.model, candidate.policy_version)
-        uri = self._uri(final)
-        try:
-            if self.fs.exists(f"{final}/{MANIFEST}"):
-                verify(uri, candidate.sha256)
-                return uri
-        except CheckpointError:
-            log.warning("replacing %s: it does not match checkpoint %s", uri,
-                        candidate.checkpoint_id)
-        files = verify(candidate.uri, candidate.sha256)
-        src_fs, src_path = fsspec.core.url_to_fs(candidate.uri)
-        try:
-            manifest = src_fs.cat_file(f"{src_path}/{MANIFEST}")
-        except OSError as error:
-            raise CheckpointError(f"checkpoint {candidate.uri}: {MANIFEST} cannot be read: "
-                                  f"{error}") from error
-        if hashlib.sha256(manifest).hexdigest() != candidate.sha256:
-            raise CheckpointError(f"checkpoint {candidate.uri} changed while it was copied")
-        staging = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            target = staging if self.local else final
-            if self.fs.exists(final):
-                self.fs.rm(final, recursive=True)
-            self.fs.makedirs(target, exist_ok=True)
-            for name, data in files.items():
-                self._write(f"{target}/{name}", data)
-            self._write(f"{target}/{MANIFEST}", manifest)  # last: the copy exists from here on
-            if self.local:
-                os.rename(staging, final)
-                _fsync_dir(os.path.dirname(final))
-        except OSError as error:
-            raise FatalError(f"could not copy checkpoint {candidate.checkpoint_id} to the "
-                             f"publication store {self.url}: {error}; nothing was published, "
-                             "fix the store and start the evaluator again") from error
-        verify(uri, candidate.sha256)
-        return uri
-
-    def versions(self, model: str) -> list[int]:
-        """The versions of ``model`` with a complete copy, oldest first."""
-        directory = f"{self.root}/{_model_dir(model)}"
-        if not self.fs.exists(directory):
-            return []
-        found = []
-        for path in self.fs.ls(directory, detail=False):
-            name = path.rstrip("/").rsplit("/", 1)[-1]
-            if name.startswith("v") and name[1:].isdigit() and self.fs.exists(f"{path}/{MANIFEST}"):
-                found.append(int(name[1:]))
-        return sorted(found)
-
-    def prune(self, model: str, keep: int) -> list[int]:
-        """Delete all but the newest ``keep`` copies of ``model`` (0 keeps all) and leftover
-        staging directories; returns the versions deleted. Idempotent."""
-        if keep <= 0:
-            return []
-        doomed = self.versions(model)[:-keep]
-        for version in doomed:
-            self.fs.rm(self._path(model, version), recursive=True)
-        directory = f"{self.root}/{_model_dir(model)}"
-        if self.fs.exists(directory):
-            for path in self.fs.ls(directory, detail=False):
-                if ".tmp-" in path.rstrip("/").rsplit("/", 1)[-1]:
-                    self.fs.rm(path, recursive=True)
-        return doomed
-
-    def _path(self, model: str, version: int) -> str:
-        return f"{self.root}/{_model_dir(model)}/v{version}"
-
-    def _uri(self, path: str) -> str:
-        return path if self.local else f"{self._protocol}://{path}"
-
-    def _write(self, path: str, data: bytes) -> None:
-        write_durably(self.fs, path, data, local=self.local)
-
-
-def _model_dir(model: str) -> str:
-    """A model name as one path segment (``/`` and other specials percent-encoded)."""
-    return urllib.parse.quote(model, safe="")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------- the worker
@@ -557,9 +259,10 @@ class EvaluatorWorker:
 
         Announces the evaluator's warning first, then reads ``<ns>.publications`` to its end
         (the incumbents; a record there that does not decode is dead-lettered) before the first
-        decision. Raises ``ConfigurationError`` for a missing topic and ``FatalError`` when a
-        decision or a dead letter cannot be stored (its offset stays uncommitted, so a restart
-        decides it again).
+        decision. Runs on the stage loop (``reef_stream.consumers.stage``), which commits each
+        checkpoint's offset once ``_Decisions`` says its publication is acknowledged. Raises
+        ``ConfigurationError`` for a missing topic and ``FatalError`` when a decision or a dead
+        letter cannot be stored (its offset stays uncommitted, so a restart decides it again).
         """
         started = time.monotonic()
         if self.warning:
@@ -574,97 +277,34 @@ class EvaluatorWorker:
                 producer, message, error))
         metrics = MetricsWriter(producer, self.namespace, STAGE,
                                 {"group": self.group, "recipe": self.recipe.name})
-        consumer = Consumer(client_config(self.bootstrap, {
-            "group.id": self.group,
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "earliest",
-            "max.poll.interval.ms": 3_600_000,
-            **self._consumer_config,
-        }))
         try:
             ledger.open()
             ledger.catch_up()
             log.info("evaluator %s: %d publications read; incumbents: %s", self.group,
                      ledger.read, {m: ledger.incumbent(m).policy_version for m in ledger.models()
                                    if ledger.incumbent(m) is not None} or "none")
-            self._check_topic(consumer)
-            consumer.subscribe([self.topic], on_assign=self._assigned)
-            self._consume(consumer, producer, ledger, metrics)
+            StageLoop(
+                _Decisions(self, producer, ledger, metrics), stage=STAGE,
+                bootstrap=self.bootstrap, group=self.group, topics=[self.topic],
+                namespace=self.namespace, reads="checkpoint event", producer=producer,
+                registry=self._registry, metrics=metrics, stop_event=self._stop, logger=log,
+                consumer_config={"max.poll.interval.ms": 3_600_000, **self._consumer_config},
+            ).run()
         finally:
-            try:
-                producer.flush(10)
-                consumer.close()
-            finally:
-                ledger.close()
-                self.summary.elapsed_s = time.monotonic() - started
+            ledger.close()
+            self.summary.elapsed_s = time.monotonic() - started
         return self.summary
 
-    # ----------------------------------------------------------------- the loop
-
-    def _consume(self, consumer: Consumer, producer: Producer, ledger: PublicationLedger,
-                 metrics: MetricsWriter) -> None:
-        last_activity = time.monotonic()
-        while not self._stop.is_set():
-            message = consumer.poll(0.2)
-            producer.poll(0)
-            if message is None:
-                ledger.poll(0)  # meanwhile: what others publish, and letters for what is bad
-                idle = self.options.idle_exit
-                if idle is not None:
-                    if self._last_assigned is None:  # still joining the group: allow for it
-                        idle, since = idle + JOIN_GRACE_S, last_activity
-                    else:
-                        since = max(last_activity, self._last_assigned)
-                    if time.monotonic() - since >= idle:
-                        log.info("no new checkpoint for %.1f s: stopping", idle)
-                        return
-                continue
-            last_activity = time.monotonic()
-            error = message.error()
-            if error is not None:
-                if error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
-                    raise ConfigurationError(f"topic {self.topic} does not exist: run "
-                                             "`reef topics create`")
-                if error.fatal():
-                    raise FatalError(f"the Kafka consumer failed: {error.str()}")
-                if error.code() != KafkaError._PARTITION_EOF:
-                    log.warning("Kafka consumer: %s", error.str())
-                continue
-            try:
-                self._decide_and_commit(message, consumer, producer, ledger, metrics)
-            except _Stopped:
-                return
-            if self.options.max_candidates is not None \
-                    and self.summary.decided >= self.options.max_candidates:
-                return
-            last_activity = time.monotonic()
-
-    def _decide_and_commit(self, message: Message, consumer: Consumer, producer: Producer,
-                           ledger: PublicationLedger, metrics: MetricsWriter) -> None:
-        """The durability order for one checkpoint event, all of it here:
-
-        decide (or find it decided) → produce the Publication → wait for the broker's
-        acknowledgement (``FatalError`` otherwise; nothing committed) → commit the offset past
-        the event → update the Redis projection and prune old copies (best effort: both can
-        be redone from the log).
-        """
-        self.summary.checkpoints += 1
-        where = dict(topic=message.topic(), partition=message.partition(), offset=message.offset())
-        try:
-            checkpoint = self._registry.decode(message.value(), message.headers(), Checkpoint,
-                                               **where)
-        except InvalidRecord as error:
-            self.summary.undecodable += 1
-            self._dead_letter(producer, message, f"undecodable checkpoint event: {error}",
-                              type(error).__name__)
-            self._commit(consumer, message)
-            return
+    def _publish(self, checkpoint: Checkpoint, producer: Producer, ledger: PublicationLedger,
+                 metrics: MetricsWriter) -> Publication | None:
+        """Decide on ``checkpoint`` (or find it decided), produce the Publication and wait for
+        the broker's acknowledgement (``FatalError`` otherwise; nothing committed). The first
+        half of the durability order; ``_after_commit`` is the rest."""
         publication = self._decide(checkpoint, ledger, metrics)
         if publication is not None:
             value, headers = self._registry.encode(publication)
-            self._deliver(producer, self.publications_topic, publication_key(publication), value,
-                          headers, f"the publication of {checkpoint.checkpoint_id}")
+            deliver(producer, self.publications_topic, publication_key(publication), value,
+                    headers, f"the publication of {checkpoint.checkpoint_id}")
             ledger.record(publication)
             if publication.decision is Decision.PROMOTED:
                 self.summary.promoted += 1
@@ -677,10 +317,11 @@ class EvaluatorWorker:
             for measure, value in sorted(publication.measurement.items()):
                 metrics.write(EVALUATOR_MEASUREMENT, value, model=publication.model,
                               measure=measure)
-        self._commit(consumer, message)
-        metrics.write_lag(consumer)
-        if publication is None:
-            return
+        return publication
+
+    def _after_commit(self, publication: Publication) -> None:
+        """After the checkpoint's offset is committed: log, update the Redis projection,
+        prune old copies (best effort: both can be redone from the log), ``on_decision``."""
         log.info("%s version %d of model %s (checkpoint %s): %s", publication.decision.value,
                  publication.policy_version, publication.model, publication.checkpoint_id,
                  publication.reason)
@@ -791,30 +432,6 @@ class EvaluatorWorker:
 
     # ----------------------------------------------------------------- Kafka and Redis
 
-    def _deliver(self, producer: Producer, topic: str, key: bytes | None, value: bytes,
-                 headers: list, what: str) -> None:
-        """Produce one record and block until the broker acknowledged it (``acks=all``).
-        Raises ``FatalError`` if it did not: nothing after it may be committed."""
-        outcome: list[KafkaError | None] = []
-        try:
-            producer.produce(topic, key=key, value=value, headers=headers,
-                             on_delivery=lambda error, _: outcome.append(error))
-        except Exception as error:  # noqa: BLE001 - BufferError, a record too large, ...
-            raise FatalError(f"{what} could not be sent: {error}; its offset stays "
-                             "uncommitted") from error
-        deadline = time.monotonic() + DELIVERY_TIMEOUT_S
-        while not outcome:
-            producer.poll(0.1)
-            if time.monotonic() > deadline:
-                raise FatalError(f"{what} was not acknowledged within {DELIVERY_TIMEOUT_S:.0f} s; "
-                                 "its offset stays uncommitted")
-        if outcome[0] is not None:
-            error = outcome[0]
-            if error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
-                raise ConfigurationError(f"topic {topic} does not exist: run `reef topics create`")
-            raise FatalError(f"{what} was refused by the broker: {error.str()}; its offset stays "
-                             "uncommitted")
-
     def _undecodable_publication(self, producer: Producer, message: Message,
                                  error: InvalidRecord) -> None:
         """The ledger's ``on_undecodable``: dead-letter a record of ``<ns>.publications`` that
@@ -834,21 +451,12 @@ class EvaluatorWorker:
         ``key``, or else the message's own key."""
         letter = dead_letter(reason, error_type, stage=STAGE, message=message)
         value, headers = self._registry.encode(letter)
-        self._deliver(producer, declarations.dead_letters(self.namespace),
+        deliver(producer, declarations.dead_letters(self.namespace),
                       message.key() if key is None else key, value, headers,
                       f"the dead letter for {message.topic()}[{message.partition()}]@"
                       f"{message.offset()}")
         log.warning("dead-lettered %s[%d]@%d: %s", message.topic(), message.partition(),
                     message.offset(), reason)
-
-    def _commit(self, consumer: Consumer, message: Message) -> None:
-        """Commit past ``message``, synchronously. A failed commit is logged: the event is read
-        again after a restart and the ledger finds its decision."""
-        position = TopicPartition(message.topic(), message.partition(), message.offset() + 1)
-        try:
-            consumer.commit(offsets=[position], asynchronous=False)
-        except Exception as error:  # noqa: BLE001 - harmless, see the docstring
-            log.warning("committing %s failed: %s", position, error)
 
     def _project(self, publication: Publication) -> None:
         if self.fleet is None:
@@ -859,15 +467,86 @@ class EvaluatorWorker:
             log.warning("could not update the fleet projection in Redis (%s); "
                         "`reef fleet --rebuild` restores it", error)
 
-    def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._last_assigned = time.monotonic()
-        log.info("assigned %s", [f"{tp.topic}[{tp.partition}]" for tp in partitions])
 
-    def _check_topic(self, consumer: Consumer) -> None:
-        metadata = consumer.list_topics(self.topic, timeout=10)
-        topic = metadata.topics.get(self.topic)
-        if topic is None or topic.error is not None:
-            raise ConfigurationError(f"topic {self.topic} does not exist: run `reef topics create`")
+class _Decisions:
+    """The evaluator's strategy on the stage loop: one checkpoint event at a time, decided and
+    published in ``submit`` (blocking while ``measure`` runs); its offset is committable once
+    the publication is acknowledged (or the event was skipped, or dead-lettered), and the
+    post-commit steps run in ``committed``. ``poll`` follows the publications topic while
+    idle and stops the worker at ``--max-candidates`` or ``--idle-exit``."""
+
+    def __init__(self, worker: EvaluatorWorker, producer: Producer, ledger: PublicationLedger,
+                 metrics: MetricsWriter) -> None:
+        self.worker, self.producer, self.ledger, self.metrics = worker, producer, ledger, metrics
+        self._positions: dict[tuple[str, int], int] = {}
+        self._decided: list[Publication] = []  # acknowledged, their offsets not committed yet
+        self._last_activity = time.monotonic()
+
+    def on_assign(self, partitions: list[TopicPartition]) -> None:
+        self.worker._last_assigned = time.monotonic()
+
+    def on_revoke(self, partitions: list[TopicPartition]) -> None:
+        """Nothing is held between two events (every decision is committed as it is made):
+        forget the partitions' positions, which their next owner moves on."""
+        for tp in partitions:
+            self._positions.pop((tp.topic, tp.partition), None)
+
+    def submit(self, message: Message) -> None:
+        worker = self.worker
+        self._last_activity = time.monotonic()
+        worker.summary.checkpoints += 1
+        try:
+            checkpoint = worker._registry.decode(
+                message.value(), message.headers(), Checkpoint, topic=message.topic(),
+                partition=message.partition(), offset=message.offset())
+        except InvalidRecord:
+            worker.summary.undecodable += 1
+            raise  # the loop dead-letters it, then dead_lettered()
+        try:
+            publication = worker._publish(checkpoint, self.producer, self.ledger, self.metrics)
+        except _Stopped:  # stopped while measuring: undecided, uncommitted
+            worker.stop()
+            return
+        self._done(message)
+        if publication is not None:
+            self._decided.append(publication)
+        self._last_activity = time.monotonic()
+
+    def dead_lettered(self, message: Message) -> None:
+        self._done(message)
+
+    def poll(self) -> None:
+        worker, options = self.worker, self.worker.options
+        if options.max_candidates is not None and worker.summary.decided >= options.max_candidates:
+            worker.stop()
+            return
+        self.ledger.poll(0)  # meanwhile: what others publish, and letters for what is bad
+        idle = options.idle_exit
+        if idle is not None:
+            if worker._last_assigned is None:  # still joining the group: allow for it
+                idle, since = idle + JOIN_GRACE_S, self._last_activity
+            else:
+                since = max(self._last_activity, worker._last_assigned)
+            if time.monotonic() - since >= idle:
+                log.info("no new checkpoint for %.1f s: stopping", idle)
+                worker.stop()
+
+    def committable(self) -> dict[tuple[str, int], int]:
+        return self._positions
+
+    def committed(self, positions: Mapping[tuple[str, int], int]) -> None:
+        decided, self._decided = self._decided, []
+        for publication in decided:
+            self.worker._after_commit(publication)
+
+    def join(self, timeout: float | None) -> None:
+        """Nothing to finish: ``submit`` decides synchronously."""
+
+    def close(self) -> None:
+        """The ledger and the producer are the worker's."""
+
+    def _done(self, message: Message) -> None:
+        self._positions[(message.topic(), message.partition())] = message.offset() + 1
 
 
 if __name__ == "__main__":

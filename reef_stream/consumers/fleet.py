@@ -40,7 +40,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from reef_stream.config import Settings, load_settings
 from reef_stream.topics.connect import ask_broker, client_config, redis_url
-from reef_stream.consumers.evaluator import READ_TIMEOUT_S, PublicationLedger
+from reef_stream.consumers.publications import READ_TIMEOUT_S, PublicationLedger
 from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
 from reef_stream.topics.events import Decision, Metric, Publication, now_ms
 from reef_stream.ops.metrics import FOLLOWER_POLICY_VERSION, STAGE_FOLLOWER

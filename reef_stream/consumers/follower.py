@@ -77,7 +77,7 @@ from confluent_kafka import Message, Producer
 from reef_stream.engine.checkpoints import CheckpointError, load_weights
 from reef_stream.config import Settings, load_settings
 from reef_stream.topics.connect import bootstrap_servers, client_config
-from reef_stream.consumers.evaluator import PublicationLedger
+from reef_stream.consumers.publications import PublicationLedger
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, ReefError
 from reef_stream.topics.events import Generation, Publication, now_ms
 from reef_stream.consumers.fleet import (

@@ -25,7 +25,11 @@ partitions. For each generation the worker:
    is not a ``Reward`` or has a non-finite reward is dead-lettered as invalid
    without a retry (calling again would give the same answer).
 
-Offsets, the durability order (``_commit_done``): an outcome is sent → its
+The worker runs on the stage loop (``reef_stream.consumers.stage``), which owns
+the consumer, the group, pausing, commits and lag; the worker's strategy
+(``_Rewards``) takes records and says what is committable.
+
+Offsets, the durability order (``_done_positions``): an outcome is sent → its
 ``SendHandle`` is ACKNOWLEDGED by the broker → the generation's partition
 offset is committed, only up to the contiguous prefix of generations whose
 outcomes are acknowledged. A worker killed at any moment and restarted
@@ -85,15 +89,15 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import Message, Producer, TopicPartition
 
 from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import bootstrap_servers, client_config
+from reef_stream.topics.connect import bootstrap_servers
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
 from reef_stream.topics.dead_letters import dead_letter
 from reef_stream.topics.events import DeadLetter, Generation, MessageHeader, now_ms
@@ -106,6 +110,7 @@ from reef_stream.ops.metrics import (
 from reef_stream.api.recipe import Recipe, Reward, feedback_for
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import decode
+from reef_stream.consumers.stage import MessageRejected, StageLoop
 
 __all__ = ["RewardOptions", "RewardSummary", "RewardWorker", "default_group"]
 
@@ -241,7 +246,6 @@ class _Partition:
     def __init__(self) -> None:
         self.entries: deque[list] = deque()  # [offset, done, this partition]
         self.position: int | None = None  # the next offset to consume after the done prefix
-        self.committed: int | None = None  # ``position`` as last committed (asynchronously)
 
     def take(self, offset: int) -> list:
         entry = [offset, False, self]
@@ -292,11 +296,13 @@ class RewardWorker:
         self._on_outcome = on_outcome
         self._is_async = _is_coroutine_function(self.reward)
         self._stop = threading.Event()
+        #: Ends the stage loop: a stop, --idle-exit, --max-records, a fatal outcome (only a
+        #: stop also drops the calls not started yet).
+        self._finish = threading.Event()
         self._hurry = threading.Event()
         self._lock = threading.Lock()
         self._partitions: dict[tuple[str, int], _Partition] = {}
         self._in_flight = 0
-        self._paused = False  # the consumer loop paused the assignment (backlog full)
         self._last_assigned = time.monotonic()
         self._fatal: Exception | None = None
         self._closing = False
@@ -318,6 +324,7 @@ class RewardWorker:
         if now:
             self._hurry.set()
         self._stop.set()
+        self._finish.set()
 
     @property
     def stopping(self) -> bool:
@@ -342,67 +349,21 @@ class RewardWorker:
         self._semaphore = asyncio.run_coroutine_threadsafe(
             _make_semaphore(self.options.concurrency), loop).result()
         self._start_metrics()
-        consumer = Consumer(client_config(self.bootstrap, {
-            "group.id": self.group,
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "earliest",
-            **self._consumer_config,
-        }))
+        self._last_assigned = time.monotonic()  # the idle clock starts at the subscription
         try:
-            self._check_topic(consumer)
-            self._last_assigned = time.monotonic()  # the idle clock starts at the subscription
-            consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked,
-                               on_lost=self._revoked)
-            self._consume(consumer, producer)
+            StageLoop(_Rewards(self, producer, loop, loop_thread), stage=STAGE,
+                      bootstrap=self.bootstrap, group=self.group, topics=[self.topic],
+                      namespace=self.namespace, reads="generation", producer=None,
+                      consumer_config=self._consumer_config, metrics=self._metrics,
+                      poll_timeout=0.1, stop_event=self._finish, join_timeout=self.options.grace,
+                      commit_every_s=COMMIT_INTERVAL_S, asynchronous_commits=True, logger=log).run()
         finally:
-            self._shut_down(consumer, producer, loop, loop_thread)
             self.summary.elapsed_s = time.monotonic() - started
         if self._fatal is not None:
             raise FatalError(str(self._fatal)) from self._fatal
         return self.summary
 
-    # ----------------------------------------------------------------- the consumer loop
-
-    def _consume(self, consumer: Consumer, producer: RecordProducer) -> None:
-        backlog = self.options.backlog or max(DEFAULT_BACKLOG, 2 * self.options.concurrency)
-        last_activity = time.monotonic()
-        last_commit = time.monotonic()
-        while not self._stop.is_set() and self._fatal is None:
-            if time.monotonic() - last_commit >= COMMIT_INTERVAL_S:
-                self._commit_done(consumer, asynchronous=True)
-                last_commit = time.monotonic()
-            self._emit_metrics(consumer)
-            # A full backlog pauses the partitions rather than the polling, so that rebalances
-            # and group heartbeats go on while slow calls run; they resume at half (a resumed
-            # fetch costs the broker's fetch wait, so not at every settled record).
-            if not self._paused and self._in_flight >= backlog:
-                consumer.pause(consumer.assignment())
-                self._paused = True
-            elif self._paused and self._in_flight <= backlog // 2:
-                consumer.resume(consumer.assignment())
-                self._paused = False
-            message = consumer.poll(0.05 if self._paused else 0.1)
-            if message is None:
-                idle = self.options.idle_exit
-                if idle is not None and not self._partitions:
-                    # Holding no partition yet: the group may still be rebalancing to give this
-                    # worker its share (a member notices a rebalance at its next heartbeat).
-                    idle = max(idle, UNASSIGNED_IDLE_S)
-                quiet_since = max(last_activity, self._last_assigned)
-                if idle is not None and self._in_flight == 0 \
-                        and time.monotonic() - quiet_since >= idle:
-                    log.info("no new generation for %.1f s: stopping", idle)
-                    break
-                continue
-            last_activity = time.monotonic()
-            if message.error() is not None:
-                self._consumer_error(message.error())
-                continue
-            self._take(message, producer)
-            if self.options.max_records is not None \
-                    and self.summary.records >= self.options.max_records:
-                break
+    # ----------------------------------------------------------------- taking records
 
     def _take(self, message: Message, producer: RecordProducer) -> None:
         key = (message.topic(), message.partition())
@@ -426,18 +387,6 @@ class RewardWorker:
             return
         asyncio.run_coroutine_threadsafe(self._score(producer, taken, generation, entry),
                                          self._loop)
-
-    def _consumer_error(self, error: KafkaError) -> None:
-        if error.code() == KafkaError._PARTITION_EOF:
-            return
-        if error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
-            self._fatal = ConfigurationError(
-                f"topic {self.topic} does not exist: run `reef topics create`")
-            return
-        if error.fatal():
-            self._fatal = FatalError(f"the Kafka consumer failed: {error.str()}")
-            return
-        log.warning("Kafka consumer: %s", error.str())
 
     # ----------------------------------------------------------------- scoring (on the loop)
 
@@ -603,9 +552,9 @@ class RewardWorker:
             "recipe": self.recipe.name, "group": self.group,
             "instance": f"{socket.gethostname()}.{os.getpid()}"})
 
-    def _emit_metrics(self, consumer: Consumer | None = None, *, final: bool = False) -> None:
+    def _emit_metrics(self, *, final: bool = False) -> None:
         """Write the counters as Metric events if ``METRICS_INTERVAL_S`` passed and they changed
-        since the last write (the first time: always), and ``consumer``'s lag each interval;
+        since the last write (the first time: always; the stage loop writes the lag);
         ``final``: whether or not the interval passed, then flush for up to 5 s and close.
         Consumer thread only; never raises."""
         writer, producer = self._metrics, self._metrics_producer
@@ -613,9 +562,6 @@ class RewardWorker:
             return
         try:
             due = final or time.monotonic() - self._metrics_at >= METRICS_INTERVAL_S
-            if due and consumer is not None:
-                writer.write_lag(consumer)
-                self._metrics_at = time.monotonic()
             counters = self.summary.counters() if due else None
             if counters is not None and counters != self._metrics_sent:
                 for attribute, name in _COUNTER_METRICS.items():
@@ -633,60 +579,27 @@ class RewardWorker:
 
     # ----------------------------------------------------------------- offsets and rebalances
 
-    def _commit_done(self, consumer: Consumer, *, asynchronous: bool,
-                     only: set[tuple[str, int]] | None = None) -> None:
-        """Commit, per partition, the offset after the contiguous prefix of acknowledged outcomes.
-
-        This is the last step of the durability order: outcome sent → acknowledged → committed.
-        Asynchronous commits (while running) skip positions already sent; synchronous ones (on
-        revoke and at stop) send every position, so a failed asynchronous commit is repaired.
-        """
-        positions = []
+    def _done_positions(self) -> dict[tuple[str, int], int]:
+        """Per partition, the offset after the contiguous prefix of acknowledged outcomes: what
+        the stage loop may commit (the last step of outcome sent → acknowledged → committed)."""
         with self._lock:
-            for (topic, number), partition in self._partitions.items():
-                if only is not None and (topic, number) not in only:
-                    continue
-                position = partition.done_prefix()
-                if position is None or (asynchronous and position == partition.committed):
-                    continue  # a synchronous commit repeats it: an asynchronous one may have failed
-                partition.committed = position
-                positions.append(TopicPartition(topic, number, position))
-        if not positions:
-            return
-        try:
-            consumer.commit(offsets=positions, asynchronous=asynchronous)
-            self.summary.add(committed=len(positions))
-        except Exception as error:  # noqa: BLE001 - a later commit covers these offsets
-            log.warning("committing %s failed: %s", positions, error)
-            with self._lock:
-                for position in positions:
-                    partition = self._partitions.get((position.topic, position.partition))
-                    if partition is not None:
-                        partition.committed = None
+            positions = {key: part.done_prefix() for key, part in self._partitions.items()}
+        return {key: position for key, position in positions.items() if position is not None}
 
-    def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def _assigned(self, partitions: list[TopicPartition]) -> None:
         with self._lock:
             for tp in partitions:
                 self._partitions.setdefault((tp.topic, tp.partition), _Partition())
             self._last_assigned = time.monotonic()
-        self._paused = False  # a new assignment starts unpaused; the loop pauses it if still full
-        log.info("assigned %s", sorted(tp.partition for tp in partitions))
 
-    def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        keys = {(tp.topic, tp.partition) for tp in partitions}
-        self._commit_done(consumer, asynchronous=False, only=keys)
+    def _revoked(self, partitions: list[TopicPartition]) -> None:
+        """After the loop committed their done prefix: forget them (their calls still running
+        find themselves dropped, or send duplicates of the new owner's outcomes)."""
         with self._lock:
-            for key in keys:
-                self._partitions.pop(key, None)
-        log.info("revoked %s", sorted(tp.partition for tp in partitions))
+            for tp in partitions:
+                self._partitions.pop((tp.topic, tp.partition), None)
 
     # ----------------------------------------------------------------- start and stop
-
-    def _check_topic(self, consumer: Consumer) -> None:
-        metadata = consumer.list_topics(self.topic, timeout=10)
-        topic = metadata.topics.get(self.topic)
-        if topic is None or topic.error is not None:
-            raise ConfigurationError(f"topic {self.topic} does not exist: run `reef topics create`")
 
     def _claim_spool(self) -> Path:
         """A spool directory no live worker of this group uses (two producers must not share
@@ -706,10 +619,9 @@ class RewardWorker:
             return base / str(slot)
         raise ConfigurationError(f"1024 reward workers already use spools under {base}")
 
-    def _shut_down(self, consumer: Consumer, producer: RecordProducer,
-                   loop: asyncio.AbstractEventLoop, loop_thread: threading.Thread) -> None:
-        """Stop in the durability order: running calls finish (up to ``grace``) → their outcomes
-        are flushed → done offsets are committed → the clients close."""
+    def _drain(self, producer: RecordProducer) -> None:
+        """The first half of stopping, in the durability order: running calls finish (up to
+        ``grace``) → their outcomes are flushed; the stage loop then commits the done offsets."""
         deadline = time.monotonic() + self.options.grace
         while self._in_flight > 0 and time.monotonic() < deadline and self._fatal is None \
                 and not self._hurry.is_set():
@@ -717,21 +629,100 @@ class RewardWorker:
         with self._lock:
             self._closing = True
         producer.flush(max(5.0, deadline - time.monotonic()))
-        self._commit_done(consumer, asynchronous=False)
+
+    def _close(self, producer: RecordProducer, loop: asyncio.AbstractEventLoop,
+               loop_thread: threading.Thread) -> None:
+        """The second half, after the loop committed and closed the consumer: the clients."""
         with self._lock:
+            self._closing = True
             abandoned = self._in_flight
         if abandoned:
             log.warning("%d generations had no stored outcome at stop; their offsets stay "
                         "uncommitted and the group reads them again", abandoned)
         try:
-            consumer.close()
-        finally:
             loop.call_soon_threadsafe(_cancel_all, loop)
             loop_thread.join(5)
             producer.close(5)
+        finally:
             self._emit_metrics(final=True)
             if self._spool_lock is not None:
                 os.close(self._spool_lock)
+
+
+class _Rewards:
+    """The reward worker's strategy on the stage loop: ``submit`` takes a generation (its
+    call scheduled on the asyncio loop; an undecodable one dead-lettered as its outcome,
+    through the worker's spooling producer), refusing while the backlog is full
+    (``MessageRejected``: the loop pauses) until it drained to half; ``committable`` is the
+    done prefix of every partition; ``join`` and ``close`` are the two halves of stopping.
+    ``poll`` writes the metrics and ends the loop at ``--idle-exit``, ``--max-records``
+    (both: calls already taken still finish), a ``stop`` or a fatal outcome."""
+
+    def __init__(self, worker: RewardWorker, producer: RecordProducer,
+                 loop: asyncio.AbstractEventLoop, loop_thread: threading.Thread) -> None:
+        self.worker, self.producer = worker, producer
+        self._loop, self._loop_thread = loop, loop_thread
+        options = worker.options
+        self.backlog = options.backlog or max(DEFAULT_BACKLOG, 2 * options.concurrency)
+        self._full = False
+        self._last_activity = time.monotonic()
+
+    def on_assign(self, partitions: list[TopicPartition]) -> None:
+        self.worker._assigned(partitions)
+
+    def on_revoke(self, partitions: list[TopicPartition]) -> None:
+        self.worker._revoked(partitions)
+
+    def submit(self, message: Message) -> None:
+        # A full backlog pauses the partitions rather than the polling, so that rebalances and
+        # group heartbeats go on while slow calls run; they resume at half (a resumed fetch
+        # costs the broker's fetch wait, so not at every settled record).
+        worker = self.worker
+        in_flight = worker._in_flight
+        if in_flight >= self.backlog:
+            self._full = True
+        elif in_flight <= self.backlog // 2:
+            self._full = False
+        if self._full:
+            raise MessageRejected
+        self._last_activity = time.monotonic()
+        worker._take(message, self.producer)
+        if worker.options.max_records is not None \
+                and worker.summary.records >= worker.options.max_records:
+            worker._finish.set()
+
+    def dead_lettered(self, message: Message) -> None:
+        """Never called: ``submit`` sends its own dead letters, as outcomes."""
+
+    def poll(self) -> None:
+        worker = self.worker
+        worker._emit_metrics()
+        if worker._stop.is_set() or worker._fatal is not None:
+            worker._finish.set()
+            return
+        idle = worker.options.idle_exit
+        if idle is None:
+            return
+        if not worker._partitions:
+            # Holding no partition yet: the group may still be rebalancing to give this
+            # worker its share (a member notices a rebalance at its next heartbeat).
+            idle = max(idle, UNASSIGNED_IDLE_S)
+        quiet_since = max(self._last_activity, worker._last_assigned)
+        if worker._in_flight == 0 and time.monotonic() - quiet_since >= idle:
+            log.info("no new generation for %.1f s: stopping", idle)
+            worker._finish.set()
+
+    def committable(self) -> dict[tuple[str, int], int]:
+        return self.worker._done_positions()
+
+    def committed(self, positions: Mapping[tuple[str, int], int]) -> None:
+        self.worker.summary.add(committed=len(positions))
+
+    def join(self, timeout: float | None) -> None:
+        self.worker._drain(self.producer)
+
+    def close(self) -> None:
+        self.worker._close(self.producer, self._loop, self._loop_thread)
 
 
 async def _make_semaphore(size: int) -> asyncio.Semaphore:

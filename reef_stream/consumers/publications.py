@@ -1,0 +1,337 @@
+"""Where promoted checkpoints go: the publication ledger and the publication store.
+
+``PublicationLedger`` is the fold of ``<ns>.publications`` (read with ``assign()`` from the
+beginning): per model, the incumbent (newest PROMOTED publication), the newest decided
+version, and the decision on each checkpoint id. The evaluator asks it before deciding;
+replicas' ``Follower`` and the fleet's ``reef fleet --rebuild`` read it to follow.
+
+``PublicationStore`` holds byte-for-byte copies of promoted checkpoints at
+``<url>/<model>/v<version>``, out of reach of the trainer's retention; the evaluator copies
+a candidate in before it publishes the copy's URI.
+
+Publications are keyed by model (``publication_key``); a REJECTED one is keyed
+``<model>#rejected`` so that it cannot compact away the model's last PROMOTED one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import fsspec
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
+
+from reef_stream.config import Settings
+from reef_stream.engine.checkpoints import MANIFEST, CheckpointError, verify, write_durably
+from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, RetryableError
+from reef_stream.topics import declarations
+from reef_stream.topics.connect import ask_broker, client_config
+from reef_stream.topics.events import Checkpoint, Decision, Publication
+from reef_stream.topics.serde import SchemaRegistry
+
+__all__ = ["READ_TIMEOUT_S", "REJECTED_KEY_SUFFIX", "PublicationLedger", "PublicationStore",
+           "default_publication_url", "publication_key"]
+
+log = logging.getLogger(__name__)
+
+#: Appended to the model in the key of a REJECTED publication (see the module docstring).
+REJECTED_KEY_SUFFIX = "#rejected"
+#: How long reading a topic up to its end may take before it is given up (RetryableError).
+READ_TIMEOUT_S = 60.0
+
+
+def default_publication_url(settings: Settings, namespace: str) -> str:
+    """``$REEF_HOME/published/<ns>``: where promoted checkpoints are copied unless told."""
+    return str(settings.home / "published" / namespace)
+
+
+
+def publication_key(publication: Publication) -> bytes:
+    """The Kafka key of a publication: the model, or ``<model>#rejected`` for a rejection."""
+    if publication.decision is Decision.PROMOTED:
+        return publication.model.encode()
+    return (publication.model + REJECTED_KEY_SUFFIX).encode()
+
+
+# --------------------------------------------------------------------------- the ledger
+
+
+class PublicationLedger:
+    """What ``<ns>.publications`` says so far, per model: the newest PROMOTED publication
+    (the incumbent, what replicas serve), the newest decided version, and the decision on
+    each checkpoint id still in the log.
+
+    Reads with ``assign()`` from the beginning and a throwaway group id; commits nothing.
+    ``open`` then ``catch_up`` (and ``poll`` to follow); ``close`` at the end. Not
+    thread-safe: one thread uses it.
+
+    A record that does not decode (``InvalidRecord``: not Avro, another schema, an unknown
+    fingerprint, no headers) is left out of the fold, counted in ``undecodable`` and handed
+    to ``on_undecodable(message, error)``, once per record this ledger reads, on the thread
+    that called ``catch_up`` or ``poll``; what it raises propagates from there. Without
+    ``on_undecodable`` it is logged as a warning naming its topic, partition and offset. The
+    evaluator, the topic's owner, dead-letters it (``EvaluatorWorker``); every other reader
+    counts it. Tombstones (a compaction delete, no value) are skipped silently.
+    """
+
+    def __init__(self, bootstrap: str, namespace: str, *,
+                 registry: SchemaRegistry | None = None,
+                 consumer_config: dict | None = None,
+                 on_undecodable: Callable[[Message, InvalidRecord], None] | None = None) -> None:
+        self.topic = declarations.publications(namespace)
+        self._registry = registry or SchemaRegistry.default()
+        self._consumer = Consumer(client_config(bootstrap, {
+            "group.id": f"reef-ledger-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "enable.partition.eof": True,
+            **(consumer_config or {}),
+        }))
+        self._positions: dict[int, int] = {}
+        self._promoted: dict[str, Publication] = {}
+        self._decided: dict[str, int] = {}
+        self._by_checkpoint: dict[str, Publication] = {}
+        self._on_undecodable = on_undecodable
+        #: Publications read from the log (not counting ``record``).
+        self.read = 0
+        #: Records read from the log that did not decode.
+        self.undecodable = 0
+
+    def open(self) -> PublicationLedger:
+        """Assign every partition of the topic from its beginning. Blocks for metadata (up to
+        30 s). Raises ``ConfigurationError`` when the topic does not exist."""
+        metadata = self._consumer.list_topics(self.topic, timeout=30)
+        topic = metadata.topics.get(self.topic)
+        if topic is None or topic.error is not None or not topic.partitions:
+            raise ConfigurationError(f"topic {self.topic} does not exist: run `reef topics create`")
+        partitions = sorted(topic.partitions)
+        for p in partitions:
+            low, _ = self._watermarks(p)
+            self._positions[p] = max(low, 0)
+        self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in partitions])
+        return self
+
+    def catch_up(self, timeout: float = READ_TIMEOUT_S) -> list[Publication]:
+        """Read every publication up to the end of the log as of this call; returns them in
+        log order (already folded in). Blocks until then; raises ``RetryableError`` if the
+        end is not reached within ``timeout`` seconds. Idempotent."""
+        ends = {p: self._watermarks(p)[1] for p in self._positions}
+        read: list[Publication] = []
+        deadline = time.monotonic() + timeout
+        while any(self._positions[p] < end for p, end in ends.items()):
+            if time.monotonic() > deadline:
+                behind = {p: (self._positions[p], end) for p, end in ends.items()
+                          if self._positions[p] < end}
+                raise RetryableError(f"could not read {self.topic} to its end within "
+                                     f"{timeout:.0f} s (at/end per partition: {behind}); check "
+                                     "that the cluster is reachable, then start again")
+            read += self._take(self._consumer.consume(500, timeout=0.2))
+        return read
+
+    def poll(self, timeout: float) -> list[Publication]:
+        """The publications that arrived since the last call, folded in; waits up to
+        ``timeout`` seconds for the first one. Blocks; returns [] when none came."""
+        return self._take(self._consumer.consume(500, timeout=timeout))
+
+    def record(self, publication: Publication) -> None:
+        """Fold in a publication this process just produced, before it is read back. Idempotent."""
+        self._fold(publication)
+
+    def incumbent(self, model: str) -> Publication | None:
+        """The newest PROMOTED publication of ``model``, or None."""
+        return self._promoted.get(model)
+
+    def decided_version(self, model: str) -> int | None:
+        """The newest policy version of ``model`` with a decision (promoted or rejected)."""
+        return self._decided.get(model)
+
+    def decision(self, checkpoint_id: str) -> Publication | None:
+        """The decision on ``checkpoint_id``, if it is still in the log (compaction keeps the
+        latest per key; ``decided_version`` covers what it removed)."""
+        return self._by_checkpoint.get(checkpoint_id)
+
+    def models(self) -> list[str]:
+        """Every model with at least one decision, sorted."""
+        return sorted(self._decided)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+    def __enter__(self) -> PublicationLedger:
+        return self.open()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _watermarks(self, partition: int) -> tuple[int, int]:
+        return ask_broker(f"reading the offsets of {self.topic}[{partition}]",
+                          lambda: self._consumer.get_watermark_offsets(
+                              TopicPartition(self.topic, partition), timeout=10))
+
+    def _take(self, messages: list[Message]) -> list[Publication]:
+        taken = []
+        for message in messages:
+            error = message.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    self._positions[message.partition()] = message.offset()
+                elif error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+                    raise ConfigurationError(f"topic {self.topic} does not exist: run "
+                                             "`reef topics create`")
+                else:
+                    log.warning("reading %s: %s", self.topic, error.str())
+                continue
+            self._positions[message.partition()] = message.offset() + 1
+            if message.value() is None:
+                continue
+            try:
+                publication = self._registry.decode(
+                    message.value(), message.headers(), Publication, topic=message.topic(),
+                    partition=message.partition(), offset=message.offset())
+            except InvalidRecord as error:
+                self.undecodable += 1
+                if self._on_undecodable is None:
+                    log.warning("skipping a publication that does not decode: %s", error)
+                else:
+                    self._on_undecodable(message, error)
+                continue
+            self.read += 1
+            self._fold(publication)
+            taken.append(publication)
+        return taken
+
+    def _fold(self, publication: Publication) -> None:
+        model, version = publication.model, publication.policy_version
+        if publication.decision is Decision.PROMOTED:
+            current = self._promoted.get(model)
+            if current is None or version >= current.policy_version:
+                self._promoted[model] = publication
+        if version > self._decided.get(model, -1):
+            self._decided[model] = version
+        self._by_checkpoint[publication.checkpoint_id] = publication
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class PublicationStore:
+    """Copies of promoted checkpoints, at ``<url>/<model>/v<version>``, out of reach of the
+    trainer's retention. ``url`` is a local path or any fsspec URL.
+
+    A copy holds every file of the checkpoint, byte for byte (manifest included), so it has
+    the checkpoint's sha256 and ``checkpoints.load_weights(copy_uri, sha256)`` verifies it.
+    """
+
+    def __init__(self, url: str | os.PathLike[str]) -> None:
+        url = os.fspath(url)
+        self.fs, root = fsspec.core.url_to_fs(url)
+        self.root = root.rstrip("/")
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        self._protocol = protocol
+        self.local = protocol in ("file", "local")
+        self.url = url
+
+    def uri_of(self, model: str, version: int) -> str:
+        """Where version ``version`` of ``model`` is (or would be) kept."""
+        return self._uri(self._path(model, version))
+
+    def publish(self, candidate: Checkpoint) -> str:
+        """Copy the candidate's checkpoint into the store and verify the copy against
+        ``candidate.sha256``; returns the copy's URI.
+
+        Blocks for the copy (the whole checkpoint is read into memory once). Idempotent: a
+        copy already there that verifies is kept; one that does not is replaced. Raises
+        ``CheckpointError`` when the source does not verify, ``FatalError`` when the store
+        cannot be written.
+        """
+        final = self._path(candidate.model, candidate.policy_version)
+        uri = self._uri(final)
+        try:
+            if self.fs.exists(f"{final}/{MANIFEST}"):
+                verify(uri, candidate.sha256)
+                return uri
+        except CheckpointError:
+            log.warning("replacing %s: it does not match checkpoint %s", uri,
+                        candidate.checkpoint_id)
+        files = verify(candidate.uri, candidate.sha256)
+        src_fs, src_path = fsspec.core.url_to_fs(candidate.uri)
+        try:
+            manifest = src_fs.cat_file(f"{src_path}/{MANIFEST}")
+        except OSError as error:
+            raise CheckpointError(f"checkpoint {candidate.uri}: {MANIFEST} cannot be read: "
+                                  f"{error}") from error
+        if hashlib.sha256(manifest).hexdigest() != candidate.sha256:
+            raise CheckpointError(f"checkpoint {candidate.uri} changed while it was copied")
+        staging = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            target = staging if self.local else final
+            if self.fs.exists(final):
+                self.fs.rm(final, recursive=True)
+            self.fs.makedirs(target, exist_ok=True)
+            for name, data in files.items():
+                self._write(f"{target}/{name}", data)
+            self._write(f"{target}/{MANIFEST}", manifest)  # last: the copy exists from here on
+            if self.local:
+                os.rename(staging, final)
+                _fsync_dir(os.path.dirname(final))
+        except OSError as error:
+            raise FatalError(f"could not copy checkpoint {candidate.checkpoint_id} to the "
+                             f"publication store {self.url}: {error}; nothing was published, "
+                             "fix the store and start the evaluator again") from error
+        verify(uri, candidate.sha256)
+        return uri
+
+    def versions(self, model: str) -> list[int]:
+        """The versions of ``model`` with a complete copy, oldest first."""
+        directory = f"{self.root}/{_model_dir(model)}"
+        if not self.fs.exists(directory):
+            return []
+        found = []
+        for path in self.fs.ls(directory, detail=False):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith("v") and name[1:].isdigit() and self.fs.exists(f"{path}/{MANIFEST}"):
+                found.append(int(name[1:]))
+        return sorted(found)
+
+    def prune(self, model: str, keep: int) -> list[int]:
+        """Delete all but the newest ``keep`` copies of ``model`` (0 keeps all) and leftover
+        staging directories; returns the versions deleted. Idempotent."""
+        if keep <= 0:
+            return []
+        doomed = self.versions(model)[:-keep]
+        for version in doomed:
+            self.fs.rm(self._path(model, version), recursive=True)
+        directory = f"{self.root}/{_model_dir(model)}"
+        if self.fs.exists(directory):
+            for path in self.fs.ls(directory, detail=False):
+                if ".tmp-" in path.rstrip("/").rsplit("/", 1)[-1]:
+                    self.fs.rm(path, recursive=True)
+        return doomed
+
+    def _path(self, model: str, version: int) -> str:
+        return f"{self.root}/{_model_dir(model)}/v{version}"
+
+    def _uri(self, path: str) -> str:
+        return path if self.local else f"{self._protocol}://{path}"
+
+    def _write(self, path: str, data: bytes) -> None:
+        write_durably(self.fs, path, data, local=self.local)
+
+
+def _model_dir(model: str) -> str:
+    """A model name as one path segment (``/`` and other specials percent-encoded)."""
+    return urllib.parse.quote(model, safe="")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,386 @@
+"""The one stage loop: a consumer group member driving a stage's strategy.
+
+    loop = StageLoop(strategy, stage="evaluator", bootstrap=..., group=..., topics=[topic],
+                     namespace=ns, reads="checkpoint event", producer=producer)
+    loop.run()          # blocks until loop.stop() (from any thread or a signal handler)
+
+In the spirit of Sentry arroyo's ``StreamProcessor`` driving its processing strategies,
+the loop owns everything a stage would otherwise write again:
+
+- the ``Consumer`` (``client_config``; no auto-commit, no auto offset store, earliest);
+- ``subscribe`` with assignment and revocation (logged, handed to the strategy; an
+  exception inside a rebalance callback is kept and raised from ``run``, since
+  confluent-kafka turns one raised there into a ``SystemError``);
+- ``poll``, and consumer errors (a missing topic is a ``ConfigurationError``, a fatal
+  error a ``FatalError``, anything else is logged);
+- backpressure: a strategy that cannot take a message now raises ``MessageRejected``;
+  the loop pauses its assignment, keeps the message, keeps polling (the group membership
+  stays alive) and offers it again after the strategy's next ``poll``; it resumes once the
+  message is taken;
+- the dead letter of a record the strategy cannot process (``submit`` raised
+  ``InvalidRecord``): built by ``topics.dead_letters.dead_letter`` (the record kept whole,
+  keyed by its own key, reason ``undecodable <reads>: <error>``) and acknowledged by the
+  broker before the loop goes on (``FatalError`` otherwise: nothing past it is committed);
+- consumer lag (``MetricsWriter.write_lag``) after each commit and every ``LAG_EVERY_S``;
+- ``stop()``: graceful; the strategy finishes what it holds (``join``), what is
+  committable is committed, then the strategy and the consumer are closed;
+- commit last: the strategy says what is committable (``committable()``: positions
+  past records whose outcome is durable, by the stage's own rule); the loop commits them
+  synchronously and tells the strategy (``committed``). The loop never commits a position
+  the strategy did not hand it.
+
+Threads: ``run`` and every strategy method run on one thread (the caller of ``run``);
+``stop`` may be called from any thread or a signal handler.
+
+The transactional processor uses parts of this module, not the loop: see
+``reef_stream.consumers.processor`` for why.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+
+from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
+from reef_stream.topics import declarations
+from reef_stream.topics.connect import client_config
+from reef_stream.topics.dead_letters import dead_letter
+from reef_stream.topics.serde import SchemaRegistry
+
+log = logging.getLogger(__name__)
+
+#: How long ``deliver`` waits for the broker's acknowledgement of one record.
+DELIVERY_TIMEOUT_S = 60.0
+#: Seconds between two writes of the consumer lag while nothing is committed.
+LAG_EVERY_S = 1.0
+#: How long ``stop`` lets the strategy finish what it holds (``join``).
+JOIN_TIMEOUT_S = 30.0
+
+#: A position: (topic, partition) -> the next offset to read.
+Positions = Mapping[tuple[str, int], int]
+
+
+class MessageRejected(Exception):
+    """Raised by ``Strategy.submit``: not now (the strategy is full). The loop pauses the
+    assignment and offers the same message again after the strategy's next ``poll``."""
+
+
+class Strategy(Protocol):
+    """What a stage gives the loop. Every method runs on the loop's thread, in this order:
+    ``on_assign``; then, repeatedly, ``poll`` and ``submit`` (or ``dead_lettered``) and
+    ``committable`` / ``committed``; ``on_revoke`` at a rebalance; ``join`` and ``close``
+    at the end."""
+
+    def on_assign(self, partitions: list[TopicPartition]) -> None:
+        """Partitions assigned (eager protocol: the whole new assignment). Blocks the
+        rebalance while it runs: restore what the partitions need here."""
+
+    def on_revoke(self, partitions: list[TopicPartition]) -> None:
+        """Partitions revoked or lost, after the loop committed what was ``committable`` for
+        them: forget them; drop what is held for them (a dropped record is read again by
+        its next owner)."""
+
+    def submit(self, message: Message) -> None:
+        """Take one record (never an error event). May block for work done synchronously.
+        Raises ``MessageRejected`` for backpressure (nothing taken), or ``InvalidRecord``
+        when the record cannot be processed (the loop dead-letters it, then calls
+        ``dead_lettered``)."""
+
+    def dead_lettered(self, message: Message) -> None:
+        """``message``'s dead letter is acknowledged: its outcome is durable, so its
+        position may become committable."""
+
+    def poll(self) -> None:
+        """Called every loop iteration (about every 0.2 s when idle): do periodic work,
+        collect finished work. Should not block long; may call the stage's ``stop``."""
+
+    def committable(self) -> Positions:
+        """The positions whose records' outcomes are durable by the stage's own rule (all
+        records before each position). Idempotent; the loop commits each new one."""
+
+    def committed(self, positions: Positions) -> None:
+        """After the loop committed ``positions`` (a synchronous commit that succeeded, or an
+        asynchronous one sent). Post-commit side effects here. A failed commit is logged and
+        not reported: the positions are committed again at the next commit."""
+
+    def join(self, timeout: float | None) -> None:
+        """At a graceful stop: finish the work held, for up to ``timeout`` seconds."""
+
+    def close(self) -> None:
+        """Release what the strategy holds. Called once, also after a failure."""
+
+
+def deliver(producer: Producer, topic: str, key: bytes | None, value: bytes | None,
+            headers: Any, what: str, timeout: float = DELIVERY_TIMEOUT_S) -> None:
+    """Produce one record and block until the broker acknowledged it. Raises
+    ``ConfigurationError`` for a missing topic and ``FatalError`` for anything else that
+    stops it being acknowledged: nothing after it may be committed."""
+    outcome: list[KafkaError | None] = []
+    try:
+        producer.produce(topic, key=key, value=value, headers=headers,
+                         on_delivery=lambda error, _: outcome.append(error))
+    except Exception as error:  # noqa: BLE001 - BufferError, a record too large, ...
+        raise FatalError(f"{what} could not be sent: {error}; its offset stays "
+                         "uncommitted") from error
+    deadline = time.monotonic() + timeout
+    while not outcome:
+        producer.poll(0.1)
+        if time.monotonic() > deadline:
+            raise FatalError(f"{what} was not acknowledged within {timeout:.0f} s; "
+                             "its offset stays uncommitted")
+    if outcome[0] is not None:
+        error = outcome[0]
+        if error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+            raise ConfigurationError(f"topic {topic} does not exist: run `reef topics create`")
+        raise FatalError(f"{what} was refused by the broker: {error.str()}; its offset stays "
+                         "uncommitted")
+
+
+class StageLoop:
+    """One consumer group member running ``strategy`` until ``stop``; see the module
+    docstring.
+
+    ``stage``: the stage name its dead letters carry. ``reads``: what a record is, in a
+    dead letter's reason (``undecodable <reads>: ...``). ``producer``: sends those dead
+    letters (the stage's own; the loop only polls and flushes it); None for a strategy
+    that never raises ``InvalidRecord`` (one that sends its own dead letters as outcomes).
+    ``consumer_config`` overrides the loop's consumer settings. ``metrics``: where the lag
+    goes (None: nowhere). ``stop_event``: the event that stops the loop [default: its own],
+    so a stage's own ``stop`` works before ``run`` too. ``join_timeout``: how long a stop
+    waits for the strategy's ``join``. ``commit_every_s``: commits while running at most
+    this often (0: whenever something became committable), asynchronously with
+    ``asynchronous_commits``; at a revocation and at the end every committable position is
+    committed again, synchronously (so a failed asynchronous commit is repaired).
+    ``logger``: the stage's own (assignments and dead letters are logged there).
+    Not reusable after ``run`` returns.
+    """
+
+    def __init__(self, strategy: Strategy, *, stage: str, bootstrap: str, group: str,
+                 topics: Sequence[str], namespace: str, reads: str, producer: Producer | None,
+                 registry: SchemaRegistry | None = None,
+                 consumer_config: Mapping[str, Any] | None = None,
+                 metrics: Any = None, poll_timeout: float = 0.2,
+                 stop_event: threading.Event | None = None,
+                 join_timeout: float = JOIN_TIMEOUT_S, commit_every_s: float = 0.0,
+                 asynchronous_commits: bool = False,
+                 logger: logging.Logger | None = None) -> None:
+        self.strategy, self.stage, self.group, self.reads = strategy, stage, group, reads
+        self.topics = list(topics)
+        self.bootstrap, self.producer, self.metrics = bootstrap, producer, metrics
+        self.dead_letters = declarations.dead_letters(namespace)
+        self.registry = registry or SchemaRegistry.default()
+        self.consumer_config = dict(consumer_config or {})
+        self.poll_timeout, self.join_timeout = poll_timeout, join_timeout
+        self.commit_every_s, self.asynchronous_commits = commit_every_s, asynchronous_commits
+        self.log = logger or log
+        self.consumer: Consumer | None = None
+        self._stop = stop_event or threading.Event()
+        self._commit_at = 0.0
+        self._callback_error: BaseException | None = None
+        self._pending: Message | None = None  # rejected by submit: offered again
+        self._paused: list[TopicPartition] = []
+        self._committed: dict[tuple[str, int], int] = {}
+        self._lag_at = 0.0
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def stop(self) -> None:
+        """Ask ``run`` to finish gracefully. Idempotent, non-blocking; safe from any thread
+        and from a signal handler."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> None:
+        """Create the consumer, check the topics exist (``ConfigurationError``), subscribe,
+        and drive the strategy until ``stop``; then join, commit, close. Blocks. Errors of
+        the strategy propagate (after ``close``), with nothing more committed."""
+        consumer = None
+        try:
+            self.consumer = consumer = Consumer(client_config(self.bootstrap, {
+                "group.id": self.group,
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "auto.offset.reset": "earliest",
+                **self.consumer_config,
+            }))
+            self._check_topics()
+            consumer.subscribe(self.topics, on_assign=self._on_assign,
+                               on_revoke=self._on_revoke, on_lost=self._on_revoke)
+            while not self._stop.is_set():
+                self._run_once()
+            self._raise_callback_error()
+            self.strategy.join(self.join_timeout)
+            self._commit(final=True)
+        finally:
+            # The consumer first: leaving the group revokes, and on_revoke still needs the
+            # strategy (it commits what is committable); each step even if another fails.
+            for what, close in (("consumer", consumer.close if consumer else lambda: None),
+                                ("strategy", self.strategy.close), ("producer", self._flush)):
+                try:
+                    close()
+                except Exception as error:  # noqa: BLE001 - shutting down anyway
+                    self.log.warning("%s: closing the %s: %s", self.stage, what, error)
+
+    def _flush(self) -> None:
+        if self.producer is not None:
+            self.producer.flush(10)
+
+    # ----------------------------------------------------------------- one iteration
+
+    def _run_once(self) -> None:
+        self._raise_callback_error()
+        self.strategy.poll()
+        if self.producer is not None:
+            self.producer.poll(0)
+        message = self._pending
+        if message is None or self._paused:
+            # paused: poll on (heartbeats, rebalances), offering the message again soon
+            polled = self.consumer.poll(self.poll_timeout / 2 if self._paused
+                                        else self.poll_timeout)
+            self._raise_callback_error()
+            if polled is not None and self._record(polled):
+                if message is None:
+                    message = polled
+                else:  # fetched before the pause took effect: read it again after resume
+                    self.consumer.seek(TopicPartition(polled.topic(), polled.partition(),
+                                                      polled.offset()))
+        if message is not None and not self._stop.is_set():
+            self._submit(message)
+        self._commit()
+
+    def _record(self, message: Message) -> bool:
+        """True for a record; an error event is handled here (raised, or logged)."""
+        error = message.error()
+        if error is None:
+            return True
+        if error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+            raise ConfigurationError(f"topic {message.topic() or self.topics} does not exist: "
+                                     "run `reef topics create`")
+        if error.fatal():
+            raise FatalError(f"the Kafka consumer failed: {error.str()}")
+        if error.code() != KafkaError._PARTITION_EOF:
+            self.log.warning("%s: Kafka consumer: %s", self.stage, error.str())
+        return False
+
+    def _submit(self, message: Message) -> None:
+        try:
+            self.strategy.submit(message)
+        except MessageRejected:
+            self._pending = message
+            if not self._paused:
+                self._paused = list(self.consumer.assignment())
+                self.consumer.pause(self._paused)
+            return
+        except InvalidRecord as error:
+            self._dead_letter(message, error)
+            self.strategy.dead_lettered(message)
+        self._pending = None
+        if self._paused:
+            self.consumer.resume(self._paused)
+            self._paused = []
+
+    def _dead_letter(self, message: Message, error: InvalidRecord) -> None:
+        if self.producer is None:
+            raise FatalError(f"{self.stage} cannot dead-letter {message.topic()}"
+                             f"[{message.partition()}]@{message.offset()} ({error}): its stage "
+                             "loop has no producer") from error
+        letter = dead_letter(f"undecodable {self.reads}: {error}", type(error).__name__,
+                             stage=self.stage, message=message)
+        value, headers = self.registry.encode(letter)
+        deliver(self.producer, self.dead_letters, message.key(), value, headers,
+                f"the dead letter for {message.topic()}[{message.partition()}]@"
+                f"{message.offset()}")
+        self.log.warning("dead-lettered %s[%d]@%d: %s", message.topic(), message.partition(),
+                    message.offset(), letter.reason)
+
+    # ----------------------------------------------------------------- commit last
+
+    def _commit(self, only: set[tuple[str, int]] | None = None, *, final: bool = False) -> None:
+        """Commit what the strategy says is committable (``only``: of those partitions); then
+        tell the strategy, write the lag. While running: positions not sent yet, at most
+        every ``commit_every_s``, asynchronously with ``asynchronous_commits``; ``final``
+        (a revocation, the end): every committable position, synchronously."""
+        now = time.monotonic()
+        due = final or now - self._commit_at >= self.commit_every_s
+        fresh = {where: offset for where, offset in self.strategy.committable().items()
+                 if (final or self._committed.get(where) != offset)
+                 and (only is None or where in only)} if due else {}
+        if fresh:
+            self._commit_at = now
+            asynchronous = self.asynchronous_commits and not final
+            try:
+                self.consumer.commit(offsets=[TopicPartition(t, p, o)
+                                              for (t, p), o in sorted(fresh.items())],
+                                     asynchronous=asynchronous)
+            except KafkaException as error:
+                self.log.warning("%s: committing %s failed (committed again later, or read again "
+                            "after a restart): %s", self.stage, fresh, error)
+                for where in fresh:
+                    self._committed.pop(where, None)
+            else:
+                self._committed.update(fresh)
+                self.strategy.committed(fresh)
+        if self.metrics is not None and (fresh or time.monotonic() - self._lag_at >= LAG_EVERY_S):
+            self._lag_at = time.monotonic()
+            self.metrics.write_lag(self.consumer)
+
+    # ----------------------------------------------------------------- the group
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.log.info("%s: assigned %s of %s", self.stage, _numbers(partitions), _names(partitions))
+        self._paused = []  # a new assignment starts unpaused; a full strategy pauses it again
+        self._in_callback(lambda: self.strategy.on_assign(partitions))
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.log.info("%s: revoked %s of %s", self.stage, _numbers(partitions), _names(partitions))
+        gone = {(tp.topic, tp.partition) for tp in partitions}
+
+        def revoke() -> None:
+            self._commit(only=gone, final=True)
+            self.strategy.on_revoke(partitions)
+
+        self._in_callback(revoke)
+        for where in gone:
+            self._committed.pop(where, None)
+        if self._pending is not None \
+                and (self._pending.topic(), self._pending.partition()) in gone:
+            self._pending = None  # its next owner reads it
+        self._paused = [tp for tp in self._paused if (tp.topic, tp.partition) not in gone]
+
+    def _in_callback(self, call: Any) -> None:
+        """Run a rebalance step; keep its exception for ``run`` (see the module docstring)."""
+        if self._callback_error is not None:
+            return
+        try:
+            call()
+        except BaseException as error:  # noqa: BLE001 - re-raised by run()
+            self._callback_error = error
+            self._stop.set()
+
+    def _raise_callback_error(self) -> None:
+        if self._callback_error is not None:
+            error, self._callback_error = self._callback_error, None
+            raise error
+
+    def _check_topics(self) -> None:
+        for topic in self.topics:
+            found = self.consumer.list_topics(topic, timeout=10).topics.get(topic)
+            if found is None or found.error is not None:
+                raise ConfigurationError(f"topic {topic} does not exist: run `reef topics create`")
+
+
+def _numbers(partitions: list[TopicPartition]) -> list[int]:
+    """The partition numbers, sorted (a log line reads ``assigned [0, 1, 2] of <topic>``)."""
+    return sorted({tp.partition for tp in partitions})
+
+
+def _names(partitions: list[TopicPartition]) -> str:
+    return ", ".join(sorted({tp.topic for tp in partitions})) or "nothing"
