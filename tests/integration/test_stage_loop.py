@@ -1,0 +1,169 @@
+"""The one stage loop against the real broker: it commits only what its strategy says is
+durable, pauses and resumes for backpressure without losing or repeating a record,
+dead-letters what the strategy cannot process (the record kept whole), stops gracefully
+(join, then the final commit, then close), and a failure in a rebalance callback or a missing
+topic is raised from ``run``."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from reef_stream.consumers.stage import MessageRejected, StageLoop
+from reef_stream.errors import ConfigurationError, InvalidRecord
+from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import client_config
+from reef_stream.topics.declarations import Topic, dead_letters, declare_topics
+from reef_stream.topics.events import DeadLetter, MessageHeader
+from tests.helpers import consume_events
+
+RECORDS = 20
+BAD = {5, 13}  # offsets of records the strategy cannot process
+HOLD = 3  # records the strategy holds at most before it refuses more
+
+
+def _topic(bootstrap: str, namespace: str) -> str:
+    name = f"{namespace}.stage-test"
+    ensure_topics(AdminClient(client_config(bootstrap)),
+                  [*declare_topics(namespace), Topic(name, 1, doc="stage loop test")])
+    return name
+
+
+def _produce(bootstrap: str, topic: str) -> None:
+    producer = Producer(client_config(bootstrap))
+    for n in range(RECORDS):
+        producer.produce(topic, key=f"k{n}".encode(),
+                         value=b"bad" if n in BAD else f"ok-{n}".encode(),
+                         headers=[("n", str(n).encode())])
+    assert producer.flush(30) == 0
+
+
+def _committed(bootstrap: str, group: str, topic: str) -> int:
+    consumer = Consumer(client_config(bootstrap, {"group.id": group}))
+    try:
+        (position,) = consumer.committed([TopicPartition(topic, 0)], timeout=30)
+        return position.offset
+    finally:
+        consumer.close()
+
+
+class Holding:
+    """A strategy that holds up to ``HOLD`` records and makes one durable every fourth ``poll``;
+    it refuses more while full (backpressure) and raises ``InvalidRecord`` for a bad one."""
+
+    def __init__(self, topic: str) -> None:
+        self.topic = topic
+        self.loop: StageLoop | None = None
+        self.held: list[int] = []  # offsets submitted, not durable yet
+        self.durable = 0  # records before this offset are durable
+        self.submitted: list[int] = []
+        self.rejected = 0
+        self.commits: list[int] = []
+        self.calls: list[str] = []
+        self.polls = 0
+
+    def on_assign(self, partitions):
+        self.calls.append("assign")
+
+    def on_revoke(self, partitions):
+        self.calls.append("revoke")
+
+    def submit(self, message):
+        if len(self.held) >= HOLD:
+            self.rejected += 1
+            raise MessageRejected
+        if message.value() == b"bad":
+            raise InvalidRecord(f"bad record at {message.offset()}")
+        self.submitted.append(message.offset())
+        self.held.append(message.offset())
+
+    def dead_lettered(self, message):
+        self.held.append(message.offset())  # durable: its letter is acknowledged
+
+    def poll(self):
+        self.polls += 1
+        if self.held and self.polls % 4 == 0:  # slower than records arrive: it fills up
+            self.held.sort()
+            offset = self.held.pop(0)
+            assert offset == self.durable, "records become durable in offset order here"
+            self.durable = offset + 1
+        if self.durable == RECORDS:
+            self.loop.stop()
+
+    def committable(self):
+        return {(self.topic, 0): self.durable} if self.durable else {}
+
+    def committed(self, positions):
+        (offset,) = positions.values()
+        assert offset <= self.durable, "the loop committed past what is durable"
+        self.commits.append(offset)
+
+    def join(self, timeout):
+        self.calls.append("join")
+
+    def close(self):
+        self.calls.append("close")
+
+
+def test_commit_last_backpressure_and_dead_letters(kafka_bootstrap, namespace):
+    topic = _topic(kafka_bootstrap, namespace)
+    _produce(kafka_bootstrap, topic)
+    group = f"{namespace}.stage-test"
+    strategy = Holding(topic)
+    producer = Producer(client_config(kafka_bootstrap, {"acks": "all", "enable.idempotence": True}))
+    loop = strategy.loop = StageLoop(strategy, stage="test", bootstrap=kafka_bootstrap,
+                                     group=group, topics=[topic], namespace=namespace,
+                                     reads="test record", producer=producer)
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    runner.join(120)
+    assert not runner.is_alive(), "the loop did not stop"
+
+    # every good record submitted exactly once, in order, although the loop paused and
+    # offered refused records again; the bad ones went to dead letters instead
+    assert strategy.submitted == [n for n in range(RECORDS) if n not in BAD]
+    assert strategy.rejected > 0, "the strategy never pushed back: backpressure untested"
+    # commits only of durable positions, never backwards, the last one past everything
+    assert strategy.commits == sorted(strategy.commits) and strategy.commits[-1] == RECORDS
+    assert _committed(kafka_bootstrap, group, topic) == RECORDS
+    assert strategy.calls[0] == "assign" and strategy.calls[-2:] == ["revoke", "close"]
+    assert "join" in strategy.calls
+
+    letters = consume_events(kafka_bootstrap, dead_letters(namespace), len(BAD), DeadLetter)
+    assert sorted(letter.source_offset for letter in letters) == sorted(BAD)
+    for letter in letters:
+        n = letter.source_offset
+        assert letter == DeadLetter(
+            reason=f"undecodable test record: bad record at {n}", error_type="InvalidRecord",
+            source_topic=topic, source_partition=0, source_offset=n, key=f"k{n}".encode(),
+            value=b"bad", headers=(MessageHeader(key="n", value=str(n).encode()),),
+            stage="test", created_at=letter.created_at)
+
+
+def test_a_failing_assignment_is_raised_from_run(kafka_bootstrap, namespace):
+    topic = _topic(kafka_bootstrap, namespace)
+
+    class Refuses(Holding):
+        def on_assign(self, partitions):
+            raise ValueError("cannot restore")
+
+    strategy = Refuses(topic)
+    loop = strategy.loop = StageLoop(strategy, stage="test", bootstrap=kafka_bootstrap,
+                                     group=f"{namespace}.refuses", topics=[topic],
+                                     namespace=namespace, reads="test record", producer=None)
+    with pytest.raises(ValueError, match="cannot restore"):
+        loop.run()
+    assert strategy.calls[-1] == "close" and "join" not in strategy.calls
+
+
+def test_a_missing_topic_is_a_configuration_error(kafka_bootstrap, namespace):
+    strategy = Holding(f"{namespace}.nowhere")
+    loop = strategy.loop = StageLoop(strategy, stage="test", bootstrap=kafka_bootstrap,
+                                     group=f"{namespace}.nowhere", topics=[strategy.topic],
+                                     namespace=namespace, reads="test record", producer=None)
+    with pytest.raises(ConfigurationError, match="does not exist"):
+        loop.run()
+    assert strategy.calls == ["close"]
