@@ -364,7 +364,8 @@ def apply_overrides(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
     order), which runs that config's own validation again; a field given twice
     takes its last value. ``VALUE`` is read as the field's declared type: an
     integer, a float, ``true``/``false``, a string, an enum member's name or
-    value, ``none`` where the field may be None. Pure. Raises one
+    value, ``none`` where the field may be None, comma-separated items for a
+    ``tuple[X, ...]`` (``processor.feedback.sources=exact_match,judge``). Pure. Raises one
     ``ConfigurationError`` listing every bad item: a malformed one, an unknown
     field (with the valid ones), a value of the wrong type, or values the
     config rejects.
@@ -476,6 +477,11 @@ def _parsed(text: str, hint: Any, where: str) -> Any:
             raise ConfigurationError(f"{where} takes a number, got {text!r}") from None
     if hint is str:
         return text
+    if typing.get_origin(hint) is tuple:
+        items = typing.get_args(hint)
+        if len(items) == 2 and items[1] is Ellipsis:
+            parts = [part.strip() for part in text.split(",")] if text.strip() else []
+            return tuple(_parsed(part, items[0], f"{where}[{i}]") for i, part in enumerate(parts))
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         for member in hint:
             if text in (member.name, str(member.value)):

@@ -316,6 +316,17 @@ def test_a_bad_set_is_one_configuration_error_listing_every_problem():
         "multiple of schedule.optimizer_batch_size (8)"]
 
 
+def test_set_reads_a_tuple_as_comma_separated_items_and_the_checks_still_run():
+    both = apply_overrides(second_task.sao, ["processor.feedback.sources=successor,judge",
+                                             "external_sources=judge"])
+    assert both.processor.feedback.sources == ("successor", "judge")
+    assert check_recipe(both, complete=True) is both
+    with pytest.raises(ConfigurationError, match="'judge', which nothing in the recipe produces"):
+        check_recipe(apply_overrides(second_task.sao,
+                                     ["processor.feedback.sources=successor,judge"]),
+                     complete=True)
+
+
 def test_set_applies_a_configs_fields_together_whatever_their_order():
     bigger = apply_overrides(second_task.sao, ["schedule.units_per_step=32",
                                                "schedule.micro_batch_size=16",
