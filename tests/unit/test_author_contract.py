@@ -119,6 +119,14 @@ def test_a_recipe_that_trains_needs_a_model():
         check_recipe(modelless, trains=True)
 
 
+def test_reef_train_refuses_a_recipe_without_a_model_before_it_connects(monkeypatch):
+    monkeypatch.delenv("REEF_BOOTSTRAP_SERVERS", raising=False)
+    result = reef("train", "--recipe", "tests.recipes.good", "--group", "g")
+    assert result.exit_code == 2, result.output
+    assert "the backend 'torch-test' has no model, and a recipe that trains needs one" in \
+        " ".join(result.stderr.split())
+
+
 def test_the_trainer_refuses_a_result_for_another_loss_family_than_the_bound_one():
     recipe = second_task.sao
     backend = TorchBackend(recipe)
