@@ -237,11 +237,23 @@ def register_loss_family(family: LossFamily[Any]) -> LossFamily[Any]:
     with _registry_lock:
         known = _registry.get(family.name)
         if known is not None and known is not family:
+            if _defined_in(known) == _defined_in(family):
+                raise ConfigurationError(
+                    f"loss family {family.name!r} is registered twice from {_defined_in(family)}: "
+                    f"its module was imported under two names (e.g. methods.sao and "
+                    f"reef_stream.methods.sao); import a method under one name in a process")
             raise ConfigurationError(
                 f"a different loss family is already registered as {family.name!r}; "
                 "choose another name")
         _registry[family.name] = family
     return family
+
+
+def _defined_in(family: LossFamily[Any]) -> str:
+    """Where a family's reference loss is written (file:line): the same for one module imported
+    under two names, different for two families that merely share a name."""
+    code = getattr(family.reference, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else repr(family)
 
 
 def loss_family(name: str) -> LossFamily[Any]:

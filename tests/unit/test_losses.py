@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,10 +121,22 @@ def test_a_method_registers_its_own_family_once():
     assert register_loss_family(CUSTOM) is CUSTOM  # idempotent
     assert loss_family("test_absolute_error") is CUSTOM and is_registered(CUSTOM)
     impostor = LossFamily(name="test_absolute_error", inputs=ValueRegressionInputs,
-                          protocol=object, reference=_absolute_error, description="")
+                          protocol=object, reference=lambda inputs: inputs.predictions.sum(),
+                          description="")
     with pytest.raises(ConfigurationError, match="already registered"):
         register_loss_family(impostor)
     assert not is_registered(impostor)
+
+
+def test_a_method_imported_under_two_names_is_told_so():
+    """The checkout's methods.sao and the wheel's reef_stream.methods.sao are the same files:
+    importing both in one process registers SAO's family twice, and the error says why."""
+    script = ("import methods.sao, reef_stream.methods.sao as again\n"
+              "again.recipe")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode != 0
+    assert "imported under two names" in result.stderr, result.stderr[-2000:]
 
 
 def test_registry_errors_say_what_to_do():
