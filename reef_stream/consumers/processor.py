@@ -150,6 +150,7 @@ from reef_stream.topics.serde import SchemaRegistry
 from reef_stream.consumers.changelog import changelog, changelog_topic, read_changelog
 from reef_stream.consumers.fencing import TransactionalIdentity, watch_commits
 from reef_stream.consumers.pairs import PartitionPair
+from reef_stream.consumers.stage import group_consumer
 
 log = logging.getLogger("reef_stream.engine.join")
 
@@ -174,11 +175,12 @@ class _ConsumerFenced(FatalError):
 
 
 class ProcessorRuntime:
-    """Runs one recipe's processor until ``stop()``; see the module docstring.
+    """Runs one recipe's processor until ``stop()``; see the module docstring. ``run`` blocks;
+    ``stop`` may be called from any thread or a signal handler. Not reusable after ``run``.
 
-    ``run`` blocks; ``stop`` may be called from any thread or a signal
-    handler. Not reusable after ``run`` returns.
-    """
+    Not on the stage loop, whose last step is ``consumer.commit``: the input offsets commit
+    inside each batch's transaction, the exactly-once guarantee (``consumers.stage`` says
+    why, and which of the loop's parts this runtime uses)."""
 
     def __init__(self, recipe: Any, *, bootstrap: str, namespace: str, group: str | None = None,
                  instance: str = "0", batch: int = BATCH, log_every_s: float = 10.0,
@@ -417,17 +419,13 @@ class ProcessorRuntime:
 
     def _subscribe(self) -> Consumer:
         """The group member: static (``group.instance.id``), subscribed to both input topics."""
-        consumer = Consumer(client_config(self.bootstrap, {
-            "group.id": self.group,
+        consumer = group_consumer(self.bootstrap, self.group, {
             "group.instance.id": f"{self.group}.{self.instance}",
             "partition.assignment.strategy": "range",
             "session.timeout.ms": SESSION_TIMEOUT_MS,
             "isolation.level": "read_committed",
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "earliest",
             "fetch.max.bytes": 64 * MiB,
-        }))
+        })
         consumer.subscribe([self.generations, self.feedback], on_assign=self._on_assign,
                            on_revoke=self._on_revoke, on_lost=self._on_revoke)
         return consumer

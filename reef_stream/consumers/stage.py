@@ -32,8 +32,32 @@ the loop owns everything a stage would otherwise write again:
 Threads: ``run`` and every strategy method run on one thread (the caller of ``run``);
 ``stop`` may be called from any thread or a signal handler.
 
-The transactional processor uses parts of this module, not the loop: see
-``reef_stream.consumers.processor`` for why.
+Two stages drive their consumer themselves and use the loop's parts instead
+(``group_consumer``, the dead-letter builder ``topics.dead_letters``, the signal
+handler ``ops.processes.stop_on_signals``, ``MetricsWriter.write_lag``), because
+the loop's contract would weaken a guarantee of theirs:
+
+- the processor (``consumers.processor``) commits its input offsets inside each
+  batch's Kafka transaction (``send_offsets_to_transaction``), atomically with
+  the units, dead letters and changelog it wrote: that is its exactly-once
+  guarantee. The loop commits last with ``consumer.commit``, outside any
+  transaction: a crash between the transaction and that commit would replay
+  the batch against a state that already holds it. Its rebalances restore
+  state from the changelog and seek inside the callback, and a fenced static
+  member rejoins with a new consumer mid-run, neither of which a strategy can do;
+- the trainer (``consumers.trainer``) assigns its partitions manually (a step
+  must not depend on a rebalance; data-parallel ranks own ``p % ranks``),
+  reads them in batches into a log-order merge that needs the end-of-partition
+  events, seeks back to the newest checkpoint after a failed step, and
+  commits inside ``Trainer._acknowledge``, after the checkpoint is durable
+  and its event acknowledged, before the proposed state becomes the
+  trainer's: the one place that order is written down. The loop's
+  subscription, one-record ``submit`` and commit after the strategy returns
+  would change what a step contains or move the commit out of that order.
+
+The serving side's ``Follower`` is no group member: every replica reads every
+publication from the beginning (``PublicationLedger``, ``assign``), commits
+nothing, and has no records to dead-letter (the evaluator owns that topic).
 """
 
 from __future__ import annotations
@@ -113,6 +137,22 @@ class Strategy(Protocol):
 
     def close(self) -> None:
         """Release what the strategy holds. Called once, also after a failure."""
+
+
+def group_consumer(bootstrap: str, group: str,
+                   config: Mapping[str, Any] | None = None) -> Consumer:
+    """The consumer of a stage's group: offsets are never committed or stored behind the
+    stage's back (no auto-commit, no auto offset store: only the stage's commit-last step
+    commits), a group without committed offsets starts at the beginning; ``config``
+    overrides or adds settings. Every stage's consumer is built here, the stage loop's and
+    those of the stages that drive their consumer themselves (trainer, processor)."""
+    return Consumer(client_config(bootstrap, {
+        "group.id": group,
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "auto.offset.reset": "earliest",
+        **(config or {}),
+    }))
 
 
 def deliver(producer: Producer, topic: str, key: bytes | None, value: bytes | None,
@@ -204,13 +244,8 @@ class StageLoop:
         the strategy propagate (after ``close``), with nothing more committed."""
         consumer = None
         try:
-            self.consumer = consumer = Consumer(client_config(self.bootstrap, {
-                "group.id": self.group,
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "auto.offset.reset": "earliest",
-                **self.consumer_config,
-            }))
+            self.consumer = consumer = group_consumer(self.bootstrap, self.group,
+                                                      self.consumer_config)
             self._check_topics()
             consumer.subscribe(self.topics, on_assign=self._on_assign,
                                on_revoke=self._on_revoke, on_lost=self._on_revoke)

@@ -56,6 +56,11 @@ committed, completing that acknowledgement. Without a checkpoint the model
 starts from the schedule's seed and the group's committed offsets, or the
 beginning of the topic.
 
+The trainer drives its consumer itself, not on the stage loop
+(``reef_stream.consumers.stage`` says why: manual assignment, a log-order
+merge, and the commit inside ``_acknowledge``); it shares the loop's consumer
+construction (``group_consumer``) and dead-letter builder.
+
 Several groups may train on one units topic independently (each its own
 store, default ``$REEF_HOME/checkpoints/<ns>/<recipe>/<group>``). Dead
 letters of dropped units are sent at the step that consumes them and may
@@ -77,7 +82,7 @@ from typing import Any
 import numpy as np
 import safetensors.torch
 import torch
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.engine.checkpoints import (
@@ -88,6 +93,7 @@ from reef_stream.config import Settings, load_settings
 from reef_stream.topics.connect import client_config
 from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
 from reef_stream.topics.dead_letters import dead_letter
+from reef_stream.consumers.stage import group_consumer
 from reef_stream.topics.events import Checkpoint, TopicOffset, now_ms
 from reef_stream.ops.failpoints import failpoint
 from reef_stream.ops.metrics import (
@@ -192,10 +198,9 @@ class Trainer:
             "acks": "all", "enable.idempotence": True, "linger.ms": 5}))
         self.metrics = MetricsWriter(self.producer, self.ns, STAGE_TRAINER,
                                      {"recipe": self.recipe.name, "group": self.group})
-        self.consumer = Consumer(client_config(self.bootstrap, {
-            "group.id": self.group, "enable.auto.commit": False,
+        self.consumer = group_consumer(self.bootstrap, self.group, {
             "isolation.level": "read_committed", "enable.partition.eof": True,
-            "auto.offset.reset": "earliest", "fetch.wait.max.ms": 100}))
+            "fetch.wait.max.ms": 100})
         try:
             self._join_ranks()
             self.partitions = self._partitions()
