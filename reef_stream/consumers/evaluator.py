@@ -32,9 +32,12 @@ event, in log order:
 6. the Publication is produced (idempotent producer, ``acks=all``) and
    waited for.
 
-The durability order (``_decide_and_commit``): publication acknowledged by
-the broker → the checkpoint's offset committed → the Redis projection
-updated and old published copies pruned. A crash before the commit re-reads
+The durability order: publication acknowledged by the broker (``_publish``)
+→ the checkpoint's offset committed (by the stage loop,
+``reef_stream.consumers.stage``, once ``_Decisions`` says it is committable)
+→ the Redis projection updated and old published copies pruned
+(``_after_commit``; after a commit that failed, at the next one that
+succeeds). A crash before the commit re-reads
 the checkpoint on restart; step 2 then finds its decision in the ledger. A
 publication that cannot be stored, or a copy that cannot be written, stops
 the worker with a ``FatalError`` and leaves the offset uncommitted.
@@ -57,7 +60,8 @@ cannot compact away the model's last PROMOTED one (which late replicas and a
 restarted evaluator need); readers use the event's ``model`` field, never the
 key.
 
-Threads: ``run`` owns the clients and must be called from one thread; it
+Threads: ``run`` owns the clients (the stage loop its consumer) and must be
+called from one thread; it
 calls ``measure`` and ``select`` on that thread (``max.poll.interval.ms`` is
 an hour by default, so a long evaluation keeps the group membership).
 ``stop`` may be called from any thread or a signal handler.
@@ -447,7 +451,7 @@ class EvaluatorWorker:
     def _dead_letter(self, producer: Producer, message: Message, reason: str,
                      error_type: str, *, key: bytes | None = None) -> None:
         """Produce the ``DeadLetter`` of ``message`` (kept whole, with ``reason``) to
-        ``<ns>.dead-letters`` and block until it is acknowledged (``_deliver``). Its Kafka key is
+        ``<ns>.dead-letters`` and block until it is acknowledged (``stage.deliver``). Its Kafka key is
         ``key``, or else the message's own key."""
         letter = dead_letter(reason, error_type, stage=STAGE, message=message)
         value, headers = self._registry.encode(letter)
