@@ -12,7 +12,8 @@
     follower.stop()
 
 A follower reads ``<ns>.publications`` from its beginning (``assign``, no
-consumer group: every replica reads everything), keeps the newest PROMOTED
+consumer group: every replica reads everything; it runs on the stage loop,
+``reef_stream.consumers.stage``, as a reader), keeps the newest PROMOTED
 publication of its model, and whenever that is newer than what it serves:
 
 1. loads the weights with ``checkpoints.load_weights(uri, sha256)``, which
@@ -72,13 +73,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from confluent_kafka import Message, Producer
+from confluent_kafka import Message, Producer, TopicPartition
 
 from reef_stream.engine.checkpoints import CheckpointError, load_weights
 from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import bootstrap_servers, client_config
-from reef_stream.consumers.publications import PublicationLedger
-from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, ReefError
+from reef_stream.topics.connect import ask_broker, bootstrap_servers, client_config
+from reef_stream.consumers.publications import READ_TIMEOUT_S, PublicationLedger
+from reef_stream.consumers.stage import StageLoop
+from reef_stream.errors import (
+    ConfigurationError, FatalError, InvalidRecord, ReefError, RetryableError,
+)
 from reef_stream.topics.events import Generation, Publication, now_ms
 from reef_stream.consumers.fleet import (
     DEFAULT_HEARTBEAT_S, DEFAULT_TTL_S, Fleet, ReplicaStatus, heartbeat_metric_labels,
@@ -307,7 +311,6 @@ class Follower:
         """Follow publications until ``stop``. Blocks. Raises ``ConfigurationError`` when the
         publications topic does not exist, ``RetryableError`` when it cannot be read."""
         ledger = PublicationLedger(self.bootstrap, self.namespace,
-                                   consumer_config=self._consumer_config,
                                    on_undecodable=self._undecodable_publication)
         self._producer = Producer(client_config(self.bootstrap, {"linger.ms": 50}))
         self._metrics = MetricsWriter(self._producer, self.namespace, STAGE_FOLLOWER,
@@ -316,17 +319,13 @@ class Follower:
         beating = threading.Thread(target=self._heartbeats, daemon=True,
                                    name=f"reef-heartbeat-{self.model}")
         try:
-            ledger.open()
-            ledger.catch_up()
-            beating.start()
-            self._converge(ledger)
-            with self._lock:
-                self._ready = True
-                self._lock.notify_all()
-            while not self._stop.is_set():
-                arrived = ledger.poll(0.5)
-                if arrived or self._retry_due():
-                    self._converge(ledger)
+            following = _Following(self, ledger, beating)
+            following.loop = StageLoop(
+                following, stage=STAGE_FOLLOWER, bootstrap=self.bootstrap, group=None,
+                topics=[ledger.topic], namespace=self.namespace, reads="publication",
+                producer=None, stop_event=self._stop, poll_timeout=0.5, logger=log,
+                consumer_config={"enable.partition.eof": True, **(self._consumer_config or {})})
+            following.loop.run()
         except BaseException as error:
             with self._lock:
                 self._error = error
@@ -340,6 +339,15 @@ class Follower:
             self._leave()
             ledger.close()
             self._producer.flush(5)
+
+    def _caught_up(self, ledger: PublicationLedger, beating: threading.Thread) -> None:
+        """The publications as of the start are read: heartbeats start, the newest promoted
+        version is tried, and the replica is ready (``wait_ready``)."""
+        beating.start()
+        self._converge(ledger)
+        with self._lock:
+            self._ready = True
+            self._lock.notify_all()
 
     def _converge(self, ledger: PublicationLedger) -> None:
         """Load the model's newest promoted version if it is newer than the one served and not
@@ -495,3 +503,75 @@ class Follower:
         except ConfigurationError as error:
             log.info("replica %s: no Redis, so no fleet projection (%s)", self.replica_id, error)
             return None
+
+
+class _Following:
+    """The follower's strategy on the stage loop, a reader (every partition of the
+    publications topic from its beginning, nothing committed): records are folded into the
+    ledger (``submit``); once the topic is read to where it ended at the start (``at_end``
+    or positions), the replica catches up (``Follower._caught_up``); afterwards ``poll``
+    converges whenever publications arrived or a refused version's retry is due. Raises
+    ``RetryableError`` from ``poll`` when the start's end is not reached within
+    ``READ_TIMEOUT_S``."""
+
+    def __init__(self, follower: Follower, ledger: PublicationLedger,
+                 beating: threading.Thread) -> None:
+        self.follower, self.ledger, self.beating = follower, ledger, beating
+        self._ends: dict[int, int] = {}  # partition -> end offset at the start
+        self._positions: dict[int, int] = {}
+        self._ready = False
+        self._arrived = False
+        self._deadline = time.monotonic() + READ_TIMEOUT_S
+        self.loop: StageLoop | None = None
+
+    def on_assign(self, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            low, high = ask_broker(
+                f"reading the offsets of {tp.topic}[{tp.partition}]",
+                lambda tp=tp: self.loop.consumer.get_watermark_offsets(
+                    TopicPartition(tp.topic, tp.partition), timeout=10))
+            self._positions[tp.partition] = max(low, 0)
+            self._ends[tp.partition] = high
+
+    def on_revoke(self, partitions: list[TopicPartition]) -> None:
+        """A reader is never revoked."""
+
+    def submit(self, message: Message) -> None:
+        self._positions[message.partition()] = message.offset() + 1
+        if self.ledger.take([message]):
+            self._arrived = True
+
+    def at_end(self, topic: str, partition: int, offset: int) -> None:
+        self._positions[partition] = offset
+
+    def dead_lettered(self, message: Message) -> None:
+        """Never called: an undecodable publication is counted (the evaluator letters it)."""
+
+    def poll(self) -> None:
+        follower = self.follower
+        if not self._ready:
+            if all(self._positions.get(p, 0) >= end for p, end in self._ends.items()):
+                self._ready = True
+                follower._caught_up(self.ledger, self.beating)
+            elif time.monotonic() > self._deadline:
+                behind = {p: (self._positions.get(p), end) for p, end in self._ends.items()
+                          if self._positions.get(p, 0) < end}
+                raise RetryableError(f"could not read {self.ledger.topic} to its end within "
+                                     f"{READ_TIMEOUT_S:.0f} s (at/end per partition: {behind}); "
+                                     "check that the cluster is reachable, then start again")
+            return
+        arrived, self._arrived = self._arrived, False
+        if arrived or follower._retry_due():
+            follower._converge(self.ledger)
+
+    def committable(self) -> dict[tuple[str, int], int]:
+        return {}
+
+    def committed(self, positions: Mapping[tuple[str, int], int]) -> None:
+        """A reader commits nothing."""
+
+    def join(self, timeout: float | None) -> None:
+        """Nothing held."""
+
+    def close(self) -> None:
+        """The ledger and the producer are the follower's."""

@@ -86,13 +86,15 @@ class PublicationLedger:
                  on_undecodable: Callable[[Message, InvalidRecord], None] | None = None) -> None:
         self.topic = declarations.publications(namespace)
         self._registry = registry or SchemaRegistry.default()
-        self._consumer = Consumer(client_config(bootstrap, {
+        self._consumer_config = {
             "group.id": f"reef-ledger-{uuid.uuid4().hex}",
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
             "enable.partition.eof": True,
             **(consumer_config or {}),
-        }))
+        }
+        self._bootstrap = bootstrap
+        self._consumer: Consumer | None = None  # created by open(); a fold-only ledger has none
         self._positions: dict[int, int] = {}
         self._promoted: dict[str, Publication] = {}
         self._decided: dict[str, int] = {}
@@ -105,7 +107,10 @@ class PublicationLedger:
 
     def open(self) -> PublicationLedger:
         """Assign every partition of the topic from its beginning. Blocks for metadata (up to
-        30 s). Raises ``ConfigurationError`` when the topic does not exist."""
+        30 s). Raises ``ConfigurationError`` when the topic does not exist. Without ``open``
+        the ledger only folds what it is given (``take``), read by someone else (the
+        ``Follower``'s stage loop)."""
+        self._consumer = Consumer(client_config(self._bootstrap, self._consumer_config))
         metadata = self._consumer.list_topics(self.topic, timeout=30)
         topic = metadata.topics.get(self.topic)
         if topic is None or topic.error is not None or not topic.partitions:
@@ -131,13 +136,13 @@ class PublicationLedger:
                 raise RetryableError(f"could not read {self.topic} to its end within "
                                      f"{timeout:.0f} s (at/end per partition: {behind}); check "
                                      "that the cluster is reachable, then start again")
-            read += self._take(self._consumer.consume(500, timeout=0.2))
+            read += self.take(self._consumer.consume(500, timeout=0.2))
         return read
 
     def poll(self, timeout: float) -> list[Publication]:
         """The publications that arrived since the last call, folded in; waits up to
         ``timeout`` seconds for the first one. Blocks; returns [] when none came."""
-        return self._take(self._consumer.consume(500, timeout=timeout))
+        return self.take(self._consumer.consume(500, timeout=timeout))
 
     def record(self, publication: Publication) -> None:
         """Fold in a publication this process just produced, before it is read back. Idempotent."""
@@ -161,7 +166,8 @@ class PublicationLedger:
         return sorted(self._decided)
 
     def close(self) -> None:
-        self._consumer.close()
+        if self._consumer is not None:
+            self._consumer.close()
 
     def __enter__(self) -> PublicationLedger:
         return self.open()
@@ -174,7 +180,10 @@ class PublicationLedger:
                           lambda: self._consumer.get_watermark_offsets(
                               TopicPartition(self.topic, partition), timeout=10))
 
-    def _take(self, messages: list[Message]) -> list[Publication]:
+    def take(self, messages: list[Message]) -> list[Publication]:
+        """Fold in ``messages`` read from the topic (records, end-of-partition events); the
+        publications among them, in order. Records that do not decode go to
+        ``on_undecodable`` (see the class docstring)."""
         taken = []
         for message in messages:
             error = message.error()

@@ -55,9 +55,9 @@ the loop's contract would weaken a guarantee of theirs:
   subscription, one-record ``submit`` and commit after the strategy returns
   would change what a step contains or move the commit out of that order.
 
-The serving side's ``Follower`` is no group member: every replica reads every
-publication from the beginning (``PublicationLedger``, ``assign``), commits
-nothing, and has no records to dead-letter (the evaluator owns that topic).
+A reader (``group=None``: the serving side's ``Follower``, whose every replica
+reads every publication) is assigned every partition of its topics from the
+beginning instead of subscribing, and commits nothing.
 """
 
 from __future__ import annotations
@@ -65,10 +65,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition,
+)
 
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
 from reef_stream.topics import declarations
@@ -138,6 +141,9 @@ class Strategy(Protocol):
     def close(self) -> None:
         """Release what the strategy holds. Called once, also after a failure."""
 
+    # Optional: ``at_end(topic, partition, offset)``, called when a partition was read to its
+    # end (with ``enable.partition.eof``), ``offset`` being the end.
+
 
 def group_consumer(bootstrap: str, group: str,
                    config: Mapping[str, Any] | None = None) -> Consumer:
@@ -185,6 +191,7 @@ class StageLoop:
     """One consumer group member running ``strategy`` until ``stop``; see the module
     docstring.
 
+    ``group``: the consumer group; None for a reader (see the module docstring).
     ``stage``: the stage name its dead letters carry. ``reads``: what a record is, in a
     dead letter's reason (``undecodable <reads>: ...``). ``producer``: sends those dead
     letters (the stage's own; the loop only polls and flushes it); None for a strategy
@@ -200,7 +207,7 @@ class StageLoop:
     Not reusable after ``run`` returns.
     """
 
-    def __init__(self, strategy: Strategy, *, stage: str, bootstrap: str, group: str,
+    def __init__(self, strategy: Strategy, *, stage: str, bootstrap: str, group: str | None,
                  topics: Sequence[str], namespace: str, reads: str, producer: Producer | None,
                  registry: SchemaRegistry | None = None,
                  consumer_config: Mapping[str, Any] | None = None,
@@ -244,11 +251,18 @@ class StageLoop:
         the strategy propagate (after ``close``), with nothing more committed."""
         consumer = None
         try:
-            self.consumer = consumer = group_consumer(self.bootstrap, self.group,
-                                                      self.consumer_config)
-            self._check_topics()
-            consumer.subscribe(self.topics, on_assign=self._on_assign,
-                               on_revoke=self._on_revoke, on_lost=self._on_revoke)
+            self.consumer = consumer = group_consumer(
+                self.bootstrap, self.group or f"reef-reader-{uuid.uuid4().hex}",
+                self.consumer_config)
+            partitions = self._check_topics()
+            if self.group is None:
+                everything = [TopicPartition(t, p, OFFSET_BEGINNING)
+                              for t in self.topics for p in partitions[t]]
+                self._on_assign(consumer, everything)
+                consumer.assign(everything)
+            else:
+                consumer.subscribe(self.topics, on_assign=self._on_assign,
+                                   on_revoke=self._on_revoke, on_lost=self._on_revoke)
             while not self._stop.is_set():
                 self._run_once()
             self._raise_callback_error()
@@ -303,6 +317,8 @@ class StageLoop:
             raise FatalError(f"the Kafka consumer failed: {error.str()}")
         if error.code() != KafkaError._PARTITION_EOF:
             self.log.warning("%s: Kafka consumer: %s", self.stage, error.str())
+        elif hasattr(self.strategy, "at_end"):
+            self.strategy.at_end(message.topic(), message.partition(), message.offset())
         return False
 
     def _submit(self, message: Message) -> None:
@@ -342,7 +358,10 @@ class StageLoop:
         """Commit what the strategy says is committable (``only``: of those partitions); then
         tell the strategy, write the lag. While running: positions not sent yet, at most
         every ``commit_every_s``, asynchronously with ``asynchronous_commits``; ``final``
-        (a revocation, the end): every committable position, synchronously."""
+        (a revocation, the end): every committable position, synchronously. A reader
+        commits nothing."""
+        if self.group is None:
+            return
         now = time.monotonic()
         due = final or now - self._commit_at >= self.commit_every_s
         fresh = {where: offset for where, offset in self.strategy.committable().items()
@@ -405,11 +424,15 @@ class StageLoop:
             error, self._callback_error = self._callback_error, None
             raise error
 
-    def _check_topics(self) -> None:
+    def _check_topics(self) -> dict[str, list[int]]:
+        """The partitions of each topic; ``ConfigurationError`` for a topic that is missing."""
+        partitions = {}
         for topic in self.topics:
             found = self.consumer.list_topics(topic, timeout=10).topics.get(topic)
-            if found is None or found.error is not None:
+            if found is None or found.error is not None or not found.partitions:
                 raise ConfigurationError(f"topic {topic} does not exist: run `reef topics create`")
+            partitions[topic] = sorted(found.partitions)
+        return partitions
 
 
 def _numbers(partitions: list[TopicPartition]) -> list[int]:
