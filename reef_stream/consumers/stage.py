@@ -26,8 +26,9 @@ the loop owns everything a stage would otherwise write again:
   committable is committed, then the strategy and the consumer are closed;
 - commit last: the strategy says what is committable (``committable()``: positions
   past records whose outcome is durable, by the stage's own rule); the loop commits them
-  synchronously and tells the strategy (``committed``). The loop never commits a position
-  the strategy did not hand it.
+  (synchronously, or asynchronously at most every ``commit_every_s``; synchronously again
+  at a revocation and at the end) and tells the strategy (``committed``). The loop never
+  commits a position the strategy did not hand it.
 
 Threads: ``run`` and every strategy method run on one thread (the caller of ``run``);
 ``stop`` may be called from any thread or a signal handler.
@@ -47,8 +48,10 @@ the loop's contract would weaken a guarantee of theirs:
   member rejoins with a new consumer mid-run, neither of which a strategy can do;
 - the trainer (``consumers.trainer``) assigns its partitions manually (a step
   must not depend on a rebalance; data-parallel ranks own ``p % ranks``),
-  reads them in batches into a log-order merge that needs the end-of-partition
-  events, seeks back to the newest checkpoint after a failed step, and
+  starts them at its checkpoint's offsets, reads them in batches into a log-order
+  merge whose clock needs to know when the client's whole fetch queue was
+  consumed (``PartitionMerge.pop(drained_at_ms)``), seeks back to the newest
+  checkpoint after a failed step, and
   commits inside ``Trainer._acknowledge``, after the checkpoint is durable
   and its event acknowledged, before the proposed state becomes the
   trainer's: the one place that order is written down. The loop's
