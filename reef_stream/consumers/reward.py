@@ -99,7 +99,7 @@ from confluent_kafka import Message, Producer, TopicPartition
 from reef_stream.config import Settings, load_settings
 from reef_stream.topics.connect import bootstrap_servers
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
-from reef_stream.topics.dead_letters import dead_letter
+from reef_stream.topics.dead_letters import dead_letter, headers_of
 from reef_stream.topics.events import DeadLetter, Generation, MessageHeader, now_ms
 from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandle
 from reef_stream.ops.metrics import (
@@ -375,8 +375,7 @@ class RewardWorker:
             self._in_flight += 1
         self.summary.add(records=1)
         taken = _Taken(message.topic(), message.partition(), message.offset(), message.key(),
-                       message.value(), tuple(MessageHeader(key=k, value=v)
-                                              for k, v in (message.headers() or ())))
+                       message.value(), headers_of(message.headers()))
         try:
             generation = decode(taken.value, message.headers(), Generation, topic=taken.topic,
                                 partition=taken.partition, offset=taken.offset)
