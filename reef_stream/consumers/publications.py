@@ -28,7 +28,7 @@ import fsspec
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
 
 from reef_stream.config import Settings
-from reef_stream.engine.checkpoints import MANIFEST, CheckpointError, verify, write_durably
+from reef_stream.engine.checkpoints import MANIFEST, CheckpointError, fsync_dir, verify, write_durably
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, RetryableError
 from reef_stream.topics import declarations
 from reef_stream.topics.connect import ask_broker, client_config
@@ -288,7 +288,7 @@ class PublicationStore:
             self._write(f"{target}/{MANIFEST}", manifest)  # last: the copy exists from here on
             if self.local:
                 os.rename(staging, final)
-                _fsync_dir(os.path.dirname(final))
+                fsync_dir(os.path.dirname(final))
         except OSError as error:
             raise FatalError(f"could not copy checkpoint {candidate.checkpoint_id} to the "
                              f"publication store {self.url}: {error}; nothing was published, "
@@ -336,11 +336,3 @@ class PublicationStore:
 def _model_dir(model: str) -> str:
     """A model name as one path segment (``/`` and other specials percent-encoded)."""
     return urllib.parse.quote(model, safe="")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

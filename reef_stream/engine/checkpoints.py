@@ -140,7 +140,7 @@ class CheckpointStore:
             if self.local:
                 self._write_file(f"{staging}/{MANIFEST}", manifest)
                 os.rename(staging, final)
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
             else:  # object stores have no rename: copy the files, the manifest last
                 for name, data in files.items():
                     self._write_file(f"{final}/{name}", data)
@@ -352,7 +352,8 @@ def write_durably(fs: Any, path: str, data: bytes, *, local: bool) -> None:
             out.write(data)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (a rename into it) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
