@@ -27,6 +27,7 @@ the valid records around them must flow on:
 from __future__ import annotations
 
 import dataclasses
+import time
 import logging
 import threading
 
@@ -101,6 +102,9 @@ def produce(bootstrap: str, items: list[tuple[str, object]], key_of=None,
         producer.poll(0)
         if one_by_one:
             assert producer.flush(30) == 0
+            # Two records appended in one millisecond tie on LogAppendTime, and the trainer
+            # orders ties by partition: a later broker millisecond each keeps "this order".
+            time.sleep(0.002)
     assert producer.flush(30) == 0
     return landed
 
