@@ -27,9 +27,9 @@ the valid records around them must flow on:
 from __future__ import annotations
 
 import dataclasses
-import time
 import logging
 import threading
+import time
 
 import numpy as np
 from confluent_kafka import Producer
