@@ -131,15 +131,40 @@ def ledger_counts(steps: Iterable[Iterable[str]], logged: Iterable[str],
             "lost": len(untrained - dropped_ids)}
 
 
+def take_records(tally: OutcomeTally, registry: SchemaRegistry, unit_type: type,
+                 generations_topic: str, *, generations: Iterable[Any], units: Iterable[Any],
+                 letters: Iterable[Any]) -> None:
+    """Fold records (anything with ``value()`` and ``headers()``, as a consumed message) of
+    the generations topic, the units topic and the dead-letters topic into ``tally``: a
+    generation that does not decode counts as one without an id; a dead letter counts as an
+    outcome only when the processor wrote it for a generation of ``generations_topic``."""
+    for message in generations:
+        try:
+            tally.add_generation(registry.decode(message.value(), message.headers(),
+                                                 Generation).generation_id)
+        except InvalidRecord:
+            tally.add_generation(None)
+    for message in units:
+        unit = registry.decode(message.value(), message.headers(), unit_type)
+        tally.add_unit(m.generation_id for m in unit_members(unit))
+    for message in letters:
+        letter = registry.decode(message.value(), message.headers(), DeadLetter)
+        generation_id = processor_letter_generation(letter, generations_topic, registry)
+        if generation_id is not None:
+            tally.add_dead_letter(generation_id)
+
+
 class GenerationOutcomes:
     """An ``OutcomeTally`` fed from ``<ns>.generations``, the recipe's units topic and
     ``<ns>.dead-letters``, kept up to date by ``update`` (each call reads only what the three
-    topics gained since the last): see ``counts``. ``close`` at the end."""
+    topics gained since the last): see ``counts``. ``close`` at the end. ``take_records``
+    is the pure part: what records of the three topics mean for the tally."""
 
     def __init__(self, bootstrap: str, namespace: str, recipe: Any) -> None:
         self.namespace, self.unit_type = namespace, recipe.objective.unit_type
+        self.generations_topic = declarations.generations(namespace)
         self._registry = SchemaRegistry.default()
-        self._generations = TopicReader(bootstrap, declarations.generations(namespace))
+        self._generations = TopicReader(bootstrap, self.generations_topic)
         self._units = TopicReader(bootstrap, declarations.units(namespace, recipe.name))
         self._letters = TopicReader(bootstrap, declarations.dead_letters(namespace))
         self.tally = OutcomeTally()
@@ -151,22 +176,9 @@ class GenerationOutcomes:
 
     def update(self) -> dict[str, int]:
         """Read what arrived since the last call; returns ``counts()``."""
-        registry, tally = self._registry, self.tally
-        for message in self._generations.to_end():
-            try:
-                tally.add_generation(registry.decode(message.value(), message.headers(),
-                                                     Generation).generation_id)
-            except InvalidRecord:
-                tally.add_generation(None)
-        for message in self._units.to_end():
-            unit = registry.decode(message.value(), message.headers(), self.unit_type)
-            tally.add_unit(m.generation_id for m in unit_members(unit))
-        generations_topic = self._generations.topic
-        for message in self._letters.to_end():
-            letter = registry.decode(message.value(), message.headers(), DeadLetter)
-            generation_id = processor_letter_generation(letter, generations_topic, registry)
-            if generation_id is not None:
-                tally.add_dead_letter(generation_id)
+        take_records(self.tally, self._registry, self.unit_type, self.generations_topic,
+                     generations=self._generations.to_end(), units=self._units.to_end(),
+                     letters=self._letters.to_end())
         return self.counts()
 
     def counts(self) -> dict[str, int]:

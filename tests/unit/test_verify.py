@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from reef_stream.demo import verify
 from reef_stream.demo.faults import FaultRun
 from reef_stream.demo.run import DemoResult
 from reef_stream.demo.verify import (
-    GenerationOutcomes, OutcomeTally, ledger_counts, letter_unit, processor_letter_generation,
+    OutcomeTally, ledger_counts, letter_unit, processor_letter_generation, take_records,
 )
 from reef_stream.ops.metrics import STAGE_PROCESSOR, STAGE_REWARD, STAGE_TRAINER
 from reef_stream.topics import declarations
@@ -76,11 +74,12 @@ class Message:
 
 
 class Log:
-    """Hand-built topics, read the way ``TopicReader`` reads them: each ``to_end`` call
-    yields what was appended since the previous one."""
+    """Hand-built topics. ``since(topic)`` gives what was appended since the previous call,
+    as a reader of the topic to its end would."""
 
     def __init__(self) -> None:
         self.topics: dict[str, list[Message]] = {GENERATIONS: [], UNITS: [], LETTERS: []}
+        self.read = dict.fromkeys(self.topics, 0)
 
     def append(self, topic: str, *records) -> Log:
         for record in records:
@@ -90,30 +89,31 @@ class Log:
                 self.topics[topic].append(Message(*registry.encode(record)))
         return self
 
-    def reader(self, bootstrap: str, topic: str):
-        log = self
+    def since(self, topic: str) -> list[Message]:
+        messages = self.topics[topic][self.read[topic]:]
+        self.read[topic] += len(messages)
+        return messages
 
-        class Reader:
-            def __init__(self) -> None:
-                self.topic, self.position, self.closed = topic, 0, False
 
-            def to_end(self):
-                messages = log.topics[topic][self.position:]
-                self.position += len(messages)
-                return iter(messages)
+class Outcomes:
+    """What ``GenerationOutcomes`` does with the records its readers bring: ``take_records``
+    into an ``OutcomeTally``, here over a hand-built log."""
 
-            def close(self) -> None:
-                self.closed = True
+    def __init__(self, log: Log) -> None:
+        self.log, self.tally = log, OutcomeTally()
 
-        return Reader()
+    def update(self) -> dict[str, int]:
+        take_records(self.tally, registry, RolloutUnit, GENERATIONS,
+                     generations=self.log.since(GENERATIONS), units=self.log.since(UNITS),
+                     letters=self.log.since(LETTERS))
+        return self.tally.counts()
 
 
 @pytest.fixture
-def log(monkeypatch) -> Log:
+def log() -> Log:
     """A clean log: five generations, two units, one generation the processor dead-lettered,
     plus letters and records that are no generation's outcome and must not count as one."""
     log = Log()
-    monkeypatch.setattr(verify, "TopicReader", log.reader)
     log.append(GENERATIONS, *(generation(f"g{i}") for i in range(1, 6)), b"not avro")
     log.append(UNITS, unit("g1", "g2"), unit("g3", "g4"))
     log.append(LETTERS,
@@ -126,11 +126,6 @@ def log(monkeypatch) -> Log:
     return log
 
 
-def outcomes(log: Log) -> GenerationOutcomes:
-    recipe = SimpleNamespace(name=RECIPE, objective=SimpleNamespace(unit_type=RolloutUnit))
-    return GenerationOutcomes("127.0.0.1:1", NS, recipe)
-
-
 def holds(counts: dict[str, int]) -> bool:
     """What ``FaultRun.checks`` asks of the generations' side."""
     return counts["no_outcome"] == 0 and counts["more_than_one"] == 0
@@ -140,56 +135,55 @@ def holds(counts: dict[str, int]) -> bool:
 
 
 def test_a_clean_log_gives_every_generation_exactly_one_outcome(log):
-    tally = outcomes(log)
-    counts = tally.update()
+    outcomes = Outcomes(log)
+    counts = outcomes.update()
     assert counts == {"generations": 5, "in_units": 4, "dead_lettered": 1, "no_outcome": 0,
                       "more_than_one": 0, "undecodable": 1}
     assert holds(counts)
-    assert tally.missing([f"g{i}" for i in range(1, 6)]) == set()
-    tally.close()
+    assert outcomes.tally.missing([f"g{i}" for i in range(1, 6)]) == set()
 
 
 def test_a_generation_with_no_outcome_is_caught(log):
     log.append(GENERATIONS, generation("g6"))     # neither in a unit nor dead-lettered: lost
-    counts = outcomes(log).update()
+    counts = Outcomes(log).update()
     assert counts["no_outcome"] == 1 and not holds(counts)
 
 
 def test_a_generation_in_two_units_is_caught(log):
     log.append(UNITS, unit("g1", "g5", unit_id="u-again"))
-    counts = outcomes(log).update()
+    counts = Outcomes(log).update()
     # g1 in two units, g5 in a unit and a dead letter
     assert counts["more_than_one"] == 2 and not holds(counts)
 
 
 def test_a_generation_both_in_a_unit_and_dead_lettered_is_caught(log):
     log.append(LETTERS, expired("g2"))
-    counts = outcomes(log).update()
+    counts = Outcomes(log).update()
     assert counts["more_than_one"] == 1 and not holds(counts)
 
 
 def test_a_generation_dead_lettered_twice_is_caught(log):
     log.append(LETTERS, expired("g5"))
-    assert outcomes(log).update()["more_than_one"] == 1
+    assert Outcomes(log).update()["more_than_one"] == 1
 
 
 def test_an_acknowledged_generation_missing_from_its_topic_is_caught(log):
-    tally = outcomes(log)
-    tally.update()
+    outcomes = Outcomes(log)
+    outcomes.update()
     acknowledged = ["g1", "g2", "g3", "g4", "g5", "g7"]
-    assert tally.missing(acknowledged) == {"g7"}
+    assert outcomes.tally.missing(acknowledged) == {"g7"}
 
 
-def test_update_reads_only_what_arrived_since_and_counts_each_record_once(log):
-    tally = outcomes(log)
-    assert holds(tally.update())
-    assert tally.update()["more_than_one"] == 0     # nothing new: nothing counted again
+def test_records_folded_in_turns_are_each_counted_once(log):
+    outcomes = Outcomes(log)
+    assert holds(outcomes.update())
+    assert outcomes.update()["more_than_one"] == 0     # nothing new: nothing counted again
     log.append(GENERATIONS, generation("g6"))
-    assert tally.update()["no_outcome"] == 1        # the processor has not caught up yet
+    assert outcomes.update()["no_outcome"] == 1        # the processor has not caught up yet
     log.append(LETTERS, expired("g6"))
-    counts = tally.update()
+    counts = outcomes.update()
     assert counts["generations"] == 6 and holds(counts)
-    assert tally.ids == {f"g{i}" for i in range(1, 7)}
+    assert outcomes.tally.ids == {f"g{i}" for i in range(1, 7)}
 
 
 def test_outcomes_may_arrive_before_their_generations():
