@@ -29,6 +29,9 @@ CREATE_DEADLINE_S = 120.0
 _CREATE_RETRIABLE = {
     KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT, KafkaError.NOT_CONTROLLER,
     KafkaError._TRANSPORT, KafkaError.INVALID_REPLICATION_FACTOR,
+    # The connection to the broker was torn down mid-request (seen on a three-node cluster
+    # still electing its controller): like _TRANSPORT, the request may or may not have landed.
+    KafkaError._DESTROY_BROKER,
 }
 
 
@@ -72,6 +75,7 @@ def ensure_topics(admin: AdminClient, topics: list[Topic]) -> EnsureReport:
     brokers = cluster_size(admin, metadata)
     missing = [t for t in topics if t.name not in metadata.topics]
     report = EnsureReport()
+    appeared = []   # created meanwhile by another process, or by a request of ours that failed
     deadline = time.monotonic() + CREATE_DEADLINE_S
     while missing:
         futures = admin.create_topics([
@@ -87,6 +91,7 @@ def ensure_topics(admin: AdminClient, topics: list[Topic]) -> EnsureReport:
             except KafkaException as exc:
                 error = exc.args[0]
                 if error.code() == KafkaError.TOPIC_ALREADY_EXISTS:  # another process was quicker
+                    appeared.append(topic.name)
                     continue
                 if error.code() not in _CREATE_RETRIABLE or time.monotonic() > deadline:
                     raise RetryableError(f"Could not create topic {topic.name}: {exc}") from exc
@@ -95,8 +100,8 @@ def ensure_topics(admin: AdminClient, topics: list[Topic]) -> EnsureReport:
         missing = retry
         if missing:
             time.sleep(1.0)
-    if report.created:
-        metadata = _wait_for_metadata(admin, report.created)
+    if report.created or appeared:
+        metadata = _wait_for_metadata(admin, report.created + appeared)
     problems = verify_topics(admin, topics, metadata)
     if problems:
         raise TopicMismatchError(problems)
