@@ -372,10 +372,13 @@ def test_load_recipe_puts_the_current_directory_first(tmp_path, monkeypatch):
     (tmp_path / "cwd_first_recipe.py").write_text(
         "from tests.recipes.second_task import sao as recipe\n")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))]
-                        + [str(PROJECT_ROOT)])
-    assert load_recipe("cwd_first_recipe") is second_task.sao
-    assert sys.path[0] == str(tmp_path)
+    saved = sys.path[:]     # the interpreter's import path, restored whatever happens
+    sys.path[:] = [p for p in saved if p not in ("", str(tmp_path))] + [str(PROJECT_ROOT)]
+    try:
+        assert load_recipe("cwd_first_recipe") is second_task.sao
+        assert sys.path[0] == str(tmp_path)
+    finally:
+        sys.path[:] = saved
 
 
 def test_the_reef_console_script_loads_a_recipe_module_of_the_current_directory(tmp_path):
