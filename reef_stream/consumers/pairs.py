@@ -1,20 +1,14 @@
 """A co-partitioned pair (generations[p], feedback[p]) of the processor, and its clock.
 
 Record timestamps are the clock, per partition pair, and a pair's records are offered in
-timestamp order across its two topics (``PartitionPair.ready``): a record waits in memory
-(unoffered, its offset uncommitted) until the other topic has been read past its timestamp
-or has nothing unread (position at the high watermark of the last fetch), as Kafka Streams
-synchronises the partitions of a task, but at most ``max_idle_s`` from when it was read
-(the other topic lags rather than stops, e.g. its records sit behind a producer's open
-transaction; Kafka Streams' ``max.task.idle.ms``). Without this, the state machine's clock
-(the newest time offered) ran ahead on whichever topic librdkafka handed over first and
-expired hundreds of generations whose feedback was merely unread (seen in the kill test).
+timestamp order across its two topics (``PartitionPair.ready``), the generations topic first
+at equal timestamps: a record waits in memory (unoffered, its offset uncommitted) until the
+other topic has been read past its timestamp or has nothing unread, at most ``max_idle_s``
+from when it was read. The merge and why it is so: ``reef_stream.engine.log_merge``.
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +16,7 @@ from typing import Any
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
 
 from reef_stream.engine.join import ProcessorState
+from reef_stream.engine.log_merge import LogMerge
 from reef_stream.topics.events import now_ms
 
 
@@ -34,44 +29,33 @@ class PartitionPair:
     #: The topics of the pair, the first one offered first at equal timestamps.
     topics: tuple[str, ...]
     touched: set[str] = field(default_factory=set)
-    #: By topic: records read, not offered yet, as (message, timestamp, when read (monotonic)).
-    queues: dict[str, deque[tuple[Any, int, float]]] = field(default_factory=dict)
     next: dict[str, int] = field(default_factory=dict)  # next offset to read, by topic
+    #: The records read, not offered yet (CreateTime topics: timestamps may go backwards).
+    merge: LogMerge[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        for topic in self.topics:
-            self.queues.setdefault(topic, deque())
+        self.merge = LogMerge(self.topics)
 
     def queue(self, message: Any) -> None:
         """Hold a consumed record until ``ready`` offers it (its broker timestamp, or now
         when it has none, is its time on the clock)."""
         kind, at = message.timestamp()
         self.next[message.topic()] = message.offset() + 1
-        self.queues[message.topic()].append(
-            (message, now_ms() if kind == TIMESTAMP_NOT_AVAILABLE else at, time.monotonic()))
+        self.merge.add(message.topic(), message.offset(),
+                       now_ms() if kind == TIMESTAMP_NOT_AVAILABLE else at, message)
 
     def ready(self, caught_up: Callable[[], set[str]],
               max_idle_s: float) -> Iterator[tuple[str, Any, int]]:
         """Pop the held records in timestamp order across the topics, as (topic, message,
         timestamp), as far as the clock allows (see the module docstring). ``caught_up()``:
-        the topics of the pair with nothing unread; called only when one topic's queue is
+        the topics of the pair with nothing unread; called only when a topic's queue is
         empty. Lazy: stop iterating and the rest stays held."""
-        while True:
-            heads = {t: q[0][1] for t, q in self.queues.items() if q}
-            if not heads:
-                return
-            if len(heads) == 1:
-                # the other topic's queue is empty: go on only if it has nothing unread,
-                # or the head record has waited max_idle_s since it was read (each record
-                # waits at most that long, not one max_idle_s after the other)
-                if not caught_up().issuperset(set(self.topics) - heads.keys()):
-                    (head,) = heads
-                    if time.monotonic() - self.queues[head][0][2] < max_idle_s:
-                        return
-            topic = min(heads, key=lambda t: (heads[t], t != self.topics[0]))
-            message, at, _ = self.queues[topic].popleft()
-            yield topic, message, at
+        def settled(topic: str, _timestamp_ms: int) -> bool:
+            return topic in caught_up()
+
+        while (record := self.merge.pop(settled, max_wait_s=max_idle_s)) is not None:
+            yield record.source, record.item, record.timestamp_ms
 
     def held(self) -> bool:
         """True while a record read is not offered yet."""
-        return any(self.queues.values())
+        return len(self.merge) > 0

@@ -6,7 +6,7 @@
 What a step is. The trainer reads every partition of the units topic
 (manually assigned: a step must not depend on a rebalance) and merges them
 into one order that is a function of the log alone
-(``reef_stream.engine.unit_order.PartitionMerge``). Taking units in that order, it
+(``reef_stream.engine.log_merge.LogMerge``). Taking units in that order, it
 
 1. dead-letters a unit that does not decode as the recipe's unit type
    (``invalid``);
@@ -108,7 +108,7 @@ from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.serde import SchemaRegistry
 from reef_stream.engine.training import TorchBackend, select_rows, unit_members, untrainable
-from reef_stream.engine.unit_order import Ordered, PartitionMerge
+from reef_stream.engine.log_merge import LogMerge, Ordered
 
 log = logging.getLogger(__name__)
 
@@ -253,10 +253,10 @@ class Trainer:
                 raise ConfigurationError(f"reading {self.topic}: {error.str()}")
             else:
                 log.warning("reading %s: %s", self.topic, error.str())
-        drained_at = before if len(messages) < CONSUME_BATCH else 0
+        settled = self.merge.drained(before if len(messages) < CONSUME_BATCH else 0)
         took = False
         self.summary.data_seconds += time.monotonic() - started
-        while not self._done() and (record := self.merge.pop(drained_at)) is not None:
+        while not self._done() and (record := self.merge.pop(settled)) is not None:
             took = True
             self._take(record)
         return took
@@ -266,7 +266,7 @@ class Trainer:
         failpoint("trainer.fetching", step=self.step + 1)
         started = time.monotonic()
         message = record.item
-        self.offsets[record.partition] = record.offset + 1
+        self.offsets[record.source] = record.offset + 1
         try:
             unit = self.registry.decode(message.value(), message.headers(),
                                         self.recipe.objective.unit_type, topic=message.topic(),
@@ -453,7 +453,7 @@ class Trainer:
         self.offsets = {p: o for p, o in self.offsets.items() if p in self.owned}
         start = {p: self.offsets.get(p, OFFSET_BEGINNING) for p in self.owned}
         self.consumer.assign([TopicPartition(self.topic, p, o) for p, o in start.items()])
-        self.merge = PartitionMerge(self.owned)
+        self.merge = LogMerge(sorted(self.owned), log_append_time=True)
         if self.ranks > 1:
             self._gather_bytes(b"")   # every rank resumed before any trains
 

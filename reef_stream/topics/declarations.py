@@ -101,7 +101,7 @@ def declare_topics(ns: str, recipes: tuple[str, ...] = ()) -> list[Topic]:
     topics += [
         # LogAppendTime: the broker stamps each unit, so timestamps never go backwards
         # within a partition and the trainer can merge partitions in one order that
-        # is a function of the log alone (reef_stream.engine.unit_order).
+        # is a function of the log alone (reef_stream.engine.log_merge).
         Topic(units(ns, recipe), DATA_PARTITIONS,
               config={**_delete(7, 16 * MiB), "message.timestamp.type": "LogAppendTime"},
               doc=f"Typed units assembled by the processor of recipe {recipe!r}")
