@@ -19,9 +19,8 @@ from .objective import GroupNormalisedAdvantage
 from .processor import processor
 from reef_stream.api.evaluator import CandidateEvaluator
 from reef_stream.api.losses import POLICY_GRADIENT, ClippedPolicyGradient
-from reef_stream.api.recipe import AdamW, Backend, Recipe, RewardFunction
+from reef_stream.api.recipe import AdamW, Backend, Recipe, RewardFunction, awaited_sources
 from reef_stream.api.schedule import Schedule
-from reef_stream.errors import ConfigurationError
 
 #: Completions sampled per prompt by default (each generation's declared group_size).
 GROUP_SIZE = 16
@@ -42,10 +41,7 @@ def recipe(*, model: Callable[[], Any], reward: RewardFunction | None,
     when every source is ``external_sources``), ``evaluator``, and ``group_size``, the
     completions replicas sample per prompt. Pure; ``ConfigurationError`` when no source is
     left to wait for."""
-    sources = (() if reward is None else (reward.source,)) + tuple(external_sources)
-    if not sources:
-        raise ConfigurationError("methods.grpo.recipe needs a reward function or "
-                                 "external_sources: the feedback its processor waits for")
+    sources = awaited_sources(reward, external_sources, method="methods.grpo.recipe")
     return Recipe(
         name=name,
         processor=processor(sources),

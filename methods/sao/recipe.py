@@ -24,9 +24,8 @@ from .loss import SAO_TRUNCATED_PG, TruncatedPolicyGradient
 from .objective import StreamingAdvantage
 from .processor import processor
 from reef_stream.api.evaluator import CandidateEvaluator
-from reef_stream.api.recipe import AdamW, Backend, Recipe, RewardFunction
+from reef_stream.api.recipe import AdamW, Backend, Recipe, RewardFunction, awaited_sources
 from reef_stream.api.schedule import Schedule
-from reef_stream.errors import ConfigurationError
 
 #: The importance-weight bound of the loss (V-trace's rho-bar).
 TRUNCATION = 1.0
@@ -50,10 +49,7 @@ def recipe(*, model: Callable[[], Any], reward: RewardFunction | None,
     source is ``external_sources``), ``evaluator`` (decides which checkpoints to promote).
     ``external_sources``: feedback sources fed from outside ``reef reward``, also awaited.
     Pure; ``ConfigurationError`` when no source is left to wait for."""
-    sources = (() if reward is None else (reward.source,)) + tuple(external_sources)
-    if not sources:
-        raise ConfigurationError("methods.sao.recipe needs a reward function or "
-                                 "external_sources: the feedback its processor waits for")
+    sources = awaited_sources(reward, external_sources, method="methods.sao.recipe")
     return Recipe(
         name=name,
         processor=processor(sources),

@@ -186,6 +186,18 @@ def feedback_for(generation: Generation, reward: Reward, *, source: str,
                     created_at=created_at)
 
 
+def awaited_sources(reward: RewardFunction | None, external_sources: Sequence[str], *,
+                    method: str) -> tuple[str, ...]:
+    """The feedback sources a method's processor waits for: its reward function's ``source``
+    and the ``external_sources`` fed from outside ``reef reward``. ``ConfigurationError``
+    naming ``method`` when that leaves none (every generation would expire waiting)."""
+    sources = (() if reward is None else (reward.source,)) + tuple(external_sources)
+    if not sources:
+        raise ConfigurationError(f"{method} needs a reward function or external_sources: the "
+                                 "feedback its processor waits for")
+    return sources
+
+
 @dataclass(frozen=True, slots=True)
 class Recipe:
     """A method, bound to a task: see the module docstring. Build it freely; ``load_recipe``

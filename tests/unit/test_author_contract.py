@@ -38,6 +38,8 @@ from reef_stream.engine.training import TorchBackend
 from reef_stream.errors import ConfigurationError, FatalError
 from reef_stream.topics.events import FinishReason, RolloutUnit, events_equal, to_avro
 from reef_stream.topics.serde import SchemaRegistry, schema_fingerprint
+from methods.grpo import recipe as grpo_recipe
+from methods.sao import recipe as sao_recipe
 from tests.recipes import second_task
 from tests.recipes.second_task import GreedySuccessor, Successor, generation, successor_model
 
@@ -75,6 +77,20 @@ def test_reef_check_requires_every_awaited_source_to_be_produced_or_declared_ext
                               "'successor'; external_sources: [])")
     assert recipe_problems(dataclasses.replace(waits_for_judge, external_sources=("judge",)),
                            complete=True) == []
+
+
+@pytest.mark.parametrize(("method", "name"), [(sao_recipe, "methods.sao.recipe"),
+                                             (grpo_recipe, "methods.grpo.recipe")])
+def test_a_method_waits_for_its_reward_and_the_external_sources_and_refuses_none(method, name):
+    bound = method(model=successor_model, reward=NamedReward("successor", Successor()),
+                          evaluator=GreedySuccessor(), external_sources=("judge",))
+    assert bound.processor.feedback.sources == ("successor", "judge")
+    external_only = method(model=successor_model, reward=None, evaluator=GreedySuccessor(),
+                           external_sources=("judge",))
+    assert external_only.processor.feedback.sources == ("judge",)
+    with pytest.raises(ConfigurationError, match=rf"^{name} needs a reward function or "
+                       "external_sources: the feedback its processor waits for$"):
+        method(model=successor_model, reward=None, evaluator=GreedySuccessor())
 
 
 # --------------------------------------------------------------------------- group size
