@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import click
@@ -22,7 +23,7 @@ from reef_stream.errors import ConfigurationError, ReefError
 from reef_stream.ops.processes import stop_on_signals
 
 __all__ = ["ReefGroup", "console", "err_console", "exit_status", "fail", "print_error", "progress",
-           "run_standalone", "settings_of", "stop_on_signals"]
+           "run_stage", "run_standalone", "settings_of", "stop_on_signals"]
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -33,6 +34,17 @@ def progress(message: str) -> None:
 
 def print_error(exc: BaseException) -> None:
     err_console.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
+
+
+def run_stage(worker: Any, *, stop: Callable[[], None] | None = None) -> None:
+    """Run a long-running stage's ``worker`` until it returns or SIGINT / SIGTERM calls
+    ``stop`` [default: ``worker.stop``], then print its one-line summary
+    (``worker.summary.line()``), also after a failure: what it did before it failed."""
+    try:
+        with stop_on_signals(stop or worker.stop):
+            worker.run()
+    finally:
+        click.echo(worker.summary.line())
 
 
 def settings_of(ctx: click.Context) -> Settings:

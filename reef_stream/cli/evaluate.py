@@ -18,7 +18,7 @@ import logging
 
 import click
 
-from reef_stream.cli.common import run_standalone, stop_on_signals
+from reef_stream.cli.common import run_stage, run_standalone
 from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
 from reef_stream.cli.recipe_options import set_option
 from reef_stream.errors import ConfigurationError
@@ -100,11 +100,7 @@ def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None
         recipe, settings=settings, options=options, fleet=fleet,
         announce=lambda text: click.secho(text, fg="red", bold=True, err=True))
     serve_metrics(metrics_port)
-    try:
-        with stop_on_signals(worker.stop):    # after the current candidate
-            worker.run()
-    finally:
-        click.echo(worker.summary.line())
+    run_stage(worker)    # a signal stops it after the current candidate
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import click
 
-from reef_stream.cli.common import run_standalone, stop_on_signals
+from reef_stream.cli.common import run_stage, run_standalone
 from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
 from reef_stream.cli.recipe_options import set_option
 
@@ -89,11 +89,7 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
     worker = RewardWorker(recipe, settings=settings, options=options)
     serve_metrics(metrics_port)
     # SIGTERM/SIGINT stop the worker cleanly; a second one stops it without the grace period.
-    try:
-        with stop_on_signals(lambda: worker.stop(now=worker.stopping)):
-            worker.run()
-    finally:
-        click.echo(worker.summary.line())
+    run_stage(worker, stop=lambda: worker.stop(now=worker.stopping))
 
 
 def main() -> None:

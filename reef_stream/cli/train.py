@@ -19,7 +19,7 @@ import os
 
 import click
 
-from reef_stream.cli.common import stop_on_signals
+from reef_stream.cli.common import run_stage
 from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
 from reef_stream.cli.recipe_options import set_option
 
@@ -71,9 +71,7 @@ def train(path: str, group: str, url: str | None, keep: int, model_name: str | N
     if metrics_port:  # one port per rank on a host (torchrun sets LOCAL_RANK)
         metrics_port += int(os.environ.get("LOCAL_RANK", "0"))
     serve_metrics(metrics_port)
-    with stop_on_signals(trainer.stop):
-        summary = trainer.run()
-    click.echo(summary.line())
+    run_stage(trainer)
 
 
 COMMANDS = [train]
