@@ -56,10 +56,16 @@ committed, completing that acknowledgement. Without a checkpoint the model
 starts from the schedule's seed and the group's committed offsets, or the
 beginning of the topic.
 
-The trainer drives its consumer itself, not on the stage loop
-(``reef_stream.consumers.stage`` says why: manual assignment, a log-order
-merge, and the commit inside ``_acknowledge``); it shares the loop's consumer
-construction (``group_consumer``) and dead-letter builder.
+The trainer runs on the stage loop (``reef_stream.consumers.stage``; its
+strategy is ``_Steps``), with the loop's two choices for a stage whose
+guarantee lives in its own durability step: a manual assignment (this rank's
+partitions, at the checkpoint's offsets, chosen after ``_resume``) and
+``strategy_commits`` (the commit is step 3 of ``_acknowledge``; the loop never
+commits). The loop fetches up to ``CONSUME_BATCH`` records at a time; each goes
+into the merge as it arrives, and after each fetch the settled ones are taken
+in order, so a step is trained and acknowledged on the loop's thread, between
+two fetches. A failed step goes back to the newest checkpoint there: ``_resume``,
+then the same partitions assigned again at its offsets.
 
 Several groups may train on one units topic independently (each its own
 store, default ``$REEF_HOME/checkpoints/<ns>/<recipe>/<group>``). Dead
@@ -76,6 +82,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,7 +100,7 @@ from reef_stream.config import Settings, load_settings
 from reef_stream.topics.connect import client_config
 from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
 from reef_stream.topics.dead_letters import dead_letter
-from reef_stream.consumers.stage import group_consumer
+from reef_stream.consumers.stage import StageLoop
 from reef_stream.topics.events import Checkpoint, TopicOffset, now_ms
 from reef_stream.ops.failpoints import failpoint
 from reef_stream.ops.metrics import (
@@ -198,68 +205,23 @@ class Trainer:
             "acks": "all", "enable.idempotence": True, "linger.ms": 5}))
         self.metrics = MetricsWriter(self.producer, self.ns, STAGE_TRAINER,
                                      {"recipe": self.recipe.name, "group": self.group})
-        self.consumer = group_consumer(self.bootstrap, self.group, {
-            "isolation.level": "read_committed", "enable.partition.eof": True,
-            "fetch.wait.max.ms": 100})
-        try:
-            self._join_ranks()
-            self.partitions = self._partitions()
-            self.owned = [p for p in self.partitions if p % self.ranks == self.rank]
-            if self.ranks > 1:
-                log.info("rank %d of %d owns partitions %s", self.rank, self.ranks, self.owned)
-            if self.recipe.evaluator is not None and getattr(self.recipe.evaluator, "warning", None):
-                log.info("candidate evaluator %s decides what is published (reef evaluate)",
-                         self.recipe.evaluator.name)
-            self._resume()
-            self.summary.resumed_from = self.step
-            self.summary.resume_seconds = time.monotonic() - self._started
-            log.info("group %s at step %d (%s); resumed in %.2f s", self.group, self.step,
-                     self.store.url, self.summary.resume_seconds)
-            last_unit = time.monotonic()
-            while not self._done():
-                try:
-                    if self._poll_and_train():
-                        last_unit = time.monotonic()
-                except (RetryableError, CheckpointError, KafkaException) as error:
-                    log.error("step %d aborted: %s; resuming from the newest checkpoint",
-                              self.step + 1, error)
-                    time.sleep(RETRY_BACKOFF_S)
-                    self._resume()
-                if self.idle_exit is not None and time.monotonic() - last_unit > self.idle_exit:
-                    log.info("no new unit for %.0f s: leaving", self.idle_exit)
-                    break
-        finally:
-            self.consumer.close()
-            self.producer.flush(10)
+        if self.recipe.evaluator is not None and getattr(self.recipe.evaluator, "warning", None):
+            log.info("candidate evaluator %s decides what is published (reef evaluate)",
+                     self.recipe.evaluator.name)
+        StageLoop(
+            _Steps(self), stage=STAGE_TRAINER, bootstrap=self.bootstrap, group=self.group,
+            topics=[self.topic], namespace=self.ns, reads="unit", producer=self.producer,
+            registry=self.registry, batch=CONSUME_BATCH, poll_timeout=0.2,
+            strategy_commits=True, consumer_config={
+                "isolation.level": "read_committed", "enable.partition.eof": True,
+                "fetch.wait.max.ms": 100},
+            metrics=self.metrics, stop_event=self._stop, logger=log,
+        ).run()
         self.summary.last_step = self.step
         return self.summary
 
     def _done(self) -> bool:
         return self._stop.is_set() or (self.max_steps is not None and self.step >= self.max_steps)
-
-    def _poll_and_train(self) -> bool:
-        """Take what the client has, hand over what is settled; True when a unit was taken."""
-        started = time.monotonic()
-        before = now_ms()
-        messages = self.consumer.consume(CONSUME_BATCH, timeout=0.2)
-        for message in messages:
-            error = message.error()
-            if error is None:
-                _, timestamp = message.timestamp()
-                self.merge.add(message.partition(), message.offset(), timestamp, message)
-            elif error.code() == KafkaError._PARTITION_EOF:
-                self.merge.at_end(message.partition())
-            elif error.fatal() or error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
-                raise ConfigurationError(f"reading {self.topic}: {error.str()}")
-            else:
-                log.warning("reading %s: %s", self.topic, error.str())
-        settled = self.merge.drained(before if len(messages) < CONSUME_BATCH else 0)
-        took = False
-        self.summary.data_seconds += time.monotonic() - started
-        while not self._done() and (record := self.merge.pop(settled)) is not None:
-            took = True
-            self._take(record)
-        return took
 
     def _take(self, record: Ordered) -> None:
         """One unit, in log order: skip, drop or keep it; a full step is trained and acknowledged."""
@@ -416,9 +378,11 @@ class Trainer:
 
     # ----------------------------------------------------------------- resume
 
-    def _resume(self) -> None:
-        """Load the newest checkpoint (or start fresh), finish its acknowledgement if it was
-        interrupted, and position the consumer at its offsets. Blocks; idempotent."""
+    def _resume(self) -> list[TopicPartition]:
+        """Load the newest checkpoint (or start fresh) and finish its acknowledgement if it was
+        interrupted. Returns where this rank's partitions start (the checkpoint's offsets, else
+        the beginning): the loop's assignment at start, assigned again after a failed step.
+        Blocks; idempotent."""
         self.backend = TorchBackend(self.recipe, between_micro_batches=self._micro_batch_done,
                                     rank=self.rank, ranks=self.ranks)
         self.algorithm_state = self.recipe.objective.initial_state()
@@ -451,11 +415,11 @@ class Trainer:
                         "from fresh weights at those offsets", self.group, committed, self.store.url)
             self.offsets = dict(committed)
         self.offsets = {p: o for p, o in self.offsets.items() if p in self.owned}
-        start = {p: self.offsets.get(p, OFFSET_BEGINNING) for p in self.owned}
-        self.consumer.assign([TopicPartition(self.topic, p, o) for p, o in start.items()])
         self.merge = LogMerge(sorted(self.owned), log_append_time=True)
         if self.ranks > 1:
             self._gather_bytes(b"")   # every rank resumed before any trains
+        return [TopicPartition(self.topic, p, self.offsets.get(p, OFFSET_BEGINNING))
+                for p in self.owned]
 
     # ----------------------------------------------------------------- data parallelism
 
@@ -534,13 +498,6 @@ class Trainer:
         admin = AdminClient(client_config(self.bootstrap))
         ensure_topics(admin, declarations.declare_topics(self.ns, (self.recipe.name,)))
 
-    def _partitions(self) -> list[int]:
-        metadata = self.consumer.list_topics(self.topic, timeout=30).topics.get(self.topic)
-        if metadata is None or metadata.error is not None or not metadata.partitions:
-            raise ConfigurationError(f"units topic {self.topic} is missing or unreadable "
-                                     f"({metadata.error if metadata else 'no metadata'})")
-        return sorted(metadata.partitions)
-
     def _dead_letter(self, message: Any, reason: str, error_type: str) -> None:
         letter = dead_letter(reason, error_type, stage=STAGE_TRAINER, message=message)
         value, headers = self.registry.encode(letter)
@@ -573,5 +530,99 @@ class Trainer:
             if np.isfinite(value):
                 write(name, value)
         self.metrics.write_counts(TRAINER_STALENESS_SAMPLES, summary.staleness, "staleness")
-        self.metrics.write_lag(self.consumer)
         self.producer.poll(0)
+
+
+class _Steps:
+    """The trainer as the stage loop's strategy (``reef_stream.consumers.stage``). Records go
+    into the log-order merge as they are fetched (``submit``, ``at_end``); after each fetch the
+    settled ones are taken in order (``fetched``), a full step being trained and acknowledged
+    there, synchronously: ``Trainer._acknowledge`` commits (``strategy_commits``). Manual
+    assignment: this rank's partitions at its checkpoint's offsets."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        #: Monotonic seconds: when the current fetch began (``poll`` comes just before it),
+        #: and when a unit was last taken (``idle_exit``).
+        self._fetch_started = self._last_unit = time.monotonic()
+
+    def on_start(self, consumer: Any) -> None:
+        """The loop's consumer: ``_resume`` reads the group's committed offsets with it and
+        assigns it again after a failed step; ``_acknowledge`` commits with it."""
+        self.trainer.consumer = consumer
+
+    def assignment(self, partitions: Mapping[str, list[int]]) -> list[TopicPartition]:
+        """Join the data-parallel ranks, resume from the newest checkpoint, and read the
+        partitions this rank owns (``p % ranks == rank``) from its offsets. Blocks (loading
+        the checkpoint; every rank waits for the others); called once."""
+        trainer = self.trainer
+        trainer._join_ranks()
+        trainer.partitions = partitions[trainer.topic]
+        trainer.owned = [p for p in trainer.partitions if p % trainer.ranks == trainer.rank]
+        if trainer.ranks > 1:
+            log.info("rank %d of %d owns partitions %s", trainer.rank, trainer.ranks,
+                     trainer.owned)
+        start = trainer._resume()
+        summary = trainer.summary
+        summary.resumed_from = trainer.step
+        summary.resume_seconds = time.monotonic() - trainer._started
+        log.info("group %s at step %d (%s); resumed in %.2f s", trainer.group, trainer.step,
+                 trainer.store.url, summary.resume_seconds)
+        self._last_unit = time.monotonic()
+        return start
+
+    def on_assign(self, partitions: list[TopicPartition]) -> None:
+        """Nothing to restore: ``assignment`` resumed already."""
+
+    def on_revoke(self, partitions: list[TopicPartition]) -> None:
+        """Never called: a manual assignment is not revoked."""
+
+    def poll(self) -> None:
+        """Before each fetch: stop at ``max_steps``, or after ``idle_exit`` seconds without a
+        new unit (the units of an unfinished step stay unacknowledged)."""
+        trainer = self.trainer
+        self._fetch_started = time.monotonic()
+        if trainer._done():
+            trainer.stop()
+        elif trainer.idle_exit is not None \
+                and time.monotonic() - self._last_unit > trainer.idle_exit:
+            log.info("no new unit for %.0f s: leaving", trainer.idle_exit)
+            trainer.stop()
+
+    def submit(self, message: Any) -> None:
+        """Into the merge; taken in ``fetched`` once settled. Never blocks or rejects (a unit
+        that cannot be trained is dead-lettered by ``_take``, in log order)."""
+        _, timestamp = message.timestamp()
+        self.trainer.merge.add(message.partition(), message.offset(), timestamp, message)
+
+    def at_end(self, topic: str, partition: int, offset: int) -> None:
+        self.trainer.merge.at_end(partition)
+
+    def fetched(self, drained_at_ms: int | None) -> None:
+        """Take the settled units in log order; a full step is trained and acknowledged here
+        (blocks for it). A step that fails goes back to the newest checkpoint: the consumer is
+        assigned again at its offsets, after ``RETRY_BACKOFF_S``."""
+        trainer = self.trainer
+        settled = trainer.merge.drained(drained_at_ms if drained_at_ms is not None else 0)
+        trainer.summary.data_seconds += time.monotonic() - self._fetch_started
+        took = False
+        try:
+            while not trainer._done() and (record := trainer.merge.pop(settled)) is not None:
+                took = True
+                trainer._take(record)
+        except (RetryableError, CheckpointError, KafkaException) as error:
+            log.error("step %d aborted: %s; resuming from the newest checkpoint",
+                      trainer.step + 1, error)
+            time.sleep(RETRY_BACKOFF_S)
+            trainer.consumer.assign(trainer._resume())
+            return
+        if took:
+            self._last_unit = time.monotonic()
+        if trainer._done():
+            trainer.stop()
+
+    def join(self, timeout: float | None) -> None:
+        """Nothing to finish: a step is trained and acknowledged within ``fetched``."""
+
+    def close(self) -> None:
+        """Nothing held: the consumer is the loop's, the producer the trainer's."""
