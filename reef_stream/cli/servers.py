@@ -16,7 +16,7 @@ from reef_stream.ops.kafka_local import (KAFKA_VERSION, ClusterStatus, LocalClus
                                          kafka_classpath)
 from reef_stream.ops.redis_local import DEFAULT_PORT as REDIS_PORT
 from reef_stream.ops.redis_local import LocalRedis
-from reef_stream.topics.connect import client_config
+from reef_stream.topics.connect import new_admin
 
 
 # --------------------------------------------------------------------------- reef up
@@ -139,9 +139,7 @@ def _print_cluster_status(status: ClusterStatus) -> None:
 
 
 def _print_remote_status(bootstrap: str) -> None:
-    from confluent_kafka.admin import AdminClient
-
-    admin = AdminClient(client_config(bootstrap))
+    admin = new_admin(bootstrap)
     cluster = admin.describe_cluster(request_timeout=10).result()
     metadata = admin.list_topics(timeout=10)
     table = Table(title=f"Kafka cluster {cluster.cluster_id} (REEF_BOOTSTRAP_SERVERS)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from reef_stream.cli.common import progress, settings_of
-from reef_stream.topics.connect import bootstrap_servers, client_config
+from reef_stream.topics.connect import bootstrap_servers, new_admin
 from reef_stream.topics.declarations import declare_topics
 
 
@@ -26,12 +26,10 @@ def topics_create(ctx: click.Context, recipes: tuple[str, ...] = ()) -> None:
     A topic that exists with settings other than its declaration is an error
     listing every difference; it is never silently used.
     """
-    from confluent_kafka.admin import AdminClient
-
     from reef_stream.topics.admin import ensure_topics
 
     settings = settings_of(ctx)
-    admin = AdminClient(client_config(bootstrap_servers(settings)))
+    admin = new_admin(bootstrap_servers(settings))
     report = ensure_topics(admin, declare_topics(settings.namespace, recipes))
     for name in report.created:
         progress(f"created {name}")
@@ -44,13 +42,11 @@ def topics_create(ctx: click.Context, recipes: tuple[str, ...] = ()) -> None:
 @click.pass_context
 def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
     """Check that every declared topic exists with its declared settings."""
-    from confluent_kafka.admin import AdminClient
-
     from reef_stream.errors import TopicMismatchError
     from reef_stream.topics.admin import verify_topics
 
     settings = settings_of(ctx)
-    admin = AdminClient(client_config(bootstrap_servers(settings)))
+    admin = new_admin(bootstrap_servers(settings))
     problems = verify_topics(admin, declare_topics(settings.namespace, recipes))
     if problems:
         raise TopicMismatchError(problems)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import time
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-
 from reef_stream.errors import FatalError
-from reef_stream.topics.connect import ask_broker, client_config
+from reef_stream.topics.connect import ask_broker, new_consumer
 from reef_stream.topics.declarations import MiB, Topic
+from reef_stream.topics.kafka import KafkaError, KafkaException, TopicPartition
 
 #: How long reading the assigned changelog partitions to their end may take.
 RESTORE_TIMEOUT_S = 120.0
@@ -46,10 +45,9 @@ def read_changelog(bootstrap: str, group: str, topic: str, partitions: list[int]
     tables: dict[int, dict[bytes, bytes]] = {p: {} for p in partitions}
     if not partitions:
         return tables
-    reader = Consumer(client_config(bootstrap, {
-        "group.id": group, "enable.auto.commit": False,
+    reader = new_consumer(bootstrap, group, {
         "isolation.level": "read_committed", "enable.partition.eof": True,
-        "fetch.max.bytes": 64 * MiB}))
+        "fetch.max.bytes": 64 * MiB})
     try:
         ends = {}
         for p in partitions:

@@ -76,17 +76,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from confluent_kafka import (
-    Message, Producer, TopicPartition,
-)
-
 from reef_stream.engine.checkpoints import CheckpointError, verify
 from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import bootstrap_servers, client_config
+from reef_stream.topics.connect import bootstrap_servers, new_producer
 from reef_stream.errors import ConfigurationError, InvalidRecord
 from reef_stream.api.evaluator import Incumbent, Measurement, Selection
 from reef_stream.topics.dead_letters import dead_letter
 from reef_stream.topics.events import Checkpoint, Decision, Publication, now_ms
+from reef_stream.topics.kafka import Message, Producer, TopicPartition
 from reef_stream.ops.metrics import (
     EVALUATOR_CANDIDATE_VERSION, EVALUATOR_CANDIDATES_SKIPPED, EVALUATOR_DECISIONS,
     EVALUATOR_MEASURE_SECONDS, EVALUATOR_MEASUREMENT, STAGE_EVALUATOR, MetricsWriter,
@@ -271,10 +268,10 @@ class EvaluatorWorker:
         started = time.monotonic()
         if self.warning:
             self._announce(self.warning)
-        producer = Producer(client_config(self.bootstrap, {
+        producer = new_producer(self.bootstrap, {
             "acks": "all", "enable.idempotence": True, "linger.ms": 0,
             "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000) - 5000,
-        }))
+        })
         ledger = PublicationLedger(
             self.bootstrap, self.namespace, registry=self._registry,
             on_undecodable=lambda message, error: self._undecodable_publication(

@@ -20,11 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from confluent_kafka import KafkaException, Producer
-
 from reef_stream.errors import FatalError
-from reef_stream.topics.connect import client_config
+from reef_stream.topics.connect import new_producer
 from reef_stream.topics.declarations import MiB
+from reef_stream.topics.kafka import KafkaException, Producer
 
 log = logging.getLogger("reef_stream.engine.join")
 
@@ -55,13 +54,13 @@ class TransactionalIdentity:
         """A producer with this transactional id, initialised: its ``init_transactions``
         fences any earlier producer of the id and aborts its open transaction. Blocks (up
         to 60 s)."""
-        producer = Producer(client_config(self.bootstrap, {
+        producer = new_producer(self.bootstrap, {
             "transactional.id": self.transactional_id,
             "transaction.timeout.ms": self.timeout_ms,
             "linger.ms": 5,
             "compression.type": "lz4",
             "message.max.bytes": 16 * MiB + 1024,
-        }))
+        })
         producer.init_transactions(60)
         return producer
 

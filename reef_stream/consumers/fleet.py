@@ -36,15 +36,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import redis
-from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import ask_broker, client_config, redis_url
+from reef_stream.topics.connect import ask_broker, new_consumer, redis_url
 from reef_stream.consumers.publications import READ_TIMEOUT_S, PublicationLedger
 from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
 from reef_stream.topics.events import Decision, Metric, Publication, now_ms
 from reef_stream.ops.metrics import FOLLOWER_POLICY_VERSION, STAGE_FOLLOWER
 from reef_stream.topics import declarations
+from reef_stream.topics.kafka import KafkaError, TopicPartition
 from reef_stream.topics.serde import SchemaRegistry
 
 __all__ = ["DEFAULT_HEARTBEAT_S", "DEFAULT_TTL_S", "Fleet", "FleetSnapshot", "ModelStatus",
@@ -376,9 +376,8 @@ def _read_heartbeats(bootstrap: str, namespace: str, since_ms: int,
     """Heartbeat metrics written at or after ``since_ms``: (how many, the newest per replica)."""
     topic = declarations.metrics(namespace)
     registry = SchemaRegistry.default()
-    consumer = Consumer(client_config(bootstrap, {
-        "group.id": f"reef-fleet-rebuild-{now_ms()}", "enable.auto.commit": False,
-        "enable.auto.offset.store": False, "enable.partition.eof": True}))
+    consumer = new_consumer(bootstrap, f"reef-fleet-rebuild-{now_ms()}", {
+        "enable.auto.offset.store": False, "enable.partition.eof": True})
     try:
         metadata = consumer.list_topics(topic, timeout=30).topics.get(topic)
         if metadata is None or metadata.error is not None:

@@ -73,17 +73,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from confluent_kafka import Message, Producer, TopicPartition
 
 from reef_stream.engine.checkpoints import CheckpointError, load_weights
 from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import ask_broker, bootstrap_servers, client_config
+from reef_stream.topics.connect import ask_broker, bootstrap_servers, new_producer
 from reef_stream.consumers.publications import READ_TIMEOUT_S, PublicationLedger
 from reef_stream.consumers.stage import StageLoop
 from reef_stream.errors import (
     ConfigurationError, FatalError, InvalidRecord, ReefError, RetryableError,
 )
 from reef_stream.topics.events import Generation, Publication, now_ms
+from reef_stream.topics.kafka import Message, Producer, TopicPartition
 from reef_stream.consumers.fleet import (
     DEFAULT_HEARTBEAT_S, DEFAULT_TTL_S, Fleet, ReplicaStatus, heartbeat_metric_labels,
 )
@@ -312,7 +312,7 @@ class Follower:
         publications topic does not exist, ``RetryableError`` when it cannot be read."""
         ledger = PublicationLedger(self.bootstrap, self.namespace,
                                    on_undecodable=self._undecodable_publication)
-        self._producer = Producer(client_config(self.bootstrap, {"linger.ms": 50}))
+        self._producer = new_producer(self.bootstrap, {"linger.ms": 50})
         self._metrics = MetricsWriter(self._producer, self.namespace, STAGE_FOLLOWER,
                                       {"replica": self.replica_id, "model": self.model})
         self.fleet = self._connect_fleet()

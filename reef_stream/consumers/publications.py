@@ -25,14 +25,16 @@ from collections.abc import Callable
 from typing import Any
 
 import fsspec
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
 
 from reef_stream.config import Settings
 from reef_stream.engine.checkpoints import MANIFEST, CheckpointError, fsync_dir, verify, write_durably
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, RetryableError
 from reef_stream.topics import declarations
-from reef_stream.topics.connect import ask_broker, client_config
+from reef_stream.topics.connect import ask_broker, new_consumer
 from reef_stream.topics.events import Checkpoint, Decision, Publication
+from reef_stream.topics.kafka import (
+    OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition,
+)
 from reef_stream.topics.serde import SchemaRegistry
 
 __all__ = ["READ_TIMEOUT_S", "REJECTED_KEY_SUFFIX", "PublicationLedger", "PublicationStore",
@@ -86,9 +88,8 @@ class PublicationLedger:
                  on_undecodable: Callable[[Message, InvalidRecord], None] | None = None) -> None:
         self.topic = declarations.publications(namespace)
         self._registry = registry or SchemaRegistry.default()
+        self._group = f"reef-ledger-{uuid.uuid4().hex}"
         self._consumer_config = {
-            "group.id": f"reef-ledger-{uuid.uuid4().hex}",
-            "enable.auto.commit": False,
             "enable.auto.offset.store": False,
             "enable.partition.eof": True,
             **(consumer_config or {}),
@@ -110,7 +111,7 @@ class PublicationLedger:
         30 s). Raises ``ConfigurationError`` when the topic does not exist. Without ``open``
         the ledger only folds what it is given (``take``), read by someone else (the
         ``Follower``'s stage loop)."""
-        self._consumer = Consumer(client_config(self._bootstrap, self._consumer_config))
+        self._consumer = new_consumer(self._bootstrap, self._group, self._consumer_config)
         metadata = self._consumer.list_topics(self.topic, timeout=30)
         topic = metadata.topics.get(self.topic)
         if topic is None or topic.error is not None or not topic.partitions:

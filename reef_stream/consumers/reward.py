@@ -94,8 +94,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Message, Producer, TopicPartition
-
 from reef_stream.config import Settings, load_settings
 from reef_stream.topics.connect import bootstrap_servers
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
@@ -109,6 +107,7 @@ from reef_stream.ops.metrics import (
 )
 from reef_stream.api.recipe import Recipe, Reward, feedback_for
 from reef_stream.topics import declarations
+from reef_stream.topics.kafka import Message, Producer, TopicPartition
 from reef_stream.topics.serde import decode
 from reef_stream.consumers.stage import MessageRejected, StageLoop
 

@@ -36,11 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient
-
 from reef_stream.config import Settings
-from reef_stream.topics.connect import client_config
+from reef_stream.topics.connect import new_admin, new_consumer
 from reef_stream.consumers.processor import EXIT_RESTART
 from reef_stream.demo.verify import GenerationOutcomes, ledger_counts, letter_unit
 from reef_stream.topics.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
@@ -49,6 +46,7 @@ from reef_stream.ops.metrics import (
 )
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from reef_stream.topics.reading import read_to_end
 from reef_stream.topics.serde import SchemaRegistry
 
@@ -260,10 +258,9 @@ class Demo:
     def run(self, may_stop: Callable[[], bool] = lambda: True) -> DemoResult:
         """Run until the target is reached (once ``may_stop()`` also says so) or the time limit
         passes; see the module docstring."""
-        ensure_topics(AdminClient(client_config(self.bootstrap)),
+        ensure_topics(new_admin(self.bootstrap),
                       declarations.declare_topics(self.ns, (self.recipe.name,)))
-        watcher = Consumer(client_config(self.bootstrap, {
-            "group.id": f"{self.ns}.demo-watch", "enable.auto.commit": False}))
+        watcher = new_consumer(self.bootstrap, f"{self.ns}.demo-watch")
         watcher.assign([TopicPartition(t, 0, OFFSET_BEGINNING) for t in (
             self.topics["publications"],)] + [TopicPartition(declarations.metrics(self.ns), p,
                                                              OFFSET_BEGINNING) for p in range(3)])

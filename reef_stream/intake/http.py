@@ -49,11 +49,11 @@ from functools import partial
 from typing import Any
 
 from aiohttp import web
-from confluent_kafka.admin import AdminClient
 
-from reef_stream.topics.connect import client_config
+from reef_stream.topics.connect import new_admin
 from reef_stream.errors import InvalidRecord, ReefError
 from reef_stream.topics.events import Feedback, Generation
+from reef_stream.topics.kafka import AdminClient
 from reef_stream.intake.aio import AsyncRecordProducer
 from reef_stream.intake.formats import Kind, parse_record
 from reef_stream.intake.producer import DeliveryState, SendHandle
@@ -94,7 +94,7 @@ def make_app(producer: AsyncRecordProducer, *, bootstrap: str, token: str | None
     app.router.add_post("/v1/generations", partial(intake.handle, kind="generations"))
     app.router.add_post("/v1/feedback", partial(intake.handle, kind="feedback"))
     app.router.add_get("/healthz", partial(_healthz, producer=producer,
-                                           admin=AdminClient(client_config(bootstrap))))
+                                           admin=new_admin(bootstrap)))
     return app
 
 

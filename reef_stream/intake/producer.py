@@ -65,16 +65,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from confluent_kafka import KafkaError, Producer
-
 from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import bootstrap_servers, client_config
+from reef_stream.topics.connect import bootstrap_servers, new_producer
 from reef_stream.errors import ConfigurationError, InvalidRecord, ReefError
 from reef_stream.ops import metrics
 from reef_stream.topics.events import DeadLetter, Feedback, Generation
 from reef_stream.intake.spool import FsyncPolicy, Spool, SpoolFull
 from reef_stream.intake.validation import check_size, validate
 from reef_stream.topics import declarations
+from reef_stream.topics.kafka import KafkaError
 from reef_stream.topics.serde import SchemaRegistry
 
 __all__ = ["DeliveryState", "FlushReport", "GenerationGuard", "RecordProducer", "SendHandle",
@@ -227,7 +226,7 @@ class RecordProducer:
         }
         limits = {t.name: t.max_message_bytes for t in declarations.declare_topics(namespace)}
         self._limits = {topic: limits[topic] for topic in self._topics.values()}
-        self._producer = Producer(client_config(bootstrap, {
+        self._producer = new_producer(bootstrap, {
             "acks": "all",
             "enable.idempotence": True,
             "linger.ms": 5,
@@ -238,7 +237,7 @@ class RecordProducer:
             "queue.buffering.max.kbytes": 512 * 1024,
             "error_cb": self._on_client_error,
             **(config or {}),
-        }))
+        })
         self._spool = Spool(spool_dir or settings.home / "spool" / namespace,
                             max_bytes=spool_max_bytes, fsync=fsync)
         self._cond = threading.Condition()

@@ -40,7 +40,6 @@ from contextlib import contextmanager
 from typing import Callable
 
 from reef_stream.config import KAFKA_INFRA_DIR, Settings
-from reef_stream.topics.connect import client_config
 from reef_stream.ops.processes import free_ports, log_tail, port_is_free, process_matches, reap
 from reef_stream.errors import ConfigurationError, FatalError
 
@@ -332,13 +331,12 @@ class LocalCluster:
     def wait_ready(self, members: list[Node] | None = None, timeout: float = 90.0,
                    progress: Progress = _quiet) -> None:
         """Block until every node is a live broker answering metadata requests."""
-        from confluent_kafka.admin import AdminClient
+        from reef_stream.topics.connect import new_admin
 
         members = members or self.nodes
         # The nodes listen in plaintext (the template); REEF_KAFKA_* is for other clusters.
-        admin = AdminClient(client_config(self._bootstrap(members),
-                                          {"socket.connection.setup.timeout.ms": 2000},
-                                          security=False))
+        admin = new_admin(self._bootstrap(members), {"socket.connection.setup.timeout.ms": 2000},
+                          security=False)
         deadline = time.monotonic() + timeout
         expected = {node.node_id for node in members}
         while True:
@@ -420,7 +418,7 @@ class LocalCluster:
         return best[0] if best else None
 
     def status(self) -> ClusterStatus:
-        from confluent_kafka.admin import AdminClient
+        from reef_stream.topics.connect import new_admin
 
         members = self.nodes
         nodes = [NodeStatus(n.node_id, n.port, n.controller_port, n.pid, self.is_alive(n))
@@ -431,7 +429,7 @@ class LocalCluster:
         error = None
         if any(node.alive for node in nodes):
             try:
-                admin = AdminClient(client_config(bootstrap, security=False))
+                admin = new_admin(bootstrap, security=False)
                 metadata = admin.list_topics(timeout=5)
                 brokers = sorted(metadata.brokers)
                 topics = {name: len(t.partitions) for name, t in sorted(metadata.topics.items())}

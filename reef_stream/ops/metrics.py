@@ -193,20 +193,18 @@ def metrics_producer(bootstrap: str, on_dropped: Callable[[], None]) -> Any:
     a metric may be). ``acks=1`` and one request in flight keep one instance's events in order
     without the idempotent producer's fatal states; the queue is bounded. ``on_dropped()`` is
     called (on the thread that polls it) for each metric the broker did not take."""
-    from confluent_kafka import Producer
-
-    from reef_stream.topics.connect import client_config
+    from reef_stream.topics.connect import new_producer
 
     def delivered(error: Any, _message: Any) -> None:
         if error is not None:
             on_dropped()
 
-    return Producer(client_config(bootstrap, {
+    return new_producer(bootstrap, {
         "acks": 1, "enable.idempotence": False,
         "max.in.flight.requests.per.connection": 1,
         "linger.ms": 50, "message.timeout.ms": 30_000,
         "queue.buffering.max.messages": 10_000, "on_delivery": delivered,
-    }))
+    })
 
 
 def consumer_lag(consumer: Any) -> list[tuple[str, int, int]]:

@@ -286,13 +286,11 @@ class MetricsSinkRunner:
         self._stopping = True
 
     def run(self) -> SinkSummary:
-        from confluent_kafka import Consumer, KafkaError
+        from reef_stream.topics.connect import new_consumer
+        from reef_stream.topics.kafka import KafkaError
 
-        from reef_stream.topics.connect import client_config
-
-        self._consumer = Consumer(client_config(self.bootstrap, {
-            "group.id": self.group, "enable.auto.commit": False,
-            "auto.offset.reset": "earliest", "enable.partition.eof": True}))
+        self._consumer = new_consumer(self.bootstrap, self.group, {
+            "auto.offset.reset": "earliest", "enable.partition.eof": True})
         self._consumer.subscribe([self.topic], on_assign=self._assigned,
                                  on_revoke=self._revoked)
         last_commit = time.monotonic()
@@ -358,7 +356,7 @@ class MetricsSinkRunner:
         """Write → flush → commit: flush the sink, then commit the next offset of each partition
         read since the last commit, with its mapper's trainer steps as the offset's metadata.
         Blocks. A failure raises before the commit: the records are read again."""
-        from confluent_kafka import TopicPartition
+        from reef_stream.topics.kafka import TopicPartition
 
         pending = {p: o for p, o in self._positions.items()
                    if partitions is None or p in partitions}

@@ -29,17 +29,17 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 from rich.console import Group
 from rich.table import Table
 
-from reef_stream.topics.connect import client_config
+from reef_stream.topics.connect import new_consumer
 from reef_stream.topics.cursors import lag
 from reef_stream.topics.events import Checkpoint, DeadLetter, Decision, Metric, Publication
 from reef_stream.ops.metrics import (
     FOLLOWER_POLICY_VERSION, STAGE_FOLLOWER, STAGE_TRAINER, TRAINER_STALENESS_MEAN,
 )
 from reef_stream.topics import declarations
+from reef_stream.topics.kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 from reef_stream.topics.serde import SchemaRegistry
 
 __all__ = ["TopView"]
@@ -74,9 +74,8 @@ class TopView:
         self.groups: list[tuple[str, str, int]] = []  # (group, state, total lag)
         self._registry = SchemaRegistry.default()
         self._last: tuple[float, dict[str, int]] | None = None
-        self._consumer = Consumer(client_config(bootstrap, {
-            "group.id": f"{namespace}.top", "enable.auto.commit": False,
-            "enable.partition.eof": True}))
+        self._consumer = new_consumer(bootstrap, f"{namespace}.top",
+                                      {"enable.partition.eof": True})
         self._followed = [declarations.checkpoints(namespace), declarations.publications(namespace),
                           declarations.metrics(namespace), declarations.dead_letters(namespace)]
         self._assigned = False

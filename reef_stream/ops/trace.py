@@ -32,9 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer
-
-from reef_stream.topics.connect import client_config
+from reef_stream.topics.connect import new_consumer
 from reef_stream.topics.events import (
     Checkpoint, DeadLetter, Decision, Feedback, Generation, Metric, Publication, RolloutUnit,
 )
@@ -229,7 +227,7 @@ def _dead_letters(bootstrap: str, namespace: str, registry: SchemaRegistry, topi
 def _find_unit(bootstrap: str, namespace: str, registry: SchemaRegistry,
                wanted: Callable[[RolloutUnit], bool]) -> tuple[RolloutUnit, str, int, int] | None:
     """The first unit, on any recipe's units topic, that is ``wanted``."""
-    consumer = Consumer(client_config(bootstrap, {"group.id": "reef-trace"}))
+    consumer = new_consumer(bootstrap, "reef-trace")
     try:
         prefix = declarations.units(namespace, "")
         topics = sorted(t for t in consumer.list_topics(timeout=10).topics if t.startswith(prefix))

@@ -3,6 +3,10 @@
 The one rule: ``REEF_BOOTSTRAP_SERVERS`` / ``REEF_REDIS_URL`` name existing
 servers and win; otherwise the local ones that ``reef kafka up`` and
 ``reef redis up`` started (their addresses are in their data directories).
+
+Kafka clients are built with ``new_producer``, ``new_consumer`` and ``new_admin``,
+each from ``client_config``, so that no module outside ``reef_stream.topics`` needs
+the client library (its types and constants: ``reef_stream.topics.kafka``).
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
 from reef_stream.config import Settings, load_settings
 from reef_stream.errors import ConfigurationError, RetryableError
+
+if TYPE_CHECKING:
+    from confluent_kafka.admin import AdminClient
 
 T = TypeVar("T")
 
@@ -25,11 +32,9 @@ T = TypeVar("T")
 KAFKA_LOGGER = logging.getLogger("reef_stream.kafka")
 log = logging.getLogger(__name__)
 
-# librdkafka's codes for a refused SASL login and a failed TLS handshake
-# (confluent_kafka.KafkaError._AUTHENTICATION / ._SSL; not imported here so that
-# this module loads without the Kafka client).
-_AUTHENTICATION = -169
-_SSL = -181
+# librdkafka's codes for a refused SASL login and a failed TLS handshake.
+_AUTHENTICATION = KafkaError._AUTHENTICATION
+_SSL = KafkaError._SSL
 #: How long ``await_answer`` still waits for an answer after a refusal was reported.
 REFUSAL_GRACE_S = 2.0
 
@@ -87,6 +92,31 @@ def client_config(bootstrap: str, overrides: dict[str, Any] | None = None, *,
     if settings.kafka_client:
         config["error_cb"] = _RefusalReporter(bootstrap, settings, config.get("error_cb"))
     return config
+
+
+def new_producer(bootstrap: str, overrides: dict[str, Any] | None = None) -> Producer:
+    """A producer of ``bootstrap``: ``client_config`` with ``overrides``, the producer's own
+    delivery settings (acks, idempotence, batching, a transactional id). Does not block."""
+    return Producer(client_config(bootstrap, overrides))
+
+
+def new_consumer(bootstrap: str, group: str,
+                 overrides: dict[str, Any] | None = None) -> Consumer:
+    """A consumer in ``group`` that commits only when told to (``enable.auto.commit`` off:
+    offsets are committed by the step that says so, never in the background), with
+    ``overrides`` added (they win). A reader that only ``assign``s uses it too: its group is
+    then only a name, never committed to. Does not block."""
+    return Consumer(client_config(bootstrap, {
+        "group.id": group, "enable.auto.commit": False, **(overrides or {})}))
+
+
+def new_admin(bootstrap: str, overrides: dict[str, Any] | None = None, *,
+              security: bool = True) -> AdminClient:
+    """An admin client of ``bootstrap`` (``security`` as in ``client_config``). Imports
+    ``confluent_kafka.admin`` on the first call, not with this module. Does not block."""
+    from confluent_kafka.admin import AdminClient
+
+    return AdminClient(client_config(bootstrap, overrides, security=security))
 
 
 def describe_security(settings: Settings) -> str:

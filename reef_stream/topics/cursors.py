@@ -55,7 +55,9 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, ConsumerGroupDescription, OffsetSpec
 
-from reef_stream.topics.connect import await_answer, check_refused, client_config, list_topics
+from reef_stream.topics.connect import (
+    await_answer, check_refused, list_topics, new_admin, new_consumer,
+)
 from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
 from reef_stream.topics.serde import SCHEMA_NAME_HEADER, decode
 
@@ -180,7 +182,7 @@ def resolve_topic(bootstrap: str, namespace: str, name: str) -> TopicInfo:
     Raises ConfigurationError naming it and listing the namespace's topics
     when neither exists.
     """
-    admin = _admin(bootstrap)
+    admin = new_admin(bootstrap)
     metadata = list_topics(admin, "listing the topics")
     prefix = f"{namespace}."
     candidates = [name] if name.startswith(prefix) else [prefix + name, name]
@@ -275,7 +277,7 @@ def replay(
     A group that never committed is fine. Running it again with the same
     target moves to the same offsets (``Latest`` follows the log's end).
     """
-    admin = _admin(bootstrap)
+    admin = new_admin(bootstrap)
     refusal = _live_members(admin, group)
     if refusal and not dry_run:
         raise RetryableError(refusal)
@@ -424,7 +426,7 @@ def tail(
     does not decode is yielded with its ``error``; it never stops the reading.
     """
     chosen = select_partitions(topic, partitions)
-    marks = _watermarks(_admin(bootstrap), topic.name, chosen)
+    marks = _watermarks(new_admin(bootstrap), topic.name, chosen)
     if start is None:
         starts = {p: max(m.low, m.high - count) for p, m in marks.items()}
     else:
@@ -608,7 +610,7 @@ class GroupLag:
 
 def lag(bootstrap: str, group: str | None = None) -> tuple[GroupLag, ...]:
     """The lag of every consumer group of the cluster (or of ``group`` alone), by group name."""
-    admin = _admin(bootstrap)
+    admin = new_admin(bootstrap)
     if group is None:
         started = time.monotonic()
         listing = _ask("listing the consumer groups", admin,
@@ -645,18 +647,12 @@ def _all_committed(admin: AdminClient, group: str) -> dict[tuple[str, int], int]
 # --------------------------------------------------------------------------- the cluster
 
 
-def _admin(bootstrap: str) -> AdminClient:
-    return AdminClient(client_config(bootstrap))
-
-
 def _reader(bootstrap: str) -> Consumer:
     """A consumer that only reads assigned partitions: a throwaway group id, no commits."""
-    return Consumer(client_config(bootstrap, {
-        "group.id": f"reef-cursors-{uuid.uuid4().hex}",
-        "enable.auto.commit": False,
+    return new_consumer(bootstrap, f"reef-cursors-{uuid.uuid4().hex}", {
         "enable.auto.offset.store": False,
         "enable.partition.eof": True,
-    }))
+    })
 
 
 def _ask(what: str, client: Any, request: Callable[[], T | concurrent.futures.Future[T]]) -> T:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 
-from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import KafkaError, Message, TopicPartition
 
-from reef_stream.topics.connect import client_config
+from reef_stream.topics.connect import new_consumer
 
 #: Seconds a whole read may take before ``TimeoutError``.
 READ_TIMEOUT_S = 120.0
@@ -36,10 +36,9 @@ class TopicReader:
 
     def __init__(self, bootstrap: str, topic: str, *, timeout: float = READ_TIMEOUT_S) -> None:
         self.topic, self.timeout = topic, timeout
-        self._consumer = Consumer(client_config(bootstrap, {
-            "group.id": "reef-reader", "enable.auto.commit": False,
+        self._consumer = new_consumer(bootstrap, "reef-reader", {
             "enable.auto.offset.store": False, "isolation.level": "read_committed",
-            "auto.offset.reset": "earliest"}))
+            "auto.offset.reset": "earliest"})
         #: Next offset to read, per partition (absent: from the beginning).
         self.positions: dict[int, int] = {}
 

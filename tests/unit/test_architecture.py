@@ -1,6 +1,7 @@
-"""The shape of the tree, checked: the author API is pure, modules import one another without
-cycles, and no module grows past 800 lines. These are the promises of the README's Layout
-section; a change that breaks one fails here, naming the modules."""
+"""The shape of the tree, checked: the author API is pure, only ``reef_stream.topics`` imports
+the Kafka client, modules import one another without cycles, and no module grows past 800
+lines. These are the promises of the README's Layout section; a change that breaks one fails
+here, naming the modules."""
 
 from __future__ import annotations
 
@@ -13,6 +14,16 @@ import reef_stream
 
 PACKAGE = Path(reef_stream.__file__).resolve().parent
 MAX_LINES = 800
+#: The Kafka layer: the only package whose modules import confluent_kafka.
+KAFKA_LAYER = "reef_stream.topics"
+#: Modules outside the Kafka layer that still import confluent_kafka.
+#: Being moved onto the stage loop; remove when done.
+KAFKA_IMPORTS_STILL_ALLOWED = frozenset({
+    "reef_stream.consumers.stage",
+    "reef_stream.consumers.trainer",
+    "reef_stream.consumers.processor",
+    "reef_stream.consumers.pairs",
+})
 
 
 def _modules() -> dict[str, Path]:
@@ -71,6 +82,85 @@ def test_the_author_api_imports_neither_kafka_nor_redis():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "[]", f"reef_stream.api pulled in: {result.stdout.strip()}"
+
+
+def _kafka_imports(source: str) -> list[int]:
+    """The lines of ``source`` that import confluent_kafka or a module of it: ``import`` and
+    ``from ... import`` statements anywhere (module level, inside functions, under
+    ``TYPE_CHECKING``), and ``import_module`` / ``__import__`` of a literal name."""
+    def is_client(name: str | None) -> bool:
+        return name is not None and (name == "confluent_kafka"
+                                     or name.startswith("confluent_kafka."))
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found = any(is_client(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found = node.level == 0 and is_client(node.module)
+        elif isinstance(node, ast.Call) and node.args:
+            called = ast.unparse(node.func).rpartition(".")[2]
+            first = node.args[0]
+            found = (called in ("import_module", "__import__") and isinstance(first, ast.Constant)
+                     and isinstance(first.value, str) and is_client(first.value))
+        else:
+            continue
+        if found:
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_only_the_kafka_layer_imports_confluent_kafka():
+    """No module outside reef_stream.topics imports the Kafka client: they take its names from
+    reef_stream.topics.kafka and build their clients with reef_stream.topics.connect. A module
+    on the allow-list that no longer imports it is named too, so the list only shrinks."""
+    importing = {name: lines for name, path in _modules().items()
+                 if name != KAFKA_LAYER and not name.startswith(KAFKA_LAYER + ".")
+                 and (lines := _kafka_imports(path.read_text()))}
+    offenders = {name: lines for name, lines in importing.items()
+                 if name not in KAFKA_IMPORTS_STILL_ALLOWED}
+    assert not offenders, (
+        "modules outside reef_stream/topics/ import confluent_kafka (module: lines); take its "
+        f"names from reef_stream.topics.kafka, clients from reef_stream.topics.connect: {offenders}")
+    stale = sorted(KAFKA_IMPORTS_STILL_ALLOWED - set(importing))
+    assert not stale, f"these no longer import confluent_kafka; take them off the list: {stale}"
+
+
+def test_the_kafka_import_check_finds_every_form():
+    """The checker itself: each way of importing the client is found, by its line; names that
+    only look like it (another package, a relative module, a mention in a docstring) are not."""
+    lines = [
+        "import confluent_kafka",                               # 1
+        "import os, confluent_kafka.admin as admin",            # 2
+        "from confluent_kafka import Consumer",                 # 3
+        "from confluent_kafka.admin import AdminClient",        # 4
+        "def lazy():",                                          # 5
+        "    from confluent_kafka import Producer",             # 6
+        "if TYPE_CHECKING:",                                    # 7
+        "    from confluent_kafka import Message",              # 8
+        "client = importlib.import_module('confluent_kafka')",  # 9
+        "import confluent_kafka_tools",                         # 10
+        "from reef_stream.topics.kafka import Consumer",        # 11
+        "from .confluent_kafka import x",                       # 12
+        '"""confluent_kafka, named in a docstring"""',          # 13
+        "module = import_module(name)",                         # 14
+    ]
+    assert _kafka_imports("\n".join(lines)) == [1, 2, 3, 4, 6, 8, 9]
+
+
+def test_the_kafka_module_holds_the_clients_own_objects():
+    """reef_stream.topics.kafka re-exports the client's objects themselves (so ``except
+    KafkaException`` anywhere catches what the client raises), and imports the client's admin
+    module only when ``AdminClient`` is first asked for."""
+    script = ("import sys, confluent_kafka, reef_stream.topics.kafka as kafka\n"
+              "lazy = 'confluent_kafka.admin' not in sys.modules\n"
+              "import confluent_kafka.admin as admin\n"
+              "other = [n for n in kafka.__all__ if getattr(kafka, n) not in "
+              "(getattr(confluent_kafka, n, None), getattr(admin, n, None))]\n"
+              "print(lazy, other)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "True []", result.stdout
 
 
 def test_no_import_cycles_between_modules():

@@ -33,14 +33,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from reef_stream.topics.connect import client_config
+from reef_stream.topics.connect import new_consumer
 from reef_stream.ops.dashboard.store import SeriesStore
 from reef_stream.errors import ConfigurationError
 from reef_stream.topics.events import Metric, Publication
 from reef_stream.ops.metrics import STAGE_EVALUATOR, metric
 from reef_stream.topics import declarations
+from reef_stream.topics.kafka import OFFSET_BEGINNING, TopicPartition
 from reef_stream.topics.serde import SchemaRegistry
 
 __all__ = ["STATIC_DIR", "MetricsFollower", "make_app", "serve"]
@@ -68,8 +68,7 @@ class MetricsFollower:
         self.events = self.undecodable = 0
         self._from_beginning = from_beginning
         self._registry = SchemaRegistry.default()
-        self._consumer = Consumer(client_config(bootstrap, {
-            "group.id": f"{namespace}.dashboard", "enable.auto.commit": False}))
+        self._consumer = new_consumer(bootstrap, f"{namespace}.dashboard")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dashboard-consumer", daemon=True)
 
