@@ -13,11 +13,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
-
 from reef_stream.engine.join import ProcessorState
 from reef_stream.engine.log_merge import LogMerge
 from reef_stream.topics.events import now_ms
+from reef_stream.topics.kafka import TIMESTAMP_NOT_AVAILABLE
 
 
 @dataclass

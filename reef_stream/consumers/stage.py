@@ -74,15 +74,14 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from confluent_kafka import (
-    OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition,
-)
-
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
 from reef_stream.topics import declarations
-from reef_stream.topics.connect import client_config
+from reef_stream.topics.connect import new_consumer
 from reef_stream.topics.dead_letters import dead_letter
 from reef_stream.topics.events import now_ms
+from reef_stream.topics.kafka import (
+    OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition,
+)
 from reef_stream.topics.serde import SchemaRegistry
 
 log = logging.getLogger(__name__)
@@ -185,14 +184,12 @@ def group_consumer(bootstrap: str, group: str,
     stage's back (no auto-commit, no auto offset store: only the stage's commit-last step
     commits), a group without committed offsets starts at the beginning; ``config``
     overrides or adds settings. Every stage's consumer is built here, the stage loop's and
-    those of the stages that drive their consumer themselves (trainer, processor)."""
-    return Consumer(client_config(bootstrap, {
-        "group.id": group,
-        "enable.auto.commit": False,
+    any other consumer of a group that a stage commits for."""
+    return new_consumer(bootstrap, group, {
         "enable.auto.offset.store": False,
         "auto.offset.reset": "earliest",
         **(config or {}),
-    }))
+    })
 
 
 def deliver(producer: Producer, topic: str, key: bytes | None, value: bytes | None,
