@@ -89,33 +89,55 @@ from typing import Any
 import numpy as np
 import safetensors.torch
 import torch
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
 
-from reef_stream.engine.checkpoints import (
-    CheckpointContents, CheckpointError, CheckpointStore, StoredCheckpoint, default_store_url, load,
-    unit_hash,
-)
-from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import client_config
-from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
-from reef_stream.topics.dead_letters import dead_letter
-from reef_stream.consumers.stage import StageLoop
-from reef_stream.topics.events import Checkpoint, TopicOffset, now_ms
-from reef_stream.ops.failpoints import failpoint
-from reef_stream.ops.metrics import (
-    STAGE_TRAINER, TRAINER_DATA_SECONDS, TRAINER_STALENESS_MAX, TRAINER_STALENESS_MEAN,
-    TRAINER_STALENESS_SAMPLES, TRAINER_STEP_SECONDS, TRAINER_STEPS, TRAINER_UNITS_DUPLICATE,
-    TRAINER_UNITS_INVALID, TRAINER_UNITS_STALE, TRAINER_UNITS_TRAINED,
-    MetricsWriter,
-)
 from reef_stream.api.objective import state_from_record, state_record
 from reef_stream.api.recipe import Recipe
+from reef_stream.config import Settings, load_settings
+from reef_stream.consumers.stage import StageLoop
+from reef_stream.engine.checkpoints import (
+    CheckpointContents,
+    CheckpointError,
+    CheckpointStore,
+    StoredCheckpoint,
+    default_store_url,
+    load,
+    unit_hash,
+)
+from reef_stream.engine.log_merge import LogMerge, Ordered
+from reef_stream.engine.training import (
+    TorchBackend,
+    select_rows,
+    unit_members,
+    untrainable,
+)
+from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
+from reef_stream.ops.failpoints import failpoint
+from reef_stream.ops.metrics import (
+    STAGE_TRAINER,
+    TRAINER_DATA_SECONDS,
+    TRAINER_STALENESS_MAX,
+    TRAINER_STALENESS_MEAN,
+    TRAINER_STALENESS_SAMPLES,
+    TRAINER_STEP_SECONDS,
+    TRAINER_STEPS,
+    TRAINER_UNITS_DUPLICATE,
+    TRAINER_UNITS_INVALID,
+    TRAINER_UNITS_STALE,
+    TRAINER_UNITS_TRAINED,
+    MetricsWriter,
+)
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import new_admin, new_producer
+from reef_stream.topics.dead_letters import dead_letter
+from reef_stream.topics.events import Checkpoint, TopicOffset, now_ms
+from reef_stream.topics.kafka import (
+    OFFSET_BEGINNING,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
 from reef_stream.topics.serde import SchemaRegistry
-from reef_stream.engine.training import TorchBackend, select_rows, unit_members, untrainable
-from reef_stream.engine.log_merge import LogMerge, Ordered
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +223,8 @@ class Trainer:
     def run(self) -> TrainerSummary:
         """Train until stopped; returns the summary. Blocks. Call once."""
         self._ensure_topics()
-        self.producer = Producer(client_config(self.bootstrap, {
-            "acks": "all", "enable.idempotence": True, "linger.ms": 5}))
+        self.producer = new_producer(self.bootstrap, {
+            "acks": "all", "enable.idempotence": True, "linger.ms": 5})
         self.metrics = MetricsWriter(self.producer, self.ns, STAGE_TRAINER,
                                      {"recipe": self.recipe.name, "group": self.group})
         if self.recipe.evaluator is not None and getattr(self.recipe.evaluator, "warning", None):
@@ -495,7 +517,7 @@ class Trainer:
     # ----------------------------------------------------------------- helpers
 
     def _ensure_topics(self) -> None:
-        admin = AdminClient(client_config(self.bootstrap))
+        admin = new_admin(self.bootstrap)
         ensure_topics(admin, declarations.declare_topics(self.ns, (self.recipe.name,)))
 
     def _dead_letter(self, message: Any, reason: str, error_type: str) -> None:

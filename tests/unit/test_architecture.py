@@ -19,7 +19,6 @@ KAFKA_LAYER = "reef_stream.topics"
 #: Modules outside the Kafka layer that still import confluent_kafka.
 #: Being moved onto the stage loop; remove when done.
 KAFKA_IMPORTS_STILL_ALLOWED = frozenset({
-    "reef_stream.consumers.trainer",
     "reef_stream.consumers.processor",
 })
 
