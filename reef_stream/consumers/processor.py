@@ -2,23 +2,30 @@
 
 ``ProcessorRuntime`` (``reef process --recipe X``) runs
 ``reef_stream.engine.join.ProcessorState`` (the same state machine that
-``reef_stream.api.testing.run_processor`` drives) as a confluent-kafka
-*transactional consume-transform-produce loop*. Per batch of records, one
-Kafka transaction holds, atomically:
+``reef_stream.api.testing.run_processor`` drives) as a *transactional
+consume-transform-produce* stage on the one stage loop
+(``reef_stream.consumers.stage.StageLoop``, with ``strategy_commits``). The
+loop owns the consumer: it fetches up to ``batch`` records at a time, hands
+each to ``_Processing.submit`` (queued into its partition pair), then calls
+``fetched`` (also after a fetch of nothing), in which the runtime offers
+what the pairs let through, ticks, and commits what that decided. Per fetch,
+one Kafka transaction holds, atomically:
 
 1. the units of the batch, to ``<ns>.units.<recipe>`` (key: unit id);
 2. a dead letter for every non-unit outcome (expired, too stale, shed, invalid
    generations; late, unused, orphaned feedback, and records that do not
    decode or fail ``intake.validation.validate``), to ``<ns>.dead-letters``,
    with the reason, the original record and its source topic / partition /
-   offset;
+   offset (both encoded by ``reef_stream.consumers.step_records``);
 3. the snapshot of every state key the batch touched (``Step.touched``), to
    the compacted changelog ``<ns>.processor-state.<recipe>`` (partition p
    holds the state of input partition p; key: state key, UTF-8, the
    ledger's segment keys surrogate-escaped (``reef_stream.engine.ledger``);
    a tombstone when the key holds nothing any more);
-4. the consumed offsets (``send_offsets_to_transaction`` with the consumer's
-   group metadata, KIP-447).
+4. the consumed offsets (``send_offsets_to_transaction`` with the group
+   metadata of the loop's consumer, KIP-447). The loop never commits: a commit
+   after the transaction would replay the batch against a state that already
+   holds it after a crash in between.
 
 So either all four become visible (to ``read_committed`` readers) or none
 does: a processor killed at any moment (SIGKILL included) restarts from the
@@ -39,14 +46,14 @@ dead letters, in the same transaction as everything else.
 Why not faust-streaming (issue 4 asked for it first): its ``exactly_once``
 mode has open duplicate bugs (faust-streaming #323, #517, #177), so the
 guarantee has to come from elsewhere anyway; its tables would duplicate the
-per-key snapshots the state machine already makes; and this loop is one
-screen of code whose durability order is written down in ``_commit``.
+per-key snapshots the state machine already makes; and this runtime's
+durability order is written down in one function, ``_commit``.
 The figures that decided it (``bench/faust_processor.py --generations 6000``,
 two runs, same data and broker: a faust-streaming 0.15.3 agent over both
 topics driving the same ``ProcessorState``, snapshots in a changelog-backed
 ``Table``, no restore, ticks or checkpoints): raw 11,000-12,600
-generations/s, this loop 3,000-3,500 (0.28 of raw), faust at_least_once
-490-530 (0.04 of raw, 0.15 of this loop), faust without its table 810-1,290,
+generations/s, this runtime 3,000-3,500 (0.28 of raw), faust at_least_once
+490-530 (0.04 of raw, 0.15 of this runtime), faust without its table 810-1,290,
 faust exactly_once 335-410 (it did commit every unit on Kafka 3.9.2, once,
 in a run without rebalances or crashes). Measured earlier (``bench/processor.py``, 2-core machine,
 one local broker, ~1.2 KB generations in groups of 4): 2,900-3,400
@@ -56,17 +63,22 @@ consume-and-produce loop that decodes nothing (ratio 0.13-0.15); a
 profile puts ~60% of the processing time in Avro decoding and
 ``ProcessorState.offer`` (per-record Python work a faust agent would do
 too), and the transactions themselves at ~25%. Completion-to-unit latency at
-1,000 generations/s offered: p50 ~400-460 ms, p99 ~750-790 ms.
+1,000 generations/s offered: p50 ~400-460 ms, p99 ~750-790 ms. On the stage
+loop (same bench and machine, a shared one, runs alternating with the runtime
+that drove its own consumer): 3,200-4,100 generations/s against 3,350-3,800
+before, p50 210-300 ms against 310-350 ms; the loop costs nothing measurable.
 
 Co-partitioning. A group's generations and all their feedback carry one key
 (``intake.producer.record_key``) and the two topics have equal partition
 counts, so generations[p] and feedback[p] hold everything partition p's
-state needs. One consumer (group ``--group``, default
+state needs. The loop's consumer (group ``--group``, default
 ``<ns>.process.<recipe>``) subscribes to both topics with the ``range``
 assignor, which gives every member the same partition numbers of each topic
-when the counts are equal; ``_on_assign`` checks it and refuses to run
-otherwise. Members use the eager protocol: a rebalance revokes everything,
-always between transactions (callbacks run inside ``consume``).
+when the counts are equal; ``_assign`` (the strategy's ``on_assign``) checks
+it and refuses to run otherwise (the loop re-raises an error of a rebalance
+callback from ``run``). Members use the eager protocol: a rebalance revokes
+everything, always between transactions (callbacks run inside the loop's
+``consume``, and ``fetched`` commits before the next one).
 
 Fencing and restart. The consumer's ``group.instance.id`` is ``<instance>``
 (``--instance``, default ``0``; give each concurrent processor of a group its
@@ -74,7 +86,10 @@ own). A restarted instance (1) fences its predecessor and aborts its open
 transaction (``reef_stream.consumers.fencing``), and (2) takes its
 predecessor's place in the group at once (static membership: no wait for the
 session timeout). Zombies of *other* members are fenced by
-the group generation in ``send_offsets_to_transaction`` (KIP-447). On
+the group generation in ``send_offsets_to_transaction`` (KIP-447). A consumer
+fenced as a static member (the loop's ``ConsumerFenced``) goes to ``_rejoin``
+(the strategy's ``on_fenced``), which proves the transactional id is still this
+instance's; then the loop rejoins the group with a new consumer. On
 assignment each partition's state is rebuilt from its changelog partition
 (read ``read_committed`` to the end); consumption then starts at the
 committed offsets (librdkafka fetches them as stable offsets).
@@ -85,22 +100,17 @@ waiting at most ``MAX_IDLE_S`` for the other topic to be read past it
 (``reef_stream.consumers.pairs``). After each batch a pair is ticked with its state's clock;
 when neither topic has anything unread, with the wall clock, so a generation
 whose feedback never comes still expires when input stops. The newest
-checkpoint version of the recipe (``<ns>.checkpoints``, read every loop) is
+checkpoint version of the recipe (``<ns>.checkpoints``, read after every fetch) is
 observed by every partition's state, again after each rebuild (assignment or
 rewind), since a restored state does not hold it.
 
 Counts. ``counts`` holds ``Step.counts`` summed over committed transactions
 only (an aborted transaction's counts are dropped with it). They go to the
-log every ``log_every_s`` seconds and, as ``Metric`` events (names in
-``reef_stream.ops.metrics``, labels ``recipe``, ``group``, ``instance``), to
-``<ns>.metrics`` at most every ``metrics_every_s`` seconds and whenever they
-changed: generations by outcome, feedback by fate, duplicate generations,
-units, invalid records, transactions and aborted transactions, as running
-totals since the process started; with them the distributions of
-``reef_stream.ops.record_stats`` (rewards per feedback source and policy version,
-completion lengths, truncation) and, whether or not anything committed, the
-consumer's lag per partition (``MetricsWriter.write_lag``). They go through a
-producer of their own, outside the transactions (see ``_emit_metrics``).
+log every ``log_every_s`` seconds and, as ``Metric`` events, to ``<ns>.metrics``
+at most every ``metrics_every_s`` seconds and whenever they changed, through a
+producer of their own, outside the transactions
+(``reef_stream.consumers.processor_metrics``, which says what is written and
+why); the loop writes the consumer's lag with them every second.
 """
 
 from __future__ import annotations
@@ -120,6 +130,7 @@ from confluent_kafka import (
     Consumer,
     KafkaError,
     KafkaException,
+    Message,
     Producer,
     TopicPartition,
 )
@@ -128,17 +139,9 @@ from confluent_kafka.admin import AdminClient
 from reef_stream.topics.connect import ask_broker, client_config
 from reef_stream.errors import FatalError, InvalidRecord
 from reef_stream.ops import metrics
-from reef_stream.topics.dead_letters import dead_letter
-from reef_stream.topics.events import Checkpoint, DeadLetter, Feedback, Generation, now_ms
+from reef_stream.topics.events import Checkpoint, Feedback, Generation, now_ms
 from reef_stream.intake.validation import validate
-from reef_stream.engine.join import (
-    FeedbackFate,
-    FeedbackOutcome,
-    GenerationOutcome,
-    Outcome,
-    ProcessorState,
-    Step,
-)
+from reef_stream.engine.join import ProcessorState, Step
 from reef_stream.api.processor import Origin
 from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
 from reef_stream.ops.processes import stop_on_signals
@@ -150,7 +153,9 @@ from reef_stream.topics.serde import SchemaRegistry
 from reef_stream.consumers.changelog import changelog, changelog_topic, read_changelog
 from reef_stream.consumers.fencing import TransactionalIdentity, watch_commits
 from reef_stream.consumers.pairs import PartitionPair
-from reef_stream.consumers.stage import group_consumer
+from reef_stream.consumers.processor_metrics import ProcessorMetrics
+from reef_stream.consumers.stage import ConsumerFenced, Positions, StageLoop
+from reef_stream.consumers.step_records import Record, StepRecords
 
 log = logging.getLogger("reef_stream.engine.join")
 
@@ -170,17 +175,12 @@ BACKLOG_EVERY_S = 1.0
 EXIT_RESTART = 75
 
 
-class _ConsumerFenced(FatalError):
-    """The consumer was fenced as a static group member (its only fatal error)."""
-
-
 class ProcessorRuntime:
     """Runs one recipe's processor until ``stop()``; see the module docstring. ``run`` blocks;
     ``stop`` may be called from any thread or a signal handler. Not reusable after ``run``.
 
-    Not on the stage loop, whose last step is ``consumer.commit``: the input offsets commit
-    inside each batch's transaction, the exactly-once guarantee (``consumers.stage`` says
-    why, and which of the loop's parts this runtime uses)."""
+    On the stage loop as ``_Processing``, committing its input offsets itself inside each
+    batch's transaction (``strategy_commits``): the exactly-once guarantee."""
 
     def __init__(self, recipe: Any, *, bootstrap: str, namespace: str, group: str | None = None,
                  instance: str = "0", batch: int = BATCH, log_every_s: float = 10.0,
@@ -207,15 +207,14 @@ class ProcessorRuntime:
             t.max_message_bytes for t in declarations.declare_topics(namespace, (recipe.name,))
             if t.name == self.units_topic) - 4096
         self.dead_letters = declarations.dead_letters(namespace)
+        self._records = StepRecords(self.registry, self.units_topic, self.dead_letters,
+                                    self.generations, self.feedback, self.max_unit_bytes)
         self.changelog = changelog(namespace, recipe.name)
         self._topics = (self.generations, self.feedback)
         self.counts: Counter[str] = Counter()
         self.transactions = 0
         self.aborted = 0  # transactions aborted and rewound
-        self._metrics_producer: Producer | None = None
-        self._metrics: metrics.MetricsWriter | None = None
-        self._metrics_sent: tuple[int, int] = (0, 0)  # (transactions, aborted) last emitted
-        self._metrics_at = 0.0
+        self._metrics: ProcessorMetrics | None = None
         self._identity = TransactionalIdentity(
             bootstrap, f"reef-process.{namespace}.{recipe.name}.{self.group}.{instance}",
             timeout_ms=transaction_timeout_ms, probe_topic=self.changelog, instance=instance)
@@ -225,11 +224,12 @@ class ProcessorRuntime:
         self._commit_began: float | None = None
         #: Rewards per source and version, completion lengths, truncation (committed steps only).
         self.stats = RecordStats()
-        self.metrics_dropped = 0
         self._parts: dict[int, PartitionPair] = {}
         self._stop = threading.Event()
-        self._callback_error: BaseException | None = None
+        #: The loop's consumer (``on_start``: a new one after a rejoin); the ``ready`` of ``run``.
         self._consumer: Consumer | None = None
+        self._ready: threading.Event | None = None
+        self._logged_at = 0.0
         self._producer: Producer | None = None
         self.checkpoints_topic = declarations.checkpoints(namespace)
         self._checkpoints: Consumer | None = None
@@ -249,15 +249,24 @@ class ProcessorRuntime:
         """Ask ``run`` to return after the current transaction. Idempotent, non-blocking."""
         self._stop.set()
 
+    @property
+    def metrics_dropped(self) -> int:
+        """Metric events the client refused or the broker did not take (``processor_metrics``)."""
+        return self._metrics.dropped if self._metrics is not None else 0
+
     def run(self, *, ready: threading.Event | None = None) -> None:
-        """Create the topics it needs, then process until ``stop``. Blocks."""
+        """Create the topics it needs, then process on the stage loop until ``stop``. Blocks.
+        ``ready`` is set once partitions are assigned and their states restored."""
         partitions = self._ensure_topics()
         self._producer = self._identity.new_producer()
-        self._start_metrics()
+        self._metrics = ProcessorMetrics(
+            self.bootstrap, self.ns,
+            {"recipe": self.recipe.name, "group": self.group, "instance": self.instance},
+            every_s=self.metrics_every_s)
+        self._ready, self._logged_at = ready, time.monotonic()
         threading.Thread(target=watch_commits, name="reef-commit-watchdog", daemon=True,
                          args=(self._stop, lambda: self._commit_began, self._on_stuck,
                                self.recipe.name)).start()
-        self._consumer = self._subscribe()
         self._checkpoints = Consumer(client_config(self.bootstrap, {
             "group.id": f"{self.group}.checkpoints", "enable.auto.commit": False,
             "isolation.level": "read_committed"}))
@@ -266,36 +275,43 @@ class ProcessorRuntime:
         log.info("processing %s + %s -> %s (recipe %s, group %s, instance %s, %d partitions)",
                  self.generations, self.feedback, self.units_topic, self.recipe.name,
                  self.group, self.instance, partitions)
-        last_log = time.monotonic()
-        try:
-            while not self._stop.is_set():
-                messages = self._consumer.consume(self.batch, timeout=0.2)
-                if self._callback_error is not None:
-                    raise self._callback_error
-                if ready is not None and self._parts:
-                    ready.set()
-                self._read_checkpoints()
-                try:
-                    self._process(messages)
-                except _ConsumerFenced as fenced:
-                    self._rejoin(fenced)
-                self._emit_metrics()
-                if time.monotonic() - last_log >= self.log_every_s:
-                    last_log = time.monotonic()
-                    self._log_counts()
-        finally:
+        StageLoop(
+            _Processing(self), stage=STAGE, bootstrap=self.bootstrap, group=self.group,
+            topics=self._topics, namespace=self.ns, reads="generation or feedback",
+            producer=None,  # dead letters go out inside the transactions
+            registry=self.registry, batch=self.batch, poll_timeout=0.2, strategy_commits=True,
+            metrics=self._metrics.writer, stop_event=self._stop, logger=log, consumer_config={
+                # static membership: a restarted instance takes its predecessor's place at once
+                "group.instance.id": f"{self.group}.{self.instance}",
+                "partition.assignment.strategy": "range",  # co-partitioned (module docstring)
+                "session.timeout.ms": SESSION_TIMEOUT_MS,
+                "isolation.level": "read_committed",
+                "fetch.max.bytes": 64 * MiB,
+            }).run()
+
+    def _between_fetches(self) -> None:
+        """What the loop does between fetches besides processing: ``ready`` once partitions
+        are held, the metrics, the counts to the log every ``log_every_s``."""
+        if self._ready is not None and self._parts:
+            self._ready.set()
+        self._emit_metrics()
+        if time.monotonic() - self._logged_at >= self.log_every_s:
+            self._logged_at = time.monotonic()
             self._log_counts()
-            consumer, self._consumer = self._consumer, None
-            # Each step even if another fails, and none hides why run() is leaving (a fenced
-            # producer's flush raises the fencing again, as a bare KafkaException).
-            for what, close in (("consumer", consumer.close),
-                                ("checkpoint reader", self._checkpoints.close),
-                                ("producer", lambda: self._producer.flush(10)),
-                                ("metrics", lambda: self._emit_metrics(final=True))):
-                try:
-                    close()
-                except Exception as error:  # noqa: BLE001 - shutting down anyway
-                    log.warning("processor %s: closing the %s: %s", self.recipe.name, what, error)
+
+    def _close(self) -> None:
+        """At the end of ``run``, after the loop closed its consumer, also after a failure: the
+        counts to the log; then the checkpoint reader, the producer and the final metrics, each
+        even if another fails, and none hiding why ``run`` is leaving (a fenced producer's flush
+        raises the fencing again, as a bare KafkaException)."""
+        self._log_counts()
+        for what, close in (("checkpoint reader", self._checkpoints.close),
+                            ("producer", lambda: self._producer.flush(10)),
+                            ("metrics", lambda: self._emit_metrics(final=True))):
+            try:
+                close()
+            except Exception as error:  # noqa: BLE001 - shutting down anyway
+                log.warning("processor %s: closing the %s: %s", self.recipe.name, what, error)
 
     def _log_counts(self) -> None:
         log.info("processor %s: %d transactions (%d aborted); %s%s", self.recipe.name,
@@ -303,68 +319,10 @@ class ProcessorRuntime:
                  ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "nothing yet",
                  f"; {self.metrics_dropped} metric events dropped" if self.metrics_dropped else "")
 
-    # ----------------------------------------------------------------- metrics
-
-    def _start_metrics(self) -> None:
-        """The metrics producer: a plain one of its own, not the transactional one.
-
-        Why not inside the transactions (which would make the metrics exactly as
-        durable as the outputs they count): a transaction can commit only if
-        every partition it wrote to accepts its records, so a metrics topic that
-        is missing, unavailable, full or not writable would abort every
-        transaction and stall the pipeline behind it, which metrics must never
-        do. ``counts`` only changes when a transaction commits, so a value sent
-        here never counts what an aborted transaction decided; a crash merely
-        loses the last second of observations (the next process starts its
-        running totals at 0, as ``reef_stream.ops.metrics`` says). ``acks=1`` and one
-        request in flight keep one instance's events in order without the
-        idempotent producer's fatal states; the queue is bounded, and a metric
-        that cannot be queued or delivered is counted in ``metrics_dropped``
-        and otherwise dropped.
-        """
-        def dropped() -> None:
-            self.metrics_dropped += 1
-
-        self._metrics_producer = metrics.metrics_producer(self.bootstrap, dropped)
-        self._metrics = metrics.MetricsWriter(
-            self._metrics_producer, self.ns, metrics.STAGE_PROCESSOR,
-            {"recipe": self.recipe.name, "group": self.group, "instance": self.instance})
-
     def _emit_metrics(self, *, final: bool = False) -> None:
-        """Write the running counts as Metric events if they changed since the last write and
-        ``metrics_every_s`` has passed (``final``: if they changed at all, then flush for up to
-        5 s). Never blocks otherwise, never raises."""
-        writer, producer = self._metrics, self._metrics_producer
-        if writer is None or producer is None:
-            return
-        try:
-            sent = (self.transactions, self.aborted)
-            due = final or time.monotonic() - self._metrics_at >= self.metrics_every_s
-            if due and self._consumer is not None:
-                writer.write_lag(self._consumer)  # also while nothing commits: lag may grow
-                self._metrics_at = time.monotonic()
-            if due and sent != self._metrics_sent:
-                counts = self.counts
-                writer.write_counts(metrics.PROCESSOR_GENERATIONS,
-                                    {o.value: counts[f"generations.{o.value}"] for o in Outcome},
-                                    "outcome")
-                writer.write_counts(metrics.PROCESSOR_FEEDBACK,
-                                    {f.value: counts[f"feedback.{f.value}"] for f in FeedbackFate},
-                                    "fate")
-                writer.write(metrics.PROCESSOR_DUPLICATE_GENERATIONS,
-                             counts["generations.duplicate"])
-                writer.write(metrics.PROCESSOR_UNITS, counts["units"])
-                writer.write(metrics.PROCESSOR_INVALID_RECORDS, counts["invalid_records"])
-                writer.write(metrics.PROCESSOR_TRANSACTIONS, self.transactions)
-                writer.write(metrics.PROCESSOR_ABORTED_TRANSACTIONS, self.aborted)
-                self.stats.write(writer)
-                self._metrics_sent, self._metrics_at = sent, time.monotonic()
-            producer.poll(0)
-            if final:
-                self.metrics_dropped += producer.flush(5)
-        except Exception as error:  # noqa: BLE001 - metrics never fail the pipeline
-            self.metrics_dropped += 1
-            log.warning("metrics not written: %s", error)
+        if self._metrics is not None:
+            self._metrics.emit(self.counts, self.transactions, self.aborted, self.stats,
+                               final=final)
 
     def _ensure_topics(self) -> int:
         """Create the units, dead-letter and changelog topics if missing; the partition count."""
@@ -377,17 +335,9 @@ class ProcessorRuntime:
 
     # ----------------------------------------------------------------- rebalancing
 
-    def _on_assign(self, consumer: Consumer, assigned: list[TopicPartition]) -> None:
-        # An exception raised inside a rebalance callback reached Python as a SystemError
-        # (confluent-kafka 2.16.1); keep it and raise it from the loop instead.
-        try:
-            self._assign(assigned)
-        except BaseException as error:  # noqa: BLE001 - re-raised by run()
-            self._callback_error = error
-            self._stop.set()
-
     def _assign(self, assigned: list[TopicPartition]) -> None:
-        """Check co-partitioning, then rebuild each partition's state from its changelog."""
+        """Check co-partitioning, then rebuild each partition's state from its changelog.
+        Inside the rebalance: an error is kept by the loop and raised from ``run``."""
         by_topic: dict[str, set[int]] = {}
         for tp in assigned:
             by_topic.setdefault(tp.topic, set()).add(tp.partition)
@@ -417,41 +367,23 @@ class ProcessorRuntime:
                                            tp, timeout=30))
             self._parts[tp.partition].next[tp.topic] = offset
 
-    def _subscribe(self) -> Consumer:
-        """The group member: static (``group.instance.id``), subscribed to both input topics."""
-        consumer = group_consumer(self.bootstrap, self.group, {
-            "group.instance.id": f"{self.group}.{self.instance}",
-            "partition.assignment.strategy": "range",
-            "session.timeout.ms": SESSION_TIMEOUT_MS,
-            "isolation.level": "read_committed",
-            "fetch.max.bytes": 64 * MiB,
-        })
-        consumer.subscribe([self.generations, self.feedback], on_assign=self._on_assign,
-                           on_revoke=self._on_revoke, on_lost=self._on_revoke)
-        return consumer
-
-    def _rejoin(self, fenced: FatalError) -> None:
-        """Replace a consumer fenced as a static member by a new one with the same instance id,
-        at most ``MAX_REJOINS`` times in ``REJOIN_WINDOW_S`` (then ``fenced`` is raised).
+    def _rejoin(self, fenced: ConsumerFenced) -> None:
+        """Before the loop replaces a consumer fenced as a static member by a new one with the
+        same instance id: allowed at most ``MAX_REJOINS`` times in ``REJOIN_WINDOW_S`` (then
+        ``fenced`` is raised, and the loop stops).
 
         A fenced static member is often this very process: after a broker failure moved the
         group coordinator, librdkafka may rejoin under a new member id and so fence its own old
         one. The transactional id decides: an empty transaction (one tombstone for a key no
         state has, in the changelog) must commit, or a newer instance fenced this producer at
         its ``init_transactions`` and this one stops (``FatalError``). Nothing is lost by
-        rejoining: the fence arrives between transactions, and the new member restores the
-        states from the changelog and reads from the committed offsets, as a restart would.
+        rejoining: the fence arrives between transactions (the records of the fetch it ended
+        are dropped with the states), and the new member restores the states from the
+        changelog and reads from the committed offsets, as a restart would.
         """
         self._identity.prove(self._producer, fenced)
         self._identity.count(fenced)
-        log.warning("%s; rejoining the group with a new consumer (instance %s)", fenced,
-                    self.instance)
-        try:
-            self._consumer.close()
-        except Exception as error:  # noqa: BLE001 - a fenced consumer may fail to leave
-            log.warning("closing the fenced consumer: %s", error)
         self._parts = {}
-        self._consumer = self._subscribe()
 
     def _renew_producer(self, fenced: FatalError) -> None:
         """Replace a producer fenced at a transaction by a new one with the same transactional
@@ -471,10 +403,6 @@ class ProcessorRuntime:
                     "to the committed state", fenced, self.instance)
         self._producer = self._identity.new_producer()
 
-    def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
-        # Eager protocol: everything is revoked, always between transactions.
-        self._parts = {}
-
     def _restore(self, partitions: list[int]) -> dict[int, PartitionPair]:
         """Each partition's state, from its changelog partition read to the end."""
         parts = {p: PartitionPair(ProcessorState.for_recipe(self.recipe), self._topics)
@@ -488,23 +416,15 @@ class ProcessorRuntime:
 
     # ----------------------------------------------------------------- processing
 
-    def _process(self, messages: list[Any]) -> None:
-        """Queue a batch by partition pair, offer each pair's records in timestamp order as
-        far as both topics have been read, tick, and commit it all in one transaction."""
-        for message in messages:
-            error = message.error()
-            if error is not None:
-                if error.code() == KafkaError._PARTITION_EOF:
-                    continue
-                if error.fatal() or error.code() == KafkaError._FATAL:
-                    # (a consumer's only fatal error, a static member fenced by another with
-                    # its group.instance.id, arrives as a _FATAL event whose fatal() is False)
-                    raise _ConsumerFenced(f"the consumer failed: {error}")
-                log.warning("consumer: %s", error)
-                continue
-            part = self._parts.get(message.partition())
-            if part is not None:  # else a record of a partition revoked within this poll
-                part.queue(message)
+    def _queue(self, message: Message) -> None:
+        """Hold a record in its partition pair until ``_process`` offers it."""
+        part = self._parts.get(message.partition())
+        if part is not None:  # else a record of a partition revoked within this fetch
+            part.queue(message)
+
+    def _process(self) -> None:
+        """After each fetch (also an empty one): offer each pair's records in timestamp order
+        as far as both topics have been read, tick, and commit it all in one transaction."""
         steps: list[tuple[int, Step]] = []
         bad: list[Any] = []
         positions: dict[tuple[str, int], int] = {}
@@ -576,8 +496,8 @@ class ProcessorRuntime:
                 log.warning("ignoring a checkpoint event that does not decode (the evaluator "
                             "dead-letters it): %s", error)
                 if self._metrics is not None:
-                    self._metrics.write(metrics.PROCESSOR_CHECKPOINTS_UNDECODABLE,
-                                        self.counts["checkpoints.undecodable"])
+                    self._metrics.writer.write(metrics.PROCESSOR_CHECKPOINTS_UNDECODABLE,
+                                               self.counts["checkpoints.undecodable"])
                 continue
             if checkpoint.recipe == self.recipe.name and (
                     self.newest_checkpoint is None or checkpoint.policy_version > self.newest_checkpoint):
@@ -606,10 +526,10 @@ class ProcessorRuntime:
         for part in self._parts.values():
             part.state.observe_backlog(self.backlog)
         if self._metrics is not None:
-            self._metrics.write(metrics.PROCESSOR_TRAINER_BACKLOG, self.backlog)
+            self._metrics.writer.write(metrics.PROCESSOR_TRAINER_BACKLOG, self.backlog)
 
     def _partition_count(self, topic: str) -> int:
-        metadata = self._consumer.list_topics(topic, timeout=30).topics[topic]
+        metadata = self._checkpoints.list_topics(topic, timeout=30).topics[topic]
         return len(metadata.partitions)
 
     def _caught_up(self, p: int) -> set[str]:
@@ -639,34 +559,14 @@ class ProcessorRuntime:
         self._commit_began = began = time.monotonic()
         try:
             producer.begin_transaction()
-            for p, step in steps:
+            for p, step in steps:  # units, then dead letters (``step_records``)
                 counts.update(step.counts())
                 self._parts[p].touched.update(step.touched)
-                oversized: dict[str, str] = {}   # member generation id -> why
-                for emitted in step.units:
-                    value, headers = self.registry.encode(emitted.unit)
-                    if len(value) > self.max_unit_bytes:
-                        counts["oversized_units"] += 1
-                        oversized.update(dict.fromkeys(
-                            (m.generation_id for m in emitted.unit.members),
-                            f"its unit {emitted.unit_id} is {len(value)} bytes encoded, over the "
-                            f"{self.max_unit_bytes} the units topic takes (the unit was not "
-                            "emitted; shorten completions or groups, or raise the topic's "
-                            "max.message.bytes)"))
-                        continue
-                    producer.produce(self.units_topic, value=value, key=emitted.unit_id.encode(),
-                                     headers=headers)
-                    self._poll()
-                for outcome in (*step.generations, *step.feedback):
-                    if isinstance(outcome, GenerationOutcome) and outcome.generation_id in oversized:
-                        self._dead_letter(outcome, oversized[outcome.generation_id],
-                                          kind="unit_too_large")
-                    elif (outcome.outcome if isinstance(outcome, GenerationOutcome)
-                            else outcome.fate).dead_letter:
-                        self._dead_letter(outcome)
+                for record in self._records.of_step(step, counts):
+                    self._produce(record)
             for message, error in bad:
                 counts["invalid_records"] += 1
-                self._dead_letter_raw(message, error)
+                self._produce(self._records.of_invalid(message, error))
             for p, part in self._parts.items():
                 for key in sorted(part.touched):
                     snapshot = part.state.snapshot(key)
@@ -719,6 +619,11 @@ class ProcessorRuntime:
                     raise
                 log.warning("retrying: %s", exc.args[0])
 
+    def _produce(self, record: Record) -> None:
+        self._producer.produce(record.topic, value=record.value, key=record.key,
+                               headers=record.headers)
+        self._poll()
+
     def _poll(self) -> None:
         if len(self._producer) > 50_000:
             self._producer.poll(0)
@@ -734,35 +639,54 @@ class ProcessorRuntime:
             tp.offset = tp.offset if tp.offset >= 0 else 0
             self._consumer.seek(tp)
 
-    def _dead_letter(self, outcome: GenerationOutcome | FeedbackOutcome, why: str | None = None,
-                     *, kind: str | None = None) -> None:
-        """The dead letter of a non-unit outcome (or, with ``why`` and ``kind``, of a generation
-        whose unit could not be emitted), carrying the original record."""
-        if isinstance(outcome, GenerationOutcome):
-            event, where = outcome.generation, outcome.origin
-            kind = kind or outcome.outcome.value
-            reason = f"generation {outcome.generation_id} {kind}: {why or outcome.reason}"
-        else:
-            event, kind, where = outcome.feedback, kind or outcome.fate.value, outcome.origin
-            reason = (f"feedback {outcome.feedback.feedback_id} ({outcome.feedback.source!r} for "
-                      f"{outcome.feedback.generation_id}) {kind}: {outcome.reason}")
-        value, headers = self.registry.encode(event)
-        key = (event.group_id or event.generation_id).encode()
-        self._send_dead_letter(dead_letter(
-            reason, f"processor.{kind}", stage=STAGE,
-            topic=where.topic if where else (
-                self.generations if isinstance(event, Generation) else self.feedback),
-            partition=where and where.partition, offset=where and where.offset,
-            key=key, value=value, headers=headers), key)
 
-    def _dead_letter_raw(self, message: Any, error: InvalidRecord) -> None:
-        self._send_dead_letter(dead_letter(str(error), type(error).__name__, stage=STAGE,
-                                           message=message), message.key())
+class _Processing:
+    """The processor's strategy on the stage loop (``strategy_commits``): ``submit`` queues a
+    record into its partition pair, ``fetched`` processes a fetch and commits it, offsets
+    included, in one transaction; ``poll`` does what goes on between fetches, ``on_fenced`` is
+    ``_rejoin`` and ``close`` closes what the runtime holds besides the loop's consumer."""
 
-    def _send_dead_letter(self, letter: DeadLetter, key: bytes | None) -> None:
-        value, headers = self.registry.encode(letter)
-        self._producer.produce(self.dead_letters, value=value, key=key, headers=headers)
-        self._poll()
+    def __init__(self, runtime: ProcessorRuntime) -> None:
+        self.runtime = runtime
+
+    def on_start(self, consumer: Consumer) -> None:
+        """The loop's consumer (a new one after a rejoin): the group metadata, positions,
+        watermarks and committed offsets come from it, and ``_rewind`` seeks it."""
+        self.runtime._consumer = consumer
+
+    def on_assign(self, partitions: list[TopicPartition]) -> None:
+        self.runtime._assign(partitions)
+
+    def on_revoke(self, partitions: list[TopicPartition]) -> None:
+        self.runtime._parts = {}  # eager protocol: everything, always between transactions
+
+    def submit(self, message: Message) -> None:
+        self.runtime._queue(message)
+
+    def fetched(self, drained_at_ms: int | None) -> None:
+        self.runtime._read_checkpoints()
+        self.runtime._process()
+
+    def dead_lettered(self, message: Message) -> None:
+        """Never called: a record that does not decode is dead-lettered in its transaction."""
+
+    def poll(self) -> None:
+        self.runtime._between_fetches()
+
+    def committable(self) -> dict[tuple[str, int], int]:
+        return {}  # never asked (strategy_commits): offsets commit inside the transactions
+
+    def committed(self, positions: Positions) -> None:
+        """Never called (``strategy_commits``)."""
+
+    def on_fenced(self, fenced: ConsumerFenced) -> None:
+        self.runtime._rejoin(fenced)
+
+    def join(self, timeout: float | None) -> None:
+        """Nothing to finish: a record queued but not committed is read again after a restart."""
+
+    def close(self) -> None:
+        self.runtime._close()
 
 
 def _key_bytes(key: str) -> bytes:
