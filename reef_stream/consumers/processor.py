@@ -125,7 +125,26 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import (
+from reef_stream.api.processor import Origin
+from reef_stream.consumers.changelog import changelog, changelog_topic, read_changelog
+from reef_stream.consumers.fencing import TransactionalIdentity, watch_commits
+from reef_stream.consumers.pairs import PartitionPair
+from reef_stream.consumers.processor_metrics import ProcessorMetrics
+from reef_stream.consumers.stage import ConsumerFenced, Positions, StageLoop
+from reef_stream.consumers.step_records import Record, StepRecords
+from reef_stream.engine.join import ProcessorState, Step
+from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
+from reef_stream.errors import FatalError, InvalidRecord
+from reef_stream.intake.validation import validate
+from reef_stream.ops import metrics
+from reef_stream.ops.processes import stop_on_signals
+from reef_stream.ops.record_stats import RecordStats
+from reef_stream.topics import declarations
+from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import ask_broker, new_admin, new_consumer
+from reef_stream.topics.declarations import MiB
+from reef_stream.topics.events import Checkpoint, Feedback, Generation, now_ms
+from reef_stream.topics.kafka import (
     OFFSET_BEGINNING,
     Consumer,
     KafkaError,
@@ -134,28 +153,7 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient
-
-from reef_stream.topics.connect import ask_broker, client_config
-from reef_stream.errors import FatalError, InvalidRecord
-from reef_stream.ops import metrics
-from reef_stream.topics.events import Checkpoint, Feedback, Generation, now_ms
-from reef_stream.intake.validation import validate
-from reef_stream.engine.join import ProcessorState, Step
-from reef_stream.api.processor import Origin
-from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
-from reef_stream.ops.processes import stop_on_signals
-from reef_stream.ops.record_stats import RecordStats
-from reef_stream.topics import declarations
-from reef_stream.topics.admin import ensure_topics
-from reef_stream.topics.declarations import MiB
 from reef_stream.topics.serde import SchemaRegistry
-from reef_stream.consumers.changelog import changelog, changelog_topic, read_changelog
-from reef_stream.consumers.fencing import TransactionalIdentity, watch_commits
-from reef_stream.consumers.pairs import PartitionPair
-from reef_stream.consumers.processor_metrics import ProcessorMetrics
-from reef_stream.consumers.stage import ConsumerFenced, Positions, StageLoop
-from reef_stream.consumers.step_records import Record, StepRecords
 
 log = logging.getLogger("reef_stream.engine.join")
 
@@ -267,9 +265,8 @@ class ProcessorRuntime:
         threading.Thread(target=watch_commits, name="reef-commit-watchdog", daemon=True,
                          args=(self._stop, lambda: self._commit_began, self._on_stuck,
                                self.recipe.name)).start()
-        self._checkpoints = Consumer(client_config(self.bootstrap, {
-            "group.id": f"{self.group}.checkpoints", "enable.auto.commit": False,
-            "isolation.level": "read_committed"}))
+        self._checkpoints = new_consumer(self.bootstrap, f"{self.group}.checkpoints",
+                                         {"isolation.level": "read_committed"})
         self._checkpoints.assign([TopicPartition(self.checkpoints_topic, p, OFFSET_BEGINNING)
                                   for p in range(self._partition_count(self.checkpoints_topic))])
         log.info("processing %s + %s -> %s (recipe %s, group %s, instance %s, %d partitions)",
@@ -326,7 +323,7 @@ class ProcessorRuntime:
 
     def _ensure_topics(self) -> int:
         """Create the units, dead-letter and changelog topics if missing; the partition count."""
-        admin = AdminClient(client_config(self.bootstrap))
+        admin = new_admin(self.bootstrap)
         topics = declarations.declare_topics(self.ns, (self.recipe.name,))
         ensure_topics(admin, topics)
         partitions = next(t.partitions for t in topics if t.name == self.generations)

@@ -183,8 +183,7 @@ def group_consumer(bootstrap: str, group: str,
     """The consumer of a stage's group: offsets are never committed or stored behind the
     stage's back (no auto-commit, no auto offset store: only the stage's commit-last step
     commits), a group without committed offsets starts at the beginning; ``config``
-    overrides or adds settings. Every stage's consumer is built here, the stage loop's and
-    any other consumer of a group that a stage commits for."""
+    overrides or adds settings. The loop builds its consumer here (again at a rejoin)."""
     return new_consumer(bootstrap, group, {
         "enable.auto.offset.store": False,
         "auto.offset.reset": "earliest",

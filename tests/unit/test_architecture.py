@@ -16,13 +16,6 @@ PACKAGE = Path(reef_stream.__file__).resolve().parent
 MAX_LINES = 800
 #: The Kafka layer: the only package whose modules import confluent_kafka.
 KAFKA_LAYER = "reef_stream.topics"
-#: Modules outside the Kafka layer that still import confluent_kafka.
-#: Being moved onto the stage loop; remove when done.
-KAFKA_IMPORTS_STILL_ALLOWED = frozenset({
-    "reef_stream.consumers.processor",
-})
-
-
 def _modules() -> dict[str, Path]:
     """Every module of the package by dotted name (``__init__`` as the package's own name)."""
     modules = {}
@@ -109,18 +102,13 @@ def _kafka_imports(source: str) -> list[int]:
 
 def test_only_the_kafka_layer_imports_confluent_kafka():
     """No module outside reef_stream.topics imports the Kafka client: they take its names from
-    reef_stream.topics.kafka and build their clients with reef_stream.topics.connect. A module
-    on the allow-list that no longer imports it is named too, so the list only shrinks."""
+    reef_stream.topics.kafka and build their clients with reef_stream.topics.connect."""
     importing = {name: lines for name, path in _modules().items()
                  if name != KAFKA_LAYER and not name.startswith(KAFKA_LAYER + ".")
                  and (lines := _kafka_imports(path.read_text()))}
-    offenders = {name: lines for name, lines in importing.items()
-                 if name not in KAFKA_IMPORTS_STILL_ALLOWED}
-    assert not offenders, (
+    assert not importing, (
         "modules outside reef_stream/topics/ import confluent_kafka (module: lines); take its "
-        f"names from reef_stream.topics.kafka, clients from reef_stream.topics.connect: {offenders}")
-    stale = sorted(KAFKA_IMPORTS_STILL_ALLOWED - set(importing))
-    assert not stale, f"these no longer import confluent_kafka; take them off the list: {stale}"
+        f"names from reef_stream.topics.kafka, clients from reef_stream.topics.connect: {importing}")
 
 
 def test_the_kafka_import_check_finds_every_form():
