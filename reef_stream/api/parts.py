@@ -149,7 +149,7 @@ class RequireSources:
 @dataclass(frozen=True, slots=True)
 class RolloutUnits:
     """Builds the default unit, ``RolloutUnit``: one ``Sample`` per member, in member order
-    (with its generation's finish reason and sampling temperature)."""
+    (with its generation's finish reason, sampling temperature and creation time)."""
 
     unit_type: type = RolloutUnit
 
@@ -163,7 +163,8 @@ class RolloutUnits:
                    completion_logprobs=m.generation.completion_logprobs,
                    reward=m.score.reward, reward_components=dict(m.score.components),
                    finish_reason=m.generation.finish_reason,
-                   temperature=m.generation.sampling.temperature)
+                   temperature=m.generation.sampling.temperature,
+                   created_at=m.generation.created_at)
             for m in members)
         return RolloutUnit(unit_id=unit_id, recipe=recipe, group_key=group_key, members=samples,
                            created_at=created_at)

@@ -163,6 +163,10 @@ class Sample:
     ``finish_reason`` and ``temperature`` are the generation's (its ``finish_reason`` and
     ``sampling.temperature``), so an objective can mask truncated completions (``LENGTH``) or
     correct for the temperature the behaviour logprobs were sampled at.
+
+    ``created_at`` is the generation's ``created_at``: with the unit's ``created_at`` and the
+    step that trains it, it splits the sample's age into its parts. 0 means unknown (units
+    written before the field, or built without it).
     """
 
     generation_id: str
@@ -175,6 +179,7 @@ class Sample:
     reward_components: dict[str, float] = field(default_factory=dict)
     finish_reason: FinishReason = FinishReason.UNKNOWN
     temperature: float = 1.0
+    created_at: EpochMillis = EpochMillis(0)
 
 
 @_event_with_arrays

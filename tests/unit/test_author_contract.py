@@ -177,7 +177,7 @@ def test_a_sample_carries_its_generations_finish_reason_and_temperature():
     old = registry.by_fingerprint(schema_fingerprint(v1))
     record = to_avro(unit)
     for member in record["members"]:
-        del member["finish_reason"], member["temperature"]
+        del member["finish_reason"], member["temperature"], member["created_at"]
     read = registry.decode(*registry.encode_record(old, record), RolloutUnit).members[0]
     assert (read.finish_reason, read.temperature) == (FinishReason.UNKNOWN, 1.0)
 

@@ -19,6 +19,8 @@ from reef_stream.topics.events import (
     EVENT_TYPES,
     FinishReason,
     Generation,
+    RolloutUnit,
+    Sample,
     SamplingParams,
     events_equal,
     to_avro,
@@ -156,6 +158,54 @@ def test_editing_only_docs_keeps_the_fingerprint():
     edited["fields"][0]["doc"] = "reworded too"
 
     assert schema_fingerprint(edited) == schema_fingerprint(schema)
+
+
+# --- rollout_unit v2 -> v3 (Sample.created_at), both ways, through the project's history -------
+
+
+def rollout_unit(created_at: int) -> RolloutUnit:
+    sample = Sample(generation_id="gen-1", prompt_id="prompt-1", policy_version=3,
+                    prompt_token_ids=np.array([1, 2], dtype=np.int32),
+                    completion_token_ids=np.array([3], dtype=np.int32),
+                    completion_logprobs=np.array([-0.25], dtype=np.float32), reward=1.0,
+                    finish_reason=FinishReason.LENGTH, temperature=0.5, created_at=created_at)
+    return RolloutUnit(unit_id="u-1", recipe="r", group_key="prompt-1", members=(sample,),
+                       created_at=T0 + 2_000)
+
+
+def rollout_unit_v2() -> dict:
+    return json.loads((SCHEMAS_DIR / "history" / "rollout_unit" / "v2.avsc").read_text())
+
+
+def test_a_rollout_unit_written_with_v2_reads_with_sample_created_at_zero():
+    registry = SchemaRegistry.default()
+    v2 = registry.by_fingerprint(schema_fingerprint(rollout_unit_v2()))
+    assert not v2.current
+    record = to_avro(rollout_unit(T0))
+    del record["members"][0]["created_at"]
+
+    decoded = registry.decode(*registry.encode_record(v2, record), RolloutUnit)
+
+    assert decoded.members[0].created_at == 0
+    assert events_equal(decoded, rollout_unit(0))
+
+
+def test_a_rollout_unit_written_with_v3_reads_with_v2_without_sample_created_at():
+    registry = SchemaRegistry.default()
+    v2 = registry.by_fingerprint(schema_fingerprint(rollout_unit_v2()))
+    value, headers = registry.encode(rollout_unit(T0))
+
+    record = registry.decode_record(value, headers, v2)
+
+    assert "created_at" not in record["members"][0]
+    assert record["members"][0]["temperature"] == 0.5
+    assert record["created_at"] == datetime.fromtimestamp((T0 + 2_000) / 1000, tz=timezone.utc)
+
+
+def test_a_rollout_unit_written_with_v3_keeps_sample_created_at():
+    registry = SchemaRegistry.default()
+    decoded = registry.decode(*registry.encode(rollout_unit(T0)), RolloutUnit)
+    assert decoded.members[0].created_at == T0
 
 
 # --- the rules every current schema follows -----------------------------------------------
