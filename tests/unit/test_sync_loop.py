@@ -1,0 +1,52 @@
+"""The synchronous lower bound (``reef_stream.demo.sync``) keeps its promises, not its speed:
+units built by the recipe's own processor, steps and samples counted, the curve starting at
+the untrained model's measurement, the time limit honoured."""
+
+from __future__ import annotations
+
+import pytest
+
+from reef_stream.api.recipe import load_recipe
+from reef_stream.api.testing import run_processor
+from reef_stream.demo.sync import SynchronousLoop, run_synchronous
+from reef_stream.demo.task import accuracy, initial_policy
+
+
+@pytest.mark.parametrize("path", ["reef_stream.demo.recipes:sao", "reef_stream.demo.recipes:grpo"])
+def test_units_are_the_recipe_processors_units(path):
+    recipe = load_recipe(path, complete=True)
+    loop = SynchronousLoop(recipe, seed=3)
+    generations, feedback = loop.rollouts(4)
+    assert len(generations) == len(feedback) == 4 * max(recipe.group_size, 1)
+    assert {f.generation_id for f in feedback} == {g.generation_id for g in generations}
+    units = loop.units_of(generations, feedback)
+    # The same records through run_processor (the processor's state machine, as a test runs it)
+    records = [r for g, f in zip(generations, feedback) for r in (g, f)]
+    expected = run_processor(recipe, records, finish=True).units
+    assert [u.unit_id for u in units] == [e.unit.unit_id for e in expected]
+    assert len(units) == 4
+    assert all(isinstance(u, recipe.objective.unit_type) for u in units)
+    assert all(len(u.members) == max(recipe.group_size, 1) for u in units)
+
+
+@pytest.mark.parametrize("path", ["reef_stream.demo.recipes:sao", "reef_stream.demo.recipes:grpo"])
+def test_a_short_run_counts_steps_and_samples(path):
+    recipe = load_recipe(path, complete=True)
+    result = run_synchronous(recipe, target=1.01, time_limit=0.5, seed=1, measure_every=1,
+                             threads=1)
+    per_step = recipe.schedule.units_per_step * max(recipe.group_size, 1)
+    assert not result.reached and result.steps >= 1
+    assert result.samples == result.steps * per_step
+    assert result.units == result.steps * recipe.schedule.units_per_step
+    assert result.curve[0][:2] == (0, 0.0)
+    assert result.curve[0][2] == accuracy(initial_policy(recipe.schedule.seed))
+    assert [point[0] for point in result.curve] == list(range(result.steps + 1))
+    assert result.seconds >= 0.5 and result.seconds == result.curve[-1][1]
+    assert result.threads == 1
+    assert "did NOT reach" in result.line()
+
+
+def test_the_target_stops_the_run_at_the_first_measurement_reaching_it():
+    result = run_synchronous("reef_stream.demo.recipes:sao", target=0.0, time_limit=60, seed=0)
+    assert result.reached and result.steps == 0 and result.seconds == 0.0
+    assert len(result.curve) == 1
