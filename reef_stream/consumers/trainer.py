@@ -82,9 +82,9 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import safetensors.torch
@@ -112,14 +112,19 @@ from reef_stream.engine.training import (
 )
 from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
 from reef_stream.ops.failpoints import failpoint
+from reef_stream.ops.histograms import AGE_LABELS, age_buckets
 from reef_stream.ops.metrics import (
     STAGE_TRAINER,
     TRAINER_DATA_SECONDS,
+    TRAINER_SAMPLE_AGE_MEAN,
+    TRAINER_SAMPLE_AGE_SAMPLES,
+    TRAINER_SAMPLE_TO_UNIT_SAMPLES,
     TRAINER_STALENESS_MAX,
     TRAINER_STALENESS_MEAN,
     TRAINER_STALENESS_SAMPLES,
     TRAINER_STEP_SECONDS,
     TRAINER_STEPS,
+    TRAINER_UNIT_TO_TRAIN_SAMPLES,
     TRAINER_UNITS_DUPLICATE,
     TRAINER_UNITS_INVALID,
     TRAINER_UNITS_STALE,
@@ -168,6 +173,11 @@ class TrainerSummary:
     metrics: dict[str, float] = field(default_factory=dict)
     #: Trained samples by staleness (versions behind the trainer), over the run.
     staleness: Counter[int] = field(default_factory=Counter)
+    #: Trained samples with a known created_at by age bucket (``le``, seconds), over the run:
+    #: generation -> step, generation -> unit, unit -> step (``reef_stream.ops.histograms``).
+    sample_age: Counter[str] = field(default_factory=Counter)
+    sample_to_unit: Counter[str] = field(default_factory=Counter)
+    unit_to_train: Counter[str] = field(default_factory=Counter)
 
     def line(self) -> str:
         first = ("" if self.first_step_seconds is None
@@ -176,6 +186,31 @@ class TrainerSummary:
                 f"{self.resumed_from}), {self.units_trained} units; skipped {self.duplicates} "
                 f"duplicates, dropped {self.stale} stale and {self.invalid} invalid units; "
                 f"resumed in {self.resume_seconds:.2f} s{first}")
+
+
+class StepAges(NamedTuple):
+    """Seconds, per trained sample with a known ``created_at`` (0: unknown, not counted): from
+    its generation to the step that trained it, to its unit, and from its unit to the step."""
+
+    sample_age: list[float]
+    sample_to_unit: list[float]
+    unit_to_train: list[float]
+
+    @classmethod
+    def of(cls, units: Sequence[Any], trained_at: int) -> StepAges:
+        """``trained_at``: the step's wall-clock time (epoch ms), one for all its samples."""
+        ages = cls([], [], [])
+        for unit in units:
+            unit_at = getattr(unit, "created_at", 0)
+            for member in unit_members(unit):
+                created_at = getattr(member, "created_at", 0)
+                if not created_at:
+                    continue
+                ages.sample_age.append((trained_at - created_at) / 1000)
+                if unit_at:
+                    ages.sample_to_unit.append((unit_at - created_at) / 1000)
+                    ages.unit_to_train.append((trained_at - unit_at) / 1000)
+        return ages
 
 
 class Trainer:
@@ -314,6 +349,9 @@ class Trainer:
         if staleness:
             metrics[TRAINER_STALENESS_MEAN] = float(np.mean(staleness))
             metrics[TRAINER_STALENESS_MAX] = float(max(staleness))
+        ages = StepAges.of(units, now_ms())
+        if ages.sample_age:
+            metrics[TRAINER_SAMPLE_AGE_MEAN] = float(np.mean(ages.sample_age))
         failpoint("trainer.before-checkpoint", step=step)
         weights, optimizer, rng = self.backend.state()
         if self.ranks > 1:
@@ -348,7 +386,7 @@ class Trainer:
         self.step = step
         self.pending, self.pending_ids = [], set()
         seconds = time.monotonic() - started
-        self._count_step(len(units), seconds, metrics, staleness)
+        self._count_step(len(units), seconds, metrics, staleness, ages)
         pruned = self.store.prune(self.keep) if self.rank == 0 else []
         log.info("step %d: %d units, loss %.4f, %.2f s%s", step, len(units),
                  metrics.get("loss", float("nan")), seconds,
@@ -527,11 +565,14 @@ class Trainer:
                               headers=headers)
 
     def _count_step(self, units: int, seconds: float, metrics: dict[str, float],
-                    staleness: list[int]) -> None:
+                    staleness: list[int], ages: StepAges) -> None:
         summary = self.summary
         summary.steps += 1
         summary.units_trained += units
         summary.staleness.update(staleness)
+        summary.sample_age.update(age_buckets(ages.sample_age))
+        summary.sample_to_unit.update(age_buckets(ages.sample_to_unit))
+        summary.unit_to_train.update(age_buckets(ages.unit_to_train))
         summary.step_seconds += seconds
         summary.metrics = metrics
         if summary.first_step_seconds is None:
@@ -552,6 +593,11 @@ class Trainer:
             if np.isfinite(value):
                 write(name, value)
         self.metrics.write_counts(TRAINER_STALENESS_SAMPLES, summary.staleness, "staleness")
+        for name, counts in ((TRAINER_SAMPLE_AGE_SAMPLES, summary.sample_age),
+                             (TRAINER_SAMPLE_TO_UNIT_SAMPLES, summary.sample_to_unit),
+                             (TRAINER_UNIT_TO_TRAIN_SAMPLES, summary.unit_to_train)):
+            self.metrics.write_counts(name, {le: counts[le] for le in AGE_LABELS if le in counts},
+                                      "le")
         self.producer.poll(0)
 
 

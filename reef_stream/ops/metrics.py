@@ -110,6 +110,21 @@ TRAINER_STALENESS_MAX = "staleness_max"
 #: The off-policy degree's distribution: trained samples by staleness (running totals since the
 #: process started; label ``staleness``, the number of versions).
 TRAINER_STALENESS_SAMPLES = "staleness_samples"  # labels: staleness
+#: Where a trained sample's age comes from, in seconds (``Sample.created_at``, the generation's
+#: creation; the unit's ``created_at``; the step's wall-clock time, taken once per step).
+#: Histograms of trained samples, running totals since the process started, label ``le``: a
+#: bucket's upper bound in seconds (``reef_stream.ops.histograms.AGE_LABELS``: "0.25" ... "256",
+#: "+Inf"). Counts are per bucket, NOT cumulative: a sample counts only in the first bucket whose
+#: bound it does not exceed. Samples with an unknown ``created_at`` (0) are not counted.
+#: Generation -> the step that trained it (the whole age);
+TRAINER_SAMPLE_AGE_SAMPLES = "sample_age_samples"            # labels: le
+#: generation -> its unit (waiting for feedback, then the processor);
+TRAINER_SAMPLE_TO_UNIT_SAMPLES = "sample_to_unit_samples"    # labels: le
+#: unit -> the step (the units topic, then the trainer's queue).
+TRAINER_UNIT_TO_TRAIN_SAMPLES = "unit_to_train_samples"      # labels: le
+#: Mean age in seconds of the step's samples with a known created_at, per step (also in the
+#: Checkpoint event's metrics; absent when no sample has one).
+TRAINER_SAMPLE_AGE_MEAN = "sample_age_mean_s"
 TRAINER_STEP_SECONDS = "step_seconds"
 TRAINER_DATA_SECONDS = "data_seconds"
 #: Policy health, per step (``TorchBackend.train_step``; a policy-gradient family's only, but
