@@ -63,28 +63,36 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: floa
     stale: lower --rate). At the end report.html (accuracy
     per published version, reward over time, staleness, throughput) is
     written and its path printed; the unit ledger must show no unit lost or
-    trained twice.
+    trained twice. Last comes the run's scorecard (time to target, samples
+    generated / trained / shed / dead-lettered, goodput, staleness,
+    checkpoint-to-serving latency, CPU seconds per stage; also in report.html).
     """
     from reef_stream.cli.servers import kafka_up, redis_up
     from reef_stream.config import load_settings
     from reef_stream.topics.connect import bootstrap_servers, redis_url
     from reef_stream.demo.run import Demo, DemoOptions
+    from reef_stream.ops.kafka_local import LocalCluster
     from reef_stream.ops.processes import interrupt_on_sigterm
 
     settings = load_settings()
+    broker_pids: list[int] = []
     if not settings.bootstrap_servers:
         ctx.invoke(kafka_up)
+        cluster = LocalCluster.from_settings(settings)
+        broker_pids = [node.pid for node in cluster.nodes if cluster.is_alive(node)]
     if not settings.redis_url:
         ctx.invoke(redis_up)
     options = DemoOptions(recipe=path, replicas=replicas, rate=rate, target=target, time_limit=time_limit,
                           chaos=chaos, run_dir=run_dir, seed=seed, overrides=overrides)
     runner = Demo(options, settings=settings, bootstrap=bootstrap_servers(settings),
-                  redis_url=redis_url(settings), show=DemoProgress())
+                  redis_url=redis_url(settings), show=DemoProgress(), broker_pids=broker_pids)
     click.echo(f"demo {runner.ns}: {path}, {replicas} replicas, target {target:.2f}, "
                f"logs in {runner.run_dir / 'logs'}")
     interrupt_on_sigterm()    # SIGTERM stops the stages (and nothing else) as Ctrl-C does
     result = runner.run()
     click.echo(result.line())
+    if result.scorecard is not None:
+        click.echo("\n".join(result.scorecard.lines()))
     if not (settings.bootstrap_servers and settings.redis_url):
         click.echo("the local broker and Redis keep running (their data too): "
                    "`reef kafka down` and `reef redis down` stop them")

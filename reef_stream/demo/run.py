@@ -2,7 +2,7 @@
 
     demo = Demo(DemoOptions(recipe="methods.sao", replicas=2, target=0.9, time_limit=900),
                 settings=settings, bootstrap=bootstrap)
-    result = demo.run()          # blocks; result.reached, result.report
+    result = demo.run()          # blocks; result.reached, result.scorecard, result.report
 
 What runs (each a child process with its log under ``<run dir>/logs``):
 
@@ -18,27 +18,33 @@ topics' end offsets (throughput), shows them live, and stops when the newest
 promoted version reaches the target accuracy or the time limit passes. With
 ``chaos`` it SIGKILLs the trainer or the processor at random moments and
 restarts it. At the end it checks the unit ledger (no unit trained twice, none
-lost) and writes ``report.html`` with PNG plots.
+lost), reads the run's scorecard from its topics (``reef_stream.ops.scorecard``; the stages
+report their own CPU time, the demo samples its replicas' and the brokers' it was given every
+``CPU_SAMPLE_S``) and writes ``report.html`` (``reef_stream.demo.report``): the scorecard and
+PNG plots.
 """
 
 from __future__ import annotations
 
-import html
-import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
+
 from reef_stream.config import Settings
 from reef_stream.topics.connect import new_admin, new_consumer
 from reef_stream.consumers.processor import EXIT_RESTART
+from reef_stream.demo.report import measured_accuracy, write_report
 from reef_stream.demo.verify import GenerationOutcomes, ledger_counts, letter_unit
 from reef_stream.topics.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
 from reef_stream.ops.metrics import (
@@ -58,6 +64,8 @@ GROUP = "demo"
 STOP_GRACE_S = 15.0
 #: Seconds of history ``Demo.overloaded`` compares the units emitted and trained over.
 OVERLOAD_WINDOW_S = 30.0
+#: Seconds between two samples of the CPU time of the demo's processes.
+CPU_SAMPLE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,11 @@ class DemoResult:
     #: acknowledged generations the topic lacks (None: not checked).
     outcomes: dict[str, int] = field(default_factory=dict)
     missing_acknowledged: int | None = None
+    #: The run's ``reef_stream.ops.scorecard.Scorecard`` (read from its topics at the end).
+    scorecard: Any = None
+    #: CPU seconds the demo measured from outside, by stage: every child process (restarts
+    #: added up) and the broker(s) it was given (``Demo.cpu_seconds``).
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
 
     def line(self) -> str:
         got = "n/a" if self.accuracy is None else f"{self.accuracy:.3f}"
@@ -140,6 +153,8 @@ class Stage:
         self.name, self.argv, self.env, self.log = name, argv, env, log
         self.process: subprocess.Popen | None = None
         self.starts = 0
+        #: Start number -> the last CPU seconds sampled of that process (``sample_cpu``).
+        self._cpu: dict[int, float] = {}
 
     def start(self) -> None:
         self.starts += 1
@@ -154,8 +169,23 @@ class Stage:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def sample_cpu(self) -> None:
+        """Note the CPU time the running process has used so far (user + system, its waited-for
+        children's too). Callable from any thread; a process gone already is skipped."""
+        process, start = self.process, self.starts
+        if process is not None and process.poll() is None:
+            used = process_cpu_seconds(process.pid)
+            if used is not None:
+                self._cpu[start] = used
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU seconds of every process this stage ran, as last sampled, added up."""
+        return sum(self._cpu.values())
+
     def kill(self) -> None:
         """SIGKILL, the way a machine dies: no cleanup runs."""
+        self.sample_cpu()
         if self.alive:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(30)
@@ -164,6 +194,7 @@ class Stage:
         """SIGTERM, then SIGKILL after ``STOP_GRACE_S``."""
         if not self.alive:
             return
+        self.sample_cpu()
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(STOP_GRACE_S)
@@ -181,7 +212,11 @@ class Demo:
     """One demo run; see the module docstring. ``run`` blocks; call it once."""
 
     def __init__(self, options: DemoOptions, *, settings: Settings, bootstrap: str,
-                 redis_url: str, show: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 redis_url: str, show: Callable[[dict[str, Any]], None] | None = None,
+                 broker_pids: Sequence[int] = ()) -> None:
+        """``broker_pids``: the processes of the local broker(s) the run uses, when whoever
+        runs the demo started them: their CPU time during the run counts in the scorecard
+        (``cpu_seconds``)."""
         from reef_stream.api.recipe import load_recipe
         from reef_stream.demo.recipes import stage_recipe
 
@@ -221,6 +256,8 @@ class Demo:
         self.last_status: dict[str, Any] = {}
         self.was_overloaded: str | None = None   # the last ``overloaded`` diagnosis
         self.trainer_lag: dict[str, int] = {}     # partition -> the trainer's lag on the units
+        self.broker_pids = tuple(broker_pids)
+        self._broker_cpu: dict[int, list[float]] = {}  # pid -> [first sample, last sample]
         self.stages = self._stages()
 
     # ----------------------------------------------------------------- the stages
@@ -264,12 +301,17 @@ class Demo:
         watcher.assign([TopicPartition(t, 0, OFFSET_BEGINNING) for t in (
             self.topics["publications"],)] + [TopicPartition(declarations.metrics(self.ns), p,
                                                              OFFSET_BEGINNING) for p in range(3)])
+        self._sample_cpu()   # the brokers' CPU so far, not the run's
+        sampling = threading.Event()
+        sampler = threading.Thread(target=self._sample_cpu_until, args=(sampling,),
+                                   name="demo-cpu", daemon=True)
         started = time.monotonic()
         next_chaos = started + self.rng.uniform(*self.options.chaos_every)
         reached = False
         try:
             for stage in self.stages.values():
                 stage.start()
+            sampler.start()
             while time.monotonic() - started < self.options.time_limit:
                 self._watch(watcher, started)
                 self._check_stages()
@@ -289,16 +331,57 @@ class Demo:
             seconds = time.monotonic() - started
             outcomes, missing = self._drain() if self.options.drain_s else ({}, None)
         finally:
+            sampling.set()
+            if sampler.is_alive():
+                sampler.join()
             for stage in self.stages.values():
-                stage.stop()
+                stage.stop()   # samples its CPU first
+            self._sample_cpu()
             watcher.close()
         accuracy, version = self.accuracy()
         ledger = unit_ledger(self.bootstrap, self.ns, self.recipe.name, self.store)
-        report = write_report(self, seconds, ledger)
+        scorecard = self.scorecard(ledger)
+        report = write_report(self, seconds, ledger, scorecard)
         return DemoResult(reached=reached, seconds=seconds, accuracy=accuracy, version=version,
                           report=report, kills=self.kills, restarts=self.restarts,
                           ledger=ledger, stalled=self.stalled(), overloaded=self.was_overloaded,
-                          outcomes=outcomes, missing_acknowledged=missing)
+                          outcomes=outcomes, missing_acknowledged=missing, scorecard=scorecard,
+                          cpu_seconds=self.cpu_seconds())
+
+    # ----------------------------------------------------------------- the scorecard
+
+    def scorecard(self, ledger: dict[str, int]) -> Any:
+        """The run's scorecard, read from its topics (``reef_stream.ops.scorecard``): the stages
+        report their own CPU time as metrics; the replicas' and the brokers' come from here."""
+        from reef_stream.ops.scorecard import read_scorecard
+
+        cpu = self.cpu_seconds()
+        extra = {"replica": sum(v for k, v in cpu.items() if k.startswith("replica-")),
+                 "broker": cpu.get("broker", 0.0)}
+        return read_scorecard(self.bootstrap, self.ns, self.recipe.name,
+                              target=self.options.target, measure="accuracy", extra_cpu=extra,
+                              ledger=ledger)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used during the run, measured from outside: per stage (each process it
+        ran, restarts added up) and ``broker`` (the ``broker_pids`` since the run began)."""
+        used = {name: stage.cpu_seconds for name, stage in self.stages.items()}
+        if self.broker_pids:
+            used["broker"] = sum(last - first for first, last in self._broker_cpu.values())
+        return used
+
+    def _sample_cpu(self) -> None:
+        for stage in self.stages.values():
+            stage.sample_cpu()
+        for pid in self.broker_pids:
+            used = process_cpu_seconds(pid)
+            if used is not None:
+                self._broker_cpu.setdefault(pid, [used, used])[1] = used
+
+    def _sample_cpu_until(self, stop: threading.Event) -> None:
+        """Sample every ``CPU_SAMPLE_S`` seconds until ``stop`` is set (the sampling thread)."""
+        while not stop.wait(CPU_SAMPLE_S):
+            self._sample_cpu()
 
     def _acked_log(self, replica: int) -> Path:
         return self.run_dir / f"acknowledged-replica-{replica}.txt"
@@ -451,11 +534,14 @@ class Demo:
 # --------------------------------------------------------------------------- helpers
 
 
-def measured_accuracy(publication: Publication) -> float | None:
-    values = dict(publication.measurement)
-    if "accuracy" in values:
-        return values["accuracy"]
-    return next(iter(values.values()), None)
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds ``pid`` has used (user + system of all its threads, and of its children it
+    waited for; ``/proc/<pid>/stat``), or None when it is gone or unreadable."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return times.user + times.system + times.children_user + times.children_system
 
 
 def end_offset(consumer: Consumer, topic: str) -> int:
@@ -499,89 +585,3 @@ def _dropped_units(bootstrap: str, ns: str, units_topic: str) -> set[str]:
                for message in read_to_end(bootstrap, declarations.dead_letters(ns)))
     return {unit for letter in letters
             if (unit := letter_unit(letter, units_topic, registry)) is not None}
-
-
-def write_report(demo: Demo, seconds: float, ledger: dict[str, int]) -> Path:
-    """``report.html`` with PNG plots in the run directory; returns its path."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out = demo.run_dir
-    plots = []
-
-    def save(name: str, figure) -> None:
-        figure.tight_layout()
-        figure.savefig(out / name, dpi=90)
-        plt.close(figure)
-        plots.append(name)
-
-    figure, axis = plt.subplots(figsize=(6, 3.5))
-    promoted = [(p.policy_version, measured_accuracy(p)) for _, p in demo.publications
-                if p.decision is Decision.PROMOTED]
-    rejected = [(p.policy_version, measured_accuracy(p)) for _, p in demo.publications
-                if p.decision is Decision.REJECTED]
-    if promoted:
-        axis.plot(*zip(*promoted), "o-", label="promoted")
-    if rejected:
-        axis.plot(*zip(*rejected), "x", color="red", label="rejected")
-    axis.axhline(demo.options.target, ls="--", color="grey", label="target")
-    axis.set(xlabel="policy version", ylabel="held-out accuracy", ylim=(0, 1.02),
-             title="held-out accuracy per published version")
-    axis.legend()
-    save("accuracy.png", figure)
-
-    figure, axis = plt.subplots(figsize=(6, 3.5))
-    if demo.rewards:
-        axis.plot(*zip(*demo.rewards))
-    axis.set(xlabel="seconds", ylabel="mean reward of a step", title="reward over time")
-    save("reward.png", figure)
-
-    figure, axis = plt.subplots(figsize=(6, 3.5))
-    staleness = training_staleness(demo)
-    if staleness:
-        axis.hist(staleness, bins=range(0, max(staleness) + 2), align="left")
-    axis.set(xlabel="trainer version - behaviour version", ylabel="samples",
-             title="staleness of trained samples")
-    save("staleness.png", figure)
-
-    figure, axis = plt.subplots(figsize=(6, 3.5))
-    for name in ("generations", "feedback", "units"):
-        points = [(b.at, (b.offsets[name] - a.offsets[name]) / max(b.at - a.at, 1e-6))
-                  for a, b in zip(demo.samples[::5], demo.samples[5::5])]
-        if points:
-            axis.plot(*zip(*points), label=f"{name}/s")
-    axis.set(xlabel="seconds", ylabel="records/s", title="throughput per stage")
-    axis.legend()
-    save("throughput.png", figure)
-
-    accuracy, version = demo.accuracy()
-    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
-                   for k, v in [("recipe", demo.options.recipe), ("namespace", demo.ns),
-                                ("seconds", f"{seconds:.0f}"), ("published version", version),
-                                ("held-out accuracy", accuracy),
-                                ("chaos kills", dict(demo.kills)), ("unit ledger", ledger)])
-    images = "".join(f'<p><img src="{name}" alt="{name}"></p>' for name in plots)
-    report = out / "report.html"
-    report.write_text(f"<!doctype html><title>reef demo {html.escape(demo.ns)}</title>"
-                      f"<h1>reef demo: {html.escape(demo.options.recipe)}</h1>"
-                      f"<table>{rows}</table>{images}"
-                      f"<pre>{html.escape(json.dumps(demo.last_status, default=str, indent=1))}</pre>")
-    return report
-
-
-def training_staleness(demo: Demo) -> list[int]:
-    """Per trained sample: the step that trained it minus one, less its behaviour version."""
-    from reef_stream.engine.checkpoints import CheckpointStore, load
-
-    step_of: dict[str, int] = {}
-    for stored in CheckpointStore(demo.store).steps():
-        for unit_id in load(stored.uri, stored.sha256).step_units:
-            step_of[unit_id] = stored.step
-    found = []
-    for message in read_to_end(demo.bootstrap, demo.topics["units"]):
-        unit = demo.registry.decode(message.value(), message.headers(), RolloutUnit)
-        if unit.unit_id in step_of:
-            found += [step_of[unit.unit_id] - 1 - m.policy_version for m in unit.members]
-    return [max(s, 0) for s in found]
-
