@@ -1,0 +1,182 @@
+"""The loop against its lower bound: the synchronous loop once, then the live loop N times.
+
+    python bench/loop.py [--runs 3] [--recipe methods.sao] [--target 0.9] [--time-limit 600]
+
+In one invocation, on this machine:
+
+1. the synchronous loop (``reef_stream.demo.sync``): the naive one-process loop over the same
+   bound recipe -- sample a step's worth, score, build units with the recipe's processor,
+   train, measure -- until the recipe's evaluator measures the target. Its stopwatch pauses
+   while measuring and nothing is published or served: the lower bound. It runs first, before
+   any server is up, so nothing else takes its CPU;
+2. one local Kafka broker and one Redis in a temporary REEF_HOME, for the whole invocation
+   (REEF_BOOTSTRAP_SERVERS / REEF_REDIS_URL, when set, are used instead and nothing is
+   started; the broker's CPU is then not counted);
+3. the live loop, ``reef demo`` with its defaults (every stage a process, 2 replicas at
+   150 generations/s), ``--runs`` times, each in a fresh namespace; each run's scorecard
+   (``reef_stream.ops.scorecard``, defined in docs/metrics.md) is printed when it ends.
+
+The last line is
+
+    SCORECARD sync_s=... live_s=... ratio=... staleness_mean=... goodput=... infra_cpu_share=...
+    checkpoint_to_serving_p50_s=...
+
+(one line): ``sync_s`` the synchronous loop's seconds to the target, ``live_s`` the median
+over the live runs of the scorecard's time to target (first generation -> first promoted
+version measured at the target), ``ratio`` = live_s / sync_s; the other figures are medians
+over the live runs of the scorecards' figures (``infra_cpu_share``: the CPU of the reward
+worker, the processor and the broker over all the CPU of the loop's processes: every stage,
+the replicas and the broker). A run that does not reach the target within ``--time-limit``
+prints its figures, counts as the time limit in the median and is flagged in a NOTE line
+above the SCORECARD line. Figures, never assertions: nothing here is tuned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reef_stream.cli.demo import DemoProgress  # noqa: E402
+from reef_stream.config import load_settings  # noqa: E402
+from reef_stream.demo.recipes import stage_recipe  # noqa: E402
+from reef_stream.demo.run import Demo, DemoOptions, DemoResult  # noqa: E402
+from reef_stream.demo.sync import SyncResult, run_synchronous  # noqa: E402
+from reef_stream.ops.kafka_local import LocalCluster  # noqa: E402
+from reef_stream.ops.processes import free_ports, interrupt_on_sigterm  # noqa: E402
+from reef_stream.ops.redis_local import LocalRedis  # noqa: E402
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def _number(value: float | None) -> str:
+    return "na" if value is None else f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def live_seconds(result: DemoResult, time_limit: float) -> float:
+    """A run's time to target: the scorecard's (first generation -> first promoted version at
+    the target), the demo's own when the scorecard has none; the time limit when not reached."""
+    if not result.reached:
+        return time_limit
+    seconds = result.scorecard.time_to_target_s if result.scorecard is not None else None
+    return seconds if seconds is not None else result.seconds
+
+
+def scorecard_line(sync: SyncResult, runs: list[DemoResult], time_limit: float) -> str:
+    """The last line (see the module docstring)."""
+    sync_s = sync.seconds if sync.reached else time_limit
+    live_s = statistics.median(live_seconds(r, time_limit) for r in runs)
+    cards = [r.scorecard for r in runs if r.scorecard is not None]
+    figures = {
+        "sync_s": sync_s, "live_s": live_s, "ratio": live_s / sync_s if sync_s else None,
+        "staleness_mean": _median([c.staleness_versions.mean for c in cards]),
+        "goodput": _median([c.goodput for c in cards]),
+        "infra_cpu_share": _median([c.infra_cpu_share for c in cards]),
+        "checkpoint_to_serving_p50_s": _median([c.checkpoint_to_serving_s.p50 for c in cards]),
+    }
+    return "SCORECARD " + " ".join(f"{k}={_number(v)}" for k, v in figures.items())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="python bench/loop.py", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3, help="live runs (default 3)")
+    parser.add_argument("--recipe", default="methods.sao",
+                        help="the demo's recipe, for both loops (default methods.sao; "
+                             "methods.grpo, or any bound recipe path)")
+    parser.add_argument("--target", type=float, default=0.9,
+                        help="held-out accuracy to reach (default 0.9)")
+    parser.add_argument("--time-limit", type=float, default=600.0, metavar="S",
+                        help="seconds each loop gets to reach it (default 600)")
+    args = parser.parse_args()
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+
+    interrupt_on_sigterm()    # a `kill` stops the stages and the servers started here
+    say(f"synchronous loop: {args.recipe} to {args.target:g} (at most {args.time_limit:g} s)")
+    sync = run_synchronous(stage_recipe(args.recipe), target=args.target,
+                           time_limit=args.time_limit, seed=0)
+    say(sync.line())
+    print("  curve (step, s, accuracy): " + ", ".join(
+        f"({s}, {t:.1f}, {a:.2f})" for s, t, a in sync.curve[::max(len(sync.curve) // 12, 1)]))
+
+    runs: list[DemoResult] = []
+    with tempfile.TemporaryDirectory(prefix="reef-loop-") as tmp:
+        home = Path(tmp)
+        environ = {**os.environ, "REEF_HOME": str(home)}
+        settings = load_settings(environ)
+        cluster = redis = None
+        try:
+            bootstrap, broker_pids = settings.bootstrap_servers, []
+            if bootstrap is None:
+                cluster = LocalCluster(home / "kafka", settings.cache_dir)
+                bootstrap = cluster.up(port=0, progress=say)
+                broker_pids = [node.pid for node in cluster.nodes]
+            else:
+                say(f"REEF_BOOTSTRAP_SERVERS={bootstrap}: the broker's CPU is not counted")
+            redis_url = settings.redis_url
+            if redis_url is None:
+                redis = LocalRedis(home / "redis")
+                redis_url = redis.up(port=free_ports(1)[0])
+            say(f"broker {bootstrap}, redis {redis_url}, REEF_HOME {home}")
+            for run in range(1, args.runs + 1):
+                options = DemoOptions(recipe=args.recipe, target=args.target,
+                                      time_limit=args.time_limit, run_dir=home / f"run-{run}",
+                                      namespace=f"loop{run}{time.strftime('%H%M%S')}")
+                demo = Demo(options, settings=settings, bootstrap=bootstrap,
+                            redis_url=redis_url, show=DemoProgress(every_s=15.0),
+                            broker_pids=broker_pids)
+                say(f"live run {run}/{args.runs}: reef demo --recipe {args.recipe} "
+                    f"(namespace {demo.ns}, {options.replicas} replicas x {options.rate:g}/s)")
+                result = demo.run()
+                runs.append(result)
+                say(f"live run {run}: {result.line()}")
+                if result.scorecard is not None:
+                    print("\n".join(result.scorecard.lines()), flush=True)
+                if not result.reached:
+                    say(f"live run {run} did NOT reach {args.target:g}: it counts as the time "
+                        f"limit, {args.time_limit:g} s")
+        finally:
+            if redis is not None:
+                redis.down()
+            if cluster is not None:
+                cluster.down()
+
+    unreached = [i for i, r in enumerate(runs, 1) if not r.reached]
+    print()
+    print("live runs (time to target, s): " + ", ".join(
+        f"{live_seconds(r, args.time_limit):.0f}" + ("" if r.reached else " (NOT reached)")
+        for r in runs))
+    notes = []
+    if not sync.reached:
+        notes.append(f"the synchronous loop did not reach {args.target:g}: sync_s is its time "
+                     "limit")
+    if unreached:
+        notes.append(f"live run(s) {unreached} did not reach {args.target:g}: each counts as "
+                     f"{args.time_limit:g} s")
+    if notes:
+        print("NOTE: " + "; ".join(notes))
+    print(scorecard_line(sync, runs, args.time_limit), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the stages and servers were stopped
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
