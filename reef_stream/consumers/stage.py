@@ -29,6 +29,8 @@ processing strategies, the loop owns everything a stage would otherwise write ag
   keyed by its own key, reason ``undecodable <reads>: <error>``) and acknowledged by the
   broker before the loop goes on (``FatalError`` otherwise: nothing past it is committed);
 - consumer lag (``MetricsWriter.write_lag``) after each commit and every ``LAG_EVERY_S``;
+  the process's CPU time (``MetricsWriter.write_process``) every ``LAG_EVERY_S`` and once
+  more at the end, for a reader too;
 - ``stop()``: graceful; the strategy finishes what it holds (``join``), what is
   committable is committed, then the strategy and the consumer are closed;
 - commit last: the strategy says what is committable (``committable()``: positions
@@ -268,6 +270,7 @@ class StageLoop:
         self._paused: list[TopicPartition] = []
         self._committed: dict[tuple[str, int], int] = {}
         self._lag_at = 0.0
+        self._cpu_at = 0.0
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -299,6 +302,7 @@ class StageLoop:
             self._raise_callback_error()
             self.strategy.join(self.join_timeout)
             self._commit(final=True)
+            self._write_process(final=True)
         finally:
             # The consumer first: leaving the group revokes, and on_revoke still needs the
             # strategy (it commits what is committable); each step even if another fails.
@@ -432,6 +436,7 @@ class StageLoop:
         every ``commit_every_s``, asynchronously with ``asynchronous_commits``; ``final``
         (a revocation, the end): every committable position, synchronously. A reader, and
         a strategy that commits itself, commit nothing here."""
+        self._write_process()
         if self.group is None:
             return
         fresh: dict[tuple[str, int], int] = {}
@@ -459,6 +464,17 @@ class StageLoop:
                 and (fresh or time.monotonic() - self._lag_at >= LAG_EVERY_S):
             self._lag_at = time.monotonic()
             self.metrics.write_lag(self.consumer)
+
+    def _write_process(self, *, final: bool = False) -> None:
+        """The process's CPU time so far (``MetricsWriter.write_process``), every
+        ``LAG_EVERY_S`` (``final``: now, at the end of ``run``). Never raises."""
+        if self.metrics is None or not (final or time.monotonic() - self._cpu_at >= LAG_EVERY_S):
+            return
+        self._cpu_at = time.monotonic()
+        try:
+            self.metrics.write_process()
+        except Exception as error:  # noqa: BLE001 - a metric never fails the stage
+            self.log.warning("%s: CPU time not written: %s", self.stage, error)
 
     # ----------------------------------------------------------------- the group
 

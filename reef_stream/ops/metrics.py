@@ -19,6 +19,8 @@ stage serves at ``/metrics`` when started with ``--metrics-port``.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -48,6 +50,15 @@ STAGE_FOLLOWER = "follower"
 CONSUMER_LAG = "consumer_lag"
 #: Seconds after which an unchanged lag is written again.
 LAG_REPEAT_S = 30.0
+
+# --------------------------------------------------------------------------- every process
+
+#: CPU seconds (user + system: ``time.process_time()``) this process has used since it started,
+#: a running total, written by the stage loop with the lag and once more at its end
+#: (``MetricsWriter.write_process``). Label ``process``: ``<hostname>.<pid>``, so a restarted
+#: process is a new series and a reader sums each series' last value (``ops/scorecard.py``).
+#: A process that hosts several stages reports its whole CPU under each of them.
+PROCESS_CPU_SECONDS = "process_cpu_seconds"      # labels: process
 
 # --------------------------------------------------------------------------- intake
 
@@ -285,6 +296,15 @@ class MetricsWriter:
             if last is None or last[0] != lag or now - last[1] >= LAG_REPEAT_S:
                 self.write(CONSUMER_LAG, lag, topic=topic, partition=str(partition))
                 self._lags[(topic, partition)] = (lag, now)
+
+    def write_process(self) -> None:
+        """``PROCESS_CPU_SECONDS``: the CPU this process has used so far, labelled
+        ``process=<hostname>.<pid>``. Never raises: a metric never fails the pipeline."""
+        try:
+            self.write(PROCESS_CPU_SECONDS, time.process_time(),
+                       process=f"{socket.gethostname()}.{os.getpid()}")
+        except Exception as error:  # noqa: BLE001
+            log.warning("metric %s.%s not written: %s", self._stage, PROCESS_CPU_SECONDS, error)
 
     def write_counts(self, name: str, counts: Mapping[str, int], label: str) -> None:
         """One event per entry of ``counts``, labelled ``label=<key>``."""
