@@ -11,7 +11,7 @@ In one invocation, on this machine:
    any server is up, so nothing else takes its CPU;
 2. one local Kafka broker and one Redis in a temporary REEF_HOME, for the whole invocation
    (REEF_BOOTSTRAP_SERVERS / REEF_REDIS_URL, when set, are used instead and nothing is
-   started; the broker's CPU is then not counted);
+   started; the broker's CPU then counts only if it runs on this host, as this user);
 3. the live loop, ``reef demo`` with its defaults (every stage a process, 2 replicas at
    150 generations/s), ``--runs`` times, each in a fresh namespace; each run's scorecard
    (``reef_stream.ops.scorecard``, defined in docs/metrics.md) is printed when it ends.
@@ -121,13 +121,13 @@ def main() -> int:
         settings = load_settings(environ)
         cluster = redis = None
         try:
-            bootstrap, broker_pids = settings.bootstrap_servers, []
+            bootstrap = settings.bootstrap_servers
             if bootstrap is None:
                 cluster = LocalCluster(home / "kafka", settings.cache_dir)
                 bootstrap = cluster.up(port=0, progress=say)
                 broker_pids = [node.pid for node in cluster.nodes]
             else:
-                say(f"REEF_BOOTSTRAP_SERVERS={bootstrap}: the broker's CPU is not counted")
+                broker_pids = None   # the demo counts it if it is on this host
             redis_url = settings.redis_url
             if redis_url is None:
                 redis = LocalRedis(home / "redis")

@@ -71,21 +71,17 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: floa
     from reef_stream.config import load_settings
     from reef_stream.topics.connect import bootstrap_servers, redis_url
     from reef_stream.demo.run import Demo, DemoOptions
-    from reef_stream.ops.kafka_local import LocalCluster
     from reef_stream.ops.processes import interrupt_on_sigterm
 
     settings = load_settings()
-    broker_pids: list[int] = []
     if not settings.bootstrap_servers:
         ctx.invoke(kafka_up)
-        cluster = LocalCluster.from_settings(settings)
-        broker_pids = [node.pid for node in cluster.nodes if cluster.is_alive(node)]
     if not settings.redis_url:
         ctx.invoke(redis_up)
     options = DemoOptions(recipe=path, replicas=replicas, rate=rate, target=target, time_limit=time_limit,
                           chaos=chaos, run_dir=run_dir, seed=seed, overrides=overrides)
     runner = Demo(options, settings=settings, bootstrap=bootstrap_servers(settings),
-                  redis_url=redis_url(settings), show=DemoProgress(), broker_pids=broker_pids)
+                  redis_url=redis_url(settings), show=DemoProgress())
     click.echo(f"demo {runner.ns}: {path}, {replicas} replicas, target {target:.2f}, "
                f"logs in {runner.run_dir / 'logs'}")
     interrupt_on_sigterm()    # SIGTERM stops the stages (and nothing else) as Ctrl-C does

@@ -213,10 +213,11 @@ class Demo:
 
     def __init__(self, options: DemoOptions, *, settings: Settings, bootstrap: str,
                  redis_url: str, show: Callable[[dict[str, Any]], None] | None = None,
-                 broker_pids: Sequence[int] = ()) -> None:
-        """``broker_pids``: the processes of the local broker(s) the run uses, when whoever
-        runs the demo started them: their CPU time during the run counts in the scorecard
-        (``cpu_seconds``)."""
+                 broker_pids: Sequence[int] | None = None) -> None:
+        """``broker_pids``: the processes of the broker(s) the run uses, whose CPU time during
+        the run counts in the scorecard (``cpu_seconds``); None: those of this user listening
+        on ``bootstrap`` on this host (``local_broker_pids``; none for a remote broker, whose
+        CPU is then not counted)."""
         from reef_stream.api.recipe import load_recipe
         from reef_stream.demo.recipes import stage_recipe
 
@@ -256,7 +257,8 @@ class Demo:
         self.last_status: dict[str, Any] = {}
         self.was_overloaded: str | None = None   # the last ``overloaded`` diagnosis
         self.trainer_lag: dict[str, int] = {}     # partition -> the trainer's lag on the units
-        self.broker_pids = tuple(broker_pids)
+        self.broker_pids = tuple(local_broker_pids(bootstrap) if broker_pids is None
+                                 else broker_pids)
         self._broker_cpu: dict[int, list[float]] = {}  # pid -> [first sample, last sample]
         self.stages = self._stages()
 
@@ -356,8 +358,9 @@ class Demo:
         from reef_stream.ops.scorecard import read_scorecard
 
         cpu = self.cpu_seconds()
-        extra = {"replica": sum(v for k, v in cpu.items() if k.startswith("replica-")),
-                 "broker": cpu.get("broker", 0.0)}
+        extra = {"replica": sum(v for k, v in cpu.items() if k.startswith("replica-"))}
+        if "broker" in cpu:   # not counted (absent) when the broker is not on this host
+            extra["broker"] = cpu["broker"]
         return read_scorecard(self.bootstrap, self.ns, self.recipe.name,
                               target=self.options.target, measure="accuracy", extra_cpu=extra,
                               ledger=ledger)
@@ -542,6 +545,25 @@ def process_cpu_seconds(pid: int) -> float | None:
     except psutil.Error:
         return None
     return times.user + times.system + times.children_user + times.children_system
+
+
+def local_broker_pids(bootstrap: str) -> list[int]:
+    """The processes of this user listening on ``bootstrap``'s loopback addresses (the local
+    broker's nodes), found from the host's TCP sockets; [] for a broker elsewhere. A broker
+    shared with other runs at the same time counts their load too."""
+    ports = set()
+    for server in bootstrap.split(","):
+        host, _, port = server.strip().rpartition(":")
+        if host.strip("[]") in ("127.0.0.1", "localhost", "::1") and port.isdigit():
+            ports.add(int(port))
+    if not ports:
+        return []
+    try:
+        sockets = psutil.net_connections("tcp")
+    except psutil.Error:
+        return []
+    return sorted({s.pid for s in sockets if s.pid and s.status == psutil.CONN_LISTEN
+                   and s.laddr and s.laddr.port in ports})
 
 
 def end_offset(consumer: Consumer, topic: str) -> int:
