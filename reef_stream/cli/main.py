@@ -17,6 +17,7 @@
     reef demo                       the whole loop on a toy task, every stage a process
     reef trace GENERATION_ID        a generation's lineage: feedback, unit, step, publication, replicas
     reef top [--once]               live view: topic rates, group lag, versions, replicas, dead letters
+    reef scorecard --recipe NAME    the standard scorecard of a namespace's loop (docs/metrics.md)
     reef sink tensorboard|wandb     the metrics topic into TensorBoard event files or an offline W&B run
     reef dashboard [--port P]       live charts of the metrics topic on a local web page
 
@@ -34,7 +35,8 @@ import sys
 import click
 
 from reef_stream.cli import (check, cursors, dashboard, demo, evaluate, fleet, follow, intake,
-                             process, produce, reward, servers, sink, top, topics, trace, train)
+                             process, produce, reward, scorecard, servers, sink, top, topics,
+                             trace, train)
 from reef_stream.cli.common import ReefGroup, print_error
 from reef_stream.config import load_settings
 from reef_stream.errors import ConfigurationError
@@ -62,7 +64,7 @@ def main(ctx: click.Context, verbose: bool) -> None:
 
 
 for module in (servers, topics, produce, intake, cursors, check, reward, process, train, evaluate,
-               follow, fleet, demo, trace, top, sink, dashboard):
+               follow, fleet, demo, trace, top, scorecard, sink, dashboard):
     for command in module.COMMANDS:
         main.add_command(command)
 
