@@ -5,13 +5,14 @@ separate processes on the session's broker and Redis) and then checks what it cl
 own: the newest promoted version's weights, loaded and verified from the publication, score
 at least 0.9 held-out accuracy where the initial policy scores at most chance; the report and
 its plots exist; the unit ledger (checked by the command) shows no unit lost or trained twice;
-and for GRPO, `reef trace` follows a real generation and `reef dashboard` charts the run.
-A few minutes each.
+the scorecard the command prints agrees with counts made here; and for GRPO, `reef trace`
+follows a real generation and `reef dashboard` charts the run. A few minutes each.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -26,9 +27,9 @@ from reef_stream.topics.events import (
 )
 from reef_stream.api.recipe import load_recipe
 from reef_stream.demo.recipes import stage_recipe
-from reef_stream.topics.declarations import publications, units
+from reef_stream.topics.declarations import generations, publications, units
 from reef_stream.topics.serde import SchemaRegistry
-from tests.helpers import consume_events, reef
+from tests.helpers import consume_all, consume_events, reef
 from tests.integration.dashboard_check import check_dashboard
 
 TARGET = 0.9
@@ -78,6 +79,31 @@ def _check_learned(kafka_bootstrap, namespace, recipe: str, run_dir, stdout) -> 
     return learned
 
 
+def _check_scorecard(kafka_bootstrap, namespace, stdout) -> None:
+    """The scorecard printed last against what is counted here: the generations topic read
+    whole, the ledger clean, no more trained than generated, the CPU of every stage (their own
+    metrics) and of the replicas and the broker (measured by the demo)."""
+    def figure(label: str) -> str:
+        found = re.search(rf"^  {re.escape(label)}: (.*)$", stdout, re.M)
+        assert found is not None, (label, stdout[-3000:])
+        return found.group(1)
+
+    def pairs(text: str) -> dict[str, str]:
+        return dict(item.rsplit(" ", 1) for item in text.split(", "))
+
+    generated = int(figure("generations"))
+    assert generated == len(consume_all(kafka_bootstrap, generations(namespace), generated))
+    assert 0 < int(figure("samples trained")) <= generated
+    ledger = pairs(figure("unit ledger"))
+    assert ledger["trained_twice"] == "0" and ledger["lost"] == "0", ledger
+    cpu = {stage: float(seconds) for stage, seconds in pairs(figure("CPU by stage, s")).items()}
+    # The session's broker runs on this host unless the tests were given one (or Docker's).
+    ours = not (os.environ.get("REEF_BOOTSTRAP_SERVERS") or os.environ.get("REEF_TEST_DOCKER"))
+    expected = {"reward", "processor", "trainer", "evaluator", "replica"}
+    assert expected | ({"broker"} if ours else set()) <= cpu.keys(), cpu
+    assert all(seconds > 0 for seconds in cpu.values()), cpu
+
+
 # SAO, the default recipe, learns in the README's main-job test (tests/integration/
 # test_readme.py), on the embedded default broker; here GRPO, and SAO under chaos.
 @pytest.mark.parametrize("recipe", ["methods.grpo"])
@@ -87,6 +113,7 @@ def test_the_demo_learns_from_chance_to_the_target(kafka_bootstrap, cli_env, tmp
     ledger = re.search(r"ledger (\{.*?\})", stdout).group(1)
     assert "'trained_twice': 0" in ledger and "'lost': 0" in ledger, ledger
     _check_learned(kafka_bootstrap, namespace, recipe, run_dir, stdout)
+    _check_scorecard(kafka_bootstrap, namespace, stdout)
     _check_trace(kafka_bootstrap, cli_env, namespace, recipe.rpartition(".")[2])
     # `reef dashboard` on the run's metrics: the page's charts render with its data in headless
     # Chromium (screenshot: test-artifacts/dashboard-grpo.png).
@@ -141,3 +168,4 @@ def test_the_demo_converges_under_chaos_and_loses_no_unit(kafka_bootstrap, cli_e
     assert "'trained_twice': 0" in ledger and "'lost': 0" in ledger, ledger
     assert int(re.search(r"'trained': (\d+)", ledger).group(1)) > 0
     _check_learned(kafka_bootstrap, namespace, "methods.sao", run_dir, stdout)
+    _check_scorecard(kafka_bootstrap, namespace, stdout)

@@ -1,8 +1,13 @@
 """The synchronous lower bound (``reef_stream.demo.sync``) keeps its promises, not its speed:
 units built by the recipe's own processor, steps and samples counted, the curve starting at
-the untrained model's measurement, the time limit honoured."""
+the untrained model's measurement, the time limit honoured. And ``bench/loop.py``, which
+compares the live loop with it, explains itself."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +55,12 @@ def test_the_target_stops_the_run_at_the_first_measurement_reaching_it():
     result = run_synchronous("reef_stream.demo.recipes:sao", target=0.0, time_limit=60, seed=0)
     assert result.reached and result.steps == 0 and result.seconds == 0.0
     assert len(result.curve) == 1
+
+
+def test_the_loop_bench_explains_itself():
+    bench = Path(__file__).resolve().parents[2] / "bench" / "loop.py"
+    result = subprocess.run([sys.executable, str(bench), "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for said in ("--runs", "--recipe", "--time-limit", "--target", "SCORECARD sync_s="):
+        assert said in result.stdout, said
