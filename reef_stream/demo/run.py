@@ -354,16 +354,24 @@ class Demo:
 
     def scorecard(self, ledger: dict[str, int]) -> Any:
         """The run's scorecard, read from its topics (``reef_stream.ops.scorecard``): the stages
-        report their own CPU time as metrics; the replicas' and the brokers' come from here."""
+        report their own CPU time as metrics; the replicas' and the brokers' come from here.
+
+        A replica's follower runs on the stage loop inside the replica's process, so its
+        ``process_cpu_seconds`` is that whole process's CPU: the same seconds as ``replica``,
+        measured here from outside (from the process's start, not the follower's). They count
+        once, as ``replica``."""
+        from reef_stream.ops.metrics import STAGE_FOLLOWER
         from reef_stream.ops.scorecard import read_scorecard
 
         cpu = self.cpu_seconds()
         extra = {"replica": sum(v for k, v in cpu.items() if k.startswith("replica-"))}
         if "broker" in cpu:   # not counted (absent) when the broker is not on this host
             extra["broker"] = cpu["broker"]
-        return read_scorecard(self.bootstrap, self.ns, self.recipe.name,
+        card = read_scorecard(self.bootstrap, self.ns, self.recipe.name,
                               target=self.options.target, measure="accuracy", extra_cpu=extra,
                               ledger=ledger)
+        card.cpu_seconds.pop(STAGE_FOLLOWER, None)
+        return card
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds used during the run, measured from outside: per stage (each process it

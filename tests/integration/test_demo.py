@@ -101,6 +101,7 @@ def _check_scorecard(kafka_bootstrap, namespace, stdout) -> None:
     ours = not (os.environ.get("REEF_BOOTSTRAP_SERVERS") or os.environ.get("REEF_TEST_DOCKER"))
     expected = {"reward", "processor", "trainer", "evaluator", "replica"}
     assert expected | ({"broker"} if ours else set()) <= cpu.keys(), cpu
+    assert "follower" not in cpu, cpu   # the replicas' processes, counted once as "replica"
     assert all(seconds > 0 for seconds in cpu.values()), cpu
 
 
