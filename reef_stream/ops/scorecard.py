@@ -383,7 +383,8 @@ def fold(namespace: str, recipe: str, *, generations: GenerationsSpan,
         if target is not None and value >= target:
             reached.append(publication.created_at)
     first = generations.first_ms
-    time_to_target = ((min(reached) - first) / 1000
+    # (a target the policy met before the first generation, e.g. a low one, took 0 s)
+    time_to_target = (max(min(reached) - first, 0) / 1000
                       if reached and first is not None else None)
 
     return Scorecard(
