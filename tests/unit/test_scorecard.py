@@ -171,6 +171,9 @@ def test_time_to_target_is_the_first_promoted_publication_at_or_above_it():
     assert _card(target=0.98).time_to_target_s is None
     assert _card(target=None).time_to_target_s is None
     assert _card(target=0.5).time_to_target_s == 10.0
+    # the starting policy met the target before the first generation: 0 s, not -5 s
+    early = [publication(Decision.PROMOTED, 0.95, T0 - 5_000, 0)]
+    assert _card(publications=early).time_to_target_s == 0.0
 
 
 def test_goodput_cpu_and_the_infra_share():
