@@ -169,6 +169,38 @@ def test_a_missing_topic_is_a_configuration_error(kafka_bootstrap, namespace):
     assert strategy.calls == ["close"]
 
 
+def test_the_loop_writes_its_process_cpu_time_while_running_and_at_the_end(
+        kafka_bootstrap, namespace):
+    """``process_cpu_seconds`` under the loop's stage, labelled with this process: at the first
+    commit, every second, and once more after the final commit; a running total that never
+    exceeds what the process has used."""
+    import os
+    import socket
+    import time
+
+    from reef_stream.ops.metrics import PROCESS_CPU_SECONDS, MetricsWriter
+    from reef_stream.topics.declarations import metrics
+    from reef_stream.topics.events import Metric
+
+    topic = _topic(kafka_bootstrap, namespace)
+    _produce(kafka_bootstrap, topic)
+    strategy = Holding(topic)
+    producer = Producer(client_config(kafka_bootstrap, {"acks": "all", "enable.idempotence": True}))
+    loop = strategy.loop = StageLoop(strategy, stage="test", bootstrap=kafka_bootstrap,
+                                     group=f"{namespace}.cpu", topics=[topic],
+                                     namespace=namespace, reads="test record", producer=producer,
+                                     metrics=MetricsWriter(producer, namespace, "test"))
+    loop.run()
+    used = time.process_time()
+    written = [m for m in consume_events(kafka_bootstrap, metrics(namespace), 2, Metric)
+               if m.name == PROCESS_CPU_SECONDS]
+    assert len(written) >= 2, written                  # the first commit's and the final one
+    assert {(m.stage, m.labels["process"]) for m in written} == \
+        {("test", f"{socket.gethostname()}.{os.getpid()}")}
+    values = [m.value for m in written]
+    assert values == sorted(values) and 0 < values[-1] <= used
+
+
 class Taking:
     """A strategy that records, in order, what it was handed."""
 
