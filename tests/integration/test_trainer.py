@@ -4,6 +4,7 @@ is acknowledged in order (checkpoint, event, committed offsets)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections import Counter
@@ -13,7 +14,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from reef_stream.engine.checkpoints import CheckpointStore, load
 from reef_stream.topics.connect import client_config
-from reef_stream.topics.events import Checkpoint, DeadLetter, Metric
+from reef_stream.topics.events import Checkpoint, DeadLetter, Metric, now_ms
 from reef_stream.topics.declarations import checkpoints, dead_letters, metrics, units
 from tests.helpers import consume_events
 from tests.unit_log import create_topics, produce_units, rollout_unit
@@ -28,12 +29,19 @@ def _train(cli_env, group: str, store, *extra: str) -> subprocess.Popen:
         env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _with_created_at(unit, at_ms: int):
+    """``unit`` made at ``at_ms``, its samples' generations created 2 s before."""
+    members = tuple(dataclasses.replace(m, created_at=at_ms - 2_000) for m in unit.members)
+    return dataclasses.replace(unit, members=members, created_at=at_ms)
+
+
 def test_two_groups_train_every_unit_once_and_identically(kafka_bootstrap, cli_env, namespace,
                                                           tmp_path):
     create_topics(kafka_bootstrap, namespace)
     fresh = [rollout_unit(i) for i in range(16)]
     stale = rollout_unit(16)                                   # version 0, read at step 4
-    current = [rollout_unit(i, policy_version=4) for i in range(17, 21)]
+    # Only these carry their generations' created_at; the others' samples are unknown (0).
+    current = [_with_created_at(rollout_unit(i, policy_version=4), now_ms()) for i in range(17, 21)]
     produce_units(kafka_bootstrap, namespace,
                   [*fresh, stale, fresh[3], b"\x00not avro", *current])
 
@@ -60,6 +68,8 @@ def test_two_groups_train_every_unit_once_and_identically(kafka_bootstrap, cli_e
         # version-4 samples with version 4's.
         assert [(c.metrics["staleness_mean"], c.metrics["staleness_max"]) for c in contents] \
             == [(0, 0), (1, 1), (2, 2), (3, 3), (0, 0)]
+        assert ["sample_age_mean_s" in c.metrics for c in contents] == [False] * 4 + [True]
+        assert contents[-1].metrics["sample_age_mean_s"] >= 2.0
         weights[group] = contents[-1].weights
 
         # Acknowledged in order: the group's committed offsets are the last checkpoint's.
@@ -95,5 +105,12 @@ def test_two_groups_train_every_unit_once_and_identically(kafka_bootstrap, cli_e
     staleness = {dict(k[2:])["staleness"]: v for k, v in labelled.items()
                  if k[:2] == ("a", "staleness_samples")}
     assert staleness == {"0": 8 * samples, "1": 4 * samples, "2": 4 * samples, "3": 4 * samples}
+    # The age histograms (per bucket, label le) count exactly the trained samples with a
+    # created_at: the step-5 units', their generations made 2 s before the unit.
+    ages = {name: {dict(k[2:])["le"]: v for k, v in labelled.items() if k[:2] == ("a", name)}
+            for name in ("sample_age_samples", "sample_to_unit_samples", "unit_to_train_samples")}
+    assert sum(ages["sample_age_samples"].values()) == 4 * samples, ages
+    assert sum(ages["unit_to_train_samples"].values()) == 4 * samples, ages
+    assert ages["sample_to_unit_samples"] == {"2": 4 * samples}, ages
     lags = [v for k, v in labelled.items() if k[:2] == ("a", "consumer_lag")]
     assert lags and all(v == 0 for v in lags), labelled
