@@ -229,7 +229,7 @@ class RecordProducer:
         self._producer = new_producer(bootstrap, {
             "acks": "all",
             "enable.idempotence": True,
-            "linger.ms": 5,
+            "linger.ms": 20,
             "compression.type": "lz4",
             "message.timeout.ms": MESSAGE_TIMEOUT_MS,
             "message.max.bytes": max(self._limits.values()) + 1024,
