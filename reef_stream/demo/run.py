@@ -249,9 +249,10 @@ class Demo:
         self.steps = 0
         self.staleness: float | None = None  # mean over the newest step's samples
         self.samples: list[Sample] = []
-        #: Units each processor process has committed (its running ``units`` metric, by its
-        #: ``instance`` label): the units topic's end offsets also count transaction markers.
-        self.units_committed: dict[str, int] = {}
+        #: Units the processors committed (their running ``units`` metric), by ``instance``
+        #: label: (the units of its earlier runs, the running total of the current one). The
+        #: units topic's end offsets would also count transaction markers.
+        self.units_committed: dict[str, tuple[int, int]] = {}
         self.kills: Counter = Counter()
         self.restarts: Counter = Counter()   # stages that exited with EXIT_RESTART
         self.last_status: dict[str, Any] = {}
@@ -448,7 +449,7 @@ class Demo:
                 self.publications.append((now, event))
             elif isinstance(event, Metric) and event.stage == STAGE_PROCESSOR:
                 if event.name == PROCESSOR_UNITS:
-                    self.units_committed[event.labels.get("instance", "")] = int(event.value)
+                    self.count_units(event.labels.get("instance", ""), int(event.value))
             elif isinstance(event, Metric) and event.stage == "trainer":
                 if event.name == "objective.reward_mean":
                     self.rewards.append((now, event.value))
@@ -464,9 +465,20 @@ class Demo:
                    for name in ("generations", "feedback")}
         if self.samples:   # a failed read keeps the last known figure
             offsets = {k: v if v >= 0 else self.samples[-1].offsets[k] for k, v in offsets.items()}
-        offsets["units"] = sum(self.units_committed.values())
+        offsets["units"] = self.units()
         self.samples.append(Sample(now, {k: max(v, 0) for k, v in offsets.items()}, self.steps,
                                    sum(self.trainer_lag.values())))
+
+    def count_units(self, instance: str, value: int) -> None:
+        """A processor's running ``units`` metric. A restarted processor counts from 0 again
+        under the same instance label: a value below the last one starts a new run (the rule
+        of ``ops.scorecard.counter_total``)."""
+        before, last = self.units_committed.get(instance, (0, 0))
+        self.units_committed[instance] = (before + last if value < last else before, value)
+
+    def units(self) -> int:
+        """Units the processors committed so far, over their restarts."""
+        return sum(before + last for before, last in self.units_committed.values())
 
     def accuracy(self) -> tuple[float | None, int | None]:
         """Held-out accuracy and version of the newest promoted publication."""

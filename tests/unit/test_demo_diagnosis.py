@@ -63,3 +63,15 @@ def test_a_trainer_past_max_staleness_of_the_served_version_is_stalled(demo):
     said = demo.stalled()
     assert said is not None and "17 past the newest promoted version 3" in said \
         and "rejected the last 2 candidates" in said
+
+
+def test_units_committed_add_up_over_a_processor_restart(demo):
+    """The processors' running ``units`` metric, as the demo's rate reads it: a restarted
+    processor counts from 0 again under the same instance label, which once made the demo print
+    a negative units/s."""
+    for value in (100, 250, 40, 90):      # instance "0" restarted after 250
+        demo.count_units("0", value)
+    demo.count_units("1", 30)
+    assert demo.units() == 250 + 90 + 30
+    demo.count_units("0", 90)             # the same figure again: no new run
+    assert demo.units() == 370
