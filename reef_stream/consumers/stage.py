@@ -474,15 +474,12 @@ class StageLoop:
             self.metrics.write_lag(self.consumer)
 
     def _write_process(self, *, final: bool = False) -> None:
-        """The process's CPU time so far (``MetricsWriter.write_process``), every
-        ``LAG_EVERY_S`` (``final``: now, at the end of ``run``). Never raises."""
+        """The process's CPU time so far (``MetricsWriter.write_process``, which never raises),
+        every ``LAG_EVERY_S`` (``final``: now, at the end of ``run``)."""
         if self.metrics is None or not (final or time.monotonic() - self._cpu_at >= LAG_EVERY_S):
             return
         self._cpu_at = time.monotonic()
-        try:
-            self.metrics.write_process()
-        except Exception as error:  # noqa: BLE001 - a metric never fails the stage
-            self.log.warning("%s: CPU time not written: %s", self.stage, error)
+        self.metrics.write_process()
 
     # ----------------------------------------------------------------- the group
 
