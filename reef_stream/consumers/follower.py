@@ -465,6 +465,7 @@ class Follower:
         if self._metrics is not None:
             self._metrics.write(FOLLOWER_POLICY_VERSION,
                                 -1 if status.version is None else status.version,
+                                created_at=status.last_seen,  # the rebuild reads it back
                                 **heartbeat_metric_labels(status))
             self._producer.poll(0)
         if self.fleet is not None and status.state != "stopped":

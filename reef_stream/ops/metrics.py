@@ -273,8 +273,11 @@ class MetricsWriter:
         self._exposition = exposition or prometheus.exposition()
         self._lags: dict[tuple[str, int], tuple[int, float]] = {}  # (lag, when) last written
 
-    def write(self, name: str, value: float, **labels: str) -> None:
-        event = metric(self._stage, name, value, {**self._labels, **labels})
+    def write(self, name: str, value: float, *, created_at: int | None = None,
+              **labels: str) -> None:
+        """One metric event, stamped ``created_at`` (ms; now when not given)."""
+        event = metric(self._stage, name, value, {**self._labels, **labels},
+                       created_at=created_at)
         try:
             self._exposition.set(self._stage, name, event.value, event.labels)
         except Exception as error:  # noqa: BLE001 - Prometheus never fails the pipeline
