@@ -3,6 +3,7 @@
     store = SeriesStore(max_points=1000)
     store.add(metric)                     # the consumer thread
     store.snapshot()                      # the web server's thread: JSON-ready dicts
+    store.series()                        # the same as ``rates.Series``, for ``rates``
 
 A series is one ``(stage, name, labels)``: a stage's metric as one process (or replica, or
 decision) reports it. Labels that describe a series rather than name it (``DESCRIPTIVE_LABELS``:
@@ -15,6 +16,10 @@ the store at most ``max_series`` series (more are counted in ``dropped_series``,
 When a series is full, every second point is dropped and from then on only one point per
 ``stride`` new ones is kept (each kept point is the newest of its stride), so the whole run
 stays visible at a coarser resolution and the newest value is always shown. Thread-safe.
+
+Each point also keeps the series' value added up over restarts (``rates.RunningTotal``, taken
+at every point added, the thinned-out ones too): a counter's rate is read from it, so a
+restart among points the thinning dropped still counts.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from reef_stream.ops.dashboard.rates import RunningTotal, Series
 from reef_stream.topics.events import Metric
 
 __all__ = ["DESCRIPTIVE_LABELS", "SKIPPED_SUFFIXES", "SeriesStore"]
@@ -39,11 +45,13 @@ SeriesKey = tuple[str, str, tuple[tuple[str, str], ...]]
 
 @dataclass
 class _Series:
-    points: list[tuple[float, float]] = field(default_factory=list)
+    points: list[tuple[float, float, float]] = field(default_factory=list)  # (t, value, total)
     stride: int = 1
     added: int = 0
+    total: RunningTotal = field(default_factory=RunningTotal)
 
-    def add(self, point: tuple[float, float], max_points: int) -> None:
+    def add(self, at: float, value: float, max_points: int) -> None:
+        point = (at, value, self.total.add(value))
         if self.points and self.added % self.stride:
             self.points[-1] = point          # still within the stride of the last kept point
         else:
@@ -80,7 +88,7 @@ class SeriesStore:
                     self.dropped_series += 1
                     return
                 series = self._series[key] = _Series()
-            series.add((metric.created_at / 1000.0, metric.value), self.max_points)
+            series.add(metric.created_at / 1000.0, metric.value, self.max_points)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every series as ``{"stage", "name", "labels", "points": [[t, value], ...]}``, in
@@ -88,5 +96,12 @@ class SeriesStore:
         with self._lock:
             items = [(key, list(series.points)) for key, series in self._series.items()]
         return [{"stage": stage, "name": name, "labels": dict(labels),
-                 "points": [list(p) for p in sorted(points)]}
+                 "points": [[t, v] for t, v, _ in sorted(points)]}
+                for (stage, name, labels), points in sorted(items)]
+
+    def series(self) -> list[Series]:
+        """Every series with its points ``(t, value, total)`` in time order."""
+        with self._lock:
+            items = [(key, list(series.points)) for key, series in self._series.items()]
+        return [Series(stage, name, dict(labels), sorted(points))
                 for (stage, name, labels), points in sorted(items)]
