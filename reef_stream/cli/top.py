@@ -20,10 +20,11 @@ def top(ctx: click.Context, once: bool, interval: float) -> None:
 
     Records and records per second of each topic; every consumer group on the
     namespace's topics with its state and lag (reward workers, processors,
-    trainers); per model the trained, published and serving versions and the
-    rejected candidates; each replica's serving version; dead letters by
-    stage; the trainer's latest staleness. Refreshes every --interval seconds
-    until Ctrl-C; rates appear from the second refresh on.
+    trainers); per model the trained, published and serving versions, the
+    rejected candidates and the trainer's rollbacks after rejections; each
+    replica's serving version; dead letters by stage; the trainer's latest
+    staleness. Refreshes every --interval seconds until Ctrl-C; rates appear
+    from the second refresh on.
     """
     from rich.console import Console
     from rich.live import Live

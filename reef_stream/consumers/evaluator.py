@@ -32,6 +32,13 @@ event, in log order:
 6. the Publication is produced (idempotent producer, ``acks=all``) and
    waited for.
 
+A rollback checkpoint (``rolled_back_to`` set: the trainer stalled after
+rejections and went back to the incumbent's weights, see
+``reef_stream.consumers.rollback``) is not measured: after step 3 it is
+promoted when version ``rolled_back_to`` is still the incumbent and the
+weights are exactly its weights (with the incumbent's measurement), rejected
+with the reason otherwise.
+
 The durability order: publication acknowledged by the broker (``_publish``)
 → the checkpoint's offset committed (by the stage loop,
 ``reef_stream.consumers.stage``, once ``_Decisions`` says it is committable)
@@ -76,7 +83,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from reef_stream.engine.checkpoints import CheckpointError, verify
+from reef_stream.engine.checkpoints import CheckpointError, load_weights, verify
 from reef_stream.config import Settings, load_settings
 from reef_stream.topics.connect import bootstrap_servers, new_producer
 from reef_stream.errors import ConfigurationError, InvalidRecord
@@ -92,6 +99,7 @@ from reef_stream.api.recipe import Recipe
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
 from reef_stream.consumers.stage import DELIVERY_TIMEOUT_S, StageLoop, deliver
+from reef_stream.consumers.rollback import check_rollback
 from reef_stream.consumers.publications import (
     PublicationLedger, PublicationStore,
     default_publication_url, publication_key,
@@ -369,6 +377,8 @@ class EvaluatorWorker:
         except CheckpointError as error:
             return self._publication(candidate, Measurement(), incumbent, Selection(
                 Decision.REJECTED, f"the candidate failed verification: {error}"), candidate.uri)
+        if candidate.rolled_back_to is not None:
+            return self._decide_rollback(candidate, current, incumbent)
         measurement, problem = self._measure(candidate, metrics)
         if problem is not None:
             return self._publication(candidate, Measurement(), incumbent,
@@ -390,6 +400,36 @@ class EvaluatorWorker:
                     Decision.REJECTED, f"the candidate failed verification while it was "
                                        f"copied for publication: {error}"), candidate.uri)
         return self._publication(candidate, measurement, incumbent, selection, uri)
+
+    def _decide_rollback(self, candidate: Checkpoint, current: Publication | None,
+                         incumbent: Incumbent | None) -> Publication:
+        """The decision on a trainer's rollback checkpoint (``reef_stream.consumers.rollback``):
+        promoted, without measuring, when its weights are exactly the incumbent's; the
+        incumbent's measurement goes with it."""
+        try:
+            mine = load_weights(candidate.uri, candidate.sha256)
+        except CheckpointError as error:  # changed since verification
+            return self._publication(candidate, Measurement(), incumbent, Selection(
+                Decision.REJECTED, f"the rollback failed verification: {error}"), candidate.uri)
+        try:
+            theirs = None if current is None else load_weights(current.uri, current.sha256)
+        except CheckpointError as error:
+            log.warning("the incumbent's weights do not load (%s): the rollback %s is rejected",
+                        error, candidate.checkpoint_id)
+            theirs = None
+        decision, reason = check_rollback(candidate.rolled_back_to, current, mine, theirs)
+        measurement = Measurement(dict(current.measurement)) if current is not None \
+            else Measurement()
+        uri = candidate.uri
+        if decision is Decision.PROMOTED:
+            try:
+                uri = self.store.publish(candidate)
+            except CheckpointError as error:
+                decision, reason = Decision.REJECTED, (
+                    f"the rollback failed verification while it was copied for publication: "
+                    f"{error}")
+        return self._publication(candidate, measurement, incumbent,
+                                 Selection(decision, reason), uri)
 
     def _measure(self, candidate: Checkpoint,
                  metrics: MetricsWriter) -> tuple[Measurement, str | None]:

@@ -67,6 +67,15 @@ in order, so a step is trained and acknowledged on the loop's thread, between
 two fetches. A failed step goes back to the newest checkpoint there: ``_resume``,
 then the same partitions assigned again at its offsets.
 
+Rollback after rejections (``reef_stream.consumers.rollback``). Before each
+fetch, at most every ``CHECK_EVERY_S``, rank 0 of a single-rank trainer reads
+what ``<ns>.publications`` added: when the evaluator has decided on the
+trainer's newest checkpoint and replicas serve a version more than
+``max_staleness`` behind it (every sample they make is too stale: the loop has
+stalled for good), the trainer acknowledges a rollback checkpoint, the
+incumbent's weights as the next version at the offsets of its last step, and
+resumes from it.
+
 Several groups may train on one units topic independently (each its own
 store, default ``$REEF_HOME/checkpoints/<ns>/<recipe>/<group>``). Dead
 letters of dropped units are sent at the step that consumes them and may
@@ -93,6 +102,8 @@ import torch
 from reef_stream.api.objective import state_from_record, state_record
 from reef_stream.api.recipe import Recipe
 from reef_stream.config import Settings, load_settings
+from reef_stream.consumers.publications import PublicationLedger
+from reef_stream.consumers.rollback import CHECK_EVERY_S, rollback_contents, stall_reason
 from reef_stream.consumers.stage import StageLoop
 from reef_stream.engine.checkpoints import (
     CheckpointContents,
@@ -116,6 +127,7 @@ from reef_stream.ops.histograms import AGE_LABELS, age_buckets
 from reef_stream.ops.metrics import (
     STAGE_TRAINER,
     TRAINER_DATA_SECONDS,
+    TRAINER_ROLLBACKS,
     TRAINER_SAMPLE_AGE_MEAN,
     TRAINER_SAMPLE_AGE_SAMPLES,
     TRAINER_SAMPLE_TO_UNIT_SAMPLES,
@@ -135,7 +147,7 @@ from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import new_admin, new_producer
 from reef_stream.topics.dead_letters import dead_letter
-from reef_stream.topics.events import Checkpoint, TopicOffset, now_ms
+from reef_stream.topics.events import Checkpoint, Publication, TopicOffset, now_ms
 from reef_stream.topics.kafka import (
     OFFSET_BEGINNING,
     KafkaError,
@@ -166,6 +178,8 @@ class TrainerSummary:
     stale: int = 0
     #: Units that do not decode or cannot be trained (``untrainable``), dead-lettered.
     invalid: int = 0
+    #: Rollback checkpoints written (``reef_stream.consumers.rollback``).
+    rollbacks: int = 0
     resume_seconds: float = 0.0
     first_step_seconds: float | None = None
     data_seconds: float = 0.0
@@ -185,7 +199,8 @@ class TrainerSummary:
         return (f"trained {self.steps} steps (now at step {self.last_step}, resumed from "
                 f"{self.resumed_from}), {self.units_trained} units; skipped {self.duplicates} "
                 f"duplicates, dropped {self.stale} stale and {self.invalid} invalid units; "
-                f"resumed in {self.resume_seconds:.2f} s{first}")
+                + (f"rolled back {self.rollbacks} times; " if self.rollbacks else "")
+                + f"resumed in {self.resume_seconds:.2f} s{first}")
 
 
 class StepAges(NamedTuple):
@@ -244,6 +259,15 @@ class Trainer:
         self.algorithm_state: Any = None
         self.trained: set[int] = set()
         self.offsets: dict[int, int] = {}
+        #: The newest checkpoint's offsets and, for a rollback checkpoint, the version it
+        #: went back to.
+        self.acknowledged: tuple[TopicOffset, ...] = ()
+        self.rolled_back_to: int | None = None
+        # Set by _watch_publications (rank 0): the fold of <ns>.publications; why this trainer
+        # cannot roll back (None: it can), and the stall last logged.
+        self.publications: PublicationLedger | None = None
+        self._cannot_roll_back: str | None = None
+        self._stall_logged: str | None = None
         self.pending: list[Any] = []
         self.pending_ids: set[str] = set()
         self.rank, self.ranks = 0, 1
@@ -382,6 +406,7 @@ class Trainer:
             raise RetryableError(f"rank 0 could not acknowledge step {step}: {error}")
         # Acknowledged: the proposed state is now the trainer's.
         self.algorithm_state = result.proposed_state
+        self.acknowledged, self.rolled_back_to = contents.offsets if self.rank == 0 else (), None
         self.trained.update(int(h) for h in new_ids)
         self.step = step
         self.pending, self.pending_ids = [], set()
@@ -422,7 +447,7 @@ class Trainer:
             uri=stored.uri, sha256=stored.sha256, offsets=contents.offsets,
             trained_unit_count=len(contents.trained_units),
             metrics={k: float(v) for k, v in contents.metrics.items() if np.isfinite(v)},
-            created_at=contents.created_at or now_ms())
+            created_at=contents.created_at or now_ms(), rolled_back_to=contents.rolled_back_to)
         value, headers = self.registry.encode(event)
         failures: list[str] = []
 
@@ -436,6 +461,70 @@ class Trainer:
             raise RetryableError(f"the Checkpoint event of step {contents.step} was not "
                                  f"acknowledged: {failures or 'timed out'}")
 
+    # ----------------------------------------------------------------- rollback
+
+    def _watch_publications(self) -> None:
+        """Open the fold of ``<ns>.publications`` this trainer checks for a stall (rank 0 of a
+        single-rank trainer; blocks until it has read the topic to its end)."""
+        if self.ranks > 1:
+            log.info("a data-parallel trainer does not roll back after rejections (see "
+                     "reef_stream.consumers.rollback): it logs a stall and waits")
+            self._cannot_roll_back = "a data-parallel trainer does not roll back"
+        self.publications = PublicationLedger(self.bootstrap, self.ns).open()
+        self.publications.catch_up()
+
+    def _check_stall(self) -> None:
+        """Fold the publications that arrived; roll back when the loop has stalled
+        (``stall_reason``). Called before a fetch, on the loop's thread."""
+        if self.publications is None:
+            return
+        self.publications.poll(0)
+        incumbent = self.publications.incumbent(self.model_name)
+        reason = stall_reason(self.step, self.recipe.schedule.max_staleness, incumbent,
+                              self.publications.decided_version(self.model_name))
+        if reason is None:
+            self._stall_logged = None
+            return
+        cannot = self._cannot_roll_back or (
+            None if self.rolled_back_to is None else
+            f"the rollback to version {self.rolled_back_to} (step {self.step}) was rejected too")
+        if cannot is not None:
+            if self._stall_logged != reason:
+                self._stall_logged = reason
+                log.error("stalled: %s; %s; waiting for a promotion", reason, cannot)
+            return
+        self._roll_back(incumbent, reason)
+
+    def _roll_back(self, incumbent: Publication, reason: str) -> None:
+        """Acknowledge a rollback checkpoint to ``incumbent``'s weights (``rollback_contents``)
+        as the next version, then resume from it. A failure is handled as a failed step's."""
+        step = self.step + 1
+        log.warning("stalled: %s; rolling back to the weights of version %d as version %d",
+                    reason, incumbent.policy_version, step)
+        try:
+            target = load(incumbent.uri, incumbent.sha256)
+            if target.recipe != self.recipe.name:
+                raise ConfigurationError(
+                    f"version {incumbent.policy_version} of model {self.model_name} is a "
+                    f"checkpoint of recipe {target.recipe!r}, not {self.recipe.name!r}")
+            self._acknowledge(rollback_contents(
+                target, step=step, model=self.model_name, recipe=self.recipe.name,
+                group=self.group, offsets=self.acknowledged, trained=self.trained,
+                rolled_back_to=incumbent.policy_version, created_at=now_ms()))
+        except ConfigurationError as error:
+            self._cannot_roll_back = f"it cannot roll back: {error}"
+            log.error("cannot roll back: %s", error)
+            return
+        except (RetryableError, CheckpointError, KafkaException) as error:
+            log.error("the rollback to version %d failed: %s; resuming from the newest "
+                      "checkpoint", incumbent.policy_version, error)
+            time.sleep(RETRY_BACKOFF_S)
+        else:
+            self.summary.rollbacks += 1
+            self.metrics.write(TRAINER_ROLLBACKS, self.summary.rollbacks,
+                               to_version=str(incumbent.policy_version))
+        self.consumer.assign(self._resume())
+
     # ----------------------------------------------------------------- resume
 
     def _resume(self) -> list[TopicPartition]:
@@ -447,6 +536,7 @@ class Trainer:
                                     rank=self.rank, ranks=self.ranks)
         self.algorithm_state = self.recipe.objective.initial_state()
         self.step, self.trained, self.offsets = 0, set(), {}
+        self.acknowledged, self.rolled_back_to = (), None
         self.pending, self.pending_ids = [], set()
         latest = self.store.latest()
         committed = {tp.partition: tp.offset for tp in self.consumer.committed(
@@ -463,6 +553,7 @@ class Trainer:
             self.algorithm_state = state_from_record(state_type, contents.algorithm_state)
             self.trained = {int(h) for h in contents.trained_units}
             self.step = contents.step
+            self.acknowledged, self.rolled_back_to = contents.offsets, contents.rolled_back_to
             self.offsets = {o.partition: o.offset for o in contents.offsets if o.topic == self.topic}
             if self.rank == 0 and any(committed.get(p) != o for p, o in self.offsets.items()):
                 log.warning("step %d's acknowledgement was interrupted (committed %s, checkpoint "
@@ -611,8 +702,8 @@ class _Steps:
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         #: Monotonic seconds: when the current fetch began (``poll`` comes just before it),
-        #: and when a unit was last taken (``idle_exit``).
-        self._fetch_started = self._last_unit = time.monotonic()
+        #: when a unit was last taken (``idle_exit``), when a stall was last looked for.
+        self._fetch_started = self._last_unit = self._stall_checked = time.monotonic()
 
     def on_start(self, consumer: Any) -> None:
         """The loop's consumer: ``_resume`` reads the group's committed offsets with it and
@@ -636,7 +727,9 @@ class _Steps:
         summary.resume_seconds = time.monotonic() - trainer._started
         log.info("group %s at step %d (%s); resumed in %.2f s", trainer.group, trainer.step,
                  trainer.store.url, summary.resume_seconds)
-        self._last_unit = time.monotonic()
+        if trainer.rank == 0:
+            trainer._watch_publications()
+        self._last_unit = self._stall_checked = time.monotonic()
         return start
 
     def on_assign(self, partitions: list[TopicPartition]) -> None:
@@ -646,10 +739,14 @@ class _Steps:
         """Never called: a manual assignment is not revoked."""
 
     def poll(self) -> None:
-        """Before each fetch: stop at ``max_steps``, or after ``idle_exit`` seconds without a
-        new unit (the units of an unfinished step stay unacknowledged)."""
+        """Before each fetch: look for a stall (``Trainer._check_stall``, every
+        ``CHECK_EVERY_S``; it may roll back); stop at ``max_steps``, or after ``idle_exit``
+        seconds without a new unit (the units of an unfinished step stay unacknowledged)."""
         trainer = self.trainer
         self._fetch_started = time.monotonic()
+        if self._fetch_started - self._stall_checked >= CHECK_EVERY_S:
+            self._stall_checked = self._fetch_started
+            trainer._check_stall()
         if trainer._done():
             trainer.stop()
         elif trainer.idle_exit is not None \
@@ -693,4 +790,6 @@ class _Steps:
         """Nothing to finish: a step is trained and acknowledged within ``fetched``."""
 
     def close(self) -> None:
-        """Nothing held: the consumer is the loop's, the producer the trainer's."""
+        """The publications' reader; the consumer is the loop's, the producer the trainer's."""
+        if self.trainer.publications is not None:
+            self.trainer.publications.close()

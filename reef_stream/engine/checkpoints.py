@@ -72,6 +72,8 @@ class CheckpointContents:
     ``offsets``: the next offset to consume per partition. ``trained_units``:
     sorted unique ``unit_hash`` values of every unit trained up to this step.
     ``step_units``: the ids of the units trained in this step, in step order.
+    ``rolled_back_to``: set on a rollback checkpoint (no step trained: the weights, optimizer
+    and algorithm state of that promoted version, under this checkpoint's new version).
     """
 
     step: int
@@ -88,6 +90,7 @@ class CheckpointContents:
     step_units: tuple[str, ...] = ()
     metrics: Mapping[str, float] = field(default_factory=dict)
     created_at: int = 0
+    rolled_back_to: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +254,7 @@ def load(uri: str, sha256: str | None = None) -> CheckpointContents:
             offsets=tuple(TopicOffset(**o) for o in meta["offsets"]),
             trained_units=trainer["trained_units"].numpy().view(np.uint64).copy(),
             step_units=tuple(meta["step_units"]), metrics=meta["metrics"],
-            created_at=meta["created_at"])
+            created_at=meta["created_at"], rolled_back_to=meta.get("rolled_back_to"))
     except (KeyError, ValueError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {uri} is not a reef-stream checkpoint: {exc}") from exc
 
@@ -287,6 +290,8 @@ def _serialise(contents: CheckpointContents) -> dict[str, bytes]:
         "step_units": list(contents.step_units), "metrics": dict(contents.metrics),
         "created_at": contents.created_at or int(time.time() * 1000),
     }
+    if contents.rolled_back_to is not None:  # absent otherwise: a step's meta is unchanged
+        meta["rolled_back_to"] = contents.rolled_back_to
     return {
         "model.safetensors": st_save(weights),
         "optimizer.safetensors": st_save(optimizer_tensors),

@@ -13,7 +13,9 @@ Sources, all Kafka (nothing else needs to run):
 - every consumer group that committed offsets on the namespace's topics, with its state and
   total lag (``reef_stream.topics.cursors.lag``);
 - versions per model: trained (the newest ``Checkpoint``), published (the newest ``PROMOTED``
-  ``Publication``), rejected candidates, and what each replica reported serving (its latest
+  ``Publication``), rejected candidates, the trainer's rollbacks after rejections (``Checkpoint``
+  events with ``rolled_back_to``: how many, and the newest as ``vR = vI``, version R holding
+  the weights of version I again), and what each replica reported serving (its latest
   follower heartbeat ``Metric``);
 - dead letters by stage, and the trainer's latest step staleness (``staleness_mean``).
 
@@ -50,6 +52,7 @@ class _Model:
     trained: int | None = None
     published: int | None = None
     rejected: int = 0
+    rollbacks: dict[int, int] = field(default_factory=dict)  # version -> the version it holds
 
 
 @dataclass
@@ -136,6 +139,8 @@ class TopView:
         if isinstance(event, Checkpoint):
             model = state.model(event.model)
             model.trained = max(model.trained or 0, event.policy_version)
+            if event.rolled_back_to is not None:  # keyed by version: a re-sent event counts once
+                model.rollbacks[event.policy_version] = event.rolled_back_to
         elif isinstance(event, Publication):
             model = state.model(event.model)
             if event.decision is Decision.PROMOTED:
@@ -171,14 +176,17 @@ class TopView:
             groups.add_row(group, state, f"{total:,}")
 
         versions = Table(title="versions", title_justify="left")
-        for column in ("model", "trained", "published", "rejected", "serving"):
+        for column in ("model", "trained", "published", "rejected", "rollbacks", "serving"):
             versions.add_column(column, justify="left" if column == "model" else "right")
         for name, model in sorted(self.state.models.items()):
             serving = sorted(v for m, v in self.state.replicas.values() if m == name)
             shown = "-" if not serving else (
                 str(serving[0]) if serving[0] == serving[-1] else f"{serving[0]}-{serving[-1]}")
+            newest = max(model.rollbacks, default=None)
+            rollbacks = "0" if newest is None else (
+                f"{len(model.rollbacks)}, v{newest} = v{model.rollbacks[newest]}")
             versions.add_row(name, _or_dash(model.trained), _or_dash(model.published),
-                             str(model.rejected), shown)
+                             str(model.rejected), rollbacks, shown)
 
         replicas = Table(title="replicas", title_justify="left")
         for column in ("replica", "model", "version"):

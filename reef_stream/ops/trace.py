@@ -16,7 +16,9 @@ generation through the pipeline can be rebuilt from the topics alone:
    order makes that the step that took it); whether the step trained it (the checkpoint's
    ``step_units``, when the checkpoint is still in its store) or dropped it;
 5. the first ``PROMOTED`` publication of that model at or after the step's version: the
-   first served version that includes the generation's effect;
+   first served version that includes the generation's effect -- unless that version is a
+   trainer's rollback (its ``Checkpoint`` has ``rolled_back_to``) to a version before the
+   step: then the step's effect was discarded, and the lineage ends there;
 6. the replicas that reported serving a version at or after that one (their heartbeat
    ``Metric`` events on ``<ns>.metrics``).
 
@@ -47,7 +49,7 @@ __all__ = ["Lineage", "Link", "trace_checkpoint", "trace_generation", "trace_uni
 @dataclass(frozen=True)
 class Link:
     """One link of a lineage: ``kind`` (generation, feedback, unit, dead-letter, step,
-    publication, replica, missing), what it says, and where it was read (``topic``,
+    publication, replica, rollback, missing), what it says, and where it was read (``topic``,
     ``partition``, ``offset``; None for what is not a record, e.g. a missing link)."""
 
     kind: str
@@ -145,9 +147,11 @@ def trace_checkpoint(bootstrap: str, namespace: str, checkpoint_id: str) -> Line
         return Lineage(checkpoint_id, (Link("missing", f"no checkpoint {checkpoint_id} in "
                                                        f"{topic}"),))
     checkpoint, p, o = found
+    what = ("" if checkpoint.rolled_back_to is None else
+            f" (a rollback: the weights of version {checkpoint.rolled_back_to} again)")
     links = [Link("step", f"step {checkpoint.step} of trainer group {checkpoint.trainer_group}, "
                           f"checkpoint {checkpoint.checkpoint_id}, version "
-                          f"{checkpoint.policy_version}", topic, p, o)]
+                          f"{checkpoint.policy_version}{what}", topic, p, o)]
     links += _from_checkpoint(bootstrap, namespace, registry, checkpoint)
     return Lineage(checkpoint_id, tuple(links))
 
@@ -176,8 +180,11 @@ def _from_unit(bootstrap: str, namespace: str, registry: SchemaRegistry,
 def _from_checkpoint(bootstrap: str, namespace: str, registry: SchemaRegistry,
                      checkpoint: Checkpoint) -> list[Link]:
     """The first promoted publication at or after ``checkpoint``'s version, and the replicas
-    that reported serving that version or a later one."""
+    that reported serving that version or a later one; or the rollback that discarded it."""
     publications = declarations.publications(namespace)
+    rollbacks = {c.checkpoint_id: c.rolled_back_to
+                 for c, _, _ in _records(bootstrap, declarations.checkpoints(namespace), registry,
+                                         Checkpoint) if c.rolled_back_to is not None}
     promoted = sorted(((e, p, o) for e, p, o in _records(bootstrap, publications, registry,
                                                          Publication)
                        if e.model == checkpoint.model and e.decision is Decision.PROMOTED
@@ -187,6 +194,13 @@ def _from_checkpoint(bootstrap: str, namespace: str, registry: SchemaRegistry,
         return [Link("missing", f"no version of {checkpoint.model} at or after "
                                 f"{checkpoint.policy_version} is promoted yet")]
     publication, p, o = promoted[0]
+    held = rollbacks.get(publication.checkpoint_id)
+    if held is not None and held < checkpoint.policy_version \
+            and publication.checkpoint_id != checkpoint.checkpoint_id:
+        return [Link("rollback", f"{publication.model} version {publication.policy_version} is a "
+                                 f"rollback to the weights of version {held}: the effect of "
+                                 f"version {checkpoint.policy_version} was discarded, never "
+                                 "served", publications, p, o)]
     links = [Link("publication", f"{publication.model} version {publication.policy_version} "
                                  f"promoted by {publication.evaluator}: {publication.reason}",
                   publications, p, o)]

@@ -225,6 +225,8 @@ class Checkpoint:
     trained_unit_count: int
     metrics: dict[str, float] = field(default_factory=dict)
     created_at: EpochMillis
+    #: A rollback: the promoted version whose weights this checkpoint holds again (None: a step).
+    rolled_back_to: int | None = None
 
 
 @_event

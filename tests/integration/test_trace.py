@@ -148,7 +148,8 @@ def test_top_shows_that_log(kafka_bootstrap, cli_env, namespace, tmp_path):
     rows = {tuple(line.replace("│", " ").split()) for line in result.stdout.splitlines()}
     assert ("generations", "3", "-") in rows, result.stdout
     assert ("units.trainable", "2", "-") in rows, result.stdout
-    assert ("m", "3", "4", "0", "3-4") in rows, result.stdout  # trained, published, serving
+    # trained, published, rejected, rollbacks, serving
+    assert ("m", "3", "4", "0", "0", "3-4") in rows, result.stdout
     assert ("replica-new", "m", "4") in rows and ("replica-old", "m", "3") in rows
     assert ("trainer", "1") in rows, result.stdout                # dead letters by stage
     assert any(r[:1] == (f"{namespace}.g",) and r[-1] == "1" for r in rows), result.stdout
