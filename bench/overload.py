@@ -1,0 +1,143 @@
+"""When traffic outruns training: the live loop at an overloading rate, one run per backlog policy.
+
+    python bench/overload.py [--replicas 2] [--rate 400] [--bounds none,1,4]
+                             [--recipe methods.sao] [--target 0.9] [--time-limit 400]
+
+Serving cannot be slowed down for the trainer, so on live traffic replicas make more samples
+than the trainer can train. What the recipe's schedule then chooses decides what is trained:
+
+- ``none`` (no ``max_backlog_steps``): every unit is queued for the trainer; the trainer, in
+  log order, reaches units later and later, trains them nearly ``max_staleness`` versions
+  old, and the rest is dead-lettered too stale;
+- ``K`` (``schedule.max_backlog_steps=K``): the processor sheds (dead-letters, reason
+  ``shed``) every unit that completes while K steps of units already wait for the trainer,
+  so the queue stays short and what is trained stays fresh.
+
+In one invocation, against one broker and Redis (started here unless REEF_BOOTSTRAP_SERVERS /
+REEF_REDIS_URL are set), each policy runs ``reef demo`` once at ``--replicas`` x ``--rate``
+generations/s, in a fresh namespace; its scorecard (docs/metrics.md) is printed when it ends.
+The first policy is the baseline of the others. The last lines are one per policy:
+
+    OVERLOAD bound=none time_to_target_s=... generated=... trained=... shed=... too_stale=...
+    goodput=... staleness_mean=... staleness_p99=... sample_age_p50_s=...
+
+Figures, never assertions. Where the bench says a bound helps or not, the scorecards show why:
+how old the trained samples were (versions and seconds) and how many were thrown away, and by
+whom (the processor's shed against the trainer's and processor's too stale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reef_stream.cli.demo import DemoProgress  # noqa: E402
+from reef_stream.config import load_settings  # noqa: E402
+from reef_stream.demo.run import Demo, DemoOptions, DemoResult  # noqa: E402
+from reef_stream.ops.kafka_local import LocalCluster  # noqa: E402
+from reef_stream.ops.processes import free_ports, interrupt_on_sigterm  # noqa: E402
+from reef_stream.ops.redis_local import LocalRedis  # noqa: E402
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def _number(value: float | None) -> str:
+    return "na" if value is None else f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+
+
+def overload_line(bound: str, result: DemoResult) -> str:
+    """One policy's figures (see the module docstring)."""
+    card = result.scorecard
+    if card is None:
+        return f"OVERLOAD bound={bound} scorecard=none reached={result.reached}"
+    figures = {
+        "time_to_target_s": card.time_to_target_s if result.reached else None,
+        "generated": card.generated, "trained": card.trained, "shed": sum(card.shed.values()),
+        "too_stale": card.too_stale_samples, "goodput": card.goodput,
+        "staleness_mean": card.staleness_versions.mean,
+        "staleness_p99": card.staleness_versions.p99,
+        "sample_age_p50_s": card.staleness_seconds.p50,
+    }
+    return f"OVERLOAD bound={bound} " + " ".join(f"{k}={_number(v)}" for k, v in figures.items())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="python bench/overload.py", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, default=2, help="serving replicas (default 2)")
+    parser.add_argument("--rate", type=float, default=400.0,
+                        help="generations/s per replica (default 400: about twice what the "
+                             "trainer trains on two cores)")
+    parser.add_argument("--bounds", default="none,1,4",
+                        help="backlog policies, comma-separated: none, or a number of steps "
+                             "(schedule.max_backlog_steps); the first is the baseline "
+                             "(default none,1,4)")
+    parser.add_argument("--recipe", default="methods.sao", help="the demo's recipe")
+    parser.add_argument("--target", type=float, default=0.9,
+                        help="held-out accuracy to reach (default 0.9)")
+    parser.add_argument("--time-limit", type=float, default=400.0, metavar="S",
+                        help="seconds each run gets (default 400)")
+    args = parser.parse_args()
+    bounds = [b.strip() for b in args.bounds.split(",") if b.strip()]
+    for bound in bounds:
+        if bound != "none" and not (bound.isdigit() and int(bound) >= 1):
+            parser.error(f"--bounds: {bound!r} is neither 'none' nor a number of steps >= 1")
+
+    interrupt_on_sigterm()    # a `kill` stops the stages and the servers started here
+    results: list[tuple[str, DemoResult]] = []
+    with tempfile.TemporaryDirectory(prefix="reef-overload-") as tmp:
+        home = Path(tmp)
+        settings = load_settings({**os.environ, "REEF_HOME": str(home)})
+        cluster = redis = None
+        try:
+            bootstrap, broker_pids = settings.bootstrap_servers, None
+            if bootstrap is None:
+                cluster = LocalCluster(home / "kafka", settings.cache_dir)
+                bootstrap = cluster.up(port=0, progress=say)
+                broker_pids = [node.pid for node in cluster.nodes]
+            redis_url = settings.redis_url
+            if redis_url is None:
+                redis = LocalRedis(home / "redis")
+                redis_url = redis.up(port=free_ports(1)[0])
+            for run, bound in enumerate(bounds, 1):
+                overrides = () if bound == "none" else (f"schedule.max_backlog_steps={bound}",)
+                options = DemoOptions(recipe=args.recipe, overrides=overrides,
+                                      replicas=args.replicas, rate=args.rate, target=args.target,
+                                      time_limit=args.time_limit, run_dir=home / f"run-{run}",
+                                      namespace=f"over{run}{time.strftime('%H%M%S')}")
+                demo = Demo(options, settings=settings, bootstrap=bootstrap,
+                            redis_url=redis_url, show=DemoProgress(every_s=15.0),
+                            broker_pids=broker_pids)
+                say(f"run {run}/{len(bounds)}: backlog bound {bound}, {args.replicas} replicas x "
+                    f"{args.rate:g}/s (namespace {demo.ns})")
+                result = demo.run()
+                results.append((bound, result))
+                say(f"run {run}: {result.line()}")
+                if result.scorecard is not None:
+                    print("\n".join(result.scorecard.lines()), flush=True)
+        finally:
+            if redis is not None:
+                redis.down()
+            if cluster is not None:
+                cluster.down()
+    print()
+    for bound, result in results:
+        print(overload_line(bound, result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the stages and servers were stopped
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
