@@ -22,15 +22,25 @@ import click
 def dashboard(ctx: click.Context, port: int, host: str, from_beginning: bool) -> None:
     """Serve live charts of the namespace's metrics (REEF_NAMESPACE) on a local web page.
 
-    Reads <ns>.metrics (and each publication's measurement from <ns>.publications)
-    with a consumer of its own that commits nothing, and charts every stage:
-    the trainer's reward, loss, staleness, logprob gap, KL to the behaviour
-    policy, gradient norm and update ratio; the processor's generation outcomes
-    and units; the reward workers' counts and mean reward; the evaluator's
-    decisions and measurements; each replica's policy version; each
-    consumer's lag. A metric without a chart of its own gets one. Counters are
-    charted as the running totals each process reports. The page refreshes
-    itself every 2 s and needs no network. Runs until Ctrl-C.
+    Reads <ns>.metrics, <ns>.publications and <ns>.dead-letters with a consumer
+    of its own that commits nothing, and counts <ns>.generations.
+
+    The page opens on the scorecard row: each published version's held-out
+    measurement, the trainer's reward, staleness, goodput (samples trained
+    per generation), records per second of each stage, consumer lag per
+    group and topic, checkpoint -> serving seconds and dead letters by kind.
+    Then every stage's charts: the trainer's loss, staleness, logprob gap,
+    KL to the behaviour policy, gradient norm and update ratio; the
+    processor's generation outcomes and units; the reward workers' counts
+    and mean reward; the evaluator's decisions and measurements; each
+    replica's policy version; each consumer's lag. A metric without a chart
+    of its own gets one.
+
+    Counters are drawn as rates per second, every instance's added up (a
+    restarted process starts a new run, never a negative rate); tick "per
+    instance" on the page, or open it with ?per_instance=1, to see each
+    process apart. The page refreshes itself every 2 s and needs no network.
+    Runs until Ctrl-C.
     """
     from rich.console import Console
     from rich.markup import escape

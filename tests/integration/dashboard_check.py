@@ -2,6 +2,9 @@
 
     result = check_dashboard(cli_env, namespace, "dashboard-grpo")   # after a real run
     result["charts"]["trainer/loss"]   # {"series": 1, "points": 212, "canvas": True}
+    result["tiles"]["staleness"]       # {"series": 1, "points": 40, "canvas": True,
+                                       #  "value": "mean 1.4 · p50 1 · p99 3 (n=1200)"}
+    result["order"][0]                 # "tile:measurement": the scorecard row comes first
     result["screenshot"]               # test-artifacts/dashboard-grpo.png
 
 Used by tests/integration/test_dashboard.py on a hand-written metrics log and by the demo
@@ -9,7 +12,8 @@ tests on a real run's metrics. The dashboard runs as a real `reef dashboard` pro
 port; the page is rendered by Debian's Chromium (`/usr/bin/chromium`, installed by
 scripts/test.sh), whose `--dump-dom` gives the DOM after the page's scripts ran: each chart's
 <figure> says how many series it has and how many points uPlot drew (see the dashboard's
-dashboard.js). A test that needs Chromium skips, saying so, where it is not installed.
+dashboard.js), and each scorecard tile's its headline too. A test that needs Chromium fails,
+saying so, where it is not installed.
 """
 
 from __future__ import annotations
@@ -33,13 +37,15 @@ CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 #: Tall enough for every chart of a demo run, three charts a row.
 WINDOW = "1600,8000"
+#: The top of the page: the scorecard row and the first stage.
+TOP_WINDOW = "1600,1200"
 
 #: Charts a demo run (`reef demo`, either recipe) fills: every stage's main ones.
 DEMO_CHARTS = (
     "reward/mean reward sent, per source",
-    "reward/records scored (running totals)",
-    "processor/generation outcomes (running totals)",
-    "processor/units and transactions (running totals)",
+    "reward/records scored, per second",
+    "processor/generation outcomes, per second",
+    "processor/units and transactions, per second",
     "trainer/reward of trained samples (objective)",
     "trainer/loss",
     "trainer/staleness: trainer − behaviour version",
@@ -48,9 +54,11 @@ DEMO_CHARTS = (
     "trainer/gradient norm (before clipping)",
     "trainer/update ratio ‖Δθ‖ / ‖θ‖",
     "evaluator/measurements of candidates",
-    "evaluator/decisions (running totals)",
+    "evaluator/decisions, per second",
     "follower/policy version per replica",
 )
+#: Scorecard tiles a demo run fills (card.py's ids).
+DEMO_TILES = ("measurement", "reward", "staleness", "goodput", "throughput", "lag")
 
 
 def require_chromium() -> None:
@@ -95,6 +103,12 @@ def running_dashboard(env: dict[str, str], namespace: str, *options: str,
         print(f"reef dashboard ({url}):\n{output}")
 
 
+def api(url: str, path: str = "api/dashboard") -> dict:
+    """The dashboard's answer at ``path`` (e.g. ``api/dashboard?per_instance=1``)."""
+    with urllib.request.urlopen(url + path, timeout=30) as response:
+        return json.load(response)
+
+
 def settled_series(url: str, *, events: int | None = None, timeout: float = 120) -> dict:
     """``/api/series`` once the dashboard has found its topics and read them: ``events``
     events if given, else once its count has stayed the same (and above 0) for 3 s."""
@@ -115,84 +129,113 @@ def settled_series(url: str, *, events: int | None = None, timeout: float = 120)
 
 
 class _Charts(HTMLParser):
-    """The chart <figure>s of a dumped page (their data attributes, and whether a <canvas> is
-    inside) and <body>'s data attributes."""
+    """The chart and tile <figure>s of a dumped page (their data attributes, and whether a
+    <canvas> is inside), their order on the page (``tile:<id>`` or the chart's id) and <body>'s
+    data attributes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.charts: dict[str, dict[str, Any]] = {}
+        self.tiles: dict[str, dict[str, Any]] = {}
+        self.order: list[str] = []
         self.body: dict[str, str] = {}
-        self._open: str | None = None
+        self._open: dict[str, Any] | None = None
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         found = dict(attrs)
         if tag == "body":
             self.body = {k: v or "" for k, v in found.items()}
-        elif tag == "figure" and "data-chart" in found:
-            self._open = found["data-chart"]
-            self.charts[self._open] = {"series": int(found.get("data-series") or 0),
-                                       "points": int(found.get("data-points") or 0),
-                                       "canvas": False}
+        elif tag == "figure" and ("data-chart" in found or "data-tile" in found):
+            self._open = {"series": int(found.get("data-series") or 0),
+                          "points": int(found.get("data-points") or 0), "canvas": False}
+            if "data-tile" in found:
+                self._open["value"] = found.get("data-value") or ""
+                self.tiles[found["data-tile"] or ""] = self._open
+                self.order.append(f"tile:{found['data-tile']}")
+            else:
+                self.charts[found["data-chart"] or ""] = self._open
+                self.order.append(found["data-chart"] or "")
         elif tag == "canvas" and self._open is not None:
-            self.charts[self._open]["canvas"] = True
+            self._open["canvas"] = True
 
     def handle_endtag(self, tag: str) -> None:
         if tag == "figure":
             self._open = None
 
 
-def _chromium(url: str, *arguments: str) -> str:
+def _chromium(url: str, *arguments: str, window: str = WINDOW) -> str:
     result = subprocess.run(
-        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", f"--window-size={WINDOW}",
+        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", f"--window-size={window}",
          "--virtual-time-budget=8000", *arguments, url],
         capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
 
-def rendered_charts(url: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """The page as headless Chromium renders it: ``(charts, body attributes)``."""
+def rendered_page(url: str) -> _Charts:
+    """The page as headless Chromium renders it: its ``charts``, ``tiles``, ``order`` and
+    ``body`` attributes."""
     parser = _Charts()
     parser.feed(_chromium(url, "--dump-dom"))
-    return parser.charts, parser.body
+    return parser
 
 
-def screenshot(url: str, name: str) -> Path:
-    """The page as a PNG in test-artifacts/NAME.png; prints and returns the path."""
+def screenshot(url: str, name: str, window: str = WINDOW) -> Path:
+    """The page as a PNG in test-artifacts/NAME.png, in a ``window`` ("width,height") of
+    Chromium's; prints and returns the path."""
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
-    _chromium(url, f"--screenshot={path}")
+    _chromium(url, f"--screenshot={path}", window=window)
     assert path.stat().st_size > 0, path
     print(f"dashboard screenshot: {path}")
     return path
 
 
 def check_dashboard(env: dict[str, str], namespace: str, artifact_name: str = "dashboard", *,
-                    require: Iterable[str] = DEMO_CHARTS, events: int | None = None) -> dict:
+                    require: Iterable[str] = DEMO_CHARTS,
+                    require_tiles: Iterable[str] = DEMO_TILES, events: int | None = None,
+                    query: str = "") -> dict:
     """Serve ``namespace``'s metrics with `reef dashboard` (``env``: a `reef` environment such
     as the ``cli_env`` fixture, whose REEF_NAMESPACE is replaced by ``namespace``), render the
     page in headless Chromium and check that it drew them:
 
-    - the page polled the API and shows every chart it counts;
-    - every chart with series has a canvas and drew points; every series is in a chart;
-    - each chart of ``require`` (ids "stage/title") drew points.
+    - the page polled the API and shows every chart and scorecard tile it counts, the
+      scorecard row first, each tile's headline as the API gave it;
+    - every chart or tile with series has a canvas and drew points; every series of
+      /api/dashboard is in a chart;
+    - each chart of ``require`` (ids "stage/title") and tile of ``require_tiles`` drew points.
 
     ``events``: wait until the dashboard read exactly that many records (else until its count
-    settles). Saves test-artifacts/ARTIFACT_NAME.png. Returns ``{"url", "api" (the
-    /api/series answer), "charts" ({id: {"series", "points", "canvas"}}), "screenshot"}``.
-    Fails the calling test where Chromium is not installed.
+    settles). ``query``: the page's address ends with it (e.g. "?per_instance=1"). Saves
+    test-artifacts/ARTIFACT_NAME.png (the whole page) and ARTIFACT_NAME-top.png (what a
+    screen shows on opening it: the scorecard row first). Returns ``{"url", "api" (the
+    /api/series answer), "dashboard" (the /api/dashboard answer), "charts" ({id: {"series",
+    "points", "canvas"}}), "tiles" (the same and "value", by tile id), "order",
+    "screenshot"}``. Fails the calling test where Chromium is not installed.
     """
     require_chromium()
+    per_instance = "per_instance=1" in query
     with running_dashboard(env, namespace) as url:
-        api = settled_series(url, events=events)
-        charts, body = rendered_charts(url)
-        shot = screenshot(url, artifact_name)
+        raw = settled_series(url, events=events)
+        page = rendered_page(url + query)
+        answer = api(url, f"api/dashboard?per_instance={int(per_instance)}")
+        shot = screenshot(url + query, artifact_name)
+        screenshot(url + query, f"{artifact_name}-top", TOP_WINDOW)
+    charts, tiles, body = page.charts, page.tiles, page.body
     assert int(body.get("data-polls", 0)) >= 1, body
+    assert body.get("data-per-instance") == str(int(per_instance)), body
     assert int(body.get("data-charts", -1)) == len(charts) > 0, (body, list(charts))
-    for chart, drawn in charts.items():
+    assert int(body.get("data-tiles", -1)) == len(tiles) == len(answer["scorecard"]), body
+    assert page.order[:len(tiles)] == [f"tile:{t['id']}" for t in answer["scorecard"]], \
+        page.order
+    for tile in answer["scorecard"]:
+        assert tiles[tile["id"]]["value"] == tile["value"], (tile, tiles[tile["id"]])
+    for name, drawn in [*charts.items(), *tiles.items()]:
         if drawn["series"]:
-            assert drawn["canvas"] and drawn["points"] > 0, (chart, drawn)
-    assert sum(drawn["series"] for drawn in charts.values()) == len(api["series"]), charts
+            assert drawn["canvas"] and drawn["points"] > 0, (name, drawn)
+    assert sum(drawn["series"] for drawn in charts.values()) == len(answer["series"]), charts
     empty = [chart for chart in require if charts.get(chart, {}).get("points", 0) == 0]
-    assert not empty, f"charts without data: {empty}; drawn: {charts}"
-    return {"url": url, "api": api, "charts": charts, "screenshot": shot}
+    empty += [f"tile:{t}" for t in require_tiles if tiles.get(t, {}).get("points", 0) == 0]
+    assert not empty, f"charts without data: {empty}; drawn: {charts}; tiles: {tiles}"
+    return {"url": url, "api": raw, "dashboard": answer, "charts": charts, "tiles": tiles,
+            "order": page.order, "screenshot": shot}

@@ -1,7 +1,9 @@
-"""`reef dashboard` over a metrics log written by hand on a real broker: the API serves exactly
-the series written (identity labels only, NaN and histogram buckets skipped, publications'
-measurements included, undecodable records counted), headless Chromium draws a chart for each
-with every point, a taken port is a clear error, and the series store stays bounded."""
+"""`reef dashboard` over logs written by hand on a real broker: the API serves exactly the series
+written (identity labels only, NaN and histogram buckets skipped, publications' measurements
+included, undecodable records counted); the scorecard row and the stages' rates are the values
+worked out here from what was written (counters as rates with their instances added up, a
+restart a new run); headless Chromium draws the scorecard row first, then a chart for each
+series; a taken port is a clear error, and the series store stays bounded."""
 
 from __future__ import annotations
 
@@ -11,16 +13,22 @@ from confluent_kafka import Producer
 
 from reef_stream.topics.connect import client_config
 from reef_stream.ops.dashboard.store import SeriesStore
-from reef_stream.topics.events import Decision, Metric, Publication
+import pytest
+
+from reef_stream.topics.events import DeadLetter, Decision, Metric, Publication
 from reef_stream.ops.metrics import (
-    FOLLOWER_POLICY_VERSION, REWARD_REWARDED, STAGE_EVALUATOR, STAGE_FOLLOWER, STAGE_PROCESSOR,
-    STAGE_REWARD, STAGE_TRAINER, TRAINER_LOGPROB_GAP_OLDER, TRAINER_LOGPROB_GAP_SAME_VERSION,
-    TRAINER_STALENESS_MAX, TRAINER_STALENESS_MEAN, metric,
+    CONSUMER_LAG, FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, FOLLOWER_POLICY_VERSION,
+    INTAKE_ACKNOWLEDGED, PROCESSOR_GENERATIONS, REWARD_RECORDS, REWARD_REWARDED,
+    STAGE_EVALUATOR, STAGE_FOLLOWER, STAGE_INTAKE, STAGE_PROCESSOR, STAGE_REWARD, STAGE_TRAINER,
+    TRAINER_LOGPROB_GAP_OLDER, TRAINER_LOGPROB_GAP_SAME_VERSION, TRAINER_STALENESS_MAX,
+    TRAINER_STALENESS_MEAN, TRAINER_STALENESS_SAMPLES, metric,
 )
 from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import reef
-from tests.integration.dashboard_check import check_dashboard, running_dashboard, settled_series
+from tests.integration.dashboard_check import (
+    api, check_dashboard, rendered_page, require_chromium, running_dashboard, settled_series,
+)
 from tests.unit_log import create_topics
 
 T0 = 1_767_000_000_000  # ms
@@ -90,20 +98,177 @@ EXPECTED = [
 ]
 
 
+def _produce(bootstrap, records) -> int:
+    """``(topic, value, headers)`` records, in this order; how many."""
+    producer = Producer(client_config(bootstrap, {"acks": "all"}))
+    for topic, value, headers in records:
+        producer.produce(topic, key=b"k", value=value, headers=headers)
+    assert producer.flush(30) == 0
+    return len(records)
+
+
 def _write_log(bootstrap, ns) -> int:
     """The known metrics, two publications and one record that does not decode; the number of
     records written."""
     create_topics(bootstrap, ns)
     registry = SchemaRegistry.default()
-    producer = Producer(client_config(bootstrap, {"acks": "all"}))
     records = [(declarations.metrics(ns), *registry.encode(m)) for m in _metrics()]
     records += [(declarations.publications(ns), *registry.encode(p)) for p in (
         _publication(1, Decision.PROMOTED, 0.5), _publication(2, Decision.REJECTED, 0.25))]
     records.append((declarations.metrics(ns), b"not avro", None))
-    for topic, value, headers in records:
-        producer.produce(topic, key=b"k", value=value, headers=headers)
-    assert producer.flush(30) == 0
-    return len(records)
+    return _produce(bootstrap, records)
+
+
+# --------------------------------------------------------------------------- the scorecard row
+
+RECIPE = {"recipe": "r", "group": "g"}
+GENERATED = 110
+
+
+def _at(second: float) -> int:
+    return T0 + int(second * 1000)
+
+
+def _scorecard_metrics(ns):
+    """A loop's metrics with known figures (worked out by hand in ``SCORECARD``):
+
+    - reward workers' ``records``: w1 counts 10/s for 60 s; w2 5/s, restarted (same labels) at
+      30 s having counted 5 since: 15/s together, all along;
+    - the processor's ``generations``: 12/s (two outcomes, 8 + 4), one instance;
+    - the intake's ``acknowledged``: 20/s, written every 10 s;
+    - the trainer's ``staleness_samples`` at 10, 20 and 30 s (restarted before 30 s): totals
+      0 -> 40+4, 1 -> 30+3, 2 -> 10+1 = 88 samples; its reward and staleness per step;
+    - ``consumer_lag`` of the processor's group: partition 0 held by p1, then by p2; partition
+      1 by p1: at 40 s, 2 + 4;
+    - checkpoint -> serving: 0.5 and 1.5 s (replica a), 0.25 and 3 s (replica b).
+    """
+    events = []
+    for t in range(61):
+        events += [
+            metric(STAGE_REWARD, REWARD_RECORDS, 10 * t, {**RECIPE, "instance": "w1"},
+                   created_at=_at(t)),
+            metric(STAGE_REWARD, REWARD_RECORDS, 5 * t if t < 30 else 5 * (t - 29),
+                   {**RECIPE, "instance": "w2"}, created_at=_at(t)),
+            metric(STAGE_PROCESSOR, PROCESSOR_GENERATIONS, 8 * t,
+                   {**RECIPE, "instance": "p1", "outcome": "unit"}, created_at=_at(t)),
+            metric(STAGE_PROCESSOR, PROCESSOR_GENERATIONS, 4 * t,
+                   {**RECIPE, "instance": "p1", "outcome": "expired"}, created_at=_at(t))]
+    events += [metric(STAGE_INTAKE, INTAKE_ACKNOWLEDGED, 20 * t,
+                      {"instance": "i1", "client": "sdk", "topic": f"{ns}.generations"},
+                      created_at=_at(t)) for t in range(0, 61, 10)]
+    for t, counts, reward, staleness in ((10, (20, 15, 5), 0.25, 0.75),
+                                         (20, (40, 30, 10), 0.5, 0.625),
+                                         (30, (4, 3, 1), 0.75, 0.625)):
+        events += [metric(STAGE_TRAINER, TRAINER_STALENESS_SAMPLES, n,
+                          {**RECIPE, "staleness": str(k)}, created_at=_at(t))
+                   for k, n in enumerate(counts)]
+        events += [metric(STAGE_TRAINER, "objective.reward_mean", reward, RECIPE,
+                          created_at=_at(t)),
+                   metric(STAGE_TRAINER, TRAINER_STALENESS_MEAN, staleness, RECIPE,
+                          created_at=_at(t))]
+    lag = {"recipe": "r", "group": "pg", "topic": f"{ns}.generations"}
+    events += [metric(STAGE_PROCESSOR, CONSUMER_LAG, v, {**lag, "partition": p, "instance": i},
+                      created_at=_at(t))
+               for t, p, i, v in ((0, "0", "p1", 5), (0, "1", "p1", 3), (40, "0", "p2", 2),
+                                  (40, "1", "p1", 4))]
+    events += [metric(STAGE_FOLLOWER, FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, v,
+                      {"replica": r, "model": "m"}, created_at=_at(t))
+               for t, r, v in ((5, "a", 0.5), (15, "a", 1.5), (6, "b", 0.25), (16, "b", 3.0))]
+    return events
+
+
+def _dead_letter(kind, stage, second):
+    return DeadLetter(reason="r", error_type=kind, source_topic="x.generations", value=b"v",
+                      headers=(), stage=stage, created_at=_at(second))
+
+
+def _write_scorecard_log(bootstrap, ns) -> int:
+    """``_scorecard_metrics``, three publications, six dead letters and ``GENERATED`` records
+    in ``<ns>.generations``; the number of records the dashboard reads (not the generations)."""
+    create_topics(bootstrap, ns)
+    registry = SchemaRegistry.default()
+    records = [(declarations.metrics(ns), *registry.encode(m)) for m in _scorecard_metrics(ns)]
+    records += [(declarations.publications(ns), *registry.encode(p)) for p in (
+        _publication(1, Decision.PROMOTED, 0.5), _publication(2, Decision.REJECTED, 0.25),
+        _publication(3, Decision.PROMOTED, 0.75))]
+    records += [(declarations.dead_letters(ns), *registry.encode(_dead_letter(kind, stage, t)))
+                for kind, stage, t in (("processor.expired", "processor", 5),
+                                       ("processor.expired", "processor", 7),
+                                       ("processor.shed", "processor", 8),
+                                       ("TooStale", "trainer", 9),
+                                       ("processor.expired", "processor", 12),
+                                       ("processor.shed", "processor", 20))]
+    read = _produce(bootstrap, records)
+    _produce(bootstrap, [(declarations.generations(ns), b"g", None)] * GENERATED)
+    return read
+
+
+#: Each tile's headline and figures, worked out by hand from ``_write_scorecard_log``.
+SCORECARD = {
+    "measurement": ("v3 PROMOTED: accuracy 0.75", {"published": [
+        ["m", 1, "PROMOTED", {"accuracy": 0.5}], ["m", 2, "REJECTED", {"accuracy": 0.25}],
+        ["m", 3, "PROMOTED", {"accuracy": 0.75}]]}),
+    "reward": ("0.75", {"latest": [0.75]}),
+    # 88 samples: 44 at 0 versions, 33 at 1, 11 at 2: mean 55/88; the 44th is 0, the 88th 2
+    "staleness": ("mean 0.625 · p50 0 · p99 2 (n=88)",
+                  {"count": 88, "mean": 0.625, "p50": 0.0, "p99": 2.0}),
+    "goodput": ("0.8 (88 trained / 110 generated)",
+                {"trained": 88, "generated": GENERATED, "goodput": 0.8}),
+    # at 60 s, over the 30 s before (the trainer's: at 30 s, over the 20 s since its first)
+    "throughput": ("intake 20/s · reward 15/s · processor 12/s · trainer 2.4/s", {"latest": {
+        "intake: acknowledged": 20.0, "reward: generations scored": 15.0,
+        "processor: generations": 12.0, "trainer: samples": (88 - 40) / 20}}),
+    "lag": ("max 6 (processor pg ← generations)",
+            {"latest": {"processor pg ← generations": 6.0}}),
+    # 0.25, 0.5, 1.5, 3: mean 5.25/4, the 2nd and the 4th
+    "serving": ("mean 1.31 s · p50 0.5 s · p99 3 s (n=4)",
+                {"count": 4, "mean": 1.3125, "p50": 0.5, "p99": 3.0}),
+    "dead_letters": ("6: TooStale 1, processor.expired 3, processor.shed 2",
+                     {"counts": {"TooStale": 1, "processor.expired": 3, "processor.shed": 2}}),
+}
+
+
+def _rates(answer, stage, name):
+    return [(s["labels"], s["kind"], s["instances"], dict((t, v) for t, v in s["points"]))
+            for s in answer["series"] if (s["stage"], s["name"]) == (stage, name)]
+
+
+def test_the_scorecard_row_and_the_rates_are_the_values_written(kafka_bootstrap, cli_env,
+                                                                namespace):
+    read = _write_scorecard_log(kafka_bootstrap, namespace)
+    with running_dashboard(cli_env, namespace) as url:
+        settled_series(url, events=read)
+        answer = api(url)
+        apart = api(url, "api/dashboard?per_instance=1")
+    tiles = {tile["id"]: tile for tile in answer["scorecard"]}
+    assert list(tiles) == list(SCORECARD)
+    for tile, (value, figures) in SCORECARD.items():   # exact: one division each, as here
+        assert (tiles[tile]["value"], tiles[tile]["figures"]) == (value, figures), tiles[tile]
+    assert tiles["measurement"]["series"] == [
+        {"label": "accuracy PROMOTED", "points": [[1, 0.5], [3, 0.75]]},
+        {"label": "accuracy REJECTED", "points": [[2, 0.25]]}]
+    # The reward workers: one series, 15/s at every second after the first, w2's restart in it
+    [(labels, kind, instances, records)] = _rates(answer, STAGE_REWARD, REWARD_RECORDS)
+    assert (labels, kind, instances) == (RECIPE, "rate", 2)
+    assert sorted(records) == [T0 / 1000 + t for t in range(1, 61)]
+    assert all(v == pytest.approx(15.0) for v in records.values()), records
+    # per instance: w1 at 10/s, w2 at 5/s, never negative across its restart
+    per = {labels["instance"]: r for labels, _, _, r in _rates(apart, STAGE_REWARD,
+                                                                 REWARD_RECORDS)}
+    assert all(v == pytest.approx(10.0) for v in per["w1"].values())
+    assert all(v == pytest.approx(5.0) for v in per["w2"].values()), per["w2"]
+    # the processor: one series per outcome (no instance), the lag added up over partitions
+    outcomes = {labels["outcome"]: r[T0 / 1000 + 60] for labels, _, _, r in
+                _rates(answer, STAGE_PROCESSOR, PROCESSOR_GENERATIONS)}
+    assert outcomes == pytest.approx({"unit": 8.0, "expired": 4.0})
+    [(labels, kind, _, lag)] = _rates(answer, STAGE_PROCESSOR, CONSUMER_LAG)
+    assert labels == {"recipe": "r", "group": "pg", "topic": f"{namespace}.generations"}
+    assert (lag[T0 / 1000], lag[T0 / 1000 + 40]) == (5 + 3, 2 + 4)
+    # dead letters: a rate per stage and kind
+    kinds = {(s["stage"], s["labels"]["kind"]) for s in answer["series"]
+             if s["name"] == "dead_letters"}
+    assert kinds == {("processor", "processor.expired"), ("processor", "processor.shed"),
+                     ("trainer", "TooStale")}
 
 
 def test_the_api_serves_exactly_the_series_written(kafka_bootstrap, cli_env, namespace):
@@ -113,7 +278,8 @@ def test_the_api_serves_exactly_the_series_written(kafka_bootstrap, cli_env, nam
     assert answer["series"] == EXPECTED
     assert (answer["events"], answer["undecodable"]) == (written - 1, 1)
     assert answer["topics"] == [declarations.metrics(namespace),
-                                declarations.publications(namespace)]
+                                declarations.publications(namespace),
+                                declarations.dead_letters(namespace)]
 
 
 def test_from_now_charts_only_what_arrives_later(kafka_bootstrap, cli_env, namespace):
@@ -135,20 +301,56 @@ def test_headless_chromium_draws_every_series(kafka_bootstrap, cli_env, namespac
     written = _write_log(kafka_bootstrap, namespace)
     loss, staleness = "trainer/loss", "trainer/staleness: trainer − behaviour version"
     gap, rewarded = ("trainer/logprob gap |current − behaviour| per token",
-                     "reward/records scored (running totals)")
+                     "reward/records scored, per second")
     versions, measured = ("follower/policy version per replica",
                           "evaluator/measurements of candidates")
     result = check_dashboard(cli_env, namespace, "dashboard", events=written,
-                             require=[loss, staleness, gap, rewarded, versions, measured])
+                             require=[loss, staleness, gap, rewarded, versions, measured],
+                             require_tiles=["measurement", "staleness"])
     charts = result["charts"]
     drawn = {chart: (c["series"], c["points"]) for chart, c in charts.items() if c["series"]}
-    assert drawn == {loss: (1, 2), staleness: (2, 6), gap: (2, 6), rewarded: (2, 3),
+    # rewarded: w1 and w2 added up, one rate: (30 + 5 - (10 + 5)) / 1 s at the second second
+    assert drawn == {loss: (1, 2), staleness: (2, 6), gap: (2, 6), rewarded: (1, 1),
                      versions: (2, 5), measured: (2, 2)}
+    [rate] = [s for s in result["dashboard"]["series"] if s["name"] == REWARD_REWARDED]
+    assert rate["points"] == [[1767000001.0, 20.0]]
     # Every declared chart is on the page, those without data say so.
     for declared in ("trainer/gradient norm (before clipping)",
                      "processor/units the newest checkpoint has not passed (trainer backlog)"):
         assert charts[declared] == {"series": 0, "points": 0, "canvas": False}, declared
     assert result["screenshot"].stat().st_size > 10_000
+
+
+def test_headless_chromium_opens_on_the_scorecard_row(kafka_bootstrap, cli_env, namespace):
+    read = _write_scorecard_log(kafka_bootstrap, namespace)
+    result = check_dashboard(cli_env, namespace, "dashboard-scorecard", events=read,
+                             require=["reward/records scored, per second",
+                                      "processor/generation outcomes, per second",
+                                      "processor/consumer lag per topic",
+                                      "processor/dead letters by kind, per second"],
+                             require_tiles=list(SCORECARD))
+    # the first row, in the page's order, each headline the value worked out by hand
+    assert result["order"][:len(SCORECARD)] == [f"tile:{tile}" for tile in SCORECARD]
+    assert {tile: drawn["value"] for tile, drawn in result["tiles"].items()} == \
+        {tile: value for tile, (value, _) in SCORECARD.items()}
+    # one legend line per series that matters: the reward workers' records are one line
+    assert result["charts"]["reward/records scored, per second"]["series"] == 1
+    assert result["screenshot"].stat().st_size > 10_000
+
+
+def test_headless_chromium_draws_each_instance_on_demand(kafka_bootstrap, cli_env, namespace):
+    require_chromium()
+    read = _write_scorecard_log(kafka_bootstrap, namespace)
+    with running_dashboard(cli_env, namespace) as url:
+        settled_series(url, events=read)
+        page = rendered_page(url + "?per_instance=1")
+    assert page.body["data-per-instance"] == "1"
+    # w1 and w2 apart; the lag per partition and instance: p1's two, p2's one
+    assert page.charts["reward/records scored, per second"]["series"] == 2
+    assert page.charts["processor/consumer lag per topic"]["series"] == 3
+    # the scorecard row is the same
+    assert {tile: drawn["value"] for tile, drawn in page.tiles.items()} == \
+        {tile: value for tile, (value, _) in SCORECARD.items()}
 
 
 def test_a_taken_port_is_a_clear_error(kafka_bootstrap, cli_env, namespace):

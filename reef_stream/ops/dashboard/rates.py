@@ -14,7 +14,8 @@ page shows what matters instead, one line per series that means something:
   backlog). ``consumer_lag`` is added up over partitions too: a partition's lag is the newest
   report of whichever instance held it, so a partition that moved in a rebalance counts once.
 
-``per_instance=True`` keeps every series apart (counters are still rates).
+``per_instance=True`` keeps every series apart (counters are still rates). A counter seen at
+one instant only has no rate yet, and is left out.
 
 Counter arithmetic, in one place:
 
@@ -47,7 +48,9 @@ __all__ = ["COUNTERS", "DEAD_LETTERS", "INSTANCE_LABELS", "LOOKBACK_S", "MAX_GRI
 
 #: Labels that name a process rather than what it measures: summed (or averaged) over.
 INSTANCE_LABELS = frozenset({"instance", "client", "process"})
-#: The page's own counter of dead letters (``server``: one series per stage and kind).
+#: The page's own counter of dead letters (``server``: one series per stage and kind, which
+#: starts with a 0 one ``RATE_WINDOW_S`` before its first letter, so that a lone letter has a
+#: rate: one in that window).
 DEAD_LETTERS = "dead_letters"
 
 #: Running totals, by stage (``reef_stream.ops.metrics``); ``PROCESS_CPU_SECONDS`` in every stage.
@@ -202,6 +205,8 @@ def chart_series(series: Iterable[Series], *, per_instance: bool = False,
         if not members:
             continue
         points = _combine(stage, name, members, from_zero=from_zero)
+        if not points:   # a counter seen at one instant only: no rate yet
+            continue
         charted.append({"stage": stage, "name": name, "labels": dict(labels),
                         "kind": "rate" if is_counter(stage, name) else "gauge",
                         "instances": len(members), "points": points})

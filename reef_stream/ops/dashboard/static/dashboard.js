@@ -1,81 +1,92 @@
-// reef dashboard: polls /api/series every 2 s and draws the charts with uPlot.
+// reef dashboard: polls /api/dashboard every 2 s and draws it with uPlot.
+//
+// The page opens on the scorecard row (the API's "scorecard": one tile per figure, a headline
+// over a small chart; reef_stream/ops/dashboard/card.py says what each is), then the stages.
+// The server does every sum and rate (reef_stream/ops/dashboard/rates.py): this script only
+// lays out and draws what it answers. A counter's series arrive as a rate per second with its
+// instances added up (kind "rate"); "per instance" (the checkbox, or ?per_instance=1 in the
+// address) asks for every process's series apart.
 //
 // STAGES declares the charts, grouped by stage in the order data flows through the pipeline;
-// each chart lists metric names (reef_stream/metrics.py) or a name prefix, and draws one line
-// per series (a metric name with its labels) that matches. A metric no declared chart claims
-// gets a chart of its own at the end of its stage, so nothing a stage writes is hidden (a
-// recipe's objective.* and loss metrics, for instance). A declared chart without data yet says
-// so.
+// each chart lists metric names (reef_stream/ops/metrics.py) or a name prefix, and draws one
+// line per series that matches. A metric no declared chart claims gets a chart of its own at
+// the end of its stage, so nothing a stage writes is hidden (a recipe's objective.* and loss
+// metrics, for instance). A declared chart without data yet says so.
 //
 // For tests and scripts each chart's <figure> carries data-chart ("stage/title"),
 // data-series (series it has) and data-points (points uPlot drew, set by its draw hook; 0 for
-// a chart without data), and <body> carries data-polls (answers drawn) and data-charts
-// (charts on the page).
+// a chart without data); each tile's <figure> carries data-tile (its id), data-series,
+// data-points and data-value (its headline); <body> carries data-polls (answers drawn),
+// data-charts (charts on the page), data-tiles and data-per-instance.
 
 "use strict";
 
 const POLL_MS = 2000;
-const TOTALS = " (running totals)";
+const PER_S = ", per second";
 
-const LAG = {title: "consumer lag per partition", names: ["consumer_lag"]};
+const LAG = {title: "consumer lag per topic", names: ["consumer_lag"]};
+const CPU = {title: "CPU in use, cores", names: ["process_cpu_seconds"]};
+const DEAD = {title: "dead letters by kind" + PER_S, names: ["dead_letters"]};
 
 const STAGES = [
   {stage: "intake", charts: [
-    {title: "records" + TOTALS, names: ["sent", "acknowledged", "failed", "rejected"]},
+    {title: "records" + PER_S, names: ["sent", "acknowledged", "failed", "rejected"]},
     {title: "records in the spool", names: ["spooled"]},
+    DEAD,
   ]},
   {stage: "reward", charts: [
     {title: "mean reward sent, per source", names: ["reward_mean"]},
-    {title: "records scored" + TOTALS, names: ["records", "rewarded"]},
-    {title: "failed and retried" + TOTALS,
+    {title: "records scored" + PER_S, names: ["records", "rewarded"]},
+    {title: "failed and retried" + PER_S,
      names: ["failed", "invalid", "undecodable", "timed_out", "retried", "dropped"]},
-    LAG,
+    LAG, CPU, DEAD,
   ]},
   {stage: "processor", charts: [
-    {title: "generation outcomes" + TOTALS, names: ["generations"]},
-    {title: "units and transactions" + TOTALS,
+    {title: "generation outcomes" + PER_S, names: ["generations"]},
+    {title: "units and transactions" + PER_S,
      names: ["units", "transactions", "aborted_transactions"]},
-    {title: "feedback by fate" + TOTALS, names: ["feedback"]},
-    {title: "duplicate, invalid and undecodable records" + TOTALS,
+    {title: "feedback by fate" + PER_S, names: ["feedback"]},
+    {title: "duplicate, invalid and undecodable records" + PER_S,
      names: ["duplicate_generations", "invalid_records", "checkpoints_undecodable"]},
     {title: "units the newest checkpoint has not passed (trainer backlog)",
      names: ["trainer_backlog"]},
     {title: "mean reward of used feedback", names: ["reward.mean"]},
     {title: "mean response tokens", names: ["response_tokens.mean"]},
     {title: "share of responses truncated", names: ["truncation_rate"]},
-    LAG,
+    LAG, CPU, DEAD,
   ]},
   {stage: "trainer", charts: [
     {title: "reward of trained samples (objective)", names: ["objective.reward_mean"]},
     {title: "loss", names: ["loss"]},
     {title: "staleness: trainer − behaviour version", names: ["staleness_mean", "staleness_max"]},
-    {title: "trained samples by staleness" + TOTALS, names: ["staleness_samples"]},
+    {title: "trained samples by staleness" + PER_S, names: ["staleness_samples"]},
     {title: "logprob gap |current − behaviour| per token",
      names: ["logprob_gap.same_version", "logprob_gap.older"]},
     {title: "KL(behaviour ‖ current) per token", names: ["kl_behaviour"]},
     {title: "gradient norm (before clipping)", names: ["grad_norm"]},
     {title: "update ratio ‖Δθ‖ / ‖θ‖", names: ["update_ratio"]},
     {title: "steps", names: ["steps"]},
-    {title: "units" + TOTALS,
+    {title: "units" + PER_S,
      names: ["units_trained", "units_stale", "units_duplicate", "units_invalid"]},
     {title: "seconds per step", names: ["step_seconds", "data_seconds"]},
-    LAG,
+    LAG, CPU, DEAD,
   ]},
   {stage: "evaluator", charts: [
     {title: "measurements of candidates", prefix: "measurement."},
-    {title: "decisions" + TOTALS, names: ["decisions"]},
+    {title: "decisions" + PER_S, names: ["decisions"]},
     {title: "candidate version by decision", names: ["candidate_version"]},
-    {title: "candidates skipped" + TOTALS, names: ["candidates_skipped"]},
+    {title: "candidates skipped" + PER_S, names: ["candidates_skipped"]},
     {title: "seconds per measurement", names: ["measure_seconds"]},
-    LAG,
+    LAG, CPU, DEAD,
   ]},
   {stage: "follower", charts: [
     {title: "policy version per replica", names: ["policy_version"]},
-    {title: "versions loaded and refused, publications undecodable" + TOTALS,
+    {title: "versions loaded and refused, publications undecodable" + PER_S,
      names: ["versions_loaded", "versions_refused", "publications_undecodable"]},
     {title: "seconds to load a version", names: ["load_seconds"]},
     {title: "seconds from checkpoint / decision to serving",
      names: ["checkpoint_to_serving_seconds", "publication_to_serving_seconds"]},
+    DEAD,
   ]},
 ];
 
@@ -85,7 +96,11 @@ const QUIET_LABELS = new Set(["recipe", "group"]);
 const MAX_LEGEND = 12;
 const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
                  "#7f7f7f", "#bcbd22", "#17becf"];
-const drawn = new Map();  // chart id -> {plot, keys}
+const drawn = new Map();  // chart or tile id -> {plot, keys}
+
+function perInstance() {
+  return new URLSearchParams(location.search).get("per_instance") === "1";
+}
 
 function claims(chart, name) {
   return chart.prefix ? name.startsWith(chart.prefix) : chart.names.includes(name);
@@ -104,7 +119,8 @@ function layout(series) {
     }
     let chart = stage.charts.find(c => claims(c, one.name));
     if (!chart) {
-      chart = {title: one.name, names: [one.name], series: []};
+      const title = one.name + (one.kind === "rate" ? PER_S : "");
+      chart = {title: title, names: [one.name], series: []};
       stage.charts.push(chart);
     }
     chart.series.push(one);
@@ -127,19 +143,21 @@ function seriesLabel(chart, one, namespace) {
 }
 
 function seriesKey(one) {
-  return one.stage + "/" + one.name + JSON.stringify(one.labels);
+  return (one.stage || "") + "/" + (one.name || "") + JSON.stringify(one.labels || one.label);
 }
 
-function figureFor(section, id, title) {
+function figureFor(container, id, title, kind) {
   let figure = document.getElementById(id);
   if (!figure) {
     figure = document.createElement("figure");
-    figure.className = "chart";
+    figure.className = kind;
     figure.id = id;
-    figure.dataset.chart = id;
-    figure.innerHTML = `<figcaption></figcaption><div class="plot"></div>`;
+    figure.dataset[kind === "tile" ? "tile" : "chart"] = id.replace(/^tile:/, "");
+    figure.innerHTML = kind === "tile"
+      ? `<figcaption></figcaption><div class="value"></div><div class="plot"></div>`
+      : `<figcaption></figcaption><div class="plot"></div>`;
     figure.querySelector("figcaption").textContent = title;
-    section.querySelector(".charts").appendChild(figure);
+    container.appendChild(figure);
   }
   return figure;
 }
@@ -157,18 +175,23 @@ function sectionFor(stage) {
   return section;
 }
 
-function draw(figure, chart, namespace) {
-  const id = figure.dataset.chart;
+// Draws ``lines`` ([{label, points}]) in the figure's plot box; ``byVersion``: x is a policy
+// version, not a time.
+function plot(figure, lines, {width, height, byVersion = false}) {
+  const id = figure.id;
   const box = figure.querySelector(".plot");
-  figure.dataset.series = chart.series.length;
-  if (chart.series.every(s => s.points.length === 0)) {
+  figure.dataset.series = lines.length;
+  if (lines.every(l => l.points.length === 0)) {
     figure.dataset.points = 0;
+    const previous = drawn.get(id);
+    if (previous) previous.plot.destroy();
+    drawn.delete(id);
     box.innerHTML = `<div class="empty">no data yet</div>`;
     return;
   }
-  const tables = chart.series.map(s => [s.points.map(p => p[0]), s.points.map(p => p[1])]);
+  const tables = lines.map(l => [l.points.map(p => p[0]), l.points.map(p => p[1])]);
   const data = uPlot.join(tables);
-  const keys = chart.series.map(seriesKey).join("|");
+  const keys = lines.map(l => l.key + "=" + l.label).join("|");
   const previous = drawn.get(id);
   if (previous && previous.keys === keys) {
     previous.plot.setData(data);
@@ -177,50 +200,83 @@ function draw(figure, chart, namespace) {
   if (previous) previous.plot.destroy();
   box.innerHTML = "";
   const options = {
-    width: 480, height: 220,
-    series: [{}, ...chart.series.map((s, i) => ({
-      label: seriesLabel(chart, s, namespace), stroke: COLOURS[i % COLOURS.length],
-      width: 1.5, spanGaps: true, points: {show: s.points.length < 60},
+    width: width, height: height,
+    scales: {x: {time: !byVersion}},
+    series: [{label: byVersion ? "version" : "time"}, ...lines.map((l, i) => ({
+      label: l.label, stroke: COLOURS[i % COLOURS.length],
+      width: 1.5, spanGaps: true, points: {show: byVersion || l.points.length < 60},
     }))],
     axes: [{}, {size: 60}],
-    legend: {show: chart.series.length <= MAX_LEGEND, live: false},
-    hooks: {draw: [plot => { figure.dataset.points = drawnPoints(plot); }]},
+    legend: {show: lines.length <= MAX_LEGEND, live: false},
+    hooks: {draw: [p => { figure.dataset.points = drawnPoints(p); }]},
   };
   drawn.set(id, {plot: new uPlot(options, data, box), keys});
 }
 
 // The points uPlot drew: the non-null values of its series.
-function drawnPoints(plot) {
-  return plot.data.slice(1).reduce((sum, ys) => sum + ys.filter(y => y != null).length, 0);
+function drawnPoints(p) {
+  return p.data.slice(1).reduce((sum, ys) => sum + ys.filter(y => y != null).length, 0);
+}
+
+function renderScorecard(tiles) {
+  const row = document.getElementById("scorecard-tiles");
+  for (const tile of tiles) {
+    const figure = figureFor(row, "tile:" + tile.id, tile.title, "tile");
+    figure.dataset.value = tile.value;
+    figure.querySelector(".value").textContent = tile.value;
+    plot(figure, tile.series.map(l => ({...l, key: l.label})),
+         {width: 340, height: 150, byVersion: tile.x === "version"});
+  }
+  document.body.dataset.tiles = tiles.length;
 }
 
 function render(answer) {
+  renderScorecard(answer.scorecard);
   let charts = 0;
   for (const stage of layout(answer.series)) {
     const section = sectionFor(stage.stage);
     for (const chart of stage.charts) {
-      const figure = figureFor(section, `${stage.stage}/${chart.title}`, chart.title);
-      draw(figure, chart, answer.namespace);
+      const id = `${stage.stage}/${chart.title}`;
+      const figure = figureFor(section.querySelector(".charts"), id, chart.title, "chart");
+      plot(figure, chart.series.map(s => ({
+        key: seriesKey(s), label: seriesLabel(chart, s, answer.namespace), points: s.points,
+      })), {width: 480, height: 220});
       charts += 1;
     }
   }
   const waiting = answer.waiting.length ? `; waiting for ${answer.waiting.join(", ")}` : "";
+  const series = answer.series.length;
+  const view = answer.per_instance ? "per instance" : "instances added up";
   document.getElementById("status").textContent =
     `namespace ${answer.namespace}: ${answer.events} events read from ${answer.topics.join(", ")}` +
-    `, ${answer.series.length} series${waiting}; updated ${new Date().toLocaleTimeString()}`;
+    `, ${series} series (${view})${waiting}; updated ${new Date().toLocaleTimeString()}`;
   document.body.dataset.charts = charts;
+  document.body.dataset.perInstance = answer.per_instance ? "1" : "0";
   document.body.dataset.polls = Number(document.body.dataset.polls) + 1;
 }
 
+let timer = null;
+
 async function poll() {
+  clearTimeout(timer);
   try {
-    const response = await fetch("/api/series");
+    const response = await fetch(`/api/dashboard?per_instance=${perInstance() ? 1 : 0}`);
     if (!response.ok) throw new Error(`${response.status} ${response.statusText}`);
     render(await response.json());
   } catch (error) {
-    document.getElementById("status").textContent = `cannot read /api/series: ${error.message}`;
+    document.getElementById("status").textContent = `cannot read /api/dashboard: ${error.message}`;
   }
-  setTimeout(poll, POLL_MS);
+  timer = setTimeout(poll, POLL_MS);
 }
+
+const toggle = document.getElementById("per-instance");
+toggle.checked = perInstance();
+toggle.addEventListener("change", () => {
+  const url = new URL(location.href);
+  if (toggle.checked) url.searchParams.set("per_instance", "1");
+  else url.searchParams.delete("per_instance");
+  history.replaceState(null, "", url);
+  poll();
+});
 
 poll();
