@@ -116,3 +116,19 @@ def test_chart_series_combines_gauges_and_counts_a_moved_partition_once():
     [alone] = chart_series([_series("trainer", "loss", {"group": "g"}, [(0, 0.5), (3, 0.25)])])
     assert alone["points"] == [[0, 0.5], [3, 0.25]] and alone["kind"] == "gauge"
     assert "instance" in INSTANCE_LABELS and "process" in INSTANCE_LABELS
+
+
+def test_the_goodput_tile_divides_the_samples_trained_by_then_by_each_count_of_generations():
+    from reef_stream.ops.dashboard.card import first_row
+
+    trained = [_series("trainer", "staleness_samples", {"staleness": k}, raw) for k, raw in (
+        ("0", [(10, 20.0), (20, 40.0), (30, 4.0)]),   # the trainer restarted before 30 s
+        ("1", [(10, 5.0), (20, 10.0)]))]
+    tiles = {t["id"]: t for t in first_row(trained, generated=[(5, 50), (15, 100), (35, 110)])}
+    # trained by then: 0 at 5 s; 20 + 5 at 15 s; 44 + 10 at 35 s
+    assert tiles["goodput"]["series"] == [
+        {"label": "goodput", "points": [[5, 0.0], [15, 0.25], [35, 54 / 110]]}]
+    assert tiles["goodput"]["figures"] == {"trained": 54.0, "generated": 110,
+                                           "goodput": 54 / 110}
+    assert tiles["staleness"]["figures"] == {"count": 54, "mean": 10 / 54, "p50": 0.0,
+                                             "p99": 1.0}

@@ -26,6 +26,7 @@ Every figure is over every recipe of the namespace (the scorecard's are per reci
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -152,9 +153,11 @@ def _trained(series: list[Series]) -> list[Series]:
 def _goodput(series: list[Series], generated: Sequence[tuple[float, int]]) -> dict[str, Any]:
     trained = _trained(series)
     total = sum(_last_total(s) for s in trained)
+    columns = [([p[0] for p in s.points], [p[2] for p in s.points]) for s in trained]
 
-    def trained_at(t: float) -> float:
-        return sum(next((p[2] for p in reversed(s.points) if p[0] <= t), 0.0) for s in trained)
+    def trained_at(t: float) -> float:   # each series' total at its last point at or before t
+        return sum(totals[i - 1] for times, totals in columns
+                   if (i := bisect.bisect_right(times, t)))
 
     count = generated[-1][1] if generated else None
     goodput = total / count if count else None
