@@ -12,6 +12,13 @@ What runs (each a child process with its log under ``<run dir>/logs``):
     trainer          reef train: units -> checkpoints (every one kept: the ledger reads them)
     evaluator        reef evaluate: held-out accuracy; promotes only what does not regress
 
+The replicas start last, once every other stage has reported that it runs (its first
+``process_cpu_seconds`` metric, written when its stage loop has joined or resumed; at most
+``READY_WAIT_S``): traffic meets a pipeline that is up, as in production, and the
+scorecard's clock, which starts at the first generation, does not count the stages'
+start-up (imports, a model built, a checkpoint resumed) any more than the synchronous
+loop's does.
+
 The demo itself only watches: it reads ``<ns>.publications`` (held-out
 accuracy per promoted version), ``<ns>.metrics`` (reward, steps) and the
 topics' end offsets (throughput), shows them live, and stops when the newest
@@ -48,7 +55,8 @@ from reef_stream.demo.report import measured_accuracy, write_report
 from reef_stream.demo.verify import GenerationOutcomes, ledger_counts, letter_unit
 from reef_stream.topics.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
 from reef_stream.ops.metrics import (
-    CONSUMER_LAG, PROCESSOR_UNITS, STAGE_PROCESSOR, TRAINER_STALENESS_MEAN, TRAINER_STEPS,
+    CONSUMER_LAG, PROCESS_CPU_SECONDS, PROCESSOR_UNITS, STAGE_PROCESSOR, TRAINER_STALENESS_MEAN,
+    TRAINER_STEPS,
 )
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
@@ -66,6 +74,10 @@ STOP_GRACE_S = 15.0
 OVERLOAD_WINDOW_S = 30.0
 #: Seconds between two samples of the CPU time of the demo's processes.
 CPU_SAMPLE_S = 0.5
+#: The longest the replicas wait for the other stages to report that they run.
+READY_WAIT_S = 120.0
+#: The metric stages that must report before the replicas start.
+PIPELINE = ("reward", "processor", "trainer", "evaluator")
 
 
 @dataclass(frozen=True)
@@ -245,6 +257,8 @@ class Demo:
             "publications": declarations.publications(self.ns),
         }
         self.publications: list[tuple[float, Publication]] = []
+        #: The metric stages that reported running (``_await_pipeline``).
+        self.running: set[str] = set()
         self.rewards: list[tuple[float, float]] = []
         self.steps = 0
         self.staleness: float | None = None  # mean over the newest step's samples
@@ -312,9 +326,14 @@ class Demo:
         next_chaos = started + self.rng.uniform(*self.options.chaos_every)
         reached = False
         try:
-            for stage in self.stages.values():
-                stage.start()
+            for name, stage in self.stages.items():
+                if not name.startswith("replica-"):
+                    stage.start()
             sampler.start()
+            self._await_pipeline(watcher, started)
+            for name, stage in self.stages.items():
+                if name.startswith("replica-"):
+                    stage.start()
             while time.monotonic() - started < self.options.time_limit:
                 self._watch(watcher, started)
                 self._check_stages()
@@ -409,7 +428,7 @@ class Demo:
         tally = GenerationOutcomes(self.bootstrap, self.ns, self.recipe)
         try:
             while True:
-                self._check_stages(draining=True)   # e.g. a processor restarting (status 75)
+                self._check_stages(replicas=False)   # e.g. a processor restarting (status 75)
                 outcomes = tally.update()
                 self.show({**self.last_status, "draining": outcomes})
                 if outcomes["no_outcome"] == 0 or time.monotonic() > deadline:
@@ -421,12 +440,23 @@ class Demo:
         finally:
             tally.close()
 
-    def _check_stages(self, draining: bool = False) -> None:
+    def _await_pipeline(self, watcher: Consumer, started: float) -> None:
+        """Until every stage of ``PIPELINE`` has reported that it runs (at most
+        ``READY_WAIT_S``; the replicas are not started yet). Blocks."""
+        deadline = time.monotonic() + min(READY_WAIT_S, self.options.time_limit)
+        while not set(PIPELINE) <= self.running and time.monotonic() < deadline:
+            self._watch(watcher, started)
+            self._check_stages(replicas=False)
+            self.last_status = self.status(started)
+            self.show(self.last_status)
+
+    def _check_stages(self, replicas: bool = True) -> None:
         """A stage that exited on its own is a failure of the demo (say which and why), but for
-        one that asked to be restarted (``EXIT_RESTART``), as a supervisor would. ``draining``:
-        the replicas were stopped on purpose; the others are still supervised."""
+        one that asked to be restarted (``EXIT_RESTART``), as a supervisor would. Without
+        ``replicas``: the replicas are not started yet, or were stopped on purpose; the others
+        are still supervised."""
         for stage in self.stages.values():
-            if draining and stage.name.startswith("replica-"):
+            if not replicas and stage.name.startswith("replica-"):
                 continue
             if not stage.alive and stage.process.returncode == EXIT_RESTART:
                 self.restarts[stage.name] += 1
@@ -445,6 +475,8 @@ class Demo:
                 event = self.registry.decode(message.value(), message.headers())
             except Exception:  # noqa: BLE001 - the demo only watches
                 continue
+            if isinstance(event, Metric) and event.name == PROCESS_CPU_SECONDS:
+                self.running.add(event.stage)
             if isinstance(event, Publication):
                 self.publications.append((now, event))
             elif isinstance(event, Metric) and event.stage == STAGE_PROCESSOR:
