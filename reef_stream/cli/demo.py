@@ -53,7 +53,8 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: floa
     newest promoted version and emit generations through the SDK; a reward
     worker scores them by exact match; the processor builds units; the
     trainer trains; the evaluator measures held-out accuracy and promotes a
-    checkpoint only if it does not regress. Each is a separate process.
+    checkpoint only if it does not regress. Each is a separate process; the
+    replicas start once the others run, as traffic meets a running pipeline.
     Progress shows the published version, its held-out accuracy, the reward,
     the trainer's steps, rejected candidates, the mean staleness of the last
     step's samples (trainer version - behaviour version), the rates and, with
