@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import run  # first: it puts the project on sys.path
 
-from reef_stream.cli.demo import DemoProgress  # noqa: E402
-from reef_stream.config import load_settings  # noqa: E402
-from reef_stream.topics.connect import KAFKA_LOGGER  # noqa: E402
-from reef_stream.demo.faults import Timeline, run_broker_faults  # noqa: E402
-from reef_stream.demo.run import DemoOptions  # noqa: E402
-from reef_stream.ops.processes import interrupt_on_sigterm  # noqa: E402
+from reef_stream.cli.demo import DemoProgress
+from reef_stream.config import load_settings
+from reef_stream.demo.faults import Timeline, run_broker_faults
+from reef_stream.demo.run import DemoOptions
+from reef_stream.topics.connect import KAFKA_LOGGER
 
 
 def main() -> int:
@@ -64,7 +62,6 @@ def main() -> int:
     args = parser.parse_args()
 
     settings = load_settings()
-    interrupt_on_sigterm()    # a `kill` stops the stages, the cluster and Redis
     # Brokers die here on purpose: the clients' connection errors are expected, not news.
     logging.getLogger(KAFKA_LOGGER.name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="reef-faults-") as tmp:
@@ -84,8 +81,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the stages and servers were stopped
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+    run(main)

@@ -36,29 +36,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import figure, run, say, servers  # first: it puts the project on sys.path
 
-from reef_stream.cli.demo import DemoProgress  # noqa: E402
-from reef_stream.config import load_settings  # noqa: E402
-from reef_stream.demo.recipes import stage_recipe  # noqa: E402
-from reef_stream.demo.run import Demo, DemoOptions, DemoResult  # noqa: E402
-from reef_stream.demo.sync import SyncResult, run_synchronous  # noqa: E402
-from reef_stream.ops.kafka_local import LocalCluster  # noqa: E402
-from reef_stream.ops.processes import free_ports, interrupt_on_sigterm  # noqa: E402
-from reef_stream.ops.redis_local import LocalRedis  # noqa: E402
-
-
-def say(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
-
-
-def _number(value: float | None) -> str:
-    return "na" if value is None else f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+from reef_stream.cli.demo import DemoProgress
+from reef_stream.config import load_settings
+from reef_stream.demo.recipes import stage_recipe
+from reef_stream.demo.run import Demo, DemoOptions, DemoResult
+from reef_stream.demo.sync import SyncResult, run_synchronous
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -87,7 +75,7 @@ def scorecard_line(sync: SyncResult, runs: list[DemoResult], time_limit: float) 
         "infra_cpu_share": _median([c.infra_cpu_share for c in cards]),
         "checkpoint_to_serving_p50_s": _median([c.checkpoint_to_serving_s.p50 for c in cards]),
     }
-    return "SCORECARD " + " ".join(f"{k}={_number(v)}" for k, v in figures.items())
+    return "SCORECARD " + " ".join(f"{k}={figure(v)}" for k, v in figures.items())
 
 
 def main() -> int:
@@ -106,7 +94,6 @@ def main() -> int:
     if args.runs < 1:
         parser.error("--runs must be at least 1")
 
-    interrupt_on_sigterm()    # a `kill` stops the stages and the servers started here
     say(f"synchronous loop: {args.recipe} to {args.target:g} (at most {args.time_limit:g} s)")
     sync = run_synchronous(stage_recipe(args.recipe), target=args.target,
                            time_limit=args.time_limit, seed=0)
@@ -119,42 +106,25 @@ def main() -> int:
         home = Path(tmp)
         environ = {**os.environ, "REEF_HOME": str(home)}
         settings = load_settings(environ)
-        cluster = redis = None
-        try:
-            bootstrap = settings.bootstrap_servers
-            if bootstrap is None:
-                cluster = LocalCluster(home / "kafka", settings.cache_dir)
-                bootstrap = cluster.up(port=0, progress=say)
-                broker_pids = [node.pid for node in cluster.nodes]
-            else:
-                broker_pids = None   # the demo counts it if it is on this host
-            redis_url = settings.redis_url
-            if redis_url is None:
-                redis = LocalRedis(home / "redis")
-                redis_url = redis.up(port=free_ports(1)[0])
+        with servers(settings, home) as (bootstrap, redis_url, broker_pids):
             say(f"broker {bootstrap}, redis {redis_url}, REEF_HOME {home}")
-            for run in range(1, args.runs + 1):
+            for number in range(1, args.runs + 1):
                 options = DemoOptions(recipe=args.recipe, target=args.target,
-                                      time_limit=args.time_limit, run_dir=home / f"run-{run}",
-                                      namespace=f"loop{run}{time.strftime('%H%M%S')}")
+                                      time_limit=args.time_limit, run_dir=home / f"run-{number}",
+                                      namespace=f"loop{number}{time.strftime('%H%M%S')}")
                 demo = Demo(options, settings=settings, bootstrap=bootstrap,
                             redis_url=redis_url, show=DemoProgress(every_s=15.0),
                             broker_pids=broker_pids)
-                say(f"live run {run}/{args.runs}: reef demo --recipe {args.recipe} "
+                say(f"live run {number}/{args.runs}: reef demo --recipe {args.recipe} "
                     f"(namespace {demo.ns}, {options.replicas} replicas x {options.rate:g}/s)")
                 result = demo.run()
                 runs.append(result)
-                say(f"live run {run}: {result.line()}")
+                say(f"live run {number}: {result.line()}")
                 if result.scorecard is not None:
                     print("\n".join(result.scorecard.lines()), flush=True)
                 if not result.reached:
-                    say(f"live run {run} did NOT reach {args.target:g}: it counts as the time "
+                    say(f"live run {number} did NOT reach {args.target:g}: it counts as the time "
                         f"limit, {args.time_limit:g} s")
-        finally:
-            if redis is not None:
-                redis.down()
-            if cluster is not None:
-                cluster.down()
 
     unreached = [i for i, r in enumerate(runs, 1) if not r.reached]
     print()
@@ -175,8 +145,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the stages and servers were stopped
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+    run(main)

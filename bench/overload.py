@@ -30,27 +30,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import figure, run, say, servers  # first: it puts the project on sys.path
 
-from reef_stream.cli.demo import DemoProgress  # noqa: E402
-from reef_stream.config import load_settings  # noqa: E402
-from reef_stream.demo.run import Demo, DemoOptions, DemoResult  # noqa: E402
-from reef_stream.ops.kafka_local import LocalCluster  # noqa: E402
-from reef_stream.ops.processes import free_ports, interrupt_on_sigterm  # noqa: E402
-from reef_stream.ops.redis_local import LocalRedis  # noqa: E402
-
-
-def say(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
-
-
-def _number(value: float | None) -> str:
-    return "na" if value is None else f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+from reef_stream.cli.demo import DemoProgress
+from reef_stream.config import load_settings
+from reef_stream.demo.run import Demo, DemoOptions, DemoResult
 
 
 def overload_line(bound: str, result: DemoResult) -> str:
@@ -66,7 +54,7 @@ def overload_line(bound: str, result: DemoResult) -> str:
         "staleness_p99": card.staleness_versions.p99,
         "sample_age_p50_s": card.staleness_seconds.p50,
     }
-    return f"OVERLOAD bound={bound} " + " ".join(f"{k}={_number(v)}" for k, v in figures.items())
+    return f"OVERLOAD bound={bound} " + " ".join(f"{k}={figure(v)}" for k, v in figures.items())
 
 
 def main() -> int:
@@ -92,43 +80,27 @@ def main() -> int:
         if bound != "none" and not (bound.isdigit() and int(bound) >= 1):
             parser.error(f"--bounds: {bound!r} is neither 'none' nor a number of steps >= 1")
 
-    interrupt_on_sigterm()    # a `kill` stops the stages and the servers started here
     results: list[tuple[str, DemoResult]] = []
     with tempfile.TemporaryDirectory(prefix="reef-overload-") as tmp:
         home = Path(tmp)
         settings = load_settings({**os.environ, "REEF_HOME": str(home)})
-        cluster = redis = None
-        try:
-            bootstrap, broker_pids = settings.bootstrap_servers, None
-            if bootstrap is None:
-                cluster = LocalCluster(home / "kafka", settings.cache_dir)
-                bootstrap = cluster.up(port=0, progress=say)
-                broker_pids = [node.pid for node in cluster.nodes]
-            redis_url = settings.redis_url
-            if redis_url is None:
-                redis = LocalRedis(home / "redis")
-                redis_url = redis.up(port=free_ports(1)[0])
-            for run, bound in enumerate(bounds, 1):
+        with servers(settings, home) as (bootstrap, redis_url, broker_pids):
+            for number, bound in enumerate(bounds, 1):
                 overrides = () if bound == "none" else (f"schedule.max_backlog_steps={bound}",)
                 options = DemoOptions(recipe=args.recipe, overrides=overrides,
                                       replicas=args.replicas, rate=args.rate, target=args.target,
-                                      time_limit=args.time_limit, run_dir=home / f"run-{run}",
-                                      namespace=f"over{run}{time.strftime('%H%M%S')}")
+                                      time_limit=args.time_limit, run_dir=home / f"run-{number}",
+                                      namespace=f"over{number}{time.strftime('%H%M%S')}")
                 demo = Demo(options, settings=settings, bootstrap=bootstrap,
                             redis_url=redis_url, show=DemoProgress(every_s=15.0),
                             broker_pids=broker_pids)
-                say(f"run {run}/{len(bounds)}: backlog bound {bound}, {args.replicas} replicas x "
-                    f"{args.rate:g}/s (namespace {demo.ns})")
+                say(f"run {number}/{len(bounds)}: backlog bound {bound}, {args.replicas} "
+                    f"replicas x {args.rate:g}/s (namespace {demo.ns})")
                 result = demo.run()
                 results.append((bound, result))
-                say(f"run {run}: {result.line()}")
+                say(f"run {number}: {result.line()}")
                 if result.scorecard is not None:
                     print("\n".join(result.scorecard.lines()), flush=True)
-        finally:
-            if redis is not None:
-                redis.down()
-            if cluster is not None:
-                cluster.down()
     print()
     for bound, result in results:
         print(overload_line(bound, result), flush=True)
@@ -136,8 +108,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the stages and servers were stopped
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+    run(main)

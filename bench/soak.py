@@ -16,7 +16,6 @@ throw-away single-node broker and Redis. Figures, never assertions.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -25,14 +24,11 @@ from typing import Any
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import run, servers  # first: it puts the project on sys.path
 
-from reef_stream.config import load_settings  # noqa: E402
-from reef_stream.topics.cursors import lag  # noqa: E402
-from reef_stream.demo.run import Demo, DemoOptions  # noqa: E402
-from reef_stream.ops.kafka_local import configured_or_throwaway  # noqa: E402
-from reef_stream.ops.processes import free_ports, interrupt_on_sigterm  # noqa: E402
-from reef_stream.ops.redis_local import LocalRedis  # noqa: E402
+from reef_stream.config import load_settings
+from reef_stream.demo.run import Demo, DemoOptions
+from reef_stream.topics.cursors import lag
 
 MiB = 1 << 20
 
@@ -102,25 +98,15 @@ def main() -> int:
     args = parser.parse_args()
 
     settings = load_settings()
-    interrupt_on_sigterm()    # a `kill` stops the stages and the servers it started
     soak = Soak(args.every)
     with tempfile.TemporaryDirectory(prefix="reef-soak-") as tmp, \
-            configured_or_throwaway(settings, Path(tmp)) as bootstrap:
-        redis = None
-        redis_url = settings.redis_url
-        if redis_url is None:
-            redis = LocalRedis(Path(tmp) / "redis")
-            redis_url = redis.up(port=free_ports(1)[0])
-        try:
-            options = DemoOptions(recipe=args.recipe, replicas=args.replicas, rate=args.rate,
-                                  target=2.0, time_limit=args.minutes * 60,
-                                  run_dir=Path(tmp) / "run")
-            soak.demo = Demo(options, settings=settings, bootstrap=bootstrap,
-                             redis_url=redis_url, show=soak)
-            result = soak.demo.run()
-        finally:
-            if redis is not None:
-                redis.down()
+            servers(settings, Path(tmp)) as (bootstrap, redis_url, _):
+        options = DemoOptions(recipe=args.recipe, replicas=args.replicas, rate=args.rate,
+                              target=2.0, time_limit=args.minutes * 60,
+                              run_dir=Path(tmp) / "run")
+        soak.demo = Demo(options, settings=settings, bootstrap=bootstrap,
+                         redis_url=redis_url, show=soak)
+        result = soak.demo.run()
     print(f"\nran {result.seconds / 60:.1f} min; ledger {result.ledger}; "
           f"held-out accuracy {result.accuracy} at version {result.version}")
     print("\n".join(soak.verdict()))
@@ -128,8 +114,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the stages and servers were stopped
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+    run(main)

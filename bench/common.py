@@ -1,0 +1,76 @@
+"""What the loop benchmarks share: a timestamped line, a figure, the servers, the entry point.
+
+    from common import run, say, servers       # bench/ is on sys.path when a bench runs
+
+    with servers(settings, home) as (bootstrap, redis_url, broker_pids):
+        ...
+    run(main)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple, NoReturn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reef_stream.config import Settings  # noqa: E402
+from reef_stream.ops.kafka_local import LocalCluster  # noqa: E402
+from reef_stream.ops.processes import free_ports, interrupt_on_sigterm  # noqa: E402
+from reef_stream.ops.redis_local import LocalRedis  # noqa: E402
+
+
+def say(text: str) -> None:
+    """``text`` on stdout, after the time of day, flushed."""
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def figure(value: float | None) -> str:
+    """A figure for a result line: three significant digits below 100, "na" when unknown."""
+    return "na" if value is None else f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+
+
+class Servers(NamedTuple):
+    bootstrap: str
+    redis_url: str
+    #: The pids of the brokers started here (their CPU counts in a scorecard); None when the
+    #: configured cluster is used.
+    broker_pids: list[int] | None
+
+
+@contextmanager
+def servers(settings: Settings, home: Path) -> Iterator[Servers]:
+    """The configured Kafka cluster and Redis (REEF_BOOTSTRAP_SERVERS / REEF_REDIS_URL), or a
+    one-node broker and a Redis started under ``home`` for the ``with`` block, then stopped."""
+    cluster = redis = None
+    try:
+        bootstrap, broker_pids = settings.bootstrap_servers, None
+        if bootstrap is None:
+            cluster = LocalCluster(home / "kafka", settings.cache_dir)
+            bootstrap = cluster.up(port=0, progress=say)
+            broker_pids = [node.pid for node in cluster.nodes]
+        redis_url = settings.redis_url
+        if redis_url is None:
+            redis = LocalRedis(home / "redis")
+            redis_url = redis.up(port=free_ports(1)[0])
+        yield Servers(bootstrap, redis_url, broker_pids)
+    finally:
+        if redis is not None:
+            redis.down()
+        if cluster is not None:
+            cluster.down()
+
+
+def run(main: Callable[[], int]) -> NoReturn:
+    """Exit with ``main()``'s status; a ``kill`` (SIGTERM) or Ctrl-C stops the stages and the
+    servers started (``main``'s ``finally`` blocks run) and exits 130."""
+    interrupt_on_sigterm()
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
