@@ -132,3 +132,11 @@ def test_the_goodput_tile_divides_the_samples_trained_by_then_by_each_count_of_g
                                            "goodput": 54 / 110}
     assert tiles["staleness"]["figures"] == {"count": 54, "mean": 10 / 54, "p50": 0.0,
                                              "p99": 1.0}
+
+
+def test_a_series_seen_just_after_the_start_is_a_baseline_not_a_spike():
+    a = [(0, 0.0), (1, 10.0), (2, 20.0), (3, 30.0)]
+    early = [(1, 90.0), (2, 100.0), (3, 110.0)]   # counted 90 before we saw it, 10/s since
+    # its 90 is not put into the second after the start: 10 + 10 per second
+    assert summed_rate([a, early], [2, 3], window=30) == [(20 + 100 - 0 - 90) / 2,
+                                                          (30 + 110 - 0 - 90) / 3]

@@ -198,8 +198,9 @@ def _lag(charted: list[dict], namespace: str) -> dict[str, Any]:
     for c in charted:
         if c["name"] != m.CONSUMER_LAG or not c["points"]:
             continue
-        topic = c["labels"].get("topic", "").removeprefix(f"{namespace}.")
-        label = f"{c['stage']} {c['labels'].get('group', '')} ← {topic}".replace("  ", " ")
+        topic, group = (c["labels"].get(k, "").removeprefix(f"{namespace}.")
+                        for k in ("topic", "group"))
+        label = f"{c['stage']} {group} ← {topic}".replace("  ", " ")
         lines.append({"label": label, "points": c["points"]})
         latest[label] = c["points"][-1][1]
     worst = max(latest.items(), key=lambda kv: kv[1], default=None)

@@ -26,9 +26,10 @@ Counter arithmetic, in one place:
 - ``summed_rate`` adds up several series' totals at each time of a grid (each series' total is
   its last point's at or before that time) and takes the increase over the ``window`` seconds
   before it, divided by the window: the sum of the series' rates. The window never reaches back
-  before the first point of the series combined; a series that starts later counts from 0 (a
-  process that started meanwhile; ``from_zero``) or from its first value (a dashboard that
-  reads from now on, whose first value of an old process is its whole past).
+  before the first point of the series combined, whose first values are its baseline; a series
+  that starts a window or more later counts from 0 (a process that started meanwhile;
+  ``from_zero``) or from its first value (a dashboard that reads from now on, whose first value
+  of an old process is its whole past).
 """
 
 from __future__ import annotations
@@ -148,15 +149,21 @@ def summed_rate(totals: Sequence[Sequence[tuple[float, float]]], times: Sequence
     """The rate per second, at each of ``times``, of the sum of counters given by their
     ``(seconds, total)`` points (totals non-decreasing: ``RunningTotal``'s), over the ``window``
     seconds before it, clipped at the earliest point of all (``None`` at that first instant:
-    no interval yet). A series before its first point counts 0 (``from_zero``) or its first
-    total (its past is not counted)."""
+    no interval yet). Before its first point a series counts its first total (its past is not
+    counted), or 0 when ``from_zero`` and that point came ``window`` seconds or more after the
+    earliest (a process that started meanwhile: what it counted falls in whole windows, never
+    in the short ones just after the start, where it would be a spike)."""
     series = [([p[0] for p in s], [p[1] for p in s]) for s in totals if s]
     if not series:
         return [None for _ in times]
     start = min(ts[0] for ts, _ in series)
+    # What each series counted before its first point: 0 where that point came a window or more
+    # after the start, so its first value falls in whole windows; else its first value (a
+    # process seen from the start has its past before the start).
+    bases = [0.0 if from_zero and ts[0] >= start + window else vs[0] for ts, vs in series]
 
     def total(t: float) -> float:
-        return sum(_at(ts, vs, t, 0.0 if from_zero else vs[0]) for ts, vs in series)
+        return sum(_at(ts, vs, t, base) for (ts, vs), base in zip(series, bases))
 
     rates: list[float | None] = []
     for t in times:
