@@ -140,3 +140,14 @@ def test_a_series_seen_just_after_the_start_is_a_baseline_not_a_spike():
     # its 90 is not put into the second after the start: 10 + 10 per second
     assert summed_rate([a, early], [2, 3], window=30) == [(20 + 100 - 0 - 90) / 2,
                                                           (30 + 110 - 0 - 90) / 3]
+
+
+def test_the_processors_counts_per_policy_version_are_one_rate():
+    per_version = [_series("processor", "reward.count", {"source": "s", "policy_version": v,
+                                                         "instance": "p"},
+                           [(t, float(n * t)) for t in range(0, 40)])
+                   for v, n in (("1", 2), ("2", 3))]
+    [rate] = chart_series(per_version)
+    assert rate["labels"] == {"source": "s"} and rate["instances"] == 2
+    assert rate["points"][-1] == [39.0, pytest.approx(5.0)]
+    assert len(chart_series(per_version, per_instance=True)) == 2

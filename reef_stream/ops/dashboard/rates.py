@@ -8,7 +8,8 @@ Every process writes its metrics under labels of its own (``INSTANCE_LABELS``: `
 page shows what matters instead, one line per series that means something:
 
 - **a counter** (``is_counter``: a running total since its process started, a restart starting
-  again from 0) is charted as a rate per second, and the rates of its instances are added up;
+  again from 0) is charted as a rate per second, and the rates of its instances are added up
+  (and over the labels of ``SUMMED_OVER``);
 - **a gauge** (anything else) is charted as written when it has one instance; the values of
   several instances are averaged, or added up for the gauges in ``SUMMED_GAUGES`` (a spool, a
   backlog). ``consumer_lag`` is added up over partitions too: a partition's lag is the newest
@@ -44,8 +45,9 @@ from typing import Any
 from reef_stream.ops import metrics as m
 
 __all__ = ["COUNTERS", "DEAD_LETTERS", "INSTANCE_LABELS", "LOOKBACK_S", "MAX_GRID",
-           "RATE_WINDOW_S", "SUMMED_GAUGES", "RunningTotal", "Series", "chart_series",
-           "gauge_values", "grid", "is_counter", "running_totals", "summed_rate"]
+           "RATE_WINDOW_S", "SUMMED_GAUGES", "SUMMED_OVER", "RunningTotal", "Series",
+           "chart_series", "gauge_values", "grid", "is_counter", "running_totals",
+           "summed_rate"]
 
 #: Labels that name a process rather than what it measures: summed (or averaged) over.
 INSTANCE_LABELS = frozenset({"instance", "client", "process"})
@@ -75,6 +77,11 @@ COUNTERS: Mapping[str, frozenset[str]] = {
     m.STAGE_FOLLOWER: frozenset({m.FOLLOWER_VERSIONS_LOADED, m.FOLLOWER_VERSIONS_REFUSED,
                                  m.FOLLOWER_PUBLICATIONS_UNDECODABLE}),
 }
+#: Labels a counter's rate is added up over besides the instance's: the processor's counts of
+#: joined records per policy version (one rate, not one line per version ever trained).
+SUMMED_OVER: Mapping[tuple[str, str], frozenset[str]] = {
+    (m.STAGE_PROCESSOR, f"{name}.count"): frozenset({"policy_version"})
+    for name in (m.PROCESSOR_REWARD, m.PROCESSOR_RESPONSE_TOKENS, m.PROCESSOR_TRUNCATION_RATE)}
 #: Gauges whose instances add up rather than average: (stage, name).
 SUMMED_GAUGES = frozenset({(m.STAGE_INTAKE, m.INTAKE_SPOOLED),
                            (m.STAGE_PROCESSOR, m.PROCESSOR_TRAINER_BACKLOG)})
@@ -201,7 +208,8 @@ def chart_series(series: Iterable[Series], *, per_instance: bool = False,
     were combined, "points": [[seconds, value], ...]}``."""
     groups: dict[tuple, list[Series]] = defaultdict(list)
     for one in series:
-        dropped = set() if per_instance else set(INSTANCE_LABELS)
+        dropped = set() if per_instance else {
+            *INSTANCE_LABELS, *SUMMED_OVER.get((one.stage, one.name), ())}
         if one.name == m.CONSUMER_LAG and not per_instance:
             dropped.add("partition")
         labels = tuple(sorted((k, v) for k, v in one.labels.items() if k not in dropped))
