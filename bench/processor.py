@@ -168,33 +168,42 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=20_000)
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--skip", choices=("throughput", "latency"), action="append", default=[],
+                        help="leave out a part of the run (may be given twice)")
     args = parser.parse_args()
     settings = load_settings()
     workdir = Path(tempfile.mkdtemp(prefix="reef-bench-"))
     with configured_or_throwaway(settings, workdir) as bootstrap:
         ns = f"bench{uuid.uuid4().hex[:6]}"
-        groups_per_window = 50
-        work = make_workload(max(1, args.generations // (4 * groups_per_window)), groups_per_window,
-                             seed=1)
-        create_topics(bootstrap, ns)
-        produce(bootstrap, ns, work.windows)
-        gens = len(work.generations)
-        records = sum(len(w) for w in work.windows)
-        units = len(work.complete) // 4
-        raw_s = run_raw(bootstrap, ns, records)
-        proc_s = run_processor(bootstrap, ns, units)
-        print(f"data: {gens} generations, {records} records (generations + feedback), {units} units")
-        print(f"raw consume+produce loop: {records / raw_s:10.0f} records/s  {gens / raw_s:9.0f} generations/s")
-        print(f"processor (joined, grouped, transactional): {records / proc_s:10.0f} records/s  "
-              f"{gens / proc_s:9.0f} generations/s")
-        print(f"ratio processor/raw: {raw_s / proc_s:.2f}")
-        lat = latency(bootstrap, f"{ns}lat", args.rate, args.seconds)
-        if lat:
-            p50, p99 = np.percentile(np.array(lat) * 1000, [50, 99])
-            print(f"completion-to-unit latency at {args.rate:.0f} generations/s offered "
-                  f"({len(lat)} units): p50 {p50:.0f} ms, p99 {p99:.0f} ms")
-        else:
-            print("no latency samples")
+        if "throughput" not in args.skip:
+            throughput(bootstrap, ns, args.generations)
+        if "latency" not in args.skip:
+            lat = latency(bootstrap, f"{ns}lat", args.rate, args.seconds)
+            if lat:
+                p50, p99 = np.percentile(np.array(lat) * 1000, [50, 99])
+                print(f"completion-to-unit latency at {args.rate:.0f} generations/s offered "
+                      f"({len(lat)} units): "
+                      f"p50 {p50:.0f} ms, p99 {p99:.0f} ms")
+            else:
+                print("no latency samples")
+
+
+def throughput(bootstrap: str, ns: str, generations: int) -> None:
+    groups_per_window = 50
+    work = make_workload(max(1, generations // (4 * groups_per_window)), groups_per_window,
+                         seed=1)
+    create_topics(bootstrap, ns)
+    produce(bootstrap, ns, work.windows)
+    gens = len(work.generations)
+    records = sum(len(w) for w in work.windows)
+    units = len(work.complete) // 4
+    raw_s = run_raw(bootstrap, ns, records)
+    proc_s = run_processor(bootstrap, ns, units)
+    print(f"data: {gens} generations, {records} records (generations + feedback), {units} units")
+    print(f"raw consume+produce loop: {records / raw_s:10.0f} records/s  {gens / raw_s:9.0f} generations/s")
+    print(f"processor (joined, grouped, transactional): {records / proc_s:10.0f} records/s  "
+          f"{gens / proc_s:9.0f} generations/s")
+    print(f"ratio processor/raw: {raw_s / proc_s:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@
 ``reef_stream.api.testing.run_processor`` drives) as a *transactional
 consume-transform-produce* stage on the one stage loop
 (``reef_stream.consumers.stage.StageLoop``, with ``strategy_commits``). The
-loop owns the consumer: it fetches up to ``batch`` records at a time, hands
-each to ``_Processing.submit`` (queued into its partition pair), then calls
-``fetched`` (also after a fetch of nothing), in which the runtime offers
-what the pairs let through, ticks, and commits what that decided. Per fetch,
+loop owns the consumer: it fetches up to ``batch`` records at a time (waiting at
+most ``POLL_TIMEOUT_S`` for them), hands each to ``_Processing.submit`` (queued
+into its partition pair), then calls ``fetched`` (also after a fetch of nothing),
+in which the runtime decodes what the pairs let through and offers it to each
+partition's state at once (``ProcessorState.offer_all``: one ``Step`` per
+partition and fetch), ticks, and commits what that decided. Per fetch,
 one Kafka transaction holds, atomically:
 
 1. the units of the batch, to ``<ns>.units.<recipe>`` (key: unit id);
@@ -133,7 +135,7 @@ from reef_stream.consumers.processor_metrics import ProcessorMetrics
 from reef_stream.consumers.stage import ConsumerFenced, Positions, StageLoop
 from reef_stream.consumers.step_records import Record, StepRecords
 from reef_stream.engine.join import ProcessorState, Step
-from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
+from reef_stream.engine.snapshots import Encoded, dumps_snapshot, loads_snapshot
 from reef_stream.errors import FatalError, InvalidRecord
 from reef_stream.intake.validation import validate
 from reef_stream.ops import metrics
@@ -153,13 +155,17 @@ from reef_stream.topics.kafka import (
     Producer,
     TopicPartition,
 )
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.topics.serde import FINGERPRINT_HEADER, SchemaRegistry
 
 log = logging.getLogger("reef_stream.engine.join")
 
 STAGE = metrics.STAGE_PROCESSOR
 #: Most records taken per transaction.
 BATCH = 2000
+#: Longest the loop waits for a fetch to fill ``batch``: a record read waits this long at most
+#: before its transaction begins. 0.2 s made p50 completion-to-unit ~400 ms at 1,000 generations/s
+#: (bench/processor.py); 0.05 s ~80-150 ms; 0.02 s no better, with more transactions.
+POLL_TIMEOUT_S = 0.05
 #: How long the broker keeps a transaction of a vanished producer open (a restarted
 #: instance aborts it at once; another instance's would block readers this long).
 TRANSACTION_TIMEOUT_MS = 30_000
@@ -276,7 +282,8 @@ class ProcessorRuntime:
             _Processing(self), stage=STAGE, bootstrap=self.bootstrap, group=self.group,
             topics=self._topics, namespace=self.ns, reads="generation or feedback",
             producer=None,  # dead letters go out inside the transactions
-            registry=self.registry, batch=self.batch, poll_timeout=0.2, strategy_commits=True,
+            registry=self.registry, batch=self.batch, poll_timeout=POLL_TIMEOUT_S,
+            strategy_commits=True,
             metrics=self._metrics.writer, stop_event=self._stop, logger=log, consumer_config={
                 # static membership: a restarted instance takes its predecessor's place at once
                 "group.instance.id": f"{self.group}.{self.instance}",
@@ -443,18 +450,24 @@ class ProcessorRuntime:
                     caught.append(self._caught_up(p))
                 return caught[0]
 
+            offers = []  # decoded and valid, in the order the pair lets them through
             for topic, message, at in part.ready(caught_up, MAX_IDLE_S):
                 offset = message.offset()
                 positions[(topic, p)] = offset + 1
                 reader = Generation if topic == self.generations else Feedback
+                value, headers = message.value(), message.headers()
                 try:
-                    record = self.registry.decode(message.value(), message.headers(), reader,
+                    record = self.registry.decode(value, headers, reader,
                                                   topic=topic, partition=p, offset=offset)
                     validate(record)  # written past the SDK: NaN logprobs, negative versions
                 except InvalidRecord as error:
                     bad.append((message, error))
                     continue
-                steps.append((p, part.state.offer(record, at=at, origin=Origin(topic, p, offset))))
+                # the bytes read go into the record's snapshots as they are (snapshots.Encoded)
+                offers.append((record, at, Origin(topic, p, offset),
+                               Encoded(value, _fingerprint(headers))))
+            if offers:
+                steps.append((p, part.state.offer_all(offers)))
             due = part.state.next_deadline()
             if due is not None:
                 now = part.state.clock
@@ -557,7 +570,7 @@ class ProcessorRuntime:
         try:
             producer.begin_transaction()
             for p, step in steps:  # units, then dead letters (``step_records``)
-                counts.update(step.counts())
+                step.count_into(counts)
                 self._parts[p].touched.update(step.touched)
                 for record in self._records.of_step(step, counts):
                     self._produce(record)
@@ -689,6 +702,14 @@ class _Processing:
 def _key_bytes(key: str) -> bytes:
     """A state key as its changelog key (a ledger segment key's lone surrogate as one byte)."""
     return key.encode("utf-8", "surrogateescape")
+
+
+def _fingerprint(headers: list[tuple[str, bytes]]) -> bytes:
+    """The writer-schema fingerprint header of a record that decoded (so it has one)."""
+    for name, value in headers:
+        if name == FINGERPRINT_HEADER:
+            return value
+    raise FatalError(f"a record decoded without a {FINGERPRINT_HEADER} header")
 
 
 def _key_str(key: bytes) -> str:

@@ -55,7 +55,7 @@ import heapq
 import math
 import types
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -64,8 +64,8 @@ from reef_stream.topics.events import EpochMillis, Feedback, Generation
 from reef_stream.api.processor import (DEFAULT_RETENTION_MS, MissingFeedback, Origin, Processor, Score, Scored,
                                        processor_problems, unit_id)
 from reef_stream.engine.ledger import Ledger, segment_of
-from reef_stream.engine.snapshots import (Member, Received, member_from, member_record, received_from,
-                                          received_records)
+from reef_stream.engine.snapshots import (Encoded, Member, Received, member_from, member_record,
+                                          received_from, received_records)
 
 UnitT = TypeVar("UnitT")
 EventT = TypeVar("EventT")
@@ -177,10 +177,24 @@ class Step:
 
     def counts(self) -> Counter[str]:
         """By ``generations.<outcome>``, ``generations.duplicate``, ``feedback.<fate>``, ``units``."""
-        counts = Counter(f"generations.{o.outcome.value}" for o in self.generations)
-        counts.update(f"feedback.{o.fate.value}" for o in self.feedback)
-        counts.update({"generations.duplicate": len(self.duplicates), "units": len(self.units)})
-        return +counts
+        counts: Counter[str] = Counter()
+        self.count_into(counts)
+        return counts
+
+    def count_into(self, counts: Counter[str]) -> None:
+        """Add ``counts()`` to ``counts`` (without building a ``Counter`` of its own)."""
+        for outcome in self.generations:
+            counts[_GENERATION_COUNT[outcome.outcome]] += 1
+        for outcome in self.feedback:
+            counts[_FEEDBACK_COUNT[outcome.fate]] += 1
+        if self.duplicates:
+            counts["generations.duplicate"] += len(self.duplicates)
+        if self.units:
+            counts["units"] += len(self.units)
+
+
+_GENERATION_COUNT = {o: f"generations.{o.value}" for o in Outcome}
+_FEEDBACK_COUNT = {f: f"feedback.{f.value}" for f in FeedbackFate}
 
 
 @dataclass(slots=True, eq=False)
@@ -233,8 +247,8 @@ class ProcessorState(Generic[UnitT]):
 
     Order of calls: after a restart, ``restore`` every saved key and
     ``observe_checkpoint`` the newest checkpoint version first; then any
-    interleaving of ``offer_generation``, ``offer_feedback``,
-    ``observe_checkpoint`` and ``tick``. Offering a record twice is safe (the
+    interleaving of ``offer_generation``, ``offer_feedback`` (or ``offer_all``,
+    several at once), ``observe_checkpoint`` and ``tick``. Offering a record twice is safe (the
     second is a duplicate); ``tick`` and ``observe_checkpoint`` are idempotent.
     ``retention_ms`` (None: the processor's, else ``DEFAULT_RETENTION_MS``): how
     long concluded generations and closed groups are remembered, by ledger
@@ -317,24 +331,54 @@ class ProcessorState(Generic[UnitT]):
 
     # ------------------------------------------------------------------- input
 
-    def offer(self, record: Generation | Feedback, *, at: int, origin: Origin | None = None) -> Step:
+    def offer(self, record: Generation | Feedback, *, at: int, origin: Origin | None = None,
+              encoded: Encoded | None = None) -> Step:
         """``offer_generation`` or ``offer_feedback``, by the record's type."""
+        step = _StepBuilder()
+        self._offer(record, at, origin, encoded, step)
+        return self._done(step)
+
+    def offer_all(self, records: Iterable[tuple[Generation | Feedback, int, Origin | None,
+                                                Encoded | None]]) -> Step:
+        """Offer each ``(record, at, origin, encoded)`` in turn, as ``offer`` would, and return
+        what they decided together as one ``Step`` (outcomes in the same order as the ``Step``s
+        of one ``offer`` per record would list them, one after another). The same state
+        results as from one ``offer`` per record; it saves the per-record bookkeeping (one
+        ``Step``, one rescheduling of each key touched) for a caller that handles a batch
+        of records at once, as the runtime does per fetch. Non-blocking."""
+        step = _StepBuilder()
+        for record, at, origin, encoded in records:
+            self._offer(record, at, origin, encoded, step)
+        return self._done(step)
+
+    def _offer(self, record: Generation | Feedback, at: int, origin: Origin | None,
+               encoded: Encoded | None, step: _StepBuilder) -> None:
         if isinstance(record, Generation):
-            return self.offer_generation(record, at=at, origin=origin)
-        if isinstance(record, Feedback):
-            return self.offer_feedback(record, at=at, origin=origin)
-        raise TypeError(f"a processor takes Generation and Feedback, not {type(record).__name__}")
+            self._offer_generation(record, at, origin, encoded, step)
+        elif isinstance(record, Feedback):
+            self._offer_feedback(record, at, origin, encoded, step)
+        else:
+            raise TypeError(f"a processor takes Generation and Feedback, not "
+                            f"{type(record).__name__}")
 
     def offer_generation(self, generation: Generation, *, at: int,
-                         origin: Origin | None = None) -> Step:
-        """Take one generation that arrived at ``at``. Non-blocking; a duplicate is dropped."""
-        step, gid = _StepBuilder(), generation.generation_id
+                         origin: Origin | None = None, encoded: Encoded | None = None) -> Step:
+        """Take one generation that arrived at ``at``. Non-blocking; a duplicate is dropped.
+        ``encoded``: the generation as it was read (Avro bytes and writer-schema fingerprint),
+        kept for its snapshots instead of encoding it again (see ``snapshots.Encoded``)."""
+        step = _StepBuilder()
+        self._offer_generation(generation, at, origin, encoded, step)
+        return self._done(step)
+
+    def _offer_generation(self, generation: Generation, at: int, origin: Origin | None,
+                          encoded: Encoded | None, step: _StepBuilder) -> None:
+        gid = generation.generation_id
         self._clock = max(self._clock, at)
         if gid in self._where or self._ledger.concluded(gid) is not None:
             reason = f"generation {gid} was already received"
             step.duplicates.append(DroppedGeneration(generation, reason, origin, at))
-            return self._done(step)
-        member = Member(generation, at, at + self._timeout, origin)
+            return
+        member = Member(generation, at, at + self._timeout, origin, encoded=encoded)
         try:
             key, size = self._group_of(generation)
             rejection = self._admission(key, self._bucket(key, step), gid, size)
@@ -349,7 +393,7 @@ class ProcessorState(Generic[UnitT]):
             if outcome is Outcome.INVALID and size and self._ledger.closure(key) is None:
                 self._invalidate(key, bucket, reason, at, step)
             self._conclude(key, bucket, member, outcome, reason, at, step)
-            return self._done(step)
+            return
         bucket.size, bucket.admitted = size, bucket.admitted + 1
         bucket.first = bucket.first or gid
         bucket.deadline = max(bucket.deadline, member.deadline)
@@ -360,18 +404,24 @@ class ProcessorState(Generic[UnitT]):
             self._active.add(key)
             self._try_score(key, bucket, member, at, step, final=False)
         self._check_group(key, bucket, at, step)
+
+    def offer_feedback(self, feedback: Feedback, *, at: int, origin: Origin | None = None,
+                       encoded: Encoded | None = None) -> Step:
+        """Take one feedback record that arrived at ``at``. Non-blocking; a duplicate (same
+        generation id and source) is dropped. ``encoded``: as for ``offer_generation``."""
+        step = _StepBuilder()
+        self._offer_feedback(feedback, at, origin, encoded, step)
         return self._done(step)
 
-    def offer_feedback(self, feedback: Feedback, *, at: int, origin: Origin | None = None) -> Step:
-        """Take one feedback record that arrived at ``at``. Non-blocking; a duplicate (same
-        generation id and source) is dropped."""
-        step, entry = _StepBuilder(), Received(feedback, at, origin)
+    def _offer_feedback(self, feedback: Feedback, at: int, origin: Origin | None,
+                        encoded: Encoded | None, step: _StepBuilder) -> None:
+        entry = Received(feedback, at, origin, encoded=encoded)
         gid, source = feedback.generation_id, feedback.source
         self._clock = max(self._clock, at)
         duplicate = f"feedback from {source!r} for {gid} was already received"
         if not self.processor.feedback.wants(source):
             step.fate(entry, FeedbackFate.IGNORED, f"the processor does not use {source!r}", at)
-            return self._done(step)
+            return
         if (key := self._where.get(gid)) is not None:
             bucket = self._bucket(key, step)
             member = bucket.members[gid]
@@ -386,7 +436,7 @@ class ProcessorState(Generic[UnitT]):
                 member.received[source] = entry
                 self._try_score(key, bucket, member, at, step, final=False)
                 self._check_group(key, bucket, at, step)
-            return self._done(step)
+            return
         if (concluded := self._ledger.concluded(gid)) is not None:
             if source in concluded.sources:
                 step.fate(entry, FeedbackFate.DUPLICATE, duplicate, at)
@@ -395,7 +445,7 @@ class ProcessorState(Generic[UnitT]):
                 step.touched.add(self._ledger.update(gid, concluded._replace(sources=sources)))
                 step.fate(entry, FeedbackFate.LATE, f"arrived after generation {gid} "
                           f"concluded as {concluded.outcome}", at)
-            return self._done(step)
+            return
         key = self._orphan_at.get(gid) or feedback.group_id or gid
         waiting = self._bucket(key, step).orphans.setdefault(gid, {})
         if source in waiting:
@@ -403,7 +453,6 @@ class ProcessorState(Generic[UnitT]):
         else:
             waiting[source] = entry
             self._orphan_at[gid] = key
-        return self._done(step)
 
     def observe_backlog(self, units: int) -> None:
         """Learn how many units wait for the trainer: emitted, and not yet behind the offsets of

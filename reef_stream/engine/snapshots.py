@@ -1,7 +1,13 @@
 """State snapshots of the join state machine: what a pending key holds (its members and the
 feedback received for them) and its JSON form, as the processor's changelog stores it. Events
 are kept as their Avro bytes and writer-schema fingerprint, so a snapshot written before a
-schema change still restores after it. No pickle."""
+schema change still restores after it. No pickle.
+
+An event's record is made once per member or feedback entry, at its first snapshot: from the
+bytes it was read as when the caller kept them (``Encoded``: the runtime passes each consumed
+record's value and fingerprint header), else by encoding it with its current schema. The
+bytes read decode to the very event the state machine holds (it was decoded from them), so
+either way the snapshot restores that event."""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ import base64
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from reef_stream.api.processor import Origin, Score
 from reef_stream.topics.events import Feedback, Generation
@@ -18,12 +24,20 @@ from reef_stream.topics.serde import FINGERPRINT_HEADER, SchemaRegistry
 EventT = TypeVar("EventT")
 
 
+class Encoded(NamedTuple):
+    """An event as it was read: its Avro bytes and its writer schema's 8-byte fingerprint."""
+
+    value: bytes
+    fingerprint: bytes
+
+
 @dataclass(slots=True, eq=False)
 class Received:
     feedback: Feedback
     arrived: int
     origin: Origin | None
     record: dict[str, str] | None = None  # the feedback, encoded once for snapshots
+    encoded: Encoded | None = None  # the feedback as it was read, if the caller kept it
 
 
 @dataclass(slots=True, eq=False)
@@ -37,14 +51,18 @@ class Member:
     score: Score | None = None
     scored_time: int = 0  # latest event time of the generation and the feedback it used
     record: dict[str, str] | None = None  # the generation, encoded once for snapshots
+    encoded: Encoded | None = None  # the generation as it was read, if the caller kept it
 
 
-def event_record(event: Generation | Feedback) -> dict[str, str]:
+def event_record(event: Generation | Feedback, encoded: Encoded | None = None) -> dict[str, str]:
     """An event as its Avro bytes (base64) and writer-schema fingerprint (hex): a snapshot
-    written before a schema change still restores after it."""
-    value, headers = SchemaRegistry.default().encode(event)
-    return {"avro": base64.b64encode(value).decode("ascii"),
-            "fingerprint": dict(headers)[FINGERPRINT_HEADER].hex()}
+    written before a schema change still restores after it. ``encoded``: the bytes the event
+    was read from, used as they are (else it is encoded with its current schema)."""
+    if encoded is None:
+        value, headers = SchemaRegistry.default().encode(event)
+        encoded = Encoded(value, dict(headers)[FINGERPRINT_HEADER])
+    return {"avro": base64.b64encode(encoded.value).decode("ascii"),
+            "fingerprint": encoded.fingerprint.hex()}
 
 
 def event_from(cls: type[EventT], record: Mapping[str, str]) -> EventT:
@@ -58,7 +76,8 @@ def origin_from(record: list[Any] | None) -> Origin | None:
 
 def received_records(received: Mapping[str, Received]) -> list[dict[str, Any]]:
     for entry in received.values():
-        entry.record = entry.record or event_record(entry.feedback)
+        if entry.record is None:
+            entry.record, entry.encoded = event_record(entry.feedback, entry.encoded), None
     return [{"feedback": r.record, "arrived": r.arrived,
              "origin": r.origin and [r.origin.topic, r.origin.partition, r.origin.offset]}
             for _, r in sorted(received.items())]
@@ -72,7 +91,8 @@ def received_from(records: list[Mapping[str, Any]]) -> dict[str, Received]:
 
 def member_record(member: Member) -> dict[str, Any]:
     score, origin = member.score, member.origin
-    member.record = member.record or event_record(member.generation)
+    if member.record is None:
+        member.record, member.encoded = event_record(member.generation, member.encoded), None
     return {
         "generation": member.record, "arrived": member.arrived, "deadline": member.deadline,
         "origin": origin and [origin.topic, origin.partition, origin.offset],
