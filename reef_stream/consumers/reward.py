@@ -11,10 +11,14 @@ partitions. For each generation the worker:
 1. decodes it (``serde.decode``); an undecodable record, or one that is not a
    ``Generation``, becomes a ``DeadLetter`` with the reason at once;
 2. calls the recipe's ``RewardFunction``, at most ``concurrency`` calls in
-   flight. Sync functions run on worker threads, coroutine functions on the
-   worker's asyncio loop. Each try has ``timeout`` seconds; a try that raises
-   or times out is retried up to ``retries`` times, after ``backoff * 2**k``
-   seconds (capped at ``MAX_BACKOFF_S``);
+   flight: ``concurrency`` call slots take the queued generations one at a
+   time, threads for a sync function, tasks on the worker's asyncio loop for
+   a coroutine function. Each try has ``timeout`` seconds: a coroutine's try
+   is then cancelled; a sync try cannot be, so a watchdog thread abandons it
+   (its thread finishes alone, its result ignored) and a new call thread goes
+   on with the generation. A try that raises or times out is retried up to
+   ``retries`` times, after ``backoff * 2**k`` seconds (capped at
+   ``MAX_BACKOFF_S``), holding its slot;
 3. emits the outcome through a ``RecordProducer``: ``Feedback`` built with
    ``recipe.feedback_for`` (id ``<generation id>:<source>``, keyed like its
    generation, so co-partitioned with it) when a try returned a ``Reward``
@@ -52,15 +56,16 @@ thread is abandoned (a daemon thread) and its result ignored.
 
 Backpressure: at most ``backlog`` generations are taken and not yet settled
 (default 1024, or ``2 * concurrency`` if more): taken records wait for one
-of the ``concurrency`` call slots, so a slot never waits for a fetch. When
-the backlog is full the worker pauses its partitions and keeps polling, so
-group heartbeats and rebalances are served while slow calls run; it resumes
-them once the backlog drained to half. Pausing is kept rare on purpose: a
-resumed partition's next fetch comes only after the broker's fetch wait
-(~0.5 s), so pausing every few records capped a worker at ``backlog / 0.5 s``
-(``bench/reward.py``). On a stop, taken records whose call has not started
-are dropped at once (uncommitted: the group reads them again); only running
-calls get the grace.
+of the ``concurrency`` call slots, so a slot never waits for a fetch. A full
+backlog first waits up to ``ROOM_WAIT_S`` to drain to half (quick calls do);
+if it does not, the worker pauses its partitions and keeps polling (group
+heartbeats and rebalances are served while slow calls run) and resumes them
+at half. Pausing is kept rare on purpose: a resumed partition's next fetch
+came up to a second later (librdkafka 2.16), so a quick reward that paused
+at every full backlog left the worker idle most of the time
+(``bench/reward.py``: about 2,000 generations/s against 7,500 without). On
+a stop, taken records whose call has not started are dropped at once
+(uncommitted: the group reads them again); only running calls get the grace.
 
 Metrics: the counters of ``RewardSummary`` (``REWARD_*`` in ``reef_stream.ops.metrics``,
 stage ``reward``, labels ``recipe``, ``group``, ``instance`` = host.pid) and the
@@ -70,10 +75,18 @@ changed, and once at stop; they also set the process's Prometheus gauges
 (``reef_stream.ops.prometheus``). Writing them never waits on the broker: a metric
 that cannot be queued or delivered is dropped (``metrics_dropped``).
 
-Threads: ``run`` owns the Kafka consumer and must be called from one thread;
-an asyncio loop on a thread of its own schedules the calls; the producer's
-delivery callbacks mark outcomes done. ``stop`` may be called from any thread
-or a signal handler.
+Cost per record (``bench/reward.py`` prints CPU ms per generation): the consumer
+thread decodes each record of a fetch (up to ``CONSUME_BATCH``) onto one queue
+and wakes idle call slots once per fetch, not per record; a slot calls the
+function and sends the outcome on its own thread. No thread, future or task is
+made per call.
+
+Threads: ``run`` owns the Kafka consumer and must be called from one thread
+(the stage loop's: it decodes and queues the records); the ``concurrency``
+call threads and their watchdog (sync function), or an asyncio loop on a
+thread of its own running the call tasks (coroutine function), call the
+function and send the outcomes; the producer's delivery callbacks mark
+outcomes done. ``stop`` may be called from any thread or a signal handler.
 """
 
 from __future__ import annotations
@@ -90,15 +103,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from reef_stream.config import Settings, load_settings
 from reef_stream.topics.connect import bootstrap_servers
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
-from reef_stream.topics.dead_letters import dead_letter, headers_of
-from reef_stream.topics.events import DeadLetter, Generation, MessageHeader, now_ms
+from reef_stream.topics.dead_letters import dead_letter
+from reef_stream.topics.events import DeadLetter, Generation, now_ms
 from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandle
 from reef_stream.ops.metrics import (
     REWARD_DROPPED, REWARD_FAILED, REWARD_INVALID, REWARD_MEAN, REWARD_RECORDS, REWARD_RETRIED,
@@ -124,6 +139,12 @@ DEFAULT_BACKLOG = 1024
 UNASSIGNED_IDLE_S = 30.0
 #: How often done offsets are committed while running.
 COMMIT_INTERVAL_S = 1.0
+#: Most records the stage loop takes from the client at a time.
+CONSUME_BATCH = 256
+#: Idle runners are woken after each fetch, and after this many records of a long one.
+WAKE_EVERY = 64
+#: How long a full backlog waits for room (half of it) before the partitions are paused.
+ROOM_WAIT_S = 0.5
 #: How often, at most, the counters are written as Metric events while running.
 METRICS_INTERVAL_S = 1.0
 #: The metric of each counter of ``RewardSummary``.
@@ -227,16 +248,30 @@ class RewardSummary:
         return f"reward worker {self.group}: {counts} elapsed_s={self.elapsed_s:.1f}"
 
 
-@dataclass(frozen=True, slots=True)
-class _Taken:
-    """One consumed generation record, with the position it came from."""
+class _Work:
+    """One taken generation on its way to an outcome: its record (kept for a dead letter),
+    where it came from, the decoded Generation, its entry among its partition's outcomes,
+    and its tries so far (``error``: the last try's, None before a try or after a success)."""
 
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[MessageHeader, ...]
+    __slots__ = ("entry", "error", "generation", "message", "timeouts", "tries", "where")
+
+    def __init__(self, message: Message, where: tuple[str, int], generation: Generation,
+                 entry: list) -> None:
+        self.message, self.where, self.generation, self.entry = message, where, generation, entry
+        self.tries = self.timeouts = 0
+        self.error: BaseException | None = None
+
+
+class _Slot:
+    """A call thread's running try, as the watchdog sees it (under the worker's lock):
+    ``work`` (None between tries), when it ``started``, whether it was ``abandoned``."""
+
+    __slots__ = ("abandoned", "started", "work")
+
+    def __init__(self) -> None:
+        self.work: _Work | None = None
+        self.started = 0.0
+        self.abandoned = False
 
 
 class _Partition:
@@ -264,8 +299,9 @@ class RewardWorker:
     ``spool_dir``: the producer's spool [default: the first one no live worker of the group
     holds, under ``$REEF_HOME/spool/<ns>/<group>/``]. ``consumer_config``: extra
     confluent-kafka settings. ``on_outcome(kind, event)``: called after each outcome is
-    handed to the producer (kind: rewarded, failed, invalid, undecodable), on the loop's or the
-    consumer's thread; it must be quick. Raises ``ConfigurationError`` for bad options or a
+    handed to the producer (kind: rewarded, failed, invalid, undecodable), on the thread that
+    sent it (a call thread, the asyncio loop's or the consumer's); it must be quick, and an
+    exception it raises is logged and ignored. Raises ``ConfigurationError`` for bad options or a
     recipe without a reward function.
     """
 
@@ -306,7 +342,17 @@ class RewardWorker:
         self._fatal: Exception | None = None
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._semaphore: asyncio.Semaphore | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._producer: RecordProducer | None = None
+        #: Taken generations whose call has not started, in order; the runners take from it.
+        self._queue: deque[_Work] = deque()
+        self._unwoken = 0  # records queued since the last _wake (consumer thread)
+        self._idle = 0  # runners waiting for work
+        self._ready = threading.Condition()  # sync runners wait here
+        self._work_ready: asyncio.Event | None = None  # async runners wait here
+        self._tasks: list[asyncio.Task] = []  # the async runners (the loop keeps weak refs)
+        self._slots: set[_Slot] = set()  # the sync runners' tries, for the watchdog
+        self._watch_stop = threading.Event()
         self._metrics: MetricsWriter | None = None
         self._metrics_producer: Producer | None = None
         self._metrics_sent: dict[str, float] | None = None  # the counters last written
@@ -344,16 +390,16 @@ class RewardWorker:
         loop_thread = threading.Thread(target=loop.run_forever, name="reef-reward-loop",
                                        daemon=True)
         loop_thread.start()
-        self._loop = loop
-        self._semaphore = asyncio.run_coroutine_threadsafe(
-            _make_semaphore(self.options.concurrency), loop).result()
+        self._loop, self._loop_thread, self._producer = loop, loop_thread, producer
+        self._start_runners()
         self._start_metrics()
         self._last_assigned = time.monotonic()  # the idle clock starts at the subscription
         try:
-            StageLoop(_Rewards(self, producer, loop, loop_thread), stage=STAGE,
+            StageLoop(_Rewards(self, producer), stage=STAGE,
                       bootstrap=self.bootstrap, group=self.group, topics=[self.topic],
                       namespace=self.namespace, reads="generation", producer=None,
-                      consumer_config=self._consumer_config, metrics=self._metrics,
+                      consumer_config=self._consumer_config, batch=CONSUME_BATCH,
+                      metrics=self._metrics,
                       poll_timeout=0.1, stop_event=self._finish, join_timeout=self.options.grace,
                       commit_every_s=COMMIT_INTERVAL_S, asynchronous_commits=True, logger=log).run()
         finally:
@@ -362,78 +408,255 @@ class RewardWorker:
             raise FatalError(str(self._fatal)) from self._fatal
         return self.summary
 
+    def _start_runners(self) -> None:
+        """``concurrency`` call slots: tasks on the asyncio loop for a coroutine function;
+        threads and their watchdog for a sync one. Each takes one queued generation at a time."""
+        count = self.options.concurrency
+        if self._is_async:
+            async def start() -> None:
+                self._work_ready = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                self._tasks = [loop.create_task(self._arunner()) for _ in range(count)]
+
+            asyncio.run_coroutine_threadsafe(start(), self._loop).result()
+            return
+        for _ in range(count):
+            threading.Thread(target=self._runner, name="reef-reward-call", daemon=True).start()
+        threading.Thread(target=self._watch, name="reef-reward-watchdog", daemon=True).start()
+
     # ----------------------------------------------------------------- taking records
 
-    def _take(self, message: Message, producer: RecordProducer) -> None:
-        key = (message.topic(), message.partition())
+    def _take(self, message: Message) -> None:
+        """Consumer thread: decode one record and queue it for a call slot (``_wake`` tells
+        the idle runners, once per fetch), or dead-letter it at once if it is undecodable."""
+        where = (message.topic(), message.partition())
+        offset = message.offset()
         with self._lock:
-            partition = self._partitions.get(key)
+            partition = self._partitions.get(where)
             if partition is None:  # revoked between the fetch and now: the new owner reads it
                 return
-            entry = partition.take(message.offset())
+            entry = partition.take(offset)
             self._in_flight += 1
         self.summary.add(records=1)
-        taken = _Taken(message.topic(), message.partition(), message.offset(), message.key(),
-                       message.value(), headers_of(message.headers()))
         try:
-            generation = decode(taken.value, message.headers(), Generation, topic=taken.topic,
-                                partition=taken.partition, offset=taken.offset)
+            generation = decode(message.value(), message.headers(), Generation,
+                                topic=where[0], partition=where[1], offset=offset)
         except InvalidRecord as error:
             self.summary.add(undecodable=1)
-            self._emit(producer, self._dead_letter(taken, f"undecodable generation: {error}",
-                                                   type(error).__name__), entry, "undecodable")
+            self._emit(self._dead_letter(message, f"undecodable generation: {error}",
+                                         type(error).__name__), entry, "undecodable")
             return
-        asyncio.run_coroutine_threadsafe(self._score(producer, taken, generation, entry),
-                                         self._loop)
+        self._queue.append(_Work(message, where, generation, entry))
+        self._unwoken += 1
+        if self._unwoken >= WAKE_EVERY:
+            self._wake()
 
-    # ----------------------------------------------------------------- scoring (on the loop)
+    def _wake(self) -> None:
+        """Consumer thread: wake idle runners for the records queued since the last wake.
 
-    async def _score(self, producer: RecordProducer, taken: _Taken, generation: Generation,
-                     entry: list) -> None:
-        """Try the reward function, then emit Feedback or a DeadLetter for ``taken``."""
-        async with self._semaphore:
-            if self._dropped(taken, entry):
-                return
-            tries, timeouts, last_error = 0, 0, None
-            for attempt in range(self.options.retries + 1):
-                if attempt:
-                    self.summary.add(retried=1)
-                    await asyncio.sleep(min(self.options.backoff * 2 ** (attempt - 1),
-                                            MAX_BACKOFF_S))
-                    if self._dropped(taken, entry):
-                        return
-                tries += 1
+        ``_idle`` is read without a lock: a runner counts itself idle before it looks at the
+        queue a last time and sleeps, so one that this read misses sees the new records."""
+        self._unwoken = 0
+        if not self._idle:
+            return
+        if self._is_async:
+            self._loop.call_soon_threadsafe(self._work_ready.set)
+        else:
+            with self._ready:
+                self._ready.notify(len(self._queue))
+
+    def _wait_for_room(self, target: int, timeout: float) -> bool:
+        """Consumer thread: wait up to ``timeout`` seconds (less at a stop) until no more than
+        ``target`` records are in flight; True if so."""
+        deadline = time.monotonic() + timeout
+        while self._in_flight > target and time.monotonic() < deadline \
+                and not self._stop.wait(0.005):
+            pass
+        return self._in_flight <= target
+
+    def _drop_queued(self) -> None:
+        """At a stop: drop the queued records at once (uncommitted: the group reads them again)."""
+        dropped = 0
+        with suppress(IndexError):
+            while True:  # popleft: a call slot may take one meanwhile
+                self._queue.popleft()
+                dropped += 1
+        if dropped:
+            with self._lock:
+                self._in_flight -= dropped
+            self.summary.add(dropped=dropped)
+
+    # ----------------------------------------------------------------- sync calls (threads)
+
+    def _runner(self, work: _Work | None = None) -> None:
+        """A call thread of a sync reward function: settles queued generations one at a time
+        until the worker closes. ``work``: the generation of a timed-out try, which this thread
+        goes on with in place of the abandoned one. Ends when its own call is abandoned."""
+        slot = _Slot()
+        with self._lock:
+            self._slots.add(slot)
+        while work is not None or (work := self._next_sync()) is not None:
+            try:
+                if not self._run_sync(slot, work):
+                    return
+            except Exception as error:  # noqa: BLE001 - a bug here must not end the slot silently
+                self._broken(error)
+            work = None
+
+    def _next_sync(self) -> _Work | None:
+        """The next queued generation; blocks while there is none. None once closing."""
+        queue = self._queue
+        while True:
+            try:
+                return queue.popleft()
+            except IndexError:
+                pass
+            with self._ready:
+                self._idle += 1  # before the last look at the queue: see _wake
                 try:
-                    result = await asyncio.wait_for(self._call(generation), self.options.timeout)
-                except (asyncio.TimeoutError, TimeoutError) as error:
-                    timeouts += 1
-                    self.summary.add(timed_out=1)
-                    last_error = error if str(error) else TimeoutError(
-                        f"no result within {self.options.timeout:g} s")
-                    continue
-                except asyncio.CancelledError:
-                    raise
-                except Exception as error:  # noqa: BLE001 - the function's failure is the outcome
-                    last_error = error
-                    continue
-                break
-            else:
-                self.summary.add(failed=1)
-                raised = tries - timeouts
-                counts = f"{timeouts} timed out, {raised} raised" if timeouts and raised else \
-                    ("all timed out" if timeouts else "all raised")
-                reason = (f"reward function {self.reward.source!r} failed on every one of "
-                          f"{tries} tries ({counts}) for generation {generation.generation_id}; "
-                          f"last error: {type(last_error).__name__}: {last_error}")
-                self._emit(producer, self._dead_letter(taken, reason, type(last_error).__name__),
-                           entry, "failed")
+                    while not queue and not self._closing:
+                        self._ready.wait()
+                finally:
+                    self._idle -= 1
+                if self._closing:
+                    return None
+
+    def _run_sync(self, slot: _Slot, work: _Work) -> bool:
+        """Try the reward function on this thread until ``work`` is settled (feedback or dead
+        letter) or dropped: True. False when the watchdog abandoned the try this thread was
+        in: the thread ends (another goes on with ``work``)."""
+        options = self.options
+        while True:
+            if work.error is not None:  # the last try failed
+                if work.tries > options.retries:
+                    self._failed(work)
+                    return True
+                self.summary.add(retried=1)
+                self._stop.wait(_backoff(options, work.tries))  # a stop cuts it short
+            if self._dropped(work):
+                return True
+            work.tries += 1
+            with self._lock:
+                slot.work, slot.started = work, time.monotonic()
+            try:
+                result, error = self.reward(work.generation), None
+                if inspect.isawaitable(result):  # awaited on the loop; abandoned like a call
+                    result = asyncio.run_coroutine_threadsafe(_awaited(result),
+                                                              self._loop).result()
+            except BaseException as raised:  # noqa: BLE001 - the function's failure is the outcome
+                result, error = None, raised
+            with self._lock:
+                if slot.abandoned:  # timed out: counted and taken over by the watchdog
+                    return False
+                slot.work = None
+            if error is None:
+                self._succeeded(work, result)
+                return True
+            work.error = error
+
+    def _watch(self) -> None:
+        """The sync calls' watchdog thread: a try running for ``timeout`` seconds is abandoned
+        (its thread finishes alone, its result ignored) and counted as timed out, and a new
+        call thread goes on with its generation. Sleeps until the earliest running deadline."""
+        timeout = self.options.timeout
+        while not self._closing:
+            now = time.monotonic()
+            wake, expired = now + timeout, []
+            with self._lock:
+                for slot in self._slots:
+                    if slot.work is None:
+                        continue
+                    deadline = slot.started + timeout
+                    if deadline <= now:
+                        expired.append((slot, slot.work))
+                        slot.abandoned, slot.work = True, None
+                    else:
+                        wake = min(wake, deadline)
+                for slot, _ in expired:
+                    self._slots.discard(slot)
+            for slot, work in expired:
+                work.timeouts += 1
+                work.error = TimeoutError(f"no result within {timeout:g} s")
+                self.summary.add(timed_out=1)
+                threading.Thread(target=self._runner, args=(work,), name="reef-reward-call",
+                                 daemon=True).start()
+            self._watch_stop.wait(max(0.0, wake - now))
+
+    # ----------------------------------------------------------------- async calls (the loop)
+
+    async def _arunner(self) -> None:
+        """A call slot of a coroutine reward function (a task on the asyncio loop): settles
+        queued generations one at a time until cancelled at close."""
+        queue = self._queue
+        while True:
+            try:
+                work = queue.popleft()
+            except IndexError:
+                self._idle += 1  # before the last look at the queue: see _wake
+                try:
+                    if not queue:
+                        self._work_ready.clear()
+                        await self._work_ready.wait()
+                finally:
+                    self._idle -= 1
+                continue
+            try:
+                await self._run_async(work)
+            except Exception as error:  # noqa: BLE001 - a bug here must not end the slot silently
+                self._broken(error)
+
+    async def _run_async(self, work: _Work) -> None:
+        """Try the reward function until ``work`` is settled or dropped; each try has
+        ``timeout`` seconds (``asyncio.timeout``: no task of its own per try)."""
+        options = self.options
+        while True:
+            if work.error is not None:  # the last try failed
+                if work.tries > options.retries:
+                    self._failed(work)
+                    return
+                self.summary.add(retried=1)
+                await asyncio.sleep(_backoff(options, work.tries))
+            if self._dropped(work):
                 return
+            work.tries += 1
+            try:
+                async with asyncio.timeout(options.timeout):
+                    result = await self.reward(work.generation)
+            except TimeoutError as error:
+                work.timeouts += 1
+                self.summary.add(timed_out=1)
+                work.error = error if str(error) else TimeoutError(
+                    f"no result within {options.timeout:g} s")
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - the function's failure is the outcome
+                work.error = error
+                continue
+            self._succeeded(work, result)
+            return
+
+    # ----------------------------------------------------------------- outcomes
+
+    def _broken(self, error: Exception) -> None:
+        """A call slot failed outside the reward function (the outcome could not be built or
+        sent): that generation has no outcome, so nothing past it may be committed: stop."""
+        log.error("a generation's outcome could not be emitted", exc_info=error)
+        with self._lock:
+            if self._fatal is None:
+                self._fatal = FatalError(f"a generation's outcome could not be emitted "
+                                         f"({type(error).__name__}: {error}); its offset stays "
+                                         "uncommitted")
+        self._stop.set()
+
+    def _succeeded(self, work: _Work, result: Any) -> None:
+        """Emit the Feedback of a try that returned, or the dead letter of an invalid result."""
         problem = _invalid_result(result)
         if problem is None:
             try:
-                feedback = feedback_for(generation, result, source=self.reward.source,
+                feedback = feedback_for(work.generation, result, source=self.reward.source,
                                         created_at=now_ms())
-                sent = self._emit(producer, feedback, entry, "rewarded")
+                sent = self._emit(feedback, work.entry, "rewarded")
             except InvalidRecord as error:  # e.g. a non-finite component
                 problem = str(error)
             except Exception as error:  # noqa: BLE001 - e.g. components that are not numbers
@@ -443,38 +666,32 @@ class RewardWorker:
                     self.summary.add(rewarded=1, reward_sum=float(result.reward))
                 return
         self.summary.add(invalid=1)
+        tries = work.tries
         reason = (f"reward function {self.reward.source!r} returned an invalid result for "
-                  f"generation {generation.generation_id} after {tries} "
+                  f"generation {work.generation.generation_id} after {tries} "
                   f"{'try' if tries == 1 else 'tries'}: {problem}")
-        self._emit(producer, self._dead_letter(taken, reason, "InvalidRecord"), entry, "invalid")
+        self._emit(self._dead_letter(work.message, reason, "InvalidRecord"), work.entry, "invalid")
 
-    async def _call(self, generation: Generation) -> Any:
-        """One try: a coroutine function on this loop, a sync one on a daemon thread."""
-        if self._is_async:
-            return await self.reward(generation)
-        future = self._loop.create_future()
+    def _failed(self, work: _Work) -> None:
+        """Emit the dead letter of a generation whose every try raised or timed out."""
+        self.summary.add(failed=1)
+        tries, timeouts, last_error = work.tries, work.timeouts, work.error
+        raised = tries - timeouts
+        counts = f"{timeouts} timed out, {raised} raised" if timeouts and raised else \
+            ("all timed out" if timeouts else "all raised")
+        reason = (f"reward function {self.reward.source!r} failed on every one of "
+                  f"{tries} tries ({counts}) for generation {work.generation.generation_id}; "
+                  f"last error: {type(last_error).__name__}: {last_error}")
+        self._emit(self._dead_letter(work.message, reason, type(last_error).__name__),
+                   work.entry, "failed")
 
-        def call() -> None:
-            try:
-                result = self.reward(generation)
-            except BaseException as error:  # noqa: BLE001 - handed to the awaiting try
-                self._loop.call_soon_threadsafe(_settle, future, None, error)
-            else:
-                self._loop.call_soon_threadsafe(_settle, future, result, None)
-
-        threading.Thread(target=call, name="reef-reward-call", daemon=True).start()
-        result = await future
-        if inspect.isawaitable(result):  # a sync callable that returned an awaitable
-            result = await result
-        return result
-
-    def _dropped(self, taken: _Taken, entry: list) -> bool:
-        """True if ``taken``'s partition was revoked since it was taken (even if assigned again:
+    def _dropped(self, work: _Work) -> bool:
+        """True if ``work``'s partition was revoked since it was taken (even if assigned again:
         the new assignment reads it again from the committed offset) or the worker is stopping
         (a call not yet started, or a retry, does not start then): leave it."""
         with self._lock:
             if self._closing or self._stop.is_set() \
-                    or self._partitions.get((taken.topic, taken.partition)) is not entry[2]:
+                    or self._partitions.get(work.where) is not work.entry[2]:
                 self._in_flight -= 1
                 self.summary.add(dropped=1)
                 return True
@@ -482,24 +699,21 @@ class RewardWorker:
 
     # ----------------------------------------------------------------- emitting
 
-    def _dead_letter(self, taken: _Taken, reason: str, error_type: str) -> DeadLetter:
-        return dead_letter(reason, error_type, stage=STAGE, topic=taken.topic,
-                           partition=taken.partition, offset=taken.offset, key=taken.key,
-                           value=taken.value, headers=taken.headers)
+    def _dead_letter(self, message: Message, reason: str, error_type: str) -> DeadLetter:
+        """The record kept whole (key, value, headers) with where it came from."""
+        return dead_letter(reason, error_type, stage=STAGE, message=message)
 
-    def _emit(self, producer: RecordProducer, event: Any, entry: list, outcome: str) -> bool:
+    def _emit(self, event: Any, entry: list, outcome: str) -> bool:
         """Send the outcome of a record; it counts as done once the broker acknowledged it.
 
         False if it was not sent (the worker is closing, or the producer could not take it).
         Raises ``InvalidRecord`` (nothing sent, the entry still open) for an invalid Feedback.
         """
-        with self._lock:
-            closing = self._closing
-        if closing:
+        if self._closing:
             self._leave(dropped=True)
             return False
         try:
-            handle = producer.send(event)
+            handle = self._producer.send(event)
         except InvalidRecord:
             raise
         except Exception as error:  # noqa: BLE001 - SpoolFull, closed: the outcome is not stored
@@ -510,12 +724,15 @@ class RewardWorker:
             self._leave(dropped=True)
             self._stop.set()
             return False
-        handle.add_done_callback(lambda h: self._settled(h, entry))
+        handle.add_done_callback(partial(self._settled, entry))
         if self._on_outcome is not None:
-            self._on_outcome(outcome, event)
+            try:
+                self._on_outcome(outcome, event)
+            except Exception as error:  # noqa: BLE001 - an observer; the outcome is sent
+                log.warning("on_outcome(%r) raised %s: %s", outcome, type(error).__name__, error)
         return True
 
-    def _settled(self, handle: SendHandle, entry: list) -> None:
+    def _settled(self, entry: list, handle: SendHandle) -> None:
         """Delivery callback (producer thread): mark the record done, or stop the worker."""
         if handle.state is DeliveryState.ACKNOWLEDGED:
             with self._lock:
@@ -618,8 +835,14 @@ class RewardWorker:
         raise ConfigurationError(f"1024 reward workers already use spools under {base}")
 
     def _drain(self, producer: RecordProducer) -> None:
-        """The first half of stopping, in the durability order: running calls finish (up to
-        ``grace``) → their outcomes are flushed; the stage loop then commits the done offsets."""
+        """The first half of stopping, in the durability order: at a stop the queued records
+        are dropped, running calls finish (up to ``grace``; without a stop, at --max-records or
+        --idle-exit, the queued ones too) → their outcomes are flushed; the stage loop then
+        commits the done offsets."""
+        if self._stop.is_set():
+            self._drop_queued()
+        else:
+            self._wake()
         deadline = time.monotonic() + self.options.grace
         while self._in_flight > 0 and time.monotonic() < deadline and self._fatal is None \
                 and not self._hurry.is_set():
@@ -628,18 +851,20 @@ class RewardWorker:
             self._closing = True
         producer.flush(max(5.0, deadline - time.monotonic()))
 
-    def _close(self, producer: RecordProducer, loop: asyncio.AbstractEventLoop,
-               loop_thread: threading.Thread) -> None:
+    def _close(self, producer: RecordProducer) -> None:
         """The second half, after the loop committed and closed the consumer: the clients."""
         with self._lock:
             self._closing = True
             abandoned = self._in_flight
+        with self._ready:  # the call threads and the watchdog end
+            self._ready.notify_all()
+        self._watch_stop.set()
         if abandoned:
             log.warning("%d generations had no stored outcome at stop; their offsets stay "
                         "uncommitted and the group reads them again", abandoned)
         try:
-            loop.call_soon_threadsafe(_cancel_all, loop)
-            loop_thread.join(5)
+            self._loop.call_soon_threadsafe(_cancel_all, self._loop)
+            self._loop_thread.join(5)
             producer.close(5)
         finally:
             self._emit_metrics(final=True)
@@ -648,18 +873,17 @@ class RewardWorker:
 
 
 class _Rewards:
-    """The reward worker's strategy on the stage loop: ``submit`` takes a generation (its
-    call scheduled on the asyncio loop; an undecodable one dead-lettered as its outcome,
-    through the worker's spooling producer), refusing while the backlog is full
-    (``MessageRejected``: the loop pauses) until it drained to half; ``committable`` is the
+    """The reward worker's strategy on the stage loop: ``submit`` takes a generation (queued
+    for a call slot; an undecodable one dead-lettered as its outcome, through the worker's
+    spooling producer), refusing while the backlog is full (``MessageRejected``: the loop
+    pauses; see ``submit``) until it drained to half; ``fetched`` wakes the call slots;
+    ``committable`` is the
     done prefix of every partition; ``join`` and ``close`` are the two halves of stopping.
     ``poll`` writes the metrics and ends the loop at ``--idle-exit``, ``--max-records``
     (both: calls already taken still finish), a ``stop`` or a fatal outcome."""
 
-    def __init__(self, worker: RewardWorker, producer: RecordProducer,
-                 loop: asyncio.AbstractEventLoop, loop_thread: threading.Thread) -> None:
+    def __init__(self, worker: RewardWorker, producer: RecordProducer) -> None:
         self.worker, self.producer = worker, producer
-        self._loop, self._loop_thread = loop, loop_thread
         options = worker.options
         self.backlog = options.backlog or max(DEFAULT_BACKLOG, 2 * options.concurrency)
         self._full = False
@@ -672,28 +896,34 @@ class _Rewards:
         self.worker._revoked(partitions)
 
     def submit(self, message: Message) -> None:
-        # A full backlog pauses the partitions rather than the polling, so that rebalances and
-        # group heartbeats go on while slow calls run; they resume at half (a resumed fetch
-        # costs the broker's fetch wait, so not at every settled record).
+        # A full backlog waits up to ROOM_WAIT_S for room, then pauses the partitions (not the
+        # polling: rebalances and heartbeats go on while slow calls run) until it is half full.
         worker = self.worker
-        in_flight = worker._in_flight
-        if in_flight >= self.backlog:
-            self._full = True
-        elif in_flight <= self.backlog // 2:
-            self._full = False
+        in_flight, half = worker._in_flight, self.backlog // 2
+        if self._full:
+            self._full = in_flight > half
+        elif in_flight >= self.backlog:
+            worker._wake()
+            self._full = not worker._wait_for_room(half, ROOM_WAIT_S)
         if self._full:
             raise MessageRejected
         self._last_activity = time.monotonic()
-        worker._take(message, self.producer)
+        worker._take(message)
         if worker.options.max_records is not None \
                 and worker.summary.records >= worker.options.max_records:
             worker._finish.set()
+
+    def fetched(self, drained_at_ms: int | None) -> None:
+        """The runners are woken once per fetch, not once per record."""
+        self.worker._wake()
 
     def dead_lettered(self, message: Message) -> None:
         """Never called: ``submit`` sends its own dead letters, as outcomes."""
 
     def poll(self) -> None:
         worker = self.worker
+        if worker._unwoken:
+            worker._wake()
         worker._emit_metrics()
         if worker._stop.is_set() or worker._fatal is not None:
             worker._finish.set()
@@ -720,20 +950,16 @@ class _Rewards:
         self.worker._drain(self.producer)
 
     def close(self) -> None:
-        self.worker._close(self.producer, self._loop, self._loop_thread)
+        self.worker._close(self.producer)
 
 
-async def _make_semaphore(size: int) -> asyncio.Semaphore:
-    return asyncio.Semaphore(size)
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():  # the try timed out meanwhile
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+def _backoff(options: RewardOptions, tries: int) -> float:
+    """Seconds before the next try after ``tries`` failed ones."""
+    return min(options.backoff * 2 ** (tries - 1), MAX_BACKOFF_S)
 
 
 def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
@@ -743,10 +969,13 @@ def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def _is_coroutine_function(function: Any) -> bool:
-    if inspect.iscoroutinefunction(function):
-        return True
+    """An ``async def`` function, an object whose ``__call__`` is one, or a ``NamedReward`` of
+    either: its calls run as tasks on the asyncio loop."""
     inner = getattr(function, "function", None)  # NamedReward
-    return inner is not None and inspect.iscoroutinefunction(inner)
+    if inner is not None:
+        return _is_coroutine_function(inner)
+    return inspect.iscoroutinefunction(function) \
+        or inspect.iscoroutinefunction(getattr(type(function), "__call__", None))
 
 
 def _invalid_result(result: Any) -> str | None:
