@@ -135,7 +135,7 @@ from reef_stream.consumers.processor_metrics import ProcessorMetrics
 from reef_stream.consumers.stage import ConsumerFenced, Positions, StageLoop
 from reef_stream.consumers.step_records import Record, StepRecords
 from reef_stream.engine.join import ProcessorState, Step
-from reef_stream.engine.snapshots import Encoded, dumps_snapshot, loads_snapshot
+from reef_stream.engine.snapshots import Encoded, loads_snapshot
 from reef_stream.errors import FatalError, InvalidRecord
 from reef_stream.intake.validation import validate
 from reef_stream.ops import metrics
@@ -579,9 +579,8 @@ class ProcessorRuntime:
                 self._produce(self._records.of_invalid(message, error))
             for p, part in self._parts.items():
                 for key in sorted(part.touched):
-                    snapshot = part.state.snapshot(key)
                     producer.produce(self.changelog, partition=p, key=_key_bytes(key),
-                                     value=None if snapshot is None else dumps_snapshot(snapshot))
+                                     value=part.state.snapshot_bytes(key))
                     self._poll()
             offsets = [TopicPartition(t, p, o) for (t, p), o in sorted(positions.items())]
             if offsets:

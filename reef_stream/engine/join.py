@@ -64,8 +64,8 @@ from reef_stream.topics.events import EpochMillis, Feedback, Generation
 from reef_stream.api.processor import (DEFAULT_RETENTION_MS, MissingFeedback, Origin, Processor, Score, Scored,
                                        processor_problems, unit_id)
 from reef_stream.engine.ledger import Ledger, segment_of
-from reef_stream.engine.snapshots import (Encoded, Member, Received, member_from, member_record,
-                                          received_from, received_records)
+from reef_stream.engine.snapshots import (Encoded, Member, Received, dumps_snapshot, member_from,
+                                          member_record, received_from, received_records)
 
 UnitT = TypeVar("UnitT")
 EventT = TypeVar("EventT")
@@ -517,6 +517,14 @@ class ProcessorState(Generic[UnitT]):
             "orphans": [{"generation_id": g, "received": received_records(bucket.orphans[g])}
                         for g in sorted(bucket.orphans)],
         }
+
+    def snapshot_bytes(self, key: str) -> bytes | None:
+        """``dumps_snapshot(snapshot(key))`` (the changelog record of ``key``), the same bytes;
+        a ledger segment's from its entries' kept JSON text (``Ledger.snapshot_bytes``)."""
+        if segment_of(key) is not None:
+            return self._ledger.snapshot_bytes(key)
+        snapshot = self.snapshot(key)
+        return None if snapshot is None else dumps_snapshot(snapshot)
 
     def restore(self, key: str, snapshot: Mapping[str, Any]) -> None:
         """Load ``key``'s state from ``snapshot``, replacing what the key held (a ledger

@@ -37,6 +37,14 @@ empty), ``restore`` adds a snapshot's entries back. An entry is forgotten
 exactly when ``expire`` is called with a time at least ``retention_ms``
 after its conclusion.
 
+Rendering. ``snapshot_bytes`` gives the snapshot as the changelog stores it (the bytes
+``snapshots.dumps_snapshot`` makes of ``snapshot``, byte for byte) without building it anew:
+each entry's JSON text is kept once rendered, for the newest ``RENDERED_SEGMENTS`` segments
+only (the ones still growing, whose every change rewrites the whole segment in the
+changelog: transaction after transaction while a second of conclusions lasts), and
+rendered again only when the entry changes. Older segments are rendered whole when they
+change (at expiry), as ``snapshot`` does, and hold no text.
+
 Pure, not thread-safe; every method is non-blocking.
 """
 
@@ -44,7 +52,9 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import json
 from array import array
+from json.encoder import encode_basestring_ascii as _string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -53,6 +63,8 @@ from reef_stream.errors import FatalError
 
 #: Conclusion times are grouped into segments of this many ms (one changelog key each).
 SEGMENT_MS = 1_000
+#: The newest segments whose entries keep their rendered JSON text (see "Rendering").
+RENDERED_SEGMENTS = 2
 _KEY_PREFIX = "\udc80ended."
 _GENERATION, _GROUP = b"reef.generation", b"reef.group"  # BLAKE2b personalisation
 
@@ -115,6 +127,9 @@ class Ledger:
         self._entries: dict[int, Concluded | Closed] = {}  # digest -> what is remembered
         self._segments: dict[int, _Segment] = {}
         self._order: list[int] = []  # heap of segment numbers (stale ones skipped)
+        #: segment -> the JSON text of its first entries (None: an entry ``snapshot`` skips),
+        #: for the newest ``RENDERED_SEGMENTS`` segments rendered (see "Rendering").
+        self._rendered: dict[int, list[tuple[bool, str] | None]] = {}
 
     # ------------------------------------------------------------------- reading
 
@@ -171,7 +186,9 @@ class Ledger:
     def update(self, generation_id: str, entry: Concluded) -> str:
         """Replace what is remembered of a concluded ``generation_id`` by ``entry`` (same
         segment: a source received late, or its own group closed); the segment key changed."""
-        self._entries[_digest(_GENERATION, generation_id)] = self._shared(entry)
+        digest = _digest(_GENERATION, generation_id)
+        self._entries[digest] = self._shared(entry)
+        self._changed(entry.segment, digest)
         return segment_key(entry.segment)
 
     def expire(self, now: int) -> list[str]:
@@ -198,8 +215,11 @@ class Ledger:
                 keep = [i for i in range(len(segment.at)) if i not in expired]
                 segment.digests = array("Q", [segment.digests[i] for i in keep])
                 segment.at = array("q", [segment.at[i] for i in keep])
+                if (rendered := self._rendered.get(number)) is not None:
+                    self._rendered[number] = [rendered[i] for i in keep if i < len(rendered)]
                 break
             del self._segments[number]
+            self._rendered.pop(number, None)
             heapq.heappop(self._order)
         return changed
 
@@ -222,6 +242,57 @@ class Ledger:
         if not (generations or groups):
             return None
         return {"version": 2, "segment": number, "generations": generations, "groups": groups}
+
+    def snapshot_bytes(self, key: str) -> bytes | None:
+        """``dumps_snapshot(snapshot(key))``, byte for byte, from the entries' kept JSON text
+        (see "Rendering"); None when the segment holds nothing."""
+        number = segment_of(key)
+        segment = self._segments.get(number) if number is not None else None
+        if segment is None:
+            return None
+        if number not in self._rendered:
+            if self._rendered and number < max(self._rendered):
+                return _dumps(self.snapshot(key))  # an old segment: nothing kept for it
+            self._rendered[number] = []
+            for old in sorted(self._rendered)[:-RENDERED_SEGMENTS]:
+                del self._rendered[old]
+        rendered = self._rendered[number]
+        for i in range(len(rendered), len(segment.digests)):
+            rendered.append(self._render(number, segment.digests[i], segment.at[i]))
+        generations = ",".join(text for kind, text in filter(None, rendered) if kind)
+        groups = ",".join(text for kind, text in filter(None, rendered) if not kind)
+        if not (generations or groups):
+            return None
+        return (f'{{"version":2,"segment":{number},"generations":[{generations}],'
+                f'"groups":[{groups}]}}').encode()
+
+    def _render(self, number: int, digest: int, at: int) -> tuple[bool, str] | None:
+        """(is a generation, its JSON text) of one entry of segment ``number``, as ``snapshot``
+        lists it; None where ``snapshot`` skips it."""
+        entry = self._entries.get(digest)
+        if entry is None or entry.segment != number:
+            return None
+        # the text json.dumps makes of the same list (ints, ASCII-escaped strings, a bool)
+        if isinstance(entry, Concluded):
+            sources = ",".join(map(_string, entry.sources))
+            own = "true" if entry.own_group else "false"
+            return True, f"[{digest},{at},{_string(entry.outcome)},[{sources}],{own}]"
+        return False, f"[{digest},{at},{_string(entry.how)},{_string(entry.detail)}]"
+
+    def _changed(self, number: int, digest: int) -> None:
+        """The entry ``digest`` of segment ``number`` changed: render its kept text again."""
+        rendered = self._rendered.get(number)
+        if rendered is None:
+            return
+        segment, i = self._segments[number], -1
+        while True:
+            try:
+                i = segment.digests.index(digest, i + 1)
+            except ValueError:
+                return
+            if i >= len(rendered):
+                return
+            rendered[i] = self._render(number, digest, segment.at[i])
 
     def restore(self, key: str, snapshot: Mapping[str, Any]) -> None:
         """Add the entries of segment ``key``'s snapshot (what the segment held is kept:
@@ -253,7 +324,11 @@ class Ledger:
                 entry = entry._replace(sources=tuple(sorted({*old.sources, *entry.sources})),
                                        own_group=old.own_group or entry.own_group)
             self._entries[digest] = self._shared(entry)
+            self._changed(entry.segment, digest)
             return
+        if old is not None:  # the digest moves to a later segment: the old one skips it now
+            self._entries[digest] = entry
+            self._changed(old.segment, digest)
         if (segment := self._segments.get(entry.segment)) is None:
             segment = self._segments[entry.segment] = _Segment()
             heapq.heappush(self._order, entry.segment)
@@ -266,3 +341,8 @@ class Ledger:
         if isinstance(entry, Closed):
             return entry
         return self._segments[entry.segment].shared.setdefault(entry, entry)
+
+
+def _dumps(value: Any) -> bytes:
+    """As ``snapshots.dumps_snapshot`` writes JSON (compact, UTF-8, no NaN)."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()

@@ -111,3 +111,73 @@ def test_a_snapshot_from_the_bytes_read_equals_one_encoded_again():
     fresh.restore("grp", loads_snapshot(dumps_snapshot(kept.snapshot("grp"))))
     assert fresh.snapshot("grp") == again.snapshot("grp")
 
+
+
+def _check_bytes(state: ProcessorState, keys) -> None:
+    for key in keys:
+        snapshot = state.snapshot(key)
+        expected = None if snapshot is None else dumps_snapshot(snapshot)
+        assert state.snapshot_bytes(key) == expected, key
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_snapshot_bytes_are_the_dumped_snapshot_through_growth_updates_and_expiry(seed):
+    """The changelog record the runtime writes (``snapshot_bytes``, a ledger segment's from its
+    entries' kept text) is byte for byte ``dumps_snapshot(snapshot(key))`` after every step:
+    segments growing, entries updated by late feedback and closing groups, expired in part
+    and whole, over many segments; and a state restored from those bytes has the same ones."""
+    rng = random.Random(seed)
+    records = _stream(rng, groups=60)
+    state = ProcessorState(GROUPED, recipe="r", max_staleness=2, retention_ms=2_500)
+    now, table = 0, {}
+    for number, record in enumerate(records):
+        if isinstance(record, Advance):
+            step = state.tick(now := now + record.ms)
+        elif isinstance(record, NewCheckpoint):
+            step = state.observe_checkpoint(record.policy_version)
+        else:
+            step = state.offer(record, at=now, origin=Origin("t", 0, number))
+            now += rng.choice([0, 40, 150])
+        if rng.random() < 0.3:
+            step = state.tick(now)
+        _check_bytes(state, step.touched)
+        for key in step.touched:
+            data = state.snapshot_bytes(key)
+            table.pop(key, None) if data is None else table.__setitem__(key, data)
+        if rng.random() < 0.05:
+            _check_bytes(state, state.keys())
+    _check_bytes(state, state.keys())
+    fresh = ProcessorState(GROUPED, recipe="r", max_staleness=2, retention_ms=2_500)
+    for key, data in table.items():
+        fresh.restore(key, loads_snapshot(data))
+    assert {k: fresh.snapshot_bytes(k) for k in fresh.keys()} == table
+    for later in (now + 10_000, now + 20_000):  # all concludes, then expires
+        step = fresh.tick(later)
+        _check_bytes(fresh, step.touched)
+    assert fresh.keys() == []
+
+
+def test_a_digest_restored_into_a_later_segment_leaves_the_earlier_one():
+    from reef_stream.engine.ledger import segment_key
+
+    state = ProcessorState(GROUPED, recipe="r")
+    state.offer(generation("a"), at=500)
+    state.tick(500 + GROUPED.feedback.timeout_ms)  # a expires in segment 1
+    first = segment_key(1)
+    assert state.snapshot_bytes(first) is not None
+    later = loads_snapshot(state.snapshot_bytes(first))
+    later["segment"] = 3
+    later["generations"] = [[d, 3_200, *rest] for d, _, *rest in later["generations"]]
+    state.restore(segment_key(3), later)
+    _check_bytes(state, [first, segment_key(3)])
+    assert state.snapshot_bytes(first) is None
+
+
+def test_snapshot_bytes_escape_text_as_json_does():
+    odd = 'grp "ü\\\n\u2028'
+    state = ProcessorState(GROUPED, recipe="r")
+    step = state.offer_all([(generation("a", odd, 2), 10, None, None),
+                            (generation("b", odd, 3), 11, None, None)])  # sizes disagree
+    assert {o.outcome.name for o in step.generations} == {"INVALID"}
+    _check_bytes(state, step.touched)
+    _check_bytes(state, state.keys())
