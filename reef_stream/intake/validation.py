@@ -8,8 +8,17 @@ disagree, token ids outside int32, an Avro ``int`` field (``group_size``,
 9999 (no reader could decode it), text with a lone surrogate (not UTF-8). The size limit of the destination topic
 is checked by the producer after encoding (``check_size``).
 
+``validate_many(events)`` applies the same rules to a batch (the producer's
+``send_many``), with the array checks of its Generations done once over the
+whole batch; a bad record raises ``InvalidRecordInBatch``, which adds the
+record's index to the message ``validate`` gives for it.
+
 These are the rules every method can rely on; a method's processor may add
 its own.
+
+Cost: this runs for every record sent, so the common case (a valid record) is
+the fast one: numpy reductions are called as ufuncs (no method wrapper), two
+per array at most, and a failing fast check is re-examined to name the problem.
 """
 
 from __future__ import annotations
@@ -18,12 +27,16 @@ import math
 
 import numpy as np
 
+from collections.abc import Sequence
+
 from reef_stream.errors import InvalidRecord
 from reef_stream.topics.events import DeadLetter, Feedback, FinishReason, Generation, SamplingParams
 
 #: Header bytes Kafka adds per record beyond key, value and headers (generous).
 RECORD_OVERHEAD = 128
 _INT32_MAX = int(np.iinfo(np.int32).max)
+_INT64_MAX = 2**63 - 1
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 #: The last millisecond of the year 9999: readers decode timestamp-millis as a datetime.
 _MAX_MILLIS = 253_402_300_799_999
 
@@ -40,16 +53,86 @@ def validate(event: Generation | Feedback | DeadLetter) -> None:
         raise InvalidRecord(f"intake takes Generation, Feedback or DeadLetter, not {type(event).__name__}")
 
 
+class InvalidRecordInBatch(InvalidRecord):
+    """Record ``index`` of a batch is invalid (``field`` and ``reason`` are its own); nothing of
+    the batch was sent. Fix or drop that record and send the batch again."""
+
+    def __init__(self, index: int, error: InvalidRecord):
+        self.index = index
+        #: What ``validate`` (or the producer) raised for the record itself.
+        self.error = error
+        super().__init__(f"record {index} of the batch: {error.reason}", field=error.field,
+                         topic=error.topic, partition=error.partition, offset=error.offset)
+
+
+def validate_many(events: Sequence[Generation | Feedback | DeadLetter]) -> None:
+    """``validate`` every event of a batch; raise ``InvalidRecordInBatch`` for the first invalid one.
+
+    The token-range and logprob checks of the batch's Generations are done
+    once over all of them (one concatenation and one reduction per check); if
+    that finds a problem, each record is validated in turn to name it.
+    """
+    if _batch_is_valid(events):
+        return
+    for index, event in enumerate(events):
+        try:
+            validate(event)
+        except InvalidRecord as error:
+            raise InvalidRecordInBatch(index, error) from None
+
+
+def _batch_is_valid(events: Sequence[Generation | Feedback | DeadLetter]) -> bool:
+    """True only if every event is valid; False if any check failed (``validate`` each to say
+    which and why)."""
+    tokens: list[np.ndarray] = []
+    logprobs: list[np.ndarray] = []
+    try:
+        for event in events:
+            if type(event) is not Generation:
+                validate(event)
+                continue
+            prompt, completion, values = _generation(event, reductions=False)
+            for array in (prompt, completion):
+                if array.dtype == np.int32:
+                    tokens.append(array)
+                else:
+                    _token_range(array, "token ids")
+            if values.dtype == np.float32:
+                logprobs.append(values)
+            else:
+                _logprobs(values)
+    except InvalidRecord:
+        return False
+    if tokens and _MIN(np.concatenate(tokens)) < 0:
+        return False
+    if logprobs:
+        values = np.concatenate(logprobs)
+        if values.size and not (_MAX(values) <= 1e-3 and _MIN(values) != -np.inf):
+            return False
+    return True
+
+
+class RecordTooLarge(InvalidRecord):
+    """The encoded record is over its topic's ``max.message.bytes`` (``check_size``)."""
+
+
 def check_size(topic: str, key: bytes | None, value: bytes,
                headers: list[tuple[str, bytes]], limit: int) -> None:
-    """Raise InvalidRecord if the encoded record is over the topic's ``max.message.bytes``."""
-    size = len(value) + len(key or b"") + sum(len(k) + len(v) for k, v in headers) + RECORD_OVERHEAD
+    """Raise RecordTooLarge (an InvalidRecord) if the encoded record is over the topic's
+    ``max.message.bytes``."""
+    size = len(value) + RECORD_OVERHEAD
+    if key:
+        size += len(key)
+    for name, header in headers:
+        size += len(name) + len(header)
     if size > limit:
-        raise InvalidRecord(f"the record is {size} bytes encoded; topic {topic} accepts at most "
+        raise RecordTooLarge(f"the record is {size} bytes encoded; topic {topic} accepts at most "
                             f"{limit} bytes (max.message.bytes)")
 
 
-def _generation(g: Generation) -> None:
+def _generation(g: Generation, reductions: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate ``g``; return its prompt, completion and logprob arrays. ``reductions=False``
+    leaves out the checks of the arrays' values (``validate_many`` does them for a batch)."""
     _text(g, "generation_id", "request_id", "prompt_id", "model", "replica_id")
     _integer(g, "policy_version", minimum=0)
     _integer(g, "group_size", minimum=1, maximum=_INT32_MAX)
@@ -59,8 +142,8 @@ def _generation(g: Generation) -> None:
     if g.group_id is not None:
         _text(g, "group_id")
     _integer(g, "created_at", minimum=0, maximum=_MAX_MILLIS)
-    prompt = _tokens(g, "prompt_token_ids")
-    completion = _tokens(g, "completion_token_ids")
+    prompt = _tokens(g, "prompt_token_ids", reductions)
+    completion = _tokens(g, "completion_token_ids", reductions)
     if prompt.size == 0:
         raise InvalidRecord("is empty; a generation has at least one prompt token",
                             field="prompt_token_ids")
@@ -70,7 +153,8 @@ def _generation(g: Generation) -> None:
             f"has {logprobs.size} values for {completion.size} completion tokens; "
             "there must be exactly one behaviour logprob per completion token",
             field="completion_logprobs")
-    _logprobs(logprobs)
+    if reductions:
+        _logprobs(logprobs)
     if not isinstance(g.finish_reason, FinishReason):
         raise InvalidRecord(f"must be a FinishReason, not {g.finish_reason!r}", field="finish_reason")
     if not isinstance(g.sampling, SamplingParams):
@@ -84,6 +168,7 @@ def _generation(g: Generation) -> None:
             raise InvalidRecord(f"entry {key!r} must map a string to a string", field="metadata")
         _utf8(key, "metadata")
         _utf8(value, f"metadata.{key}")
+    return prompt, completion, logprobs
 
 
 def _sampling(s: SamplingParams) -> None:
@@ -139,6 +224,8 @@ def _utf8(value: str, name: str) -> None:
 
 def _integer(event, name: str, minimum: int, prefix: str = "", maximum: int | None = None) -> None:
     value = getattr(event, name)
+    if type(value) is int and minimum <= value <= (_INT64_MAX if maximum is None else maximum):
+        return
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
         raise InvalidRecord(f"must be an integer, not {type(value).__name__}", field=prefix + name)
     if value < minimum:
@@ -168,28 +255,35 @@ def _array(event, name: str, kind: str) -> np.ndarray:
     return value
 
 
-def _tokens(event, name: str) -> np.ndarray:
+def _tokens(event, name: str, reductions: bool = True) -> np.ndarray:
     tokens = _array(event, name, "i")
+    if reductions:
+        _token_range(tokens, name)
+    return tokens
+
+
+def _token_range(tokens: np.ndarray, name: str) -> None:
     if not tokens.size:
-        return tokens
+        return
     if tokens.dtype == np.int32:  # the wire type: only the sign can be wrong
-        if tokens.min() >= 0:
-            return tokens
-    elif tokens.min() >= 0 and tokens.max() <= _INT32_MAX:
-        return tokens
+        if _MIN(tokens) >= 0:
+            return
+    elif _MIN(tokens) >= 0 and _MAX(tokens) <= _INT32_MAX:
+        return
     raise InvalidRecord(f"holds {int(tokens.min())}..{int(tokens.max())}; token ids are "
                         f"between 0 and {_INT32_MAX}", field=name)
 
 
 def _logprobs(logprobs: np.ndarray) -> None:
-    """Finite and at most 0. Two reductions, as this runs for every record.
+    """Finite and at most 0 (1e-3 allowed for rounding). Two reductions, as this runs for
+    every record.
 
-    A NaN or +inf makes the max fail ``<= 1e-3``; a -inf makes the sum -inf.
+    A NaN or +inf makes the max fail ``<= 1e-3``; a -inf is the min.
     """
     if not logprobs.size:
         return
-    top, total = logprobs.max(), logprobs.sum(dtype=np.float64)
-    if top <= 1e-3 and np.isfinite(total):
+    top = _MAX(logprobs)
+    if top <= 1e-3 and _MIN(logprobs) != -np.inf:
         return
     bad = np.flatnonzero(~np.isfinite(logprobs))
     if bad.size:
