@@ -2,6 +2,7 @@
 
     producer = RecordProducer()                  # REEF_BOOTSTRAP_SERVERS or the local cluster
     handle = producer.send(generation)           # validates, encodes, hands over; never blocks long
+    handles = producer.send_many(generations)    # the same for a batch, at a lower cost per record
     handle.wait(10)                              # True once the broker acknowledged it
     report = producer.flush(30)                  # waits for everything outstanding
     producer.close()
@@ -18,8 +19,14 @@ Guarantees (DESIGN.md, intake):
   spool directory after a crash. While anything is spooled, new records are
   spooled too, so they cannot overtake older ones.
 - When the spool's bound is reached, ``send`` blocks up to ``block_timeout``
-  seconds for room and then raises ``SpoolFull``; nothing is dropped.
+  seconds for room and then raises ``SpoolFull``; nothing is dropped. A
+  record already handed to the client that comes back undelivered (the
+  broker went away) is spooled even past the bound: it was accepted, and the
+  background thread never waits for room.
 - Invalid records raise ``InvalidRecord`` from ``send``; nothing is sent.
+  ``send_many`` validates and encodes its whole batch before handing any
+  record over: one invalid record raises ``InvalidRecordInBatch`` (an
+  ``InvalidRecord`` naming its index) and nothing of the batch is sent.
 
 A record the caller only knows as PENDING (handed to the client, not yet
 acknowledged) is in this process's memory: a crash loses it, and the caller,
@@ -45,6 +52,13 @@ and ``client``): records sent per topic, acknowledged, failed, refused by
 reason, and spooled now. They go through a producer of their own that may
 drop them (``metrics.metrics_producer``): metrics never hold records back.
 
+Cost per record (``bench/intake.py``): validation, Avro encoding
+(``reef_stream.intake.encoding``: the registry's bytes without fastavro's
+per-record schema walk), the key, and one handle whose delivery report is a
+``functools.partial`` of ``_delivered``; counters are kept under a plain
+lock. ``send_many`` checks the arrays of a batch's Generations in one
+reduction per check and takes the lock once per batch.
+
 Threads: ``send`` may be called from any thread. A background thread serves
 delivery reports and replays the spool; handle callbacks run on it and must
 be quick.
@@ -60,8 +74,9 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -70,14 +85,21 @@ from reef_stream.topics.connect import bootstrap_servers, new_producer
 from reef_stream.errors import ConfigurationError, InvalidRecord, ReefError
 from reef_stream.ops import metrics
 from reef_stream.topics.events import DeadLetter, Feedback, Generation
+from reef_stream.intake.encoding import EventEncoder
 from reef_stream.intake.spool import FsyncPolicy, Spool, SpoolFull
-from reef_stream.intake.validation import check_size, validate
+from reef_stream.intake.validation import (
+    InvalidRecordInBatch,
+    RecordTooLarge,
+    check_size,
+    validate,
+    validate_many,
+)
 from reef_stream.topics import declarations
 from reef_stream.topics.kafka import KafkaError
 from reef_stream.topics.serde import SchemaRegistry
 
-__all__ = ["DeliveryState", "FlushReport", "GenerationGuard", "RecordProducer", "SendHandle",
-           "SpoolFull", "record_key"]
+__all__ = ["DeliveryState", "FlushReport", "GenerationGuard", "InvalidRecordInBatch",
+           "RecordProducer", "SendHandle", "SpoolFull", "record_key"]
 
 #: librdkafka gives up on a record after this long and hands it back; it then goes to the spool.
 MESSAGE_TIMEOUT_MS = 15_000
@@ -118,9 +140,11 @@ class SendHandle:
     this process (spooled or acknowledged).
     """
 
-    __slots__ = ("topic", "key", "state", "error", "partition", "offset", "_owner", "_listeners")
+    __slots__ = ("topic", "key", "state", "error", "partition", "offset", "_owner", "_listeners",
+                 "_headers")
 
-    def __init__(self, owner: "RecordProducer", topic: str, key: bytes | None):
+    def __init__(self, owner: "RecordProducer", topic: str, key: bytes | None,
+                 headers: list[tuple[str, bytes]] | None = None):
         self.topic = topic
         self.key = key
         self.state = DeliveryState.PENDING
@@ -130,6 +154,8 @@ class SendHandle:
         self._owner = owner
         #: Called (on the thread that changed it) after every change of state until done.
         self._listeners: list[Callable[[SendHandle], None]] | None = None
+        #: The record's headers, for the spool if its delivery fails (a report does not carry them).
+        self._headers = headers
 
     @property
     def done(self) -> bool:
@@ -219,6 +245,7 @@ class RecordProducer:
         namespace = namespace or settings.namespace
         self.block_timeout = block_timeout
         self._registry = registry or SchemaRegistry.default()
+        self._encoder = EventEncoder(self._registry, (Generation, Feedback, DeadLetter))
         self._topics = {
             Generation: declarations.generations(namespace),
             Feedback: declarations.feedback(namespace),
@@ -240,7 +267,9 @@ class RecordProducer:
         })
         self._spool = Spool(spool_dir or settings.home / "spool" / namespace,
                             max_bytes=spool_max_bytes, fsync=fsync)
-        self._cond = threading.Condition()
+        #: Guards the counters and handle states; a plain lock, taken on every record.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._waiters = 0  # threads in _wait_for: notify only when someone listens
         self._in_memory = 0
         self._acknowledged = 0
@@ -269,65 +298,146 @@ class RecordProducer:
         SpoolFull (after ``block_timeout`` seconds of backpressure; nothing sent) or
         ConfigurationError (closed).
         """
-        topic = self._topics.get(type(event))
-        if topic is None:
-            raise InvalidRecord(f"intake takes Generation, Feedback or DeadLetter records, "
-                                f"not {type(event).__name__}")
+        topic = self._topic_of(event)
         try:
             validate(event)
-            if self._guard is not None and isinstance(event, Generation):
-                self._guard.check(event)
-            value, headers = self._registry.encode(event)
-        except InvalidRecord:
-            self._count(self._rejected, "invalid")
+            return self.send_raw(topic, *self._prepare(topic, event))
+        except InvalidRecord as error:
+            self._count(self._rejected, _rejection(error))
             raise
-        key = record_key(event)
+
+    def send_many(self, events: Sequence[Generation | Feedback | DeadLetter]) -> list[SendHandle]:
+        """Validate, encode and hand over a batch of records, in order; return their handles.
+
+        The whole batch is validated and encoded first (Generations' arrays
+        checked together, see ``validation.validate_many``): one invalid record
+        raises ``InvalidRecordInBatch`` naming its index and field, and nothing
+        of the batch is sent. Then each record is handed over as ``send``
+        does (to the client, or to the spool while anything is spooled).
+        Raises ``SpoolFull`` after ``block_timeout`` seconds of backpressure:
+        the records before it were accepted (their handles are the error's
+        ``handles``), it and the rest were not. ConfigurationError when closed.
+        """
+        if self._closed:
+            raise ConfigurationError("this RecordProducer is closed")
+        if not isinstance(events, (list, tuple)):
+            events = list(events)
+        prepared = []
         try:
-            check_size(topic, key, value, headers, self._limits[topic])
-        except InvalidRecord:
-            self._count(self._rejected, "too_large")
+            for index, event in enumerate(events):
+                self._topic_of(event, index)
+            validate_many(events)
+            for index, event in enumerate(events):
+                topic = self._topics[type(event)]
+                try:
+                    prepared.append((topic, *self._prepare(topic, event)))
+                except InvalidRecord as error:
+                    raise InvalidRecordInBatch(index, error) from None
+        except InvalidRecord as error:
+            self._count(self._rejected, _rejection(error))
             raise
-        return self.send_raw(topic, key, value, headers)
+        return self._hand_over(prepared)
+
+    def _topic_of(self, event, index: int | None = None) -> str:
+        """The topic of ``event``'s type; InvalidRecord (or, with the ``index`` of a batch,
+        InvalidRecordInBatch) for a type the intake does not take."""
+        topic = self._topics.get(type(event))
+        if topic is None:
+            error = InvalidRecord(f"intake takes Generation, Feedback or DeadLetter records, "
+                                  f"not {type(event).__name__}")
+            raise error if index is None else InvalidRecordInBatch(index, error)
+        return topic
+
+    def _prepare(self, topic: str, event) -> tuple[bytes | None, bytes, list[tuple[str, bytes]]]:
+        """The key, value and headers of a validated ``event``: guard, encode, size check.
+
+        Raises InvalidRecord (the guard refused it, it does not fit its schema or its topic).
+        """
+        if self._guard is not None and isinstance(event, Generation):
+            self._guard.check(event)
+        value, headers = self._encoder.encode(event)
+        key = record_key(event)
+        check_size(topic, key, value, headers, self._limits[topic])
+        return key, value, headers
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes,
                  headers: list[tuple[str, bytes]]) -> SendHandle:
         """Send bytes already encoded and validated (the import paths use ``send``)."""
         if self._closed:
             raise ConfigurationError("this RecordProducer is closed")
-        handle = SendHandle(self, topic, key)
-        if self._spool_is_empty():
+        handle = SendHandle(self, topic, key, headers)
+        if self._reachable and self._spool.empty:
+            with self._lock:
+                self._in_memory += 1
+                self._sent[topic] += 1
             try:
-                with self._cond:
-                    self._in_memory += 1
-                    self._sent[topic] += 1
                 self._producer.produce(topic, value=value, key=key, headers=headers,
-                                       on_delivery=lambda err, msg: self._delivered(handle, err, msg, headers))
+                                       on_delivery=partial(self._delivered, handle))
                 return handle
-            except BufferError:
-                with self._cond:
+            except Exception as error:  # BufferError, or a refusal: not queued either way
+                with self._lock:
                     self._in_memory -= 1
                     self._sent[topic] -= 1
+                if not isinstance(error, BufferError):
+                    raise
             # the client's queue is full: fall through to the spool
+        self._spool_new(handle, topic, key, value, headers)
+        return handle
+
+    def _hand_over(self, prepared: list[tuple[str, bytes | None, bytes, list]]) -> list[SendHandle]:
+        """``send_raw`` of each prepared record, in order, taking the lock twice per batch."""
+        handles: list[SendHandle] = []
+        produce, delivered = self._producer.produce, self._delivered
+        with self._lock:
+            self._in_memory += len(prepared)  # before any report can take one off
+        try:
+            for topic, key, value, headers in prepared:
+                if not (self._reachable and self._spool.empty):
+                    break  # spooled records are not overtaken
+                handle = SendHandle(self, topic, key, headers)
+                try:
+                    produce(topic, value=value, key=key, headers=headers,
+                            on_delivery=partial(delivered, handle))
+                except BufferError:
+                    break  # the client's queue is full: the rest go to the spool
+                handles.append(handle)
+        finally:
+            with self._lock:
+                self._in_memory -= len(prepared) - len(handles)
+                for handle in handles:
+                    self._sent[handle.topic] += 1
+        for topic, key, value, headers in prepared[len(handles):]:
+            handle = SendHandle(self, topic, key, headers)
+            try:
+                self._spool_new(handle, topic, key, value, headers)
+            except SpoolFull as full:
+                full.handles = tuple(handles)
+                raise
+            handles.append(handle)
+        return handles
+
+    def _spool_new(self, handle: SendHandle, topic: str, key: bytes | None, value: bytes,
+                   headers: list[tuple[str, bytes]]) -> None:
+        """Spool a record that was never handed to the client; count it as sent."""
         try:
             self._spool_record(handle, topic, key, value, headers)
         except SpoolFull:
             self._count(self._rejected, "spool_full")
             raise
         self._count(self._sent, topic)
-        return handle
 
     def _count(self, counter: Counter[str], key: str) -> None:
-        with self._cond:
+        with self._lock:
             counter[key] += 1
 
     def _spool_record(self, handle: SendHandle, topic: str, key: bytes | None, value: bytes,
-                      headers) -> None:
+                      headers, bounded: bool = True) -> None:
         # The state is set first: once appended, the record may be replayed and
         # acknowledged by the pump thread before append even returns.
         previous, handle.state = handle.state, DeliveryState.SPOOLED
         try:
             self._spool.append(topic, key, value, headers, timeout=self.block_timeout,
-                               attachment=handle)
+                               attachment=handle, bounded=bounded)
         except SpoolFull:
             handle.state = previous
             raise
@@ -335,19 +445,15 @@ class RecordProducer:
 
     def _spool_is_empty(self) -> bool:
         """True while records go straight to the client (nothing spooled, broker reachable)."""
-        return self._reachable and not len(self._spool)
+        return self._reachable and self._spool.empty
 
     # ----------------------------------------------------------------- delivery reports
 
-    def _delivered(self, handle: SendHandle, error: KafkaError | None, message,
-                   headers: list[tuple[str, bytes]]) -> None:
-        """Delivery report of a record sent straight from memory (runs on the pump thread).
-
-        ``headers`` are the record's own: a delivery report does not carry them.
-        """
+    def _delivered(self, handle: SendHandle, error: KafkaError | None, message) -> None:
+        """Delivery report of a record sent straight from memory (runs on the pump thread)."""
         if error is None:  # the common case, in one critical section
             self._reachable = True
-            with self._cond:
+            with self._lock:
                 self._in_memory -= 1
                 handle.partition, handle.offset = message.partition(), message.offset()
                 handle.state = DeliveryState.ACKNOWLEDGED
@@ -361,13 +467,14 @@ class RecordProducer:
         if error.code() in _RETRIABLE:
             self._reachable = False
             try:
-                self._spool_record(handle, message.topic(), message.key(), message.value(), headers)
+                self._spool_record(handle, message.topic(), message.key(), message.value(),
+                                   handle._headers or [], bounded=False)
             except SpoolFull as full:
                 self._resolve(handle, DeliveryState.FAILED, full)
-            with self._cond:
+            with self._lock:
                 self._in_memory -= 1
             return
-        with self._cond:
+        with self._lock:
             self._in_memory -= 1
         self._finish(handle, error, message)
 
@@ -585,6 +692,13 @@ class _IntakeMetrics:
             self._producer.flush(0)
         except Exception as error:  # noqa: BLE001
             log.warning("intake metrics not flushed: %s", error)
+
+
+def _rejection(error: InvalidRecord) -> str:
+    """The ``rejected`` counter of a refused record: too large for its topic, or invalid."""
+    if isinstance(error, InvalidRecordInBatch):
+        error = error.error
+    return "too_large" if isinstance(error, RecordTooLarge) else "invalid"
 
 
 def _explain(error: KafkaError, topic: str) -> str:

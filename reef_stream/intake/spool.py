@@ -23,7 +23,8 @@ returns: a spooled record survives a power cut), ``batch`` (the file is
 flushed to the OS at once and fsynced at least every ``fsync_interval``
 seconds: survives a crash of the process), ``never`` (the OS decides).
 
-Thread-safety: every public method takes the spool's lock; callers may use
+Thread-safety: every public method takes the spool's lock, except ``empty``
+(one atomic read, asked for every record a producer sends); callers may use
 it from several threads.
 """
 
@@ -69,7 +70,13 @@ class SpoolFull(RetryableError):
 
     Nothing was written: the record is still the caller's. Retry later, once
     the broker is reachable again, or give the spool a larger bound.
+
+    From ``RecordProducer.send_many``: ``handles`` are those of the batch's
+    records accepted before this one (the first ``len(handles)``); this record
+    and the ones after it were not, and are the caller's to send again.
     """
+
+    handles: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -184,13 +191,19 @@ class Spool:
             return len(self._pending)
 
     @property
+    def empty(self) -> bool:
+        """True when no record awaits acknowledgement. Lock-free (one read of a dict's size,
+        atomic in CPython): as with ``len``, a concurrent append or ack may change it at once."""
+        return not self._pending
+
+    @property
     def pending_bytes(self) -> int:
         with self._lock:
             return self._pending_bytes
 
     def append(self, topic: str, key: bytes | None, value: bytes,
                headers: list[tuple[str, bytes]] | tuple = (), timeout: float = 30.0,
-               attachment: object = None) -> int:
+               attachment: object = None, bounded: bool = True) -> int:
         """Write one record; return its sequence number. Blocks while the spool is full.
 
         ``attachment`` is kept in memory only (never written) and handed back
@@ -198,15 +211,18 @@ class Spool:
         record to its own bookkeeping without racing a concurrent ack.
         Raises SpoolFull after ``timeout`` seconds without room; a record
         larger than the whole bound raises at once. Nothing is written then.
+        ``bounded=False`` writes the record at once even past the bound: for a
+        record its caller accepted earlier and must not lose now (the bound
+        then holds back new records until the spool drains below it).
         """
         headers = tuple((k, v if isinstance(v, bytes) else bytes(v or b"")) for k, v in headers)
         with self._lock:
             entry = SpoolEntry(self._next_seq, topic, key, value, headers)
-            if entry.size > self.max_bytes:
+            if bounded and entry.size > self.max_bytes:
                 raise SpoolFull(f"a record of {entry.size} bytes can never fit in a spool bounded "
                                 f"at {self.max_bytes} bytes")
             deadline = time.monotonic() + timeout
-            while self._pending_bytes + entry.size > self.max_bytes:
+            while bounded and self._pending_bytes + entry.size > self.max_bytes:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise SpoolFull(

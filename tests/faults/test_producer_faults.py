@@ -12,8 +12,10 @@ from collections import Counter
 
 from reef_stream.config import PROJECT_ROOT, load_settings
 from reef_stream.topics.events import Generation
-from reef_stream.intake.producer import MESSAGE_TIMEOUT_MS, DeliveryState, RecordProducer
-from reef_stream.intake.spool import SpoolFull
+from reef_stream.intake.producer import (
+    MESSAGE_TIMEOUT_MS, DeliveryState, RecordProducer, record_key,
+)
+from reef_stream.intake.spool import Spool, SpoolFull
 from reef_stream.topics.declarations import generations
 from reef_stream.topics.serde import decode
 from tests.faults.records import generation
@@ -112,13 +114,17 @@ def test_a_full_spool_pushes_back_then_refuses_and_loses_nothing(cluster, cli_en
     assert producer.flush(30).complete
     cluster.kill(1)
 
-    refused_at = None
-    for i in range(100, 2_000):
+    refused_at, deadline = None, time.monotonic() + 60
+    for i in range(100, 50_000):
         started = time.monotonic()
         try:
             accepted.append(producer.send(generation(i)))
         except SpoolFull as full:
             refused_at, waited, error = i, time.monotonic() - started, full
+            break
+        if i % 100 == 0:  # records go to the client until it reports the broker gone
+            time.sleep(0.01)
+        if started > deadline:
             break
     assert refused_at is not None, "the spool never filled"
     assert waited >= 1.0, "the caller was refused without being made to wait"
@@ -150,3 +156,59 @@ def test_without_fsync_records_still_spool_and_deliver(cluster, cli_env, namespa
     assert producer.flush(120).complete
     producer.close()
     assert all(h.state is DeliveryState.ACKNOWLEDGED for h in handles)
+
+
+def test_send_many_into_a_full_spool_says_which_records_it_accepted(namespace, tmp_path):
+    # No broker at all: the client's queue (5 records) fills, then the spool (about 20 records).
+    producer = RecordProducer("127.0.0.1:9", settings=load_settings(), namespace=namespace,
+                              spool_dir=tmp_path / "spool", spool_max_bytes=20_000,
+                              block_timeout=0.5, metrics_every_s=None,
+                              config={"queue.buffering.max.messages": 5})
+    batch = [generation(i) for i in range(100)]
+    started = time.monotonic()
+    try:
+        producer.send_many(batch)
+    except SpoolFull as full:
+        error, waited = full, time.monotonic() - started
+    else:
+        raise AssertionError("100 records fitted in a 5-record queue and a 20 KB spool")
+    accepted = error.handles
+    assert 0 < len(accepted) < 40 and waited >= 0.5
+    assert [h.key for h in accepted] == [record_key(r) for r in batch[:len(accepted)]]
+    # The first ones may have gone to the client's queue before it found no broker; once one
+    # is spooled, every later one is.
+    in_memory = sum(h.state is DeliveryState.PENDING for h in accepted)
+    assert in_memory <= 5
+    assert [h.state for h in accepted] == \
+        [DeliveryState.PENDING] * in_memory + [DeliveryState.SPOOLED] * (len(accepted) - in_memory)
+    assert producer.report().spooled == len(accepted) - in_memory
+    producer.close(0)
+    # The rest of the batch is the caller's: the spool holds exactly the accepted ones, in order.
+    spooled = [entry.key for entry in Spool(tmp_path / "spool").unacked()]
+    assert spooled == [h.key for h in accepted[in_memory:]]
+
+
+def test_records_in_flight_when_the_broker_stalls_are_spooled_past_the_bound(cluster, namespace,
+                                                                            tmp_path):
+    # A stalled broker (SIGSTOP): the records wait in the client until their timeout and come
+    # back. They were accepted, so they go to the spool although it is far too small for them,
+    # and the background thread that spools them never waits for room.
+    producer = RecordProducer(cluster.bootstrap, settings=load_settings(), namespace=namespace,
+                              spool_dir=tmp_path / "spool", spool_max_bytes=20_000,
+                              block_timeout=0.5, metrics_every_s=None,
+                              config={"message.timeout.ms": 2_000, "request.timeout.ms": 1_500})
+    producer.send(generation(0)).wait(30)
+    cluster.kill(1, signal.SIGSTOP)
+    try:
+        handles = producer.send_many([generation(i) for i in range(1, 301)])
+        wait_until(lambda: all(h.state is DeliveryState.SPOOLED for h in handles), 20,
+                   "every record in flight spooled", poll_s=0.1)
+        assert producer.report().spooled == 300  # about 300 KB in a 20 KB spool
+    finally:
+        cluster.kill(1, signal.SIGCONT)
+    report = producer.flush(60)
+    producer.close()
+    assert report.complete and report.failed == 0, report
+    assert all(h.state is DeliveryState.ACKNOWLEDGED for h in handles)
+    ids = _generation_ids(cluster.bootstrap, namespace, 301)
+    assert set(ids) == {generation(i).generation_id for i in range(301)}

@@ -1,8 +1,10 @@
-"""The producer SDK against the real broker: acknowledgement, handles, the asyncio face."""
+"""The producer SDK against the real broker: acknowledgement, handles, batches, the asyncio face."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -13,7 +15,9 @@ from reef_stream.topics.connect import client_config
 from reef_stream.errors import InvalidRecord
 from reef_stream.topics.events import Feedback, Generation, Metric
 from reef_stream.intake.aio import AsyncRecordProducer
-from reef_stream.intake.producer import DeliveryError, DeliveryState, RecordProducer, record_key
+from reef_stream.intake.producer import (
+    DeliveryError, DeliveryState, InvalidRecordInBatch, RecordProducer, record_key,
+)
 from reef_stream.ops.metrics import (
     INTAKE_ACKNOWLEDGED, INTAKE_FAILED, INTAKE_REJECTED, INTAKE_SENT, INTAKE_SPOOLED, STAGE_INTAKE,
 )
@@ -140,3 +144,73 @@ def test_the_asyncio_producer(kafka_bootstrap, namespace, topics, tmp_path):
 
     assert asyncio.run(run()) == 50
     assert len(consume_all(kafka_bootstrap, generations(namespace), 50)) == 50
+
+
+def _ids(messages) -> Counter:
+    return Counter(decode(m.value(), m.headers(), Generation).generation_id for m in messages)
+
+
+def test_send_many_delivers_every_record_once_in_order_with_its_handle(kafka_bootstrap, namespace,
+                                                                        topics, tmp_path):
+    batches = [[generation(i) for i in range(start, start + 250)] for start in range(0, 1000, 250)]
+    reward = Feedback(feedback_id="f1", generation_id="gen-0000007", source="exact_match",
+                      reward=1.0, created_at=1_795_000_000_000)
+    with _producer(kafka_bootstrap, namespace, tmp_path) as producer:
+        handles = [h for batch in batches for h in producer.send_many(batch)]
+        (feedback_handle,) = producer.send_many([reward])
+        assert producer.send_many([]) == []
+        report = producer.flush(30)
+
+    assert report.complete and report.acknowledged == 1001 and report.failed == 0
+    assert [h.key for h in handles] == [record_key(generation(i)) for i in range(1000)]
+    assert all(h.state is DeliveryState.ACKNOWLEDGED for h in handles + [feedback_handle])
+    messages = consume_all(kafka_bootstrap, generations(namespace), 1000)
+    assert _ids(messages) == Counter(generation(i).generation_id for i in range(1000))
+    by_id = {decode(m.value(), m.headers(), Generation).generation_id: m for m in messages}
+    for i, handle in enumerate(handles):
+        message = by_id[generation(i).generation_id]
+        assert (message.partition(), message.offset()) == (handle.partition, handle.offset)
+    # Within a partition, the batch's order is the log's order.
+    offsets = {}
+    for i, handle in enumerate(handles):
+        assert offsets.get(handle.partition, -1) < handle.offset
+        offsets[handle.partition] = handle.offset
+    assert feedback_handle.partition == by_id["gen-0000007"].partition()
+
+
+@pytest.mark.parametrize("index, bad, field", [
+    (0, {"policy_version": -3}, "policy_version"),
+    (17, {"completion_logprobs": np.full(100, np.nan, np.float32)}, "completion_logprobs"),
+    (49, {"completion_token_ids": np.zeros(1_500_000, np.int32),     # 12 MB: over the topic's 8 MB
+          "completion_logprobs": np.zeros(1_500_000, np.float32)}, None),
+])
+def test_a_bad_record_in_a_batch_is_named_and_nothing_of_the_batch_is_sent(
+        kafka_bootstrap, namespace, topics, tmp_path, index, bad, field):
+    batch = [generation(i) for i in range(50)]
+    batch[index] = dataclasses.replace(batch[index], **bad)
+    with _producer(kafka_bootstrap, namespace, tmp_path) as producer:
+        with pytest.raises(InvalidRecordInBatch, match=f"record {index} of the batch") as raised:
+            producer.send_many(batch)
+        assert raised.value.index == index and raised.value.field == field
+        assert isinstance(raised.value, InvalidRecord)
+        assert producer.report().pending == 0
+        producer.send(generation(1_000)).wait(30)      # a marker: the topic holds only it
+    assert _ids(consume_all(kafka_bootstrap, generations(namespace), 1)) == \
+        Counter([generation(1_000).generation_id])
+
+
+def test_send_many_spools_what_the_clients_queue_has_no_room_for(kafka_bootstrap, namespace,
+                                                                 topics, tmp_path):
+    # A client queue of 40 records: the rest of each batch goes to the spool, in order, and is
+    # replayed from it; every record arrives once.
+    with _producer(kafka_bootstrap, namespace, tmp_path,
+                   config={"queue.buffering.max.messages": 40}) as producer:
+        handles = producer.send_many([generation(i) for i in range(300)])
+        spooled = sum(h.state is not DeliveryState.PENDING for h in handles)
+        handles += producer.send_many([generation(i) for i in range(300, 400)])
+        report = producer.flush(60)
+    assert spooled >= 200, "the client's queue held more than it was configured to"
+    assert report.complete and report.acknowledged == 400 and report.failed == 0, report
+    assert all(h.state is DeliveryState.ACKNOWLEDGED for h in handles)
+    ids = _ids(consume_all(kafka_bootstrap, generations(namespace), 400))
+    assert ids == Counter(generation(i).generation_id for i in range(400))
