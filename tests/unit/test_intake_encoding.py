@@ -27,6 +27,8 @@ def _same(event) -> None:
 def test_generation_and_feedback_are_compiled_and_dead_letters_are_not():
     assert ENCODER.compiled(Generation) and ENCODER.compiled(Feedback)
     assert not ENCODER.compiled(DeadLetter)  # an array of records: the registry writes it
+    assert ENCODER.source(Generation).startswith("def write_Generation(event, a):")
+    assert ENCODER.source(DeadLetter) is None
     _same(DeadLetter(reason="r", error_type="E", source_topic="t", value=b"v",
                      headers=(MessageHeader(key="k", value=b"x"),), stage="s", created_at=1))
 
