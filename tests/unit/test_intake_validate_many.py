@@ -29,6 +29,8 @@ def test_a_valid_batch_passes():
 @pytest.mark.parametrize("overrides, field", [
     ({"prompt_token_ids": np.array([1, -2], np.int32)}, "prompt_token_ids"),
     ({"completion_token_ids": np.full(100, -1, np.int32)}, "completion_token_ids"),
+    ({"completion_token_ids": np.full(100, -2**31, np.int32)}, "completion_token_ids"),
+    ({"completion_token_ids": np.r_[np.zeros(99, np.int32), np.int32(-1)]}, "completion_token_ids"),
     ({"completion_token_ids": np.full(100, 2**40, np.int64)}, "completion_token_ids"),
     ({"completion_logprobs": np.full(100, np.nan, np.float32)}, "completion_logprobs"),
     ({"completion_logprobs": np.full(100, -np.inf, np.float32)}, "completion_logprobs"),
@@ -68,3 +70,19 @@ def test_feedback_and_other_types_in_a_batch_are_checked():
     assert raised.value.field == "reward"
     with pytest.raises(InvalidRecordInBatch, match="record 0 .*not str"):
         validate_many(["not a record"])
+
+
+@pytest.mark.parametrize("size", [1, 4, 511, 512, 513, 5_000])
+def test_int32_token_signs_are_checked_at_every_length(size):
+    # Short arrays are checked on their sign bytes, long ones by a reduction: both see one
+    # negative id anywhere, and pass every id from 0 to 2**31 - 1.
+    rng = np.random.default_rng(size)
+    ids = rng.integers(0, 2**31 - 1, size, dtype=np.int32)
+    ids[0], ids[-1] = 0, 2**31 - 1
+    validate(dataclasses.replace(generation(1), prompt_token_ids=ids))
+    validate(dataclasses.replace(generation(1), prompt_token_ids=ids[::-1]))  # not contiguous
+    for at in {0, size // 2, size - 1}:
+        bad = ids.copy()
+        bad[at] = -1 - int(rng.integers(0, 2**31 - 1))
+        with pytest.raises(InvalidRecord, match="token ids are between 0"):
+            validate(dataclasses.replace(generation(1), prompt_token_ids=bad))
