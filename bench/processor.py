@@ -1,6 +1,7 @@
 """Processor runtime: generations/s joined and grouped end to end, and completion-to-unit latency.
 
     python bench/processor.py [--generations 20000] [--rate 1000] [--seconds 10]
+                              [--skip throughput|latency]
 
 Against the same broker, in the same run, over the same pre-produced data
 (groups of 4 ~1 KB generations and their feedback, shuffled within windows,

@@ -69,6 +69,17 @@ too), and the transactions themselves at ~25%. Completion-to-unit latency at
 loop (same bench and machine, a shared one, runs alternating with the runtime
 that drove its own consumer): 3,200-4,100 generations/s against 3,350-3,800
 before, p50 210-300 ms against 310-350 ms; the loop costs nothing measurable.
+Per-record cost (issue 15; same bench, runs alternating with the code before, a
+machine loaded by other work, so the ratios are the figures to read): one ``Step``
+per partition and fetch (``offer_all``), counts without a ``Counter`` per record,
+snapshots from the bytes read, ledger segments' changelog records from kept text
+and a fetch wait of ``POLL_TIMEOUT_S`` 0.05 s instead of 0.2 s took the processor
+from 1,055 to 1,890 generations/s (raw 19,700 and 17,700) and completion-to-unit
+from p50 923 / p99 1,747 ms to p50 197 / p99 490 ms; on a quieter machine 4,400
+generations/s and p50 76-115 / p99 218-362 ms. Where the loop thread's time goes
+now (cProfile, 20,400 generations in batches of 2,000): the state machine with the
+recipe's parts ~38%, Avro decode ~18%, ``validate`` ~14%, the pairs' merge ~10%, the
+transaction ~19% (unit encoding 8%, changelog snapshots 5%).
 
 Co-partitioning. A group's generations and all their feedback carry one key
 (``intake.producer.record_key``) and the two topics have equal partition
