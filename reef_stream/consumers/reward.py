@@ -12,13 +12,14 @@ partitions. For each generation the worker:
    ``Generation``, becomes a ``DeadLetter`` with the reason at once;
 2. calls the recipe's ``RewardFunction``, at most ``concurrency`` calls in
    flight: ``concurrency`` call slots take the queued generations one at a
-   time, threads for a sync function, tasks on the worker's asyncio loop for
-   a coroutine function. Each try has ``timeout`` seconds: a coroutine's try
-   is then cancelled; a sync try cannot be, so a watchdog thread abandons it
-   (its thread finishes alone, its result ignored) and a new call thread goes
-   on with the generation. A try that raises or times out is retried up to
-   ``retries`` times, after ``backoff * 2**k`` seconds (capped at
-   ``MAX_BACKOFF_S``), holding its slot;
+   time, threads for a sync function (an awaitable it returns is awaited on
+   the loop), tasks on the worker's asyncio loop for a coroutine function
+   (or an object with an ``async def __call__``). Each try has ``timeout``
+   seconds: a coroutine's try is then cancelled; a sync try cannot be, so a
+   watchdog thread abandons it (its thread finishes alone, its result
+   ignored) and a new call thread goes on with the generation. A try that
+   raises or times out is retried up to ``retries`` times, after
+   ``backoff * 2**k`` seconds (capped at ``MAX_BACKOFF_S``), holding its slot;
 3. emits the outcome through a ``RecordProducer``: ``Feedback`` built with
    ``recipe.feedback_for`` (id ``<generation id>:<source>``, keyed like its
    generation, so co-partitioned with it) when a try returned a ``Reward``
@@ -399,9 +400,9 @@ class RewardWorker:
                       bootstrap=self.bootstrap, group=self.group, topics=[self.topic],
                       namespace=self.namespace, reads="generation", producer=None,
                       consumer_config=self._consumer_config, batch=CONSUME_BATCH,
-                      metrics=self._metrics,
-                      poll_timeout=0.1, stop_event=self._finish, join_timeout=self.options.grace,
-                      commit_every_s=COMMIT_INTERVAL_S, asynchronous_commits=True, logger=log).run()
+                      metrics=self._metrics, poll_timeout=0.1, stop_event=self._finish,
+                      join_timeout=self.options.grace, commit_every_s=COMMIT_INTERVAL_S,
+                      asynchronous_commits=True, logger=log).run()
         finally:
             self.summary.elapsed_s = time.monotonic() - started
         if self._fatal is not None:
@@ -452,10 +453,12 @@ class RewardWorker:
             self._wake()
 
     def _wake(self) -> None:
-        """Consumer thread: wake idle runners for the records queued since the last wake.
+        """Consumer thread: wake idle runners for the records queued since the last wake, if any.
 
         ``_idle`` is read without a lock: a runner counts itself idle before it looks at the
         queue a last time and sleeps, so one that this read misses sees the new records."""
+        if not self._unwoken:
+            return
         self._unwoken = 0
         if not self._idle:
             return
@@ -922,8 +925,7 @@ class _Rewards:
 
     def poll(self) -> None:
         worker = self.worker
-        if worker._unwoken:
-            worker._wake()
+        worker._wake()
         worker._emit_metrics()
         if worker._stop.is_set() or worker._fatal is not None:
             worker._finish.set()

@@ -30,12 +30,7 @@ from reef_stream.config import load_settings
 from reef_stream.consumers.reward import RewardOptions, RewardWorker
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
-from reef_stream.topics.declarations import (
-    dead_letters,
-    declare_topics,
-    feedback,
-    generations,
-)
+from reef_stream.topics.declarations import dead_letters, declare_topics, feedback, generations
 from reef_stream.topics.events import DeadLetter, Feedback, Generation
 from tests.helpers import consume_events
 from tests.integration.test_reward_workers import _committed, _produce
