@@ -880,10 +880,10 @@ class _Rewards:
     for a call slot; an undecodable one dead-lettered as its outcome, through the worker's
     spooling producer), refusing while the backlog is full (``MessageRejected``: the loop
     pauses; see ``submit``) until it drained to half; ``fetched`` wakes the call slots;
-    ``committable`` is the
-    done prefix of every partition; ``join`` and ``close`` are the two halves of stopping.
-    ``poll`` writes the metrics and ends the loop at ``--idle-exit``, ``--max-records``
-    (both: calls already taken still finish), a ``stop`` or a fatal outcome."""
+    ``committable`` is the done prefix of every partition; ``join`` and ``close`` are the two
+    halves of stopping. ``poll`` writes the metrics and ends the loop at ``--idle-exit``,
+    ``--max-records`` (both: calls already taken still finish), a ``stop`` or a fatal
+    outcome."""
 
     def __init__(self, worker: RewardWorker, producer: RecordProducer) -> None:
         self.worker, self.producer = worker, producer
