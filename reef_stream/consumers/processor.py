@@ -75,8 +75,11 @@ per partition and fetch (``offer_all``), counts without a ``Counter`` per record
 snapshots from the bytes read, ledger segments' changelog records from kept text
 and a fetch wait of ``POLL_TIMEOUT_S`` 0.05 s instead of 0.2 s took the processor
 from 1,055 to 1,890 generations/s (raw 19,700 and 17,700) and completion-to-unit
-from p50 923 / p99 1,747 ms to p50 197 / p99 490 ms; on a quieter machine 4,400
-generations/s and p50 76-115 / p99 218-362 ms. Where the loop thread's time goes
+from p50 923 / p99 1,747 ms to p50 197 / p99 490 ms; on the machine quieter, three
+alternating pairs: 3,580-3,950 -> 4,860-6,060 generations/s (raw 28,000-40,500 either
+way: ratio 0.10-0.14 -> 0.12-0.19), p50 250-320 -> 64-80 ms, p99 588-625 -> 244-248 ms.
+``--batch 5000`` gave another ~12% (5,050-5,070 against 4,190-4,710 generations/s),
+not taken: ``reef process --help`` names 2000. Where the loop thread's time goes
 now (cProfile, 20,400 generations in batches of 2,000): the state machine with the
 recipe's parts ~38%, Avro decode ~18%, ``validate`` ~14%, the pairs' merge ~10%, the
 transaction ~19% (unit encoding 8%, changelog snapshots 5%).
