@@ -19,7 +19,8 @@ partitions. For each generation the worker:
    watchdog thread abandons it (its thread finishes alone, its result
    ignored) and a new call thread goes on with the generation. A try that
    raises or times out is retried up to ``retries`` times, after
-   ``backoff * 2**k`` seconds (capped at ``MAX_BACKOFF_S``), holding its slot;
+   ``backoff * 2**k`` seconds (capped at ``MAX_BACKOFF_S``), holding its slot
+   (the call slots are ``reef_stream.consumers.reward_calls``);
 3. emits the outcome through a ``RecordProducer``: ``Feedback`` built with
    ``recipe.feedback_for`` (id ``<generation id>:<source>``, keyed like its
    generation, so co-partitioned with it) when a try returned a ``Reward``
@@ -94,7 +95,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import inspect
 import logging
 import math
 import numbers
@@ -125,6 +125,9 @@ from reef_stream.api.recipe import Recipe, Reward, feedback_for
 from reef_stream.topics import declarations
 from reef_stream.topics.kafka import Message, Producer, TopicPartition
 from reef_stream.topics.serde import decode
+from reef_stream.consumers.reward_calls import (
+    CallSlots, Slot, Work, cancel_all, is_coroutine_function,
+)
 from reef_stream.consumers.stage import MessageRejected, StageLoop
 
 __all__ = ["RewardOptions", "RewardSummary", "RewardWorker", "default_group"]
@@ -132,8 +135,6 @@ __all__ = ["RewardOptions", "RewardSummary", "RewardWorker", "default_group"]
 log = logging.getLogger(__name__)
 
 STAGE = STAGE_REWARD
-#: The longest wait between two tries of one generation.
-MAX_BACKOFF_S = 30.0
 #: Generations taken and not yet settled at most, unless ``RewardOptions.backlog`` says.
 DEFAULT_BACKLOG = 1024
 #: The least ``idle_exit`` of a worker that holds no partition (a rebalance may be under way).
@@ -249,32 +250,6 @@ class RewardSummary:
         return f"reward worker {self.group}: {counts} elapsed_s={self.elapsed_s:.1f}"
 
 
-class _Work:
-    """One taken generation on its way to an outcome: its record (kept for a dead letter),
-    where it came from, the decoded Generation, its entry among its partition's outcomes,
-    and its tries so far (``error``: the last try's, None before a try or after a success)."""
-
-    __slots__ = ("entry", "error", "generation", "message", "timeouts", "tries", "where")
-
-    def __init__(self, message: Message, where: tuple[str, int], generation: Generation,
-                 entry: list) -> None:
-        self.message, self.where, self.generation, self.entry = message, where, generation, entry
-        self.tries = self.timeouts = 0
-        self.error: BaseException | None = None
-
-
-class _Slot:
-    """A call thread's running try, as the watchdog sees it (under the worker's lock):
-    ``work`` (None between tries), when it ``started``, whether it was ``abandoned``."""
-
-    __slots__ = ("abandoned", "started", "work")
-
-    def __init__(self) -> None:
-        self.work: _Work | None = None
-        self.started = 0.0
-        self.abandoned = False
-
-
 class _Partition:
     """The outcomes of one assigned partition, in offset order: what may be committed."""
 
@@ -294,7 +269,7 @@ class _Partition:
         return self.position
 
 
-class RewardWorker:
+class RewardWorker(CallSlots):
     """One reward worker of a consumer group; see the module docstring.
 
     ``spool_dir``: the producer's spool [default: the first one no live worker of the group
@@ -330,7 +305,7 @@ class RewardWorker:
         self._spool_lock: int | None = None
         self._consumer_config = consumer_config or {}
         self._on_outcome = on_outcome
-        self._is_async = _is_coroutine_function(self.reward)
+        self._is_async = is_coroutine_function(self.reward)
         self._stop = threading.Event()
         #: Ends the stage loop: a stop, --idle-exit, --max-records, a fatal outcome (only a
         #: stop also drops the calls not started yet).
@@ -346,13 +321,13 @@ class RewardWorker:
         self._loop_thread: threading.Thread | None = None
         self._producer: RecordProducer | None = None
         #: Taken generations whose call has not started, in order; the runners take from it.
-        self._queue: deque[_Work] = deque()
+        self._queue: deque[Work] = deque()
         self._unwoken = 0  # records queued since the last _wake (consumer thread)
         self._idle = 0  # runners waiting for work
         self._ready = threading.Condition()  # sync runners wait here
         self._work_ready: asyncio.Event | None = None  # async runners wait here
         self._tasks: list[asyncio.Task] = []  # the async runners (the loop keeps weak refs)
-        self._slots: set[_Slot] = set()  # the sync runners' tries, for the watchdog
+        self._slots: set[Slot] = set()  # the sync runners' tries, for the watchdog
         self._watch_stop = threading.Event()
         self._metrics: MetricsWriter | None = None
         self._metrics_producer: Producer | None = None
@@ -447,7 +422,7 @@ class RewardWorker:
             self._emit(self._dead_letter(message, f"undecodable generation: {error}",
                                          type(error).__name__), entry, "undecodable")
             return
-        self._queue.append(_Work(message, where, generation, entry))
+        self._queue.append(Work(message, where, generation, entry))
         self._unwoken += 1
         if self._unwoken >= WAKE_EVERY:
             self._wake()
@@ -489,156 +464,6 @@ class RewardWorker:
                 self._in_flight -= dropped
             self.summary.add(dropped=dropped)
 
-    # ----------------------------------------------------------------- sync calls (threads)
-
-    def _runner(self, work: _Work | None = None) -> None:
-        """A call thread of a sync reward function: settles queued generations one at a time
-        until the worker closes. ``work``: the generation of a timed-out try, which this thread
-        goes on with in place of the abandoned one. Ends when its own call is abandoned."""
-        slot = _Slot()
-        with self._lock:
-            self._slots.add(slot)
-        while work is not None or (work := self._next_sync()) is not None:
-            try:
-                if not self._run_sync(slot, work):
-                    return
-            except Exception as error:  # noqa: BLE001 - a bug here must not end the slot silently
-                self._broken(error)
-            work = None
-
-    def _next_sync(self) -> _Work | None:
-        """The next queued generation; blocks while there is none. None once closing."""
-        queue = self._queue
-        while True:
-            try:
-                return queue.popleft()
-            except IndexError:
-                pass
-            with self._ready:
-                self._idle += 1  # before the last look at the queue: see _wake
-                try:
-                    while not queue and not self._closing:
-                        self._ready.wait()
-                finally:
-                    self._idle -= 1
-                if self._closing:
-                    return None
-
-    def _run_sync(self, slot: _Slot, work: _Work) -> bool:
-        """Try the reward function on this thread until ``work`` is settled (feedback or dead
-        letter) or dropped: True. False when the watchdog abandoned the try this thread was
-        in: the thread ends (another goes on with ``work``)."""
-        options = self.options
-        while True:
-            if work.error is not None:  # the last try failed
-                if work.tries > options.retries:
-                    self._failed(work)
-                    return True
-                self.summary.add(retried=1)
-                self._stop.wait(_backoff(options, work.tries))  # a stop cuts it short
-            if self._dropped(work):
-                return True
-            work.tries += 1
-            with self._lock:
-                slot.work, slot.started = work, time.monotonic()
-            try:
-                result, error = self.reward(work.generation), None
-                if inspect.isawaitable(result):  # awaited on the loop; abandoned like a call
-                    result = asyncio.run_coroutine_threadsafe(_awaited(result),
-                                                              self._loop).result()
-            except BaseException as raised:  # noqa: BLE001 - the function's failure is the outcome
-                result, error = None, raised
-            with self._lock:
-                if slot.abandoned:  # timed out: counted and taken over by the watchdog
-                    return False
-                slot.work = None
-            if error is None:
-                self._succeeded(work, result)
-                return True
-            work.error = error
-
-    def _watch(self) -> None:
-        """The sync calls' watchdog thread: a try running for ``timeout`` seconds is abandoned
-        (its thread finishes alone, its result ignored) and counted as timed out, and a new
-        call thread goes on with its generation. Sleeps until the earliest running deadline."""
-        timeout = self.options.timeout
-        while not self._closing:
-            now = time.monotonic()
-            wake, expired = now + timeout, []
-            with self._lock:
-                for slot in self._slots:
-                    if slot.work is None:
-                        continue
-                    deadline = slot.started + timeout
-                    if deadline <= now:
-                        expired.append((slot, slot.work))
-                        slot.abandoned, slot.work = True, None
-                    else:
-                        wake = min(wake, deadline)
-                for slot, _ in expired:
-                    self._slots.discard(slot)
-            for slot, work in expired:
-                work.timeouts += 1
-                work.error = TimeoutError(f"no result within {timeout:g} s")
-                self.summary.add(timed_out=1)
-                threading.Thread(target=self._runner, args=(work,), name="reef-reward-call",
-                                 daemon=True).start()
-            self._watch_stop.wait(max(0.0, wake - now))
-
-    # ----------------------------------------------------------------- async calls (the loop)
-
-    async def _arunner(self) -> None:
-        """A call slot of a coroutine reward function (a task on the asyncio loop): settles
-        queued generations one at a time until cancelled at close."""
-        queue = self._queue
-        while True:
-            try:
-                work = queue.popleft()
-            except IndexError:
-                self._idle += 1  # before the last look at the queue: see _wake
-                try:
-                    if not queue:
-                        self._work_ready.clear()
-                        await self._work_ready.wait()
-                finally:
-                    self._idle -= 1
-                continue
-            try:
-                await self._run_async(work)
-            except Exception as error:  # noqa: BLE001 - a bug here must not end the slot silently
-                self._broken(error)
-
-    async def _run_async(self, work: _Work) -> None:
-        """Try the reward function until ``work`` is settled or dropped; each try has
-        ``timeout`` seconds (``asyncio.timeout``: no task of its own per try)."""
-        options = self.options
-        while True:
-            if work.error is not None:  # the last try failed
-                if work.tries > options.retries:
-                    self._failed(work)
-                    return
-                self.summary.add(retried=1)
-                await asyncio.sleep(_backoff(options, work.tries))
-            if self._dropped(work):
-                return
-            work.tries += 1
-            try:
-                async with asyncio.timeout(options.timeout):
-                    result = await self.reward(work.generation)
-            except TimeoutError as error:
-                work.timeouts += 1
-                self.summary.add(timed_out=1)
-                work.error = error if str(error) else TimeoutError(
-                    f"no result within {options.timeout:g} s")
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # noqa: BLE001 - the function's failure is the outcome
-                work.error = error
-                continue
-            self._succeeded(work, result)
-            return
-
     # ----------------------------------------------------------------- outcomes
 
     def _broken(self, error: Exception) -> None:
@@ -652,7 +477,7 @@ class RewardWorker:
                                          "uncommitted")
         self._stop.set()
 
-    def _succeeded(self, work: _Work, result: Any) -> None:
+    def _succeeded(self, work: Work, result: Any) -> None:
         """Emit the Feedback of a try that returned, or the dead letter of an invalid result."""
         problem = _invalid_result(result)
         if problem is None:
@@ -675,7 +500,7 @@ class RewardWorker:
                   f"{'try' if tries == 1 else 'tries'}: {problem}")
         self._emit(self._dead_letter(work.message, reason, "InvalidRecord"), work.entry, "invalid")
 
-    def _failed(self, work: _Work) -> None:
+    def _failed(self, work: Work) -> None:
         """Emit the dead letter of a generation whose every try raised or timed out."""
         self.summary.add(failed=1)
         tries, timeouts, last_error = work.tries, work.timeouts, work.error
@@ -688,7 +513,7 @@ class RewardWorker:
         self._emit(self._dead_letter(work.message, reason, type(last_error).__name__),
                    work.entry, "failed")
 
-    def _dropped(self, work: _Work) -> bool:
+    def _dropped(self, work: Work) -> bool:
         """True if ``work``'s partition was revoked since it was taken (even if assigned again:
         the new assignment reads it again from the committed offset) or the worker is stopping
         (a call not yet started, or a retry, does not start then): leave it."""
@@ -866,7 +691,7 @@ class RewardWorker:
             log.warning("%d generations had no stored outcome at stop; their offsets stay "
                         "uncommitted and the group reads them again", abandoned)
         try:
-            self._loop.call_soon_threadsafe(_cancel_all, self._loop)
+            self._loop.call_soon_threadsafe(cancel_all, self._loop)
             self._loop_thread.join(5)
             producer.close(5)
         finally:
@@ -953,31 +778,6 @@ class _Rewards:
 
     def close(self) -> None:
         self.worker._close(self.producer)
-
-
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
-
-
-def _backoff(options: RewardOptions, tries: int) -> float:
-    """Seconds before the next try after ``tries`` failed ones."""
-    return min(options.backoff * 2 ** (tries - 1), MAX_BACKOFF_S)
-
-
-def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
-    for task in asyncio.all_tasks(loop):
-        task.cancel()
-    loop.call_soon(loop.stop)
-
-
-def _is_coroutine_function(function: Any) -> bool:
-    """An ``async def`` function, an object whose ``__call__`` is one, or a ``NamedReward`` of
-    either: its calls run as tasks on the asyncio loop."""
-    inner = getattr(function, "function", None)  # NamedReward
-    if inner is not None:
-        return _is_coroutine_function(inner)
-    return inspect.iscoroutinefunction(function) \
-        or inspect.iscoroutinefunction(getattr(type(function), "__call__", None))
 
 
 def _invalid_result(result: Any) -> str | None:
