@@ -13,7 +13,7 @@ In one invocation, on this machine:
    (REEF_BOOTSTRAP_SERVERS / REEF_REDIS_URL, when set, are used instead and nothing is
    started; the broker's CPU then counts only if it runs on this host, as this user);
 3. the live loop, ``reef demo`` with its defaults (every stage a process, 2 replicas at
-   150 generations/s), ``--runs`` times, each in a fresh namespace; each run's scorecard
+   150 generations/s, or ``--replicas`` x ``--rate``), ``--runs`` times, each in a fresh namespace; each run's scorecard
    (``reef_stream.ops.scorecard``, defined in docs/metrics.md) is printed when it ends.
 
 The last line is
@@ -90,6 +90,10 @@ def main() -> int:
                         help="held-out accuracy to reach (default 0.9)")
     parser.add_argument("--time-limit", type=float, default=600.0, metavar="S",
                         help="seconds each loop gets to reach it (default 600)")
+    parser.add_argument("--replicas", type=int, default=DemoOptions.replicas,
+                        help=f"serving replicas of the live loop (default {DemoOptions.replicas})")
+    parser.add_argument("--rate", type=float, default=DemoOptions.rate,
+                        help=f"generations/s per replica (default {DemoOptions.rate:g})")
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -110,6 +114,7 @@ def main() -> int:
             say(f"broker {bootstrap}, redis {redis_url}, REEF_HOME {home}")
             for number in range(1, args.runs + 1):
                 options = DemoOptions(recipe=args.recipe, target=args.target,
+                                      replicas=args.replicas, rate=args.rate,
                                       time_limit=args.time_limit, run_dir=home / f"run-{number}",
                                       namespace=f"loop{number}{time.strftime('%H%M%S')}")
                 demo = Demo(options, settings=settings, bootstrap=bootstrap,
