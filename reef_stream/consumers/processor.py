@@ -73,7 +73,8 @@ Per-record cost (issue 15; same bench, runs alternating with the code before, a
 machine loaded by other work, so the ratios are the figures to read): one ``Step``
 per partition and fetch (``offer_all``), counts without a ``Counter`` per record,
 snapshots from the bytes read, ledger segments' changelog records from kept text
-and a fetch wait of ``POLL_TIMEOUT_S`` 0.05 s instead of 0.2 s took the processor
+and a fetch wait of ``POLL_TIMEOUT_S`` 0.05 s instead of 0.2 s (0.1 s since: see the
+constant) took the processor
 from 1,055 to 1,890 generations/s (raw 19,700 and 17,700) and completion-to-unit
 from p50 923 / p99 1,747 ms to p50 197 / p99 490 ms; on the machine quieter, three
 alternating pairs: 3,580-3,950 -> 4,860-6,060 generations/s (raw 28,000-40,500 either
@@ -177,9 +178,14 @@ STAGE = metrics.STAGE_PROCESSOR
 #: Most records taken per transaction.
 BATCH = 2000
 #: Longest the loop waits for a fetch to fill ``batch``: a record read waits this long at most
-#: before its transaction begins. 0.2 s made p50 completion-to-unit ~400 ms at 1,000 generations/s
-#: (bench/processor.py); 0.05 s ~80-150 ms; 0.02 s no better, with more transactions.
-POLL_TIMEOUT_S = 0.05
+#: before its transaction begins, and below ``batch`` records a fetch is one transaction, so it
+#: also sets how many transactions a second cost the processor and the broker. Measured
+#: (bench/processor.py --skip throughput, 1,000 generations/s; and the demo's load, 80 s of
+#: ``reef demo``, CPU of the broker and the processor per 21,000 generations), quiet machine:
+#: 0.05 s p50 77 / p99 285 ms, broker 27.4 + processor 12.4 CPU s; 0.1 s p50 113 / p99 302
+#: ms, 19.2 + 10.3 s; 0.2 s p50 233 / p99 493 ms, 18.3 + 9.7 s. 0.1 s: nearly the latency of
+#: 0.05 s at nearly the cost of 0.2 s (0.02 s was no faster than 0.05 s).
+POLL_TIMEOUT_S = 0.1
 #: How long the broker keeps a transaction of a vanished producer open (a restarted
 #: instance aborts it at once; another instance's would block readers this long).
 TRANSACTION_TIMEOUT_MS = 30_000
