@@ -1,9 +1,10 @@
-"""What the loop benchmarks share: a timestamped line, a figure, the servers, the entry point.
+"""What the loop benchmarks share: a timestamped line, a figure, the servers, a live run, the
+entry point.
 
-    from common import run, say, servers       # bench/ is on sys.path when a bench runs
+    from common import live_run, run, say, servers   # bench/ is on sys.path when a bench runs
 
-    with servers(settings, home) as (bootstrap, redis_url, broker_pids):
-        ...
+    with servers(settings, home) as at:
+        result = live_run(DemoOptions(...), settings, at, "live run 1/3")
     run(main)
 """
 
@@ -18,7 +19,9 @@ from typing import NamedTuple, NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from reef_stream.cli.demo import DemoProgress  # noqa: E402
 from reef_stream.config import Settings  # noqa: E402
+from reef_stream.demo.run import Demo, DemoOptions, DemoResult  # noqa: E402
 from reef_stream.ops.kafka_local import LocalCluster  # noqa: E402
 from reef_stream.ops.processes import free_ports, interrupt_on_sigterm  # noqa: E402
 from reef_stream.ops.redis_local import LocalRedis  # noqa: E402
@@ -63,6 +66,22 @@ def servers(settings: Settings, home: Path) -> Iterator[Servers]:
             redis.down()
         if cluster is not None:
             cluster.down()
+
+
+def live_run(options: DemoOptions, settings: Settings, at: Servers, label: str) -> DemoResult:
+    """One ``reef demo`` run on ``at``: its progress every 15 s, then its result line and its
+    scorecard, each said under ``label``."""
+    demo = Demo(options, settings=settings, bootstrap=at.bootstrap, redis_url=at.redis_url,
+                show=DemoProgress(every_s=15.0), broker_pids=at.broker_pids)
+    command = " ".join(["reef demo --recipe", options.recipe,
+                        *(f"--set {o}" for o in options.overrides)])
+    say(f"{label}: {command} (namespace {demo.ns}, {options.replicas} replicas x "
+        f"{options.rate:g}/s)")
+    result = demo.run()
+    say(f"{label}: {result.line()}")
+    if result.scorecard is not None:
+        print("\n".join(result.scorecard.lines()), flush=True)
+    return result
 
 
 def run(main: Callable[[], int]) -> NoReturn:

@@ -40,12 +40,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import figure, run, say, servers  # first: it puts the project on sys.path
+from common import figure, live_run, run, say, servers  # first: it puts the project on sys.path
 
-from reef_stream.cli.demo import DemoProgress
 from reef_stream.config import load_settings
 from reef_stream.demo.recipes import stage_recipe
-from reef_stream.demo.run import Demo, DemoOptions, DemoResult
+from reef_stream.demo.run import DemoOptions, DemoResult
 from reef_stream.demo.sync import SyncResult, run_synchronous
 
 
@@ -110,23 +109,15 @@ def main() -> int:
         home = Path(tmp)
         environ = {**os.environ, "REEF_HOME": str(home)}
         settings = load_settings(environ)
-        with servers(settings, home) as (bootstrap, redis_url, broker_pids):
-            say(f"broker {bootstrap}, redis {redis_url}, REEF_HOME {home}")
+        with servers(settings, home) as at:
+            say(f"broker {at.bootstrap}, redis {at.redis_url}, REEF_HOME {home}")
             for number in range(1, args.runs + 1):
                 options = DemoOptions(recipe=args.recipe, target=args.target,
                                       replicas=args.replicas, rate=args.rate,
                                       time_limit=args.time_limit, run_dir=home / f"run-{number}",
                                       namespace=f"loop{number}{time.strftime('%H%M%S')}")
-                demo = Demo(options, settings=settings, bootstrap=bootstrap,
-                            redis_url=redis_url, show=DemoProgress(every_s=15.0),
-                            broker_pids=broker_pids)
-                say(f"live run {number}/{args.runs}: reef demo --recipe {args.recipe} "
-                    f"(namespace {demo.ns}, {options.replicas} replicas x {options.rate:g}/s)")
-                result = demo.run()
+                result = live_run(options, settings, at, f"live run {number}/{args.runs}")
                 runs.append(result)
-                say(f"live run {number}: {result.line()}")
-                if result.scorecard is not None:
-                    print("\n".join(result.scorecard.lines()), flush=True)
                 if not result.reached:
                     say(f"live run {number} did NOT reach {args.target:g}: it counts as the time "
                         f"limit, {args.time_limit:g} s")

@@ -34,11 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import figure, run, say, servers  # first: it puts the project on sys.path
+from common import figure, live_run, run, servers  # first: it puts the project on sys.path
 
-from reef_stream.cli.demo import DemoProgress
 from reef_stream.config import load_settings
-from reef_stream.demo.run import Demo, DemoOptions, DemoResult
+from reef_stream.demo.run import DemoOptions, DemoResult
 
 
 def overload_line(bound: str, result: DemoResult) -> str:
@@ -84,23 +83,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="reef-overload-") as tmp:
         home = Path(tmp)
         settings = load_settings({**os.environ, "REEF_HOME": str(home)})
-        with servers(settings, home) as (bootstrap, redis_url, broker_pids):
+        with servers(settings, home) as at:
             for number, bound in enumerate(bounds, 1):
                 overrides = () if bound == "none" else (f"schedule.max_backlog_steps={bound}",)
                 options = DemoOptions(recipe=args.recipe, overrides=overrides,
                                       replicas=args.replicas, rate=args.rate, target=args.target,
                                       time_limit=args.time_limit, run_dir=home / f"run-{number}",
                                       namespace=f"over{number}{time.strftime('%H%M%S')}")
-                demo = Demo(options, settings=settings, bootstrap=bootstrap,
-                            redis_url=redis_url, show=DemoProgress(every_s=15.0),
-                            broker_pids=broker_pids)
-                say(f"run {number}/{len(bounds)}: backlog bound {bound}, {args.replicas} "
-                    f"replicas x {args.rate:g}/s (namespace {demo.ns})")
-                result = demo.run()
-                results.append((bound, result))
-                say(f"run {number}: {result.line()}")
-                if result.scorecard is not None:
-                    print("\n".join(result.scorecard.lines()), flush=True)
+                results.append((bound, live_run(
+                    options, settings, at, f"run {number}/{len(bounds)}, backlog bound {bound}")))
     print()
     for bound, result in results:
         print(overload_line(bound, result), flush=True)
