@@ -37,13 +37,18 @@ every generation gets exactly one outcome in the committed log. Units carry
 (or a future runtime bug) sees a re-emitted unit under its original id and
 can deduplicate; the trainer deduplicates by unit id regardless.
 
-The trainer's backlog. With the schedule's ``max_backlog_steps``, every
-``BACKLOG_EVERY_S`` the runtime measures the units waiting for the trainer
-(the units topic's end offsets less the newest checkpoint's offsets, read
-from the checkpoint events it follows for staleness) and gives the figure to
-every partition's state (``ProcessorState.observe_backlog``), which sheds
-the units that complete while it is full: their generations end SHED, with
-dead letters, in the same transaction as everything else.
+The trainer's backlog. With the schedule's ``max_backlog_steps``, before
+each batch the runtime counts the units waiting for the trainer: those it
+wrote (offsets from its delivery reports, once their transaction committed)
+that the newest checkpoint's offsets, read from the checkpoint events it
+follows for staleness, have not passed (``reef_stream.consumers.backlog``).
+Every partition's state gets the figure (``ProcessorState.observe_backlog``)
+and sheds the units that complete while it is full: their generations end
+SHED, with dead letters, in the same transaction as everything else. A
+trainer that has not checkpointed for ``STALL_STEPS`` of its last step
+intervals (and at least ``STALL_MIN_S``) while the bound is full suspends the
+bound until its next checkpoint, with a warning: units it skipped (duplicates,
+too stale) count until that checkpoint, and could hold its step short of full.
 
 Why not faust-streaming (issue 4 asked for it first): its ``exactly_once``
 mode has open duplicate bugs (faust-streaming #323, #517, #177), so the
@@ -143,6 +148,7 @@ from collections.abc import Callable
 from typing import Any
 
 from reef_stream.api.processor import Origin
+from reef_stream.consumers.backlog import UnitBacklog
 from reef_stream.consumers.changelog import changelog, changelog_topic, read_changelog
 from reef_stream.consumers.fencing import TransactionalIdentity, watch_commits
 from reef_stream.consumers.pairs import PartitionPair
@@ -193,8 +199,12 @@ SESSION_TIMEOUT_MS = 10_000
 #: Longest a record waits (wall clock, from when it was read) for the other topic of its
 #: pair to be read past its timestamp while that topic has unread records.
 MAX_IDLE_S = 5.0
-#: Seconds between two measurements of the trainer's backlog (with ``max_backlog_steps``).
+#: Seconds between two writes of the trainer's backlog metric (with ``max_backlog_steps``).
 BACKLOG_EVERY_S = 1.0
+#: The bound is suspended while full and no checkpoint came for this many of the trainer's
+#: last step intervals, and at least ``STALL_MIN_S`` (see the module docstring).
+STALL_STEPS = 3
+STALL_MIN_S = 30.0
 #: `reef process`'s exit status when it stops for its supervisor to restart it (EX_TEMPFAIL).
 EXIT_RESTART = 75
 
@@ -261,11 +271,15 @@ class ProcessorRuntime:
         #: every partition's state has observed (None: apply it at the next batch).
         self.newest_checkpoint: int | None = None
         self._observed: int | None = None
-        #: The newest checkpoint's next offset per partition of the units topic, and the units
-        #: emitted past it when last measured (``_observe_backlog``; None: not measured).
-        self._trainer_at: dict[int, int] = {}
+        #: The units waiting for the trainer (``consumers.backlog``), the figure the states got
+        #: at the last batch (None: no bound, or no checkpoint yet), when the metric was last
+        #: written, and when the newest checkpoint and the one before it came (monotonic).
+        self._backlog = UnitBacklog()
         self.backlog: int | None = None
         self._backlog_at = 0.0
+        self._checkpoint_times: tuple[float, float] | None = None
+        self._suspended = False
+        self._partitions = 0
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -281,7 +295,7 @@ class ProcessorRuntime:
     def run(self, *, ready: threading.Event | None = None) -> None:
         """Create the topics it needs, then process on the stage loop until ``stop``. Blocks.
         ``ready`` is set once partitions are assigned and their states restored."""
-        partitions = self._ensure_topics()
+        partitions = self._partitions = self._ensure_topics()
         self._producer = self._identity.new_producer()
         self._metrics = ProcessorMetrics(
             self.bootstrap, self.ns,
@@ -372,7 +386,6 @@ class ProcessorRuntime:
                              "count and every member the range assignor")
         started = time.monotonic()
         self._parts = self._restore(sorted(gens))
-        self._backlog_at = 0.0  # nor the backlog: measure it at the next batch
         self._observed = None  # restored states have not seen the newest checkpoint
         self._start_positions(assigned)
         log.info("assigned partitions %s; state restored in %.2f s (%d keys)", sorted(gens),
@@ -461,7 +474,7 @@ class ProcessorRuntime:
         for p, part in self._parts.items():
             if self.backlog is not None:
                 # Units other partitions emitted since the measurement count for this one too.
-                part.state.observe_backlog(self.backlog)
+                part.state.observe_backlog(0 if self._suspended else self.backlog)
                 first = len(steps)
             caught: list[set[str]] = []  # _caught_up(p), asked at most once per batch
 
@@ -532,30 +545,33 @@ class ProcessorRuntime:
             if checkpoint.recipe == self.recipe.name and (
                     self.newest_checkpoint is None or checkpoint.policy_version > self.newest_checkpoint):
                 self.newest_checkpoint = checkpoint.policy_version
-                self._trainer_at = {o.partition: o.offset for o in checkpoint.offsets
-                                    if o.topic == self.units_topic}
+                self._backlog.passed({o.partition: o.offset for o in checkpoint.offsets
+                                      if o.topic == self.units_topic})
+                now = time.monotonic()
+                self._checkpoint_times = (self._checkpoint_times or (now, now))[1], now
 
     def _observe_backlog(self) -> None:
-        """With a backlog bound (``schedule.max_backlog_steps``), at most every
-        ``BACKLOG_EVERY_S``: measure the units waiting for the trainer (the units topic's end
-        offsets, less the newest checkpoint's; transaction markers count too, so it errs
-        high by a few) and tell every partition's state. A failed measurement keeps the last."""
-        if self.recipe.schedule.max_backlog_units is None or self.newest_checkpoint is None \
-                or time.monotonic() - self._backlog_at < BACKLOG_EVERY_S:
+        """With a backlog bound (``schedule.max_backlog_steps``) and a trainer (a checkpoint
+        seen): count the units waiting for it (``UnitBacklog.estimate``), suspending the bound
+        while the trainer looks stuck behind it (module docstring), and give the figure to
+        every partition's state; every ``BACKLOG_EVERY_S``, to the metrics too."""
+        bound = self.recipe.schedule.max_backlog_units
+        if bound is None or self.newest_checkpoint is None or not self._parts:
             return
-        self._backlog_at = time.monotonic()
-        try:
-            metadata = self._checkpoints.list_topics(self.units_topic, timeout=5)
-            ends = {p: self._checkpoints.get_watermark_offsets(
-                TopicPartition(self.units_topic, p), timeout=5)[1]
-                for p in metadata.topics[self.units_topic].partitions}
-        except (KafkaException, KeyError) as error:
-            log.debug("could not measure the trainer's backlog: %s", error)
-            return
-        self.backlog = sum(max(end - self._trainer_at.get(p, 0), 0) for p, end in ends.items())
+        self.backlog = self._backlog.estimate(len(self._parts), self._partitions)
+        before, newest = self._checkpoint_times
+        waited = time.monotonic() - newest
+        stuck = self.backlog >= bound and waited >= max(STALL_STEPS * (newest - before), STALL_MIN_S)
+        if stuck != self._suspended:
+            self._suspended = stuck
+            if stuck:
+                log.warning("the trainer's backlog is full (%d units, bound %d) and no checkpoint "
+                            "came for %.0f s: admitting units until its next checkpoint (units it "
+                            "skipped may be holding its step short)", self.backlog, bound, waited)
         for part in self._parts.values():
-            part.state.observe_backlog(self.backlog)
-        if self._metrics is not None:
+            part.state.observe_backlog(0 if stuck else self.backlog)
+        if self._metrics is not None and time.monotonic() - self._backlog_at >= BACKLOG_EVERY_S:
+            self._backlog_at = time.monotonic()
             self._metrics.writer.write(metrics.PROCESSOR_TRAINER_BACKLOG, self.backlog)
 
     def _partition_count(self, topic: str) -> int:
@@ -607,7 +623,10 @@ class ProcessorRuntime:
                 metadata = self._consumer.consumer_group_metadata()
                 self._retry(lambda: producer.send_offsets_to_transaction(offsets, metadata, 30))
             self._retry(lambda: producer.commit_transaction(60))
+            producer.poll(0)  # delivery reports not yet served (commit_transaction flushes)
+            self._backlog.committed()
         except KafkaException as exc:
+            self._backlog.aborted()
             error = exc.args[0]
             # Open past its timeout: a fence (or the fatal state it leaves) is the broker's.
             timed_out = time.monotonic() - began >= self.transaction_timeout_ms / 1000
@@ -650,8 +669,15 @@ class ProcessorRuntime:
 
     def _produce(self, record: Record) -> None:
         self._producer.produce(record.topic, value=record.value, key=record.key,
-                               headers=record.headers)
+                               headers=record.headers,
+                               on_delivery=self._unit_delivered if record.topic == self.units_topic
+                               else None)
         self._poll()
+
+    def _unit_delivered(self, error: KafkaError | None, message: Message) -> None:
+        """A unit's delivery report: where it went counts for the backlog once committed."""
+        if error is None:
+            self._backlog.delivered(message.partition(), message.offset())
 
     def _poll(self) -> None:
         if len(self._producer) > 50_000:
@@ -661,7 +687,6 @@ class ProcessorRuntime:
         """After an aborted transaction: the states as committed, input from the committed offsets."""
         assignment = self._consumer.assignment()
         self._parts = self._restore(sorted({tp.partition for tp in assignment}))
-        self._backlog_at = 0.0  # nor the backlog: measure it at the next batch
         self._observed = None  # restored states have not seen the newest checkpoint (as in _assign)
         committed = self._consumer.committed(assignment, timeout=30)
         for tp in committed:

@@ -37,6 +37,7 @@ import time
 import uuid
 
 import numpy as np
+import pytest
 from confluent_kafka import Consumer, IsolationLevel, Producer, TopicPartition
 from confluent_kafka.admin import (
     AdminClient,
@@ -47,11 +48,12 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
-from reef_stream.topics.connect import client_config
+from reef_stream.consumers import processor as processor_module
 from reef_stream.consumers.processor import MAX_IDLE_S, ProcessorRuntime
 from reef_stream.errors import FatalError
-from reef_stream.topics.events import Generation, RolloutUnit
 from reef_stream.topics import declarations
+from reef_stream.topics.connect import client_config
+from reef_stream.topics.events import Generation, RolloutUnit
 from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import consume_all, wait_until
 from tests.integration.test_processor_metrics import publish_checkpoint, wait_for
@@ -276,8 +278,8 @@ def test_units_past_the_backlog_bound_are_shed_until_a_checkpoint_passes_them(
         produce(kafka_bootstrap, namespace, work.windows[:3], pause_s=1.5)
         wait_for(lambda: runtime.counts["generations.shed"] > 0, 60, "shed generations")
         emitted = runtime.counts["units"]
-        # At most the bound went out (the measurement errs high: transaction markers count).
-        assert 0 < emitted <= 16, runtime.counts
+        # Exactly the bound went out: counted in units, not offsets (30 groups completed).
+        assert emitted == 16 and runtime.backlog == 16, (runtime.counts, runtime.backlog)
         # The trainer "moves": a checkpoint past every unit so far. Units flow again.
         _checkpoint_at(kafka_bootstrap, namespace, 4, _units_end(kafka_bootstrap, namespace))
         wait_for(lambda: runtime.backlog == 0, 30, "the backlog measured empty")
@@ -298,6 +300,57 @@ def test_units_past_the_backlog_bound_are_shed_until_a_checkpoint_passes_them(
     assert not in_units & shed and work.complete <= in_units | shed
     assert all(n == 1 for n in back.generation_letters.values())
     assert back.unit_records == len(back.units) == runtime.counts["units"]
+
+
+@pytest.mark.parametrize("skips", [0, 1])
+def test_a_bound_of_one_step_never_stops_the_loop(kafka_bootstrap, namespace, monkeypatch, skips):
+    """The test is the trainer: it reads units (read_committed, in offset order) and, each
+    time it holds a step's 8, publishes a checkpoint at the offsets after them. Counted in
+    offsets, the bound (one step: 8) was passed by transaction commit markers before 8 units
+    waited, every unit was shed and no step ever filled (bench/overload.py stopped after two
+    steps). Counted in units it holds the queue to one step and the steps keep coming.
+
+    With ``skips``, the trainer skips its first unit (as it skips a duplicate or a unit too
+    stale): 7 held, 8 counted, every new unit shed. The processor suspends the bound once no
+    checkpoint came for ``STALL_MIN_S`` (2 s here), and the loop goes on."""
+    monkeypatch.setattr(processor_module, "STALL_MIN_S", 2.0)
+    create_topics(kafka_bootstrap, namespace)
+    bounded = dataclasses.replace(RECIPE, schedule=dataclasses.replace(
+        RECIPE.schedule, max_backlog_steps=1))
+    _checkpoint_at(kafka_bootstrap, namespace, 1, {})
+    work = fresh(make_workload(windows=40, groups_per_window=5, seed=17), version=100)
+    runtime = ProcessorRuntime(bounded, bootstrap=kafka_bootstrap, namespace=namespace,
+                               instance="one-step", log_every_s=5)
+    thread = threading.Thread(target=runtime.run, daemon=True)
+    thread.start()
+    topic = declarations.units(namespace, RECIPE.name)
+    trainer = Consumer(client_config(kafka_bootstrap, {
+        "group.id": f"{namespace}.one-step-trainer", "isolation.level": "read_committed",
+        "auto.offset.reset": "earliest", "enable.auto.commit": False}))
+    trainer.subscribe([topic])
+    sender = threading.Thread(target=produce, args=(kafka_bootstrap, namespace, work.windows),
+                              kwargs={"pause_s": 0.25}, daemon=True)
+    steps, held, at = 1, [], {}
+    try:
+        wait_for(lambda: runtime.newest_checkpoint == 1, 60, "the checkpoint")
+        sender.start()
+        deadline = time.monotonic() + 90
+        while steps < 9 and time.monotonic() < deadline and thread.is_alive():
+            held += [m for m in trainer.consume(50, timeout=0.5) if m.error() is None]
+            if skips and held:
+                skips, held = 0, held[1:]
+            while len(held) >= 8:
+                step, held = held[:8], held[8:]
+                at.update({m.partition(): m.offset() + 1 for m in step})
+                steps += 1
+                _checkpoint_at(kafka_bootstrap, namespace, steps, at)
+        # Never more than a step waited (what the trainer held counts: it is not trained yet).
+        assert steps == 9, (steps, len(held), runtime.counts, runtime.backlog)
+        assert runtime.counts["generations.shed"] > 0, runtime.counts  # the bound did bind
+    finally:
+        runtime.stop()
+        thread.join(30)
+        trainer.close()
 
 
 # --------------------------------------------------------------------------- rebalance

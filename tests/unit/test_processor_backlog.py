@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from reef_stream.errors import ConfigurationError
+from reef_stream.api.schedule import Schedule
+from reef_stream.consumers.backlog import UnitBacklog
 from reef_stream.engine.join import Outcome, ProcessorState
 from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
-from reef_stream.api.schedule import Schedule
+from reef_stream.errors import ConfigurationError
 from tests.unit.test_processor import GROUPED, feedback, generation
 
 
@@ -99,3 +100,47 @@ def test_what_was_shed_is_remembered_across_a_restart_from_the_snapshots():
 
 def json_round_trip(snapshot):
     return loads_snapshot(dumps_snapshot(snapshot))
+
+
+# ---------------------------------------------------------------- the count: UnitBacklog
+
+
+def test_the_backlog_counts_committed_units_until_a_checkpoint_passes_them():
+    backlog = UnitBacklog()
+    for offset in (0, 2, 4):                   # units at 0, 2, 4: a commit marker between each
+        backlog.delivered(0, offset)
+    backlog.delivered(1, 7)
+    assert backlog.units == 0                  # not committed yet: no reader sees them
+    backlog.committed()
+    assert backlog.units == 4                  # units, not offsets (the end is 8 on partition 1)
+    backlog.passed({0: 3})                     # the trainer took 0 and 2; partition 1 untouched
+    assert backlog.units == 2
+    backlog.passed({0: 5, 1: 8})
+    assert backlog.units == 0
+
+
+def test_an_aborted_transaction_s_units_never_count():
+    backlog = UnitBacklog()
+    backlog.delivered(0, 10)
+    backlog.aborted()
+    backlog.delivered(0, 12)
+    backlog.committed()
+    assert backlog.units == 1
+
+
+def test_units_a_checkpoint_already_passed_when_they_commit_do_not_count():
+    backlog = UnitBacklog()
+    backlog.passed({0: 20})
+    backlog.delivered(0, 15)                   # e.g. reported late, after the checkpoint
+    backlog.delivered(0, 21)
+    backlog.committed()
+    assert backlog.units == 1
+
+
+@pytest.mark.parametrize("mine, of, expected", [(4, 4, 3), (2, 4, 6), (1, 3, 9), (3, 4, 4), (0, 4, 0)])
+def test_an_instance_scales_its_own_units_by_its_share_of_the_partitions(mine, of, expected):
+    backlog = UnitBacklog()
+    for offset in range(3):
+        backlog.delivered(0, offset)
+    backlog.committed()
+    assert backlog.estimate(mine, of) == expected   # 3 * of / mine, rounded down

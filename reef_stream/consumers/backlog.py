@@ -1,0 +1,77 @@
+"""The trainer's backlog in units: what ``schedule.max_backlog_steps`` bounds.
+
+    backlog = UnitBacklog()
+    backlog.delivered(partition, offset)    # a unit's delivery report, its transaction open
+    backlog.committed()                     # ... the transaction committed: the units count
+    backlog.passed({0: 120, 1: 98})         # the newest checkpoint's next offsets
+    backlog.units                           # units written that no checkpoint has passed
+
+The backlog is the units waiting for the trainer: written to the units topic, and not yet
+behind the offsets of its newest checkpoint (the units its next step will take, those it
+already holds for that step included). It used to be measured as the topic's end offsets
+less the checkpoint's; that counts offsets, not units, and every processor transaction
+leaves a commit marker at one offset per partition it wrote. At ten transactions a second
+the markers alone passed a bound of one step before the trainer's step was full, every
+unit that completed was shed from then on, no checkpoint came, and the loop stopped
+(bench/overload.py, ``max_backlog_steps=1``: two steps in 150 s). Counted in units, a
+backlog of a full step means the trainer has a full step to take: the bound cannot hold the
+loop below one.
+
+An instance knows the units it wrote itself (the offsets its producer's delivery reports
+give), not another instance's: ``estimate(mine, of)`` scales its count by the share of the
+input partitions it holds, so that the instances shed when together they hold about the
+bound, each at least its share (rounded up: never below a step in all). A restarted
+instance does not know the units it wrote before: it errs low until the trainer's next
+checkpoint passes them. Pure; no clock, no client.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+
+
+class UnitBacklog:
+    """Units written by this instance that the newest checkpoint has not passed."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[int, int]] = []  # (partition, offset), transaction open
+        self._written: dict[int, deque[int]] = {}  # committed, ascending per partition
+        self._passed: dict[int, int] = {}          # the newest checkpoint's next offsets
+
+    def delivered(self, partition: int, offset: int) -> None:
+        """The broker took a unit at ``partition``/``offset`` in the open transaction."""
+        self._pending.append((partition, offset))
+
+    def committed(self) -> None:
+        """The open transaction committed: the units it wrote wait for the trainer."""
+        for partition, offset in sorted(self._pending):
+            if offset >= self._passed.get(partition, 0):
+                self._written.setdefault(partition, deque()).append(offset)
+        self._pending.clear()
+
+    def aborted(self) -> None:
+        """The open transaction was aborted: its units never existed for a reader."""
+        self._pending.clear()
+
+    def passed(self, offsets: Mapping[int, int]) -> None:
+        """The newest checkpoint's next offset per partition of the units topic: the units
+        before them are the trainer's (trained or skipped) and leave the backlog."""
+        self._passed = dict(offsets)
+        for partition, written in self._written.items():
+            at = self._passed.get(partition, 0)
+            while written and written[0] < at:
+                written.popleft()
+
+    @property
+    def units(self) -> int:
+        """Units this instance wrote that the newest checkpoint has not passed."""
+        return sum(len(written) for written in self._written.values())
+
+    def estimate(self, mine: int, of: int) -> int:
+        """The backlog of all instances as this one sees it, holding ``mine`` of ``of`` input
+        partitions: its own units scaled by ``of / mine``; 0 while it holds none."""
+        if mine <= 0:
+            return 0
+        return math.floor(self.units * of / mine) if mine < of else self.units
