@@ -165,6 +165,10 @@ EVALUATOR_DECISIONS = "decisions"                # labels: decision (PROMOTED, R
 #: Checkpoint events given no decision: of another recipe or model (why=other), or already
 #: decided (why=decided: a re-emitted event, or a version not newer than one decided).
 EVALUATOR_CANDIDATES_SKIPPED = "candidates_skipped"  # labels: why
+#: Candidates REJECTED without measuring because a newer candidate of their model was waiting
+#: (the evaluator's ``supersede``, ``reef_stream.consumers.superseding``; running total, also
+#: counted in ``decisions``).
+EVALUATOR_CANDIDATES_SUPERSEDED = "candidates_superseded"
 #: Seconds one try of the evaluator's ``measure`` took.
 EVALUATOR_MEASURE_SECONDS = "measure_seconds"
 #: Each value of the latest candidate's measurement (e.g. held-out accuracy), and the candidate's

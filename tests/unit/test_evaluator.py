@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from reef_stream.errors import FatalError
 from reef_stream.api.evaluator import (
     AcceptEverything,
     CandidateEvaluator,
@@ -12,6 +13,9 @@ from reef_stream.api.evaluator import (
     Measurement,
     Selection,
 )
+from reef_stream.consumers.evaluator import EvaluateOptions, EvaluateSummary
+from reef_stream.consumers.superseding import superseded_reason, superseding
+from reef_stream.errors import FatalError
 from reef_stream.topics.events import Checkpoint, Decision, Publication
 
 
@@ -87,3 +91,49 @@ def test_measurements_and_selections_are_checked():
         Selection("PROMOTED", "because")
     with pytest.raises(TypeError):
         Measurement({"a": 1.0}).values["a"] = 2.0
+
+
+# --------------------------------------------------------------------------- superseding
+
+
+def candidate(version: int, model: str = "tiny", recipe: str = "good",
+              rolled_back_to: int | None = None) -> Checkpoint:
+    return dataclasses.replace(checkpoint(version), model=model, recipe=recipe,
+                               rolled_back_to=rolled_back_to)
+
+
+def test_the_newest_waiting_candidate_supersedes_every_older_one():
+    assert superseding([candidate(v) for v in (1, 2, 3, 4, 5)]) == [5, 5, 5, 5, None]
+    assert superseding([candidate(7)]) == [None]
+    assert superseding([]) == []
+    assert superseded_reason(5) == ("superseded: version 5 was waiting when this one's turn "
+                                    "came; only the newest waiting candidate is measured")
+
+
+def test_superseding_stays_within_a_recipe_and_model():
+    assert superseding([candidate(1), candidate(7, recipe="other"), candidate(2, model="big"),
+                        candidate(2), candidate(3, model="big"),
+                        candidate(1, model="big", recipe="other")]) == \
+        [2, None, 3, None, None, None]
+
+
+def test_a_rollback_is_never_superseded_and_supersedes_nothing():
+    assert superseding([candidate(5, rolled_back_to=1), candidate(6), candidate(7)]) == \
+        [None, 7, None]
+    assert superseding([candidate(4), candidate(5, rolled_back_to=1)]) == [None, None]
+    assert superseding([candidate(3, rolled_back_to=1), candidate(4, rolled_back_to=1)]) == \
+        [None, None]
+
+
+def test_the_newest_version_is_never_superseded_however_often_it_waits():
+    # A re-emitted event of the newest (same version) waits twice: neither is superseded, and
+    # the evaluator's ledger finds the second decided. An older version after it is superseded
+    # (the ledger would find it not newer than one decided anyway).
+    assert superseding([candidate(1), candidate(2), candidate(2), candidate(1)]) == \
+        [2, None, None, 2]
+
+
+def test_supersede_is_on_by_default_and_counted_in_the_summary_line():
+    assert EvaluateOptions().supersede and not EvaluateOptions(supersede=False).supersede
+    line = EvaluateSummary(group="g", rejected=4, superseded=3).line()
+    assert "rejected=4 superseded=3 duplicates=0" in line
