@@ -53,7 +53,7 @@ reason, and spooled now. They go through a producer of their own that may
 drop them (``metrics.metrics_producer``): metrics never hold records back.
 
 Cost per record (``bench/intake.py``): validation, Avro encoding
-(``reef_stream.intake.encoding``: the registry's bytes without fastavro's
+(``SchemaRegistry.encode``: its compiled writer, without fastavro's
 per-record schema walk), the key, and one handle whose delivery report is a
 ``functools.partial`` of ``_delivered``; counters are kept under a plain
 lock. ``send_many`` checks the arrays of a batch's Generations in one
@@ -81,11 +81,7 @@ from pathlib import Path
 from typing import Protocol
 
 from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import bootstrap_servers, new_producer
 from reef_stream.errors import ConfigurationError, InvalidRecord, ReefError
-from reef_stream.ops import metrics
-from reef_stream.topics.events import DeadLetter, Feedback, Generation
-from reef_stream.intake.encoding import EventEncoder
 from reef_stream.intake.spool import FsyncPolicy, Spool, SpoolFull
 from reef_stream.intake.validation import (
     InvalidRecordInBatch,
@@ -94,7 +90,10 @@ from reef_stream.intake.validation import (
     validate,
     validate_many,
 )
+from reef_stream.ops import metrics
 from reef_stream.topics import declarations
+from reef_stream.topics.connect import bootstrap_servers, new_producer
+from reef_stream.topics.events import DeadLetter, Feedback, Generation
 from reef_stream.topics.kafka import KafkaError
 from reef_stream.topics.serde import SchemaRegistry
 
@@ -245,7 +244,6 @@ class RecordProducer:
         namespace = namespace or settings.namespace
         self.block_timeout = block_timeout
         self._registry = registry or SchemaRegistry.default()
-        self._encoder = EventEncoder(self._registry, (Generation, Feedback, DeadLetter))
         self._topics = {
             Generation: declarations.generations(namespace),
             Feedback: declarations.feedback(namespace),
@@ -355,7 +353,7 @@ class RecordProducer:
         """
         if self._guard is not None and isinstance(event, Generation):
             self._guard.check(event)
-        value, headers = self._encoder.encode(event)
+        value, headers = self._registry.encode(event)
         key = record_key(event)
         check_size(topic, key, value, headers, self._limits[topic])
         return key, value, headers

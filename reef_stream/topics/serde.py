@@ -37,6 +37,13 @@ What the errors mean (each carries topic, partition and offset when given):
 
 Schemas are parsed once, when a ``SchemaRegistry`` is built; nothing on the
 per-record path parses or copies a schema.
+
+Speed: ``encode`` writes an event with the writer compiled for its type
+(``reef_stream.topics.avro_writer``: the same bytes as fastavro's, about a
+third of the time), and falls back to fastavro (``to_avro`` +
+``schemaless_writer``, the reference) for a type it could not compile or a
+value the compiled writer is not sure of. ``SchemaRegistry(compiled=False)``
+always takes the reference path; the tests compare the two.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from reef_stream.errors import (
     InvalidRecord,
     UnknownSchemaError,
 )
+from reef_stream.topics.avro_writer import CompiledWriter, compile_writer
 from reef_stream.topics.events import EVENT_TYPES, Event, from_avro, to_avro
 
 FINGERPRINT_HEADER = "reef-schema-fp"
@@ -116,11 +124,17 @@ class SchemaRegistry:
     ``dirs`` given (recursively, also as old versions, e.g. a test's older
     schema). Raises one ``ConfigurationError`` listing every file that does
     not load. A registry does not change once built.
+
+    ``compiled``: encode with the writers compiled for the event types (see the
+    module docstring); False: always the reference path (fastavro).
     """
 
-    def __init__(self, dirs: Iterable[str | Path] = (), *, schemas_dir: Path = SCHEMAS_DIR):
+    def __init__(self, dirs: Iterable[str | Path] = (), *, schemas_dir: Path = SCHEMAS_DIR,
+                 compiled: bool = True):
         self._by_fingerprint: dict[bytes, KnownSchema] = {}
         self._current: dict[str, KnownSchema] = {}
+        #: event type -> (its compiled writer, its current schema); types without one are absent.
+        self._writers: dict[type, tuple[CompiledWriter, KnownSchema]] = {}
         problems: list[str] = []
         current_files = sorted(Path(schemas_dir).glob("*.avsc"))
         if not current_files:
@@ -136,6 +150,12 @@ class SchemaRegistry:
             self._load(path, current=False, problems=problems)
         if problems:
             raise ConfigurationError(problems)
+        if compiled:
+            for name, cls in EVENT_TYPES.items():
+                known = self._current.get(name)
+                writer = None if known is None else compile_writer(known.parsed, cls)
+                if writer is not None:
+                    self._writers[cls] = (writer, known)
 
     @classmethod
     def default(cls) -> SchemaRegistry:
@@ -192,6 +212,11 @@ class SchemaRegistry:
         """Every known schema version, current ones first."""
         return sorted(self._by_fingerprint.values(), key=lambda known: not known.current)
 
+    def writer_source(self, cls: type) -> str | None:
+        """The Python source of the writer compiled for ``cls`` events (None: fastavro writes them)."""
+        compiled = self._writers.get(cls)
+        return None if compiled is None else compiled[0].source
+
     # --- encoding -------------------------------------------------------------------
 
     def encode(self, event: Event) -> tuple[bytes, Headers]:
@@ -199,6 +224,16 @@ class SchemaRegistry:
 
         Raises ``InvalidRecord`` if a value does not fit its schema field: fix the producer.
         """
+        compiled = self._writers.get(type(event))
+        if compiled is not None:
+            writer, known = compiled
+            parts: list[bytes] = []
+            try:
+                writer.write(event, parts.append)
+            except Exception:  # noqa: BLE001 - a value it is not sure of, or one that does not
+                pass           # fit: the reference path writes it, or says what is wrong
+            else:
+                return b"".join(parts), list(known.headers)
         schema_name = getattr(type(event), "SCHEMA", None)
         if schema_name is None:
             raise TypeError(f"{type(event).__name__} is not an event of reef_stream.topics.events")

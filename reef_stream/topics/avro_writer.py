@@ -1,29 +1,28 @@
-"""The producer SDK's Avro writer: the bytes ``SchemaRegistry.encode`` writes, in a fraction of the time.
+"""Compiled Avro writers: the bytes fastavro's ``schemaless_writer`` writes, in a fraction of the time.
 
-``SchemaRegistry.encode`` builds a fastavro dict of the event (``to_avro``)
-and hands it to fastavro's ``schemaless_writer``, which walks the schema for
-every record: about 14 µs for a Generation, the largest part of the SDK's
-per-record cost. ``EventEncoder`` compiles, once per event type, a writer
-from the type's current schema and its dataclass: the source of one Python
-function (``EventEncoder.source(cls)`` shows it) that reads the event's
-attributes and emits the Avro binary encoding inline (zig-zag varints,
-length-prefixed strings and bytes, little-endian doubles, one block per
-non-empty map, ``[null, X]`` unions), without building a dict or calling a
-function per field.
+The reference encoding of an event is ``to_avro`` (a fastavro dict) handed to
+fastavro's ``schemaless_writer``, which walks the schema for every record:
+about 14 µs for a Generation. ``compile_writer`` compiles, once per event
+type, a writer from the type's current schema and its dataclass: the source
+of one Python function (``CompiledWriter.source`` shows it) that reads the
+event's attributes and emits the Avro binary encoding inline (zig-zag
+varints, length-prefixed strings and bytes, little-endian doubles, one block
+per non-empty map or array, ``[null, X]`` unions, nested records), without
+building a dict or calling a function per field.
 
-The contract: ``encode(event)`` returns exactly what
-``registry.encode(event)`` returns, byte for byte, or it *is*
-``registry.encode(event)``. The compiled writer accepts only values whose
-encoding it is sure of (a ``str``, an ``int`` in range, an array of the
-field's own dtype, a member of the field's enum, ...); on anything else, and
-for any event type or schema construct it does not compile (arrays, other
-unions, DeadLetter's headers), it hands the event to the registry, whose
-encoding is the reference and whose ``InvalidRecord`` says what is wrong.
-``tests/unit/test_intake_encoding.py`` checks the equality on every field
-kind, edge values and random events.
+The contract, kept by ``SchemaRegistry.encode`` (the only caller): a compiled
+writer either writes exactly the reference's bytes or raises, and then the
+reference path writes the event (or raises ``InvalidRecord`` saying what is
+wrong). It accepts only values whose encoding it is sure of (a ``str``, an
+``int`` in range, an array of the field's own dtype, a member of the field's
+enum, a tuple of the nested record's own class, ...); an event type or schema
+construct it does not compile (other unions, named-type references, logical
+types other than timestamp-millis) is not compiled at all.
+``tests/unit/test_avro_writer.py`` checks the equality on every field kind,
+edge values and random events of every type.
 
-Schemas are the registry's (parsed once); nothing here parses a schema per
-record. Thread-safe: compiled writers hold no state.
+Nothing here parses a schema per record. Thread-safe: compiled writers hold
+no state.
 """
 
 from __future__ import annotations
@@ -37,9 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from reef_stream.topics.serde import Headers, KnownSchema, SchemaRegistry
-
-__all__ = ["EventEncoder"]
+__all__ = ["CompiledWriter", "compile_writer"]
 
 #: A compiled writer: appends the encoded parts of one event through its second argument.
 _Write = Callable[[Any, Callable[[bytes], None]], None]
@@ -53,7 +50,7 @@ _INT32 = 1 << 31
 
 
 class _Unsupported(Exception):
-    """A schema construct or value this writer does not encode; the registry does."""
+    """A schema construct or value this writer does not encode; the reference path does."""
 
 
 def _varint(zigzag: int) -> bytes:
@@ -173,6 +170,19 @@ def _emit(src: _Source, depth: int, value: str, schema: Any, hint: Any, field: d
             _emit(src, depth + 2, item, schema["values"], Any, {})
             src.emit(depth, r'a(b"\x00")')
             return
+        elif kind == "array" and typing.get_origin(hint) is tuple:
+            args = typing.get_args(hint)
+            if len(args) != 2 or args[1] is not Ellipsis:
+                raise _Unsupported
+            size, item = src.local(), src.local()
+            src.refuse_unless(depth, f"type({value}) is tuple")  # a list: to_avro decides
+            src.emit(depth, f"if {value}:")
+            src.emit(depth + 1, f"{size} = len({value})")
+            _emit_varint(src, depth + 1, size, "I64")
+            src.emit(depth + 1, f"for {item} in {value}:")
+            _emit(src, depth + 2, item, schema["items"], args[0], {})
+            src.emit(depth, r'a(b"\x00")')
+            return
         elif isinstance(kind, str) and "logicalType" not in schema:
             schema = kind
         else:
@@ -224,54 +234,31 @@ def _emit_record(src: _Source, depth: int, value: str, schema: dict, cls: Any) -
         _emit(src, depth, item, f["type"], hints[f["name"]], f)
 
 
-def _compile(schema: dict, cls: type) -> tuple[_Write, str]:
-    """The writer of ``cls`` events, and its source."""
+@dataclasses.dataclass(frozen=True)
+class CompiledWriter:
+    """The writer compiled for one event type.
+
+    ``write(event, append)`` appends the encoded parts of ``event`` through
+    ``append`` (``b"".join`` them), or raises on any value it is not sure of:
+    the caller then encodes the event the reference way. ``source`` is its
+    Python source.
+    """
+
+    cls: type
+    write: _Write = dataclasses.field(repr=False)
+    source: str = dataclasses.field(repr=False)
+
+
+def compile_writer(schema: dict, cls: type) -> CompiledWriter | None:
+    """The writer of ``cls`` events for the parsed ``schema`` (their current schema), or None
+    when the schema or the class holds something this module does not compile."""
     src = _Source()
-    _emit_record(src, 1, "event", schema, cls)
+    try:
+        _emit_record(src, 1, "event", schema, cls)
+    except _Unsupported:
+        return None
     name = f"write_{cls.__name__}"
     source = "\n".join([f"def {name}(event, a):", *src.lines]) + "\n"
     namespace = {**_GLOBALS, **src.constants}
-    exec(compile(source, f"<reef_stream.intake.encoding: {cls.__name__}>", "exec"), namespace)
-    return namespace[name], source
-
-
-class EventEncoder:
-    """``encode(event)`` equals ``registry.encode(event)``; see the module docstring."""
-
-    def __init__(self, registry: SchemaRegistry, types: tuple[type, ...]) -> None:
-        self._registry = registry
-        #: type -> (writer, schema); a type without a compiled writer is absent.
-        self._compiled: dict[type, tuple[_Write, KnownSchema]] = {}
-        self._sources: dict[type, str] = {}
-        for cls in types:
-            known = registry.current(cls.SCHEMA)
-            try:
-                write, self._sources[cls] = _compile(known.parsed, cls)
-            except _Unsupported:
-                continue
-            self._compiled[cls] = (write, known)
-
-    def compiled(self, cls: type) -> bool:
-        """Whether ``cls`` events are written by a compiled writer (else by the registry)."""
-        return cls in self._compiled
-
-    def source(self, cls: type) -> str | None:
-        """The Python source of the writer compiled for ``cls`` (None: the registry writes them)."""
-        return self._sources.get(cls)
-
-    def encode(self, event: Any) -> tuple[bytes, Headers]:
-        """The Avro bytes of ``event`` and the headers naming its schema (``SchemaRegistry.encode``).
-
-        Raises ``InvalidRecord`` if the event does not fit its schema (the registry's error).
-        """
-        compiled = self._compiled.get(type(event))
-        if compiled is not None:
-            write, known = compiled
-            parts: list[bytes] = []
-            try:
-                write(event, parts.append)
-            except Exception:  # noqa: BLE001 - _Unsupported, or a value that does not fit:
-                pass           # the registry writes it, or says what is wrong
-            else:
-                return b"".join(parts), list(known.headers)
-        return self._registry.encode(event)
+    exec(compile(source, f"<reef_stream.topics.avro_writer: {cls.__name__}>", "exec"), namespace)
+    return CompiledWriter(cls, namespace[name], source)

@@ -1,5 +1,6 @@
-"""The producer SDK's compiled Avro writer writes exactly the registry's bytes, or lets the
-registry write them: every field kind, edge values, random events, and values it must hand on."""
+"""SchemaRegistry.encode's compiled Avro writers (reef_stream.topics.avro_writer) write exactly
+fastavro's bytes, or let fastavro write them: every event type, every field kind, edge values,
+random events, and values they must hand on."""
 
 from __future__ import annotations
 
@@ -9,28 +10,66 @@ import numpy as np
 import pytest
 
 from reef_stream.errors import InvalidRecord
-from reef_stream.intake.encoding import EventEncoder, _large_varint, _varint
+from reef_stream.topics.avro_writer import _large_varint, _varint, compile_writer
 from reef_stream.topics.events import (
-    DeadLetter, Feedback, FinishReason, Generation, MessageHeader, SamplingParams,
+    EVENT_TYPES,
+    DeadLetter,
+    Feedback,
+    FinishReason,
+    Generation,
+    MessageHeader,
+    SamplingParams,
 )
 from reef_stream.topics.serde import SchemaRegistry, decode
 from tests.faults.records import generation
+from tests.unit.random_events import RandomEvents
 
 REGISTRY = SchemaRegistry.default()
-ENCODER = EventEncoder(REGISTRY, (Generation, Feedback, DeadLetter))
+#: The reference: to_avro and fastavro's schemaless_writer for every event.
+REFERENCE = SchemaRegistry(compiled=False)
+
+
+def _outcome(registry: SchemaRegistry, event):
+    try:
+        return registry.encode(event)
+    except Exception as error:  # noqa: BLE001 - the error is part of the outcome
+        return type(error), str(error)
 
 
 def _same(event) -> None:
-    assert ENCODER.encode(event) == REGISTRY.encode(event)
+    """The compiled path gives what the reference gives: the same bytes, or the same error."""
+    assert _outcome(REGISTRY, event) == _outcome(REFERENCE, event)
 
 
-def test_generation_and_feedback_are_compiled_and_dead_letters_are_not():
-    assert ENCODER.compiled(Generation) and ENCODER.compiled(Feedback)
-    assert not ENCODER.compiled(DeadLetter)  # an array of records: the registry writes it
-    assert ENCODER.source(Generation).startswith("def write_Generation(event, a):")
-    assert ENCODER.source(DeadLetter) is None
+def test_every_event_type_is_compiled():
+    for cls in EVENT_TYPES.values():
+        assert REGISTRY.writer_source(cls).startswith(f"def write_{cls.__name__}(event, a):")
+        assert REFERENCE.writer_source(cls) is None
     _same(DeadLetter(reason="r", error_type="E", source_topic="t", value=b"v",
                      headers=(MessageHeader(key="k", value=b"x"),), stage="s", created_at=1))
+
+
+def test_a_schema_construct_it_does_not_know_is_not_compiled():
+    known = REGISTRY.current(Generation.SCHEMA).parsed
+    other_union = {**known, "fields": [{"name": "group_id", "type": ["null", "string", "long"]}]}
+    assert compile_writer(other_union, Generation) is None
+    assert compile_writer(REGISTRY.current(Feedback.SCHEMA).parsed, Generation) is None
+
+
+@pytest.mark.parametrize("cls", list(EVENT_TYPES.values()), ids=lambda cls: cls.__name__)
+def test_random_events_of_every_type_are_written_as_fastavro_writes_them(cls):
+    events = RandomEvents(hash(cls.__name__) % 1000)
+    for _ in range(200):
+        _same(events.of(cls))
+
+
+def test_units_and_dead_letters_with_lists_or_foreign_items_are_handed_on():
+    unit = RandomEvents(3).unit()
+    _same(dataclasses.replace(unit, members=list(unit.members)))   # a list: to_avro converts it
+    _same(dataclasses.replace(unit, members=("not a sample",)))     # to_avro's TypeError
+    letter = RandomEvents(4).dead_letter()
+    _same(dataclasses.replace(letter, headers=[MessageHeader(key="k", value=None)]))
+    _same(dataclasses.replace(letter, source_partition=2**31))      # past int: InvalidRecord
 
 
 @pytest.mark.parametrize("overrides", [
@@ -83,18 +122,18 @@ def test_random_generations_round_trip_byte_for_byte():
             sampling=SamplingParams(temperature=float(rng.random()), top_k=int(rng.integers(-1, 100)),
                                     max_tokens=int(rng.integers(0, 2**31 - 1)),
                                     seed=None if i % 2 else int(rng.integers(-(2**63), 2**63 - 1))))
-        value, headers = ENCODER.encode(event)
-        assert (value, headers) == REGISTRY.encode(event)
+        value, headers = REGISTRY.encode(event)
+        assert (value, headers) == REFERENCE.encode(event)
         assert decode(value, headers, Generation).policy_version == event.policy_version
 
 
 def test_values_that_do_not_fit_get_the_registrys_error():
     with pytest.raises(InvalidRecord, match="Generation"):
-        ENCODER.encode(dataclasses.replace(generation(1), model="\ud800"))   # not UTF-8
+        REGISTRY.encode(dataclasses.replace(generation(1), model="\ud800"))   # not UTF-8
     with pytest.raises(InvalidRecord):
-        ENCODER.encode(dataclasses.replace(generation(1), policy_version=2**64))
+        REGISTRY.encode(dataclasses.replace(generation(1), policy_version=2**64))
     with pytest.raises(InvalidRecord):
-        ENCODER.encode(dataclasses.replace(generation(1), finish_reason="STOP"))
+        REGISTRY.encode(dataclasses.replace(generation(1), finish_reason="STOP"))
 
 
 def test_the_two_level_varint_table_matches_the_plain_loop():
@@ -103,13 +142,12 @@ def test_the_two_level_varint_table_matches_the_plain_loop():
         assert _large_varint(zigzag) == _varint(zigzag)
 
 
-def test_ordinary_records_do_not_go_through_the_registry():
-    class Refusing(SchemaRegistry):
-        def encode(self, event):
-            raise AssertionError("the registry was asked to encode an ordinary record")
+def test_ordinary_records_do_not_go_through_fastavro(monkeypatch):
+    from reef_stream.topics import serde
 
-    encoder = EventEncoder(Refusing(), (Generation, Feedback))
-    assert encoder.encode(generation(5)) == REGISTRY.encode(generation(5))
-    feedback = Feedback(feedback_id="f", generation_id="g", source="s", reward=0.5,
-                        components={"a": 1.0}, created_at=1_795_000_000_000)
-    assert encoder.encode(feedback) == REGISTRY.encode(feedback)
+    def refuse(*args, **kwargs):
+        raise AssertionError("fastavro was asked to encode an ordinary record")
+
+    expected = [REFERENCE.encode(generation(5)), REFERENCE.encode(RandomEvents(5).unit())]
+    monkeypatch.setattr(serde, "schemaless_writer", refuse)
+    assert [REGISTRY.encode(generation(5)), REGISTRY.encode(RandomEvents(5).unit())] == expected
