@@ -46,6 +46,14 @@ from reef_stream.errors import ConfigurationError
                    "every try failed is REJECTED with the error as its reason.")
 @click.option("--backoff", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Seconds before the first retry; doubled before each further one (at most 60).")
+@click.option("--supersede/--no-supersede", default=True, show_default=True,
+              help="When newer checkpoints of the same model are already waiting (read from the "
+                   "log, not decided yet), measure only the newest and REJECT the older ones "
+                   "unmeasured (reason 'superseded: ...'), so replicas get the newest version "
+                   "instead of a queue of old ones. Every checkpoint still gets one decision; "
+                   "a rollback checkpoint is never superseded, and an evaluator that does not "
+                   "measure (AcceptEverything) decides every candidate. --no-supersede measures "
+                   "every candidate.")
 @click.option("--max-candidates", type=click.IntRange(min=1), default=None,
               help="Stop after this many decisions (for tests and batch runs).")
 @click.option("--idle-exit", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -56,7 +64,7 @@ from reef_stream.errors import ConfigurationError
 @click.pass_context
 def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None,
              publish_to: str | None, keep_published: int, retries: int, backoff: float,
-             max_candidates: int | None, idle_exit: float | None,
+             supersede: bool, max_candidates: int | None, idle_exit: float | None,
              metrics_port: int | None, overrides: tuple[str, ...] = ()) -> None:
     """Evaluate candidate checkpoints and publish one decision per checkpoint.
 
@@ -74,22 +82,28 @@ def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None
     id) or a version not newer than one already decided gets none. The
     offset is committed only after the Publication is acknowledged.
 
+    When the trainer checkpoints faster than the evaluator measures, the
+    checkpoints already waiting are decided together: only the newest of a
+    model is measured, and the older ones are REJECTED as superseded, without
+    measuring (--no-supersede measures them all, one after the other).
+
     The default evaluator (AcceptEverything) promotes everything without
     measuring; a warning says so at start and its publications are marked
     unevaluated. Stops on SIGTERM or Ctrl-C, --max-candidates or
     --idle-exit, and prints a one-line summary.
     """
+    from reef_stream.api.recipe import load_recipe
     from reef_stream.config import load_settings
     from reef_stream.consumers.evaluator import EvaluateOptions, EvaluatorWorker
     from reef_stream.consumers.fleet import Fleet
-    from reef_stream.api.recipe import load_recipe
 
     settings = ctx.obj if ctx.obj is not None else load_settings()
     logging.getLogger("reef_stream.consumers.evaluator").setLevel(logging.INFO)
     recipe = load_recipe(path, overrides=overrides)
     options = EvaluateOptions(group=group, model=model, publish_to=publish_to,
                               keep_published=keep_published, retries=retries, backoff=backoff,
-                              max_candidates=max_candidates, idle_exit=idle_exit)
+                              supersede=supersede, max_candidates=max_candidates,
+                              idle_exit=idle_exit)
     try:
         fleet = Fleet.from_settings(settings)
     except ConfigurationError:

@@ -6,8 +6,10 @@
 
 One worker is one member of a Kafka consumer group (default
 ``<ns>.evaluate.<recipe name>``) on ``<ns>.checkpoints`` (one partition: one
-worker of the group is active, the others stand by). For each Checkpoint
-event, in log order:
+worker of the group is active, the others stand by). The stage loop hands
+the events over one at a time; they wait until its consumer holds nothing
+more (its position is the log's end at its last fetch, or a fetch came back
+empty). Then each waiting Checkpoint event, in log order:
 
 1. a Checkpoint of another recipe (or, with ``--model``, of another model) is
    skipped; an undecodable record becomes a ``DeadLetter`` (stage
@@ -18,34 +20,47 @@ event, in log order:
    (``duplicates``). A trainer that re-emits its Checkpoint event after a
    crash, or an evaluator restarted between its publication and its commit,
    therefore never publishes twice;
-3. the candidate's files are verified against its sha256; a candidate that
+3. with ``supersede`` (the default; ``reef evaluate --no-supersede`` measures
+   every candidate) and an evaluator that measures (``evaluates``: not the
+   default AcceptEverything, which has nothing to save and promotes every
+   candidate), a candidate while a newer one of its recipe and model waits
+   too is REJECTED without verifying or measuring it, with the reason
+   ``superseded: version N was waiting when this one's turn came; only the
+   newest waiting candidate is measured`` (``superseded``, and the metric
+   ``candidates_superseded``). The newest is decided as below, after the
+   older ones' rejections are published. A rollback checkpoint is never
+   superseded and supersedes nothing (``reef_stream.consumers.superseding``);
+4. the candidate's files are verified against its sha256; a candidate that
    fails is REJECTED with the reason (nothing unverified is ever promoted);
-4. ``evaluator.measure(candidate)`` runs (tried ``1 + retries`` times), then
+5. ``evaluator.measure(candidate)`` runs (tried ``1 + retries`` times), then
    ``evaluator.select(measurement, incumbent)`` with the incumbent (the
    model's newest PROMOTED publication). A measure that fails on every try,
    or a select that raises, is REJECTED with the error as the reason: a bad
    candidate never stops the pipeline and never disappears;
-5. a PROMOTED candidate is copied into the ``PublicationStore``
+6. a PROMOTED candidate is copied into the ``PublicationStore``
    (``$REEF_HOME/published/<ns>/<model>/v<version>`` by default) and the copy
    verified; the Publication names the copy, so the trainer's retention of
    its last K checkpoints cannot delete what replicas serve;
-6. the Publication is produced (idempotent producer, ``acks=all``) and
+7. the Publication is produced (idempotent producer, ``acks=all``) and
    waited for.
 
 A rollback checkpoint (``rolled_back_to`` set: the trainer stalled after
 rejections and went back to the incumbent's weights, see
-``reef_stream.consumers.rollback``) is not measured: after step 3 it is
+``reef_stream.consumers.rollback``) is not measured: after step 4 it is
 promoted when version ``rolled_back_to`` is still the incumbent and the
 weights are exactly its weights (with the incumbent's measurement), rejected
 with the reason otherwise.
 
-The durability order: publication acknowledged by the broker (``_publish``)
+The durability order, for every decision (a superseded candidate's included):
+publication acknowledged by the broker (``_publish``)
 → the checkpoint's offset committed (by the stage loop,
 ``reef_stream.consumers.stage``, once ``_Decisions`` says it is committable)
 → the Redis projection updated and old published copies pruned
 (``_after_commit``; after a commit that failed, at the next one that
 succeeds). A crash before the commit re-reads
-the checkpoint on restart; step 2 then finds its decision in the ledger. A
+the checkpoint on restart; step 2 then finds its decision in the ledger
+(candidates that waited together are committed together, after the last of
+them is decided: a superseded candidate read again is found decided). A
 publication that cannot be stored, or a copy that cannot be written, stops
 the worker with a ``FatalError`` and leaves the offset uncommitted.
 
@@ -83,27 +98,42 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from reef_stream.engine.checkpoints import CheckpointError, load_weights, verify
-from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import bootstrap_servers, new_producer
-from reef_stream.errors import ConfigurationError, InvalidRecord
 from reef_stream.api.evaluator import Incumbent, Measurement, Selection
+from reef_stream.api.recipe import Recipe
+from reef_stream.config import Settings, load_settings
+from reef_stream.consumers.publications import (
+    PublicationLedger,
+    PublicationStore,
+    default_publication_url,
+    publication_key,
+)
+from reef_stream.consumers.rollback import check_rollback
+from reef_stream.consumers.stage import DELIVERY_TIMEOUT_S, StageLoop, deliver
+from reef_stream.consumers.superseding import superseded_reason, superseding
+from reef_stream.engine.checkpoints import CheckpointError, load_weights, verify
+from reef_stream.errors import ConfigurationError, InvalidRecord
+from reef_stream.ops.metrics import (
+    EVALUATOR_CANDIDATE_VERSION,
+    EVALUATOR_CANDIDATES_SKIPPED,
+    EVALUATOR_CANDIDATES_SUPERSEDED,
+    EVALUATOR_DECISIONS,
+    EVALUATOR_MEASURE_SECONDS,
+    EVALUATOR_MEASUREMENT,
+    STAGE_EVALUATOR,
+    MetricsWriter,
+)
+from reef_stream.topics import declarations
+from reef_stream.topics.connect import bootstrap_servers, new_producer
 from reef_stream.topics.dead_letters import dead_letter
 from reef_stream.topics.events import Checkpoint, Decision, Publication, now_ms
-from reef_stream.topics.kafka import Message, Producer, TopicPartition
-from reef_stream.ops.metrics import (
-    EVALUATOR_CANDIDATE_VERSION, EVALUATOR_CANDIDATES_SKIPPED, EVALUATOR_DECISIONS,
-    EVALUATOR_MEASURE_SECONDS, EVALUATOR_MEASUREMENT, STAGE_EVALUATOR, MetricsWriter,
+from reef_stream.topics.kafka import (
+    Consumer,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
 )
-from reef_stream.api.recipe import Recipe
-from reef_stream.topics import declarations
 from reef_stream.topics.serde import SchemaRegistry
-from reef_stream.consumers.stage import DELIVERY_TIMEOUT_S, StageLoop, deliver
-from reef_stream.consumers.rollback import check_rollback
-from reef_stream.consumers.publications import (
-    PublicationLedger, PublicationStore,
-    default_publication_url, publication_key,
-)
 
 if TYPE_CHECKING:
     from reef_stream.consumers.fleet import Fleet
@@ -119,6 +149,9 @@ STAGE = STAGE_EVALUATOR
 MAX_BACKOFF_S = 60.0
 #: With ``idle_exit``: how much longer a worker waits that the group has not assigned yet.
 JOIN_GRACE_S = 30.0
+#: With ``supersede``: the most checkpoint events that wait before they are decided, even when
+#: the consumer holds more (a bound on what one newest candidate can supersede at once).
+MAX_WAITING = 1000
 
 
 def default_group(recipe: Recipe, namespace: str) -> str:
@@ -144,7 +177,9 @@ class EvaluateOptions:
     copies kept per model (0: all). ``retries``: tries of ``measure`` after a failed one.
     ``max_candidates``: stop after deciding this many. ``idle_exit``: stop after this many
     seconds without a new checkpoint event (counted from the group's assignment; a member
-    still joining waits up to ``JOIN_GRACE_S`` longer).
+    still joining waits up to ``JOIN_GRACE_S`` longer). ``supersede``: of the candidates of a
+    model waiting at once, measure only the newest and reject the older ones unmeasured (with
+    an evaluator that ``evaluates``; see the module docstring); False measures every candidate.
     """
 
     group: str | None = None
@@ -155,6 +190,7 @@ class EvaluateOptions:
     backoff: float = 1.0
     max_candidates: int | None = None
     idle_exit: float | None = None
+    supersede: bool = True
 
     def problems(self) -> list[str]:
         found = []
@@ -176,16 +212,19 @@ class EvaluateOptions:
 @dataclass
 class EvaluateSummary:
     """The worker's counters. ``checkpoints``: events read; ``promoted`` / ``rejected``:
-    decisions published; ``duplicates``: candidates already decided (same checkpoint id, or a
-    version not newer than one decided); ``skipped``: checkpoints of another recipe or model;
-    ``undecodable``: checkpoint events dead-lettered; ``failed_measures``: tries of ``measure``
-    that raised; ``undecodable_publications``: records of ``<ns>.publications`` dead-lettered
-    (see the module docstring)."""
+    decisions published; ``superseded``: of the rejected, those decided unmeasured because a
+    newer candidate of their model was waiting (``supersede``); ``duplicates``: candidates
+    already decided (same checkpoint id, or a version not newer than one decided);
+    ``skipped``: checkpoints of another recipe or model; ``undecodable``: checkpoint events
+    dead-lettered; ``failed_measures``: tries of ``measure`` that raised;
+    ``undecodable_publications``: records of ``<ns>.publications`` dead-lettered (see the
+    module docstring)."""
 
     group: str = ""
     checkpoints: int = 0
     promoted: int = 0
     rejected: int = 0
+    superseded: int = 0
     duplicates: int = 0
     skipped: int = 0
     undecodable: int = 0
@@ -199,8 +238,8 @@ class EvaluateSummary:
 
     def line(self) -> str:
         """One line for the log: ``evaluator <group>: checkpoints=... promoted=... ...``."""
-        names = ("checkpoints", "promoted", "rejected", "duplicates", "skipped", "undecodable",
-                 "failed_measures", "undecodable_publications")
+        names = ("checkpoints", "promoted", "rejected", "superseded", "duplicates", "skipped",
+                 "undecodable", "failed_measures", "undecodable_publications")
         counts = " ".join(f"{name}={getattr(self, name)}" for name in names)
         return f"evaluator {self.group}: {counts} elapsed_s={self.elapsed_s:.1f}"
 
@@ -247,6 +286,8 @@ class EvaluatorWorker:
         self._on_decision = on_decision
         self._stop = threading.Event()
         self._last_assigned: float | None = None
+        #: Whether candidates are superseded: nothing to save without measuring.
+        self._supersedes = options.supersede and bool(self.evaluator.evaluates)
 
     @property
     def warning(self) -> str | None:
@@ -305,11 +346,12 @@ class EvaluatorWorker:
         return self.summary
 
     def _publish(self, checkpoint: Checkpoint, producer: Producer, ledger: PublicationLedger,
-                 metrics: MetricsWriter) -> Publication | None:
+                 metrics: MetricsWriter, superseded_by: int | None = None) -> Publication | None:
         """Decide on ``checkpoint`` (or find it decided), produce the Publication and wait for
         the broker's acknowledgement (``FatalError`` otherwise; nothing committed). The first
-        half of the durability order; ``_after_commit`` is the rest."""
-        publication = self._decide(checkpoint, ledger, metrics)
+        half of the durability order; ``_after_commit`` is the rest. ``superseded_by``: the
+        newer waiting version that supersedes it (``superseding``), if any."""
+        publication = self._decide(checkpoint, ledger, metrics, superseded_by)
         if publication is not None:
             value, headers = self._registry.encode(publication)
             deliver(producer, self.publications_topic, publication_key(publication), value,
@@ -323,6 +365,9 @@ class EvaluatorWorker:
             metrics.write(EVALUATOR_DECISIONS, self.summary.rejected, decision="REJECTED")
             metrics.write(EVALUATOR_CANDIDATE_VERSION, publication.policy_version,
                           model=publication.model, decision=publication.decision.value)
+            if superseded_by is not None:  # decided: then it is the superseded rejection
+                self.summary.superseded += 1
+                metrics.write(EVALUATOR_CANDIDATES_SUPERSEDED, self.summary.superseded)
             for measure, value in sorted(publication.measurement.items()):
                 metrics.write(EVALUATOR_MEASUREMENT, value, model=publication.model,
                               measure=measure)
@@ -347,10 +392,11 @@ class EvaluatorWorker:
         if self._on_decision is not None:
             self._on_decision(publication)
 
-    def _decide(self, candidate: Checkpoint, ledger: PublicationLedger,
-                metrics: MetricsWriter) -> Publication | None:
+    def _decide(self, candidate: Checkpoint, ledger: PublicationLedger, metrics: MetricsWriter,
+                superseded_by: int | None = None) -> Publication | None:
         """The publication for ``candidate``, or None when it gets none (another recipe or model,
-        or already decided). Blocks while ``measure`` runs."""
+        or already decided); REJECTED unmeasured when ``superseded_by`` a newer waiting version.
+        Blocks while ``measure`` runs."""
         if candidate.recipe != self.recipe.name or (
                 self.options.model is not None and candidate.model != self.options.model):
             self.summary.skipped += 1
@@ -372,6 +418,9 @@ class EvaluatorWorker:
             return None
         current = ledger.incumbent(candidate.model)
         incumbent = Incumbent.from_publication(current) if current is not None else None
+        if superseded_by is not None:  # never promoted, so neither verified nor measured
+            return self._publication(candidate, Measurement(), incumbent, Selection(
+                Decision.REJECTED, superseded_reason(superseded_by)), candidate.uri)
         try:
             verify(candidate.uri, candidate.sha256)
         except CheckpointError as error:
@@ -510,29 +559,43 @@ class EvaluatorWorker:
 
 
 class _Decisions:
-    """The evaluator's strategy on the stage loop: one checkpoint event at a time, decided and
-    published in ``submit`` (blocking while ``measure`` runs); its offset is committable once
-    the publication is acknowledged (or the event was skipped, or dead-lettered), and the
+    """The evaluator's strategy on the stage loop. ``submit`` decodes a checkpoint event and
+    adds it to the waiting ones; ``fetched`` decides every waiting one, in log order, once the
+    loop's consumer holds nothing more (``_holds_more``; at once when nothing is superseded),
+    so that the newest waiting candidate supersedes the older ones. A position is committable
+    once its publication is acknowledged (or the event was skipped, or dead-lettered), and the
     post-commit steps run in ``committed``. ``poll`` follows the publications topic while
     idle and stops the worker at ``--max-candidates`` or ``--idle-exit``."""
 
     def __init__(self, worker: EvaluatorWorker, producer: Producer, ledger: PublicationLedger,
                  metrics: MetricsWriter) -> None:
         self.worker, self.producer, self.ledger, self.metrics = worker, producer, ledger, metrics
+        self._consumer: Consumer | None = None
         self._positions: dict[tuple[str, int], int] = {}
+        #: Handed over, not decided yet, in log order; None: dead-lettered already.
+        self._waiting: list[tuple[Message, Checkpoint | None]] = []
         self._decided: list[Publication] = []  # acknowledged, their offsets not committed yet
         self._last_activity = time.monotonic()
+
+    def on_start(self, consumer: Consumer) -> None:
+        """The loop's consumer: asked only whether it holds more records (``_holds_more``)."""
+        self._consumer = consumer
 
     def on_assign(self, partitions: list[TopicPartition]) -> None:
         self.worker._last_assigned = time.monotonic()
 
     def on_revoke(self, partitions: list[TopicPartition]) -> None:
-        """Nothing is held between two events (every decision is committed as it is made):
-        forget the partitions' positions, which their next owner moves on."""
-        for tp in partitions:
-            self._positions.pop((tp.topic, tp.partition), None)
+        """Forget the partitions' positions, which their next owner moves on, and drop their
+        waiting events (undecided, uncommitted: their next owner reads them again)."""
+        gone = {(tp.topic, tp.partition) for tp in partitions}
+        for where in gone:
+            self._positions.pop(where, None)
+        self._waiting = [(message, checkpoint) for message, checkpoint in self._waiting
+                         if (message.topic(), message.partition()) not in gone]
 
     def submit(self, message: Message) -> None:
+        """Decode the event and let it wait (``fetched`` decides); ``InvalidRecord`` for one
+        that does not decode."""
         worker = self.worker
         self._last_activity = time.monotonic()
         worker.summary.checkpoints += 1
@@ -543,22 +606,23 @@ class _Decisions:
         except InvalidRecord:
             worker.summary.undecodable += 1
             raise  # the loop dead-letters it, then dead_lettered()
-        try:
-            publication = worker._publish(checkpoint, self.producer, self.ledger, self.metrics)
-        except _Stopped:  # stopped while measuring: undecided, uncommitted
-            worker.stop()
-            return
-        self._done(message)
-        if publication is not None:
-            self._decided.append(publication)
-        self._last_activity = time.monotonic()
+        self._waiting.append((message, checkpoint))
 
     def dead_lettered(self, message: Message) -> None:
-        self._done(message)
+        self._waiting.append((message, None))  # committable in its turn, after those before it
+
+    def fetched(self, drained_at_ms: int | None) -> None:
+        """Decide the waiting events unless the consumer holds more to hand over first (with
+        ``supersede``; up to ``MAX_WAITING``; a fetch that came back empty ends the wait)."""
+        if not self._waiting or (
+                self.worker._supersedes and drained_at_ms is None
+                and len(self._waiting) < MAX_WAITING and self._holds_more()):
+            return
+        self._decide_waiting()
 
     def poll(self) -> None:
         worker, options = self.worker, self.worker.options
-        if options.max_candidates is not None and worker.summary.decided >= options.max_candidates:
+        if self._enough():
             worker.stop()
             return
         self.ledger.poll(0)  # meanwhile: what others publish, and letters for what is bad
@@ -581,10 +645,61 @@ class _Decisions:
             self.worker._after_commit(publication)
 
     def join(self, timeout: float | None) -> None:
-        """Nothing to finish: ``submit`` decides synchronously."""
+        """Decide nothing more: the events still waiting stay undecided and uncommitted (read
+        again at the next start)."""
+        if self._waiting:
+            log.info("%d checkpoint events left undecided at the stop; read again at the next "
+                     "start", len(self._waiting))
+            self._waiting = []
 
     def close(self) -> None:
         """The ledger and the producer are the worker's."""
+
+    def _holds_more(self) -> bool:
+        """Whether the loop's consumer has more records of the waiting events' partitions to
+        hand over: the log's end at its last fetch (cached, no request) is past its position.
+        False when it cannot say."""
+        wanted = sorted({(message.topic(), message.partition()) for message, _ in self._waiting})
+        try:
+            for position in self._consumer.position([TopicPartition(t, p) for t, p in wanted]):
+                _, end = self._consumer.get_watermark_offsets(position, cached=True)
+                if 0 <= position.offset < end:
+                    return True
+        except KafkaException as error:
+            log.warning("could not read the consumer's position (%s): deciding what waits", error)
+        return False
+
+    def _decide_waiting(self) -> None:
+        """Decide the waiting events in log order, each with the version that supersedes it
+        (``superseding``, with ``supersede`` and an evaluator that measures). At a stop, or at ``--max-candidates``, the rest
+        stay undecided and uncommitted."""
+        worker = self.worker
+        waiting, self._waiting = self._waiting, []
+        checkpoints = [checkpoint for _, checkpoint in waiting if checkpoint is not None]
+        newer = iter(superseding(checkpoints) if worker._supersedes
+                     else [None] * len(checkpoints))
+        for done, (message, checkpoint) in enumerate(waiting):
+            if checkpoint is not None:
+                if worker.stopping or self._enough():
+                    self._waiting = waiting[done:]  # dropped by join()
+                    worker.stop()
+                    return
+                try:
+                    publication = worker._publish(checkpoint, self.producer, self.ledger,
+                                                  self.metrics, next(newer))
+                except _Stopped:  # stopped while measuring: undecided, uncommitted
+                    self._waiting = waiting[done:]
+                    worker.stop()
+                    return
+                if publication is not None:
+                    self._decided.append(publication)
+                self._last_activity = time.monotonic()
+            self._done(message)
+
+    def _enough(self) -> bool:
+        """``--max-candidates`` decisions made."""
+        limit = self.worker.options.max_candidates
+        return limit is not None and self.worker.summary.decided >= limit
 
     def _done(self, message: Message) -> None:
         self._positions[(message.topic(), message.partition())] = message.offset() + 1

@@ -2,13 +2,13 @@
 
 A trainer that checkpoints faster than the candidate evaluator's ``measure`` runs leaves
 candidates waiting; measuring each in turn puts what replicas serve ever further behind the
-trainer. The evaluator (``reef_stream.consumers.evaluator``, option ``supersede``) therefore
-takes the checkpoint events waiting at once (handed over by its stage loop, not decided yet)
-and asks ``superseding`` which of them a newer waiting one supersedes: per recipe and model,
-every candidate older than the newest waiting one. It decides those REJECTED, with
-``superseded_reason``, without verifying or measuring them (a superseded candidate is never
-promoted, so nothing unverified is served), and measures the newest as always. Each waiting
-checkpoint still gets exactly one decision, in log order.
+trainer. The evaluator (``reef_stream.consumers.evaluator``, option ``supersede``, with an
+evaluator that measures) therefore takes the checkpoint events waiting at once (handed over
+by its stage loop, not decided yet) and asks ``superseding`` which of them a newer waiting
+one supersedes: per recipe and model, every candidate older than the newest waiting one. It
+decides those REJECTED, with ``superseded_reason``, without verifying or measuring them (a
+superseded candidate is never promoted, so nothing unverified is served), and measures the
+newest as always. Each waiting checkpoint still gets exactly one decision, in log order.
 
 A rollback checkpoint (``rolled_back_to`` set, see ``reef_stream.consumers.rollback``) is
 neither superseded nor supersedes: the trainer does not retry a rejected rollback, so it is

@@ -1,5 +1,7 @@
 """Candidate evaluation against the real broker and Redis: exactly one decision per checkpoint,
-only promoted versions reach replicas, and a late replica converges on the newest one.
+only promoted versions reach replicas, and a late replica converges on the newest one. Of the
+candidates waiting together only the newest is measured (``supersede``); the tests about each
+candidate's own decision turn that off.
 
 The tests write real checkpoints of a tiny model (tests.recipes.evaluators) and produce their
 Checkpoint events themselves (no trainer); the evaluator runs in this process or as `reef
@@ -9,29 +11,53 @@ do not decode are dead-lettered by the evaluator, keyed by where they are, at ev
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 
 import pytest
 import torch
 
-from reef_stream.engine.checkpoints import CheckpointStore, load_weights
-from reef_stream.consumers.evaluator import EvaluatorWorker, coordinates_key
-from reef_stream.consumers.follower import Follower
-from reef_stream.topics.events import DeadLetter, Decision, Metric
-from reef_stream.ops.metrics import (
-    CONSUMER_LAG, EVALUATOR_CANDIDATE_VERSION, EVALUATOR_MEASUREMENT, STAGE_EVALUATOR,
-)
 from reef_stream.api.recipe import load_recipe
+from reef_stream.consumers.evaluator import (
+    EvaluateOptions,
+    EvaluatorWorker,
+    coordinates_key,
+)
+from reef_stream.consumers.follower import Follower
+from reef_stream.consumers.superseding import superseded_reason
+from reef_stream.engine.checkpoints import CheckpointStore, load_weights
+from reef_stream.ops.metrics import (
+    CONSUMER_LAG,
+    EVALUATOR_CANDIDATE_VERSION,
+    EVALUATOR_CANDIDATES_SUPERSEDED,
+    EVALUATOR_MEASUREMENT,
+    STAGE_EVALUATOR,
+)
 from reef_stream.topics.declarations import checkpoints, dead_letters, metrics
+from reef_stream.topics.events import DeadLetter, Decision, Metric
 from tests.helpers import consume_events, reef
 from tests.integration.publishing import (
-    Loads, create_topics, eventually, fleet_of, produce_checkpoints, promoted, publication_keys,
-    read_publications, run_evaluator, settings_for, write_checkpoint,
+    Loads,
+    create_topics,
+    eventually,
+    fleet_of,
+    produce_checkpoints,
+    promoted,
+    publication_keys,
+    read_publications,
+    run_evaluator,
+    settings_for,
+    write_checkpoint,
 )
 from tests.integration.undecodable import (
-    GARBAGE, decodable_publications, letters, other_schema, publish_raw,
+    GARBAGE,
+    decodable_publications,
+    letters,
+    other_schema,
+    publish_raw,
 )
+from tests.recipes.counting_evaluator import CountingScore
 from tests.recipes.evaluators import score, weights
 
 
@@ -50,7 +76,7 @@ def test_a_rejecting_evaluator_never_promotes_and_replicas_never_load(
     other = write_checkpoint(tmp_path / "other", 4, 0.9, recipe="another-recipe")
     produce_checkpoints(kafka_bootstrap, namespace, *events, other)
 
-    summary = run_evaluator("rejecting", settings, fleet=fleet)
+    summary = run_evaluator("rejecting", settings, fleet=fleet, supersede=False)
 
     assert (summary.rejected, summary.promoted, summary.skipped) == (3, 0, 1)
     decisions = read_publications(kafka_bootstrap, namespace, 3)
@@ -86,7 +112,7 @@ def test_a_promoting_evaluator_and_a_late_replica_converge_on_the_newest_version
              for step, alpha in ((1, 0.5), (2, 0.2), (3, 0.8))]  # v2 is worse than v1
     produce_checkpoints(kafka_bootstrap, namespace, *first)
 
-    summary = run_evaluator("promoting", settings, fleet=fleet)
+    summary = run_evaluator("promoting", settings, fleet=fleet, supersede=False)
 
     assert (summary.promoted, summary.rejected) == (2, 1)
     decisions = read_publications(kafka_bootstrap, namespace, 3)
@@ -144,8 +170,8 @@ def test_a_reemitted_checkpoint_gets_no_second_decision(
     v1 = write_checkpoint(tmp_path / "ckpt", 1, 0.5)
     v2 = write_checkpoint(tmp_path / "ckpt", 2, 0.6)
     produce_checkpoints(kafka_bootstrap, namespace, v1, v2, v1)  # a trainer crash re-emits v1
-    first = run_evaluator("promoting", settings)
-    assert (first.promoted, first.duplicates) == (2, 1)
+    first = run_evaluator("promoting", settings)  # v2 waits too: v1 is superseded
+    assert (first.promoted, first.superseded, first.duplicates) == (1, 1, 1)
 
     # The trainer restarted from an older checkpoint and emits v2 again (same id), and a
     # different checkpoint with an already decided version.
@@ -162,7 +188,7 @@ def test_a_reemitted_checkpoint_gets_no_second_decision(
 
     decisions = read_publications(kafka_bootstrap, namespace, 2)
     assert [(p.policy_version, p.decision) for p in decisions] == [
-        (1, Decision.PROMOTED), (2, Decision.PROMOTED)]
+        (1, Decision.REJECTED), (2, Decision.PROMOTED)]
 
 
 def test_a_tampered_candidate_or_a_failing_measure_is_rejected_with_the_reason(
@@ -178,7 +204,7 @@ def test_a_tampered_candidate_or_a_failing_measure_is_rejected_with_the_reason(
                               recipe="broken-measure")
     produce_checkpoints(kafka_bootstrap, namespace, tampered, good, broken)
 
-    assert run_evaluator("promoting", settings).decided == 2
+    assert run_evaluator("promoting", settings, supersede=False).decided == 2
     summary = run_evaluator("broken_measure", settings, retries=1, backoff=0.01)
     assert (summary.rejected, summary.failed_measures) == (1, 2)
 
@@ -189,6 +215,67 @@ def test_a_tampered_candidate_or_a_failing_measure_is_rejected_with_the_reason(
     assert third.decision is Decision.REJECTED and third.model == "judged"
     assert "measure failed on every one of 2 tries" in third.reason
     assert "RuntimeError: the judge is down" in third.reason
+
+
+def five_waiting(kafka_bootstrap, namespace, store) -> list:
+    """Five ever better checkpoints of the ``counting`` recipe, on the topic before any evaluator
+    starts: all five wait together."""
+    events = [write_checkpoint(store, step, alpha, recipe="counting")
+              for step, alpha in enumerate((0.5, 0.6, 0.7, 0.8, 0.9), start=1)]
+    produce_checkpoints(kafka_bootstrap, namespace, *events)
+    return events
+
+
+def counting_worker(settings, evaluator: CountingScore, **options) -> EvaluatorWorker:
+    recipe = dataclasses.replace(load_recipe("tests.recipes.counting_evaluator"),
+                                 evaluator=evaluator)
+    return EvaluatorWorker(recipe, settings=settings,
+                           options=EvaluateOptions(idle_exit=3, **options))
+
+
+def test_of_the_candidates_waiting_together_only_the_newest_is_measured(
+        setup, kafka_bootstrap, namespace, tmp_path):
+    settings, _ = setup
+    events = five_waiting(kafka_bootstrap, namespace, tmp_path / "ckpt")
+    evaluator = CountingScore()
+
+    summary = counting_worker(settings, evaluator).run()
+
+    assert evaluator.measured == [5]
+    assert (summary.checkpoints, summary.promoted, summary.rejected, summary.superseded) == \
+        (5, 1, 4, 4)
+    decisions = read_publications(kafka_bootstrap, namespace, 5)
+    assert [(p.policy_version, p.decision) for p in decisions] == \
+        [(v, Decision.REJECTED) for v in (1, 2, 3, 4)] + [(5, Decision.PROMOTED)]
+    for publication, event in zip(decisions[:4], events):
+        assert publication.reason == superseded_reason(5)
+        assert publication.measurement == {} and publication.uri == event.uri  # not copied
+    assert decisions[4].measurement["score"] == pytest.approx(score(weights(0.9)))
+    assert decisions[4].incumbent_version is None
+    superseded = [m.value for m in consume_events(kafka_bootstrap, metrics(namespace), 1, Metric)
+                  if m.stage == STAGE_EVALUATOR and m.name == EVALUATOR_CANDIDATES_SUPERSEDED]
+    assert superseded == [1, 2, 3, 4]
+
+    # An evaluator that crashed before committing reads all five again (a new group has no
+    # committed offsets): each is found decided, superseded ones included; nothing is measured.
+    replay = counting_worker(settings, evaluator, group=f"{namespace}.evaluate.fresh").run()
+    assert (replay.checkpoints, replay.decided, replay.duplicates) == (5, 0, 5)
+    assert evaluator.measured == [5]
+
+
+def test_without_supersede_every_waiting_candidate_is_measured(
+        setup, kafka_bootstrap, namespace, tmp_path):
+    settings, _ = setup
+    five_waiting(kafka_bootstrap, namespace, tmp_path / "ckpt")
+    evaluator = CountingScore()
+
+    summary = counting_worker(settings, evaluator, supersede=False).run()
+
+    assert evaluator.measured == [1, 2, 3, 4, 5]
+    assert (summary.promoted, summary.rejected, summary.superseded) == (5, 0, 0)
+    decisions = read_publications(kafka_bootstrap, namespace, 5)
+    assert [(p.policy_version, p.incumbent_version) for p in decisions] == \
+        [(1, None), (2, 1), (3, 2), (4, 3), (5, 4)]
 
 
 def test_reef_evaluate_warns_about_accept_everything_and_marks_publications_unevaluated(
@@ -202,18 +289,23 @@ def test_reef_evaluate_warns_about_accept_everything_and_marks_publications_unev
     garbage = Producer(client_config(kafka_bootstrap))
     garbage.produce(checkpoints(namespace), key=b"trainer-a", value=b"not avro")
     assert garbage.flush(30) == 0
+    produce_checkpoints(kafka_bootstrap, namespace,
+                        write_checkpoint(tmp_path / "ckpt", 8, 0.6, recipe="good"))
 
     result = reef("evaluate", "--recipe", "tests.recipes.good", "--idle-exit", "3",
                       env=cli_env)
 
     assert "AcceptEverything" in result.stderr and "WITHOUT evaluation" in result.stderr
-    assert "checkpoints=2 promoted=1 rejected=0 duplicates=0 skipped=0 undecodable=1" \
-        in result.stdout
-    (publication,) = read_publications(kafka_bootstrap, namespace, 1)
-    assert publication.decision is Decision.PROMOTED and not publication.evaluated
-    assert publication.evaluator == "accept-everything (unevaluated)"
-    assert publication.uri.endswith(f"published/{namespace}/tiny/v7")
-    load_weights(publication.uri, publication.sha256)
+    # v8 waited with v7, but what measures nothing supersedes nothing: both are promoted.
+    assert "checkpoints=3 promoted=2 rejected=0 superseded=0 duplicates=0 skipped=0 " \
+        "undecodable=1" in result.stdout
+    decisions = read_publications(kafka_bootstrap, namespace, 2)
+    assert [p.policy_version for p in decisions] == [7, 8]
+    for publication in decisions:
+        assert publication.decision is Decision.PROMOTED and not publication.evaluated
+        assert publication.evaluator == "accept-everything (unevaluated)"
+        assert publication.uri.endswith(f"published/{namespace}/tiny/v{publication.policy_version}")
+        load_weights(publication.uri, publication.sha256)
     (letter,) = consume_events(kafka_bootstrap, dead_letters(namespace), 1, DeadLetter)
     assert letter.stage == "evaluator" and letter.value == b"not avro"
     assert "undecodable checkpoint event" in letter.reason
