@@ -34,10 +34,15 @@ _MILLIS = (-62_135_596_800_000, 253_402_300_799_999)
 
 
 class RandomEvents:
-    """``RandomEvents(seed).any()``: a random event of a random type; ``.of(cls)`` of one type."""
+    """``RandomEvents(seed).of(cls)``: a random ``cls`` event.
 
-    def __init__(self, seed: int) -> None:
+    ``edges=False``: numbers of ordinary size only (no 10-byte varints, timestamps a
+    ``datetime`` holds), the records every compiled path must take.
+    """
+
+    def __init__(self, seed: int, *, edges: bool = True) -> None:
         self.rng = np.random.default_rng(seed)
+        self.edges = edges
 
     def text(self) -> str:
         if self.rng.random() < 0.2:
@@ -45,7 +50,7 @@ class RandomEvents:
         return _TEXT[int(self.rng.integers(len(_TEXT)))]
 
     def integer(self, bounds: tuple[int, int]) -> int:
-        low, high = bounds
+        low, high = bounds if self.edges else (max(bounds[0], -(2**62)), min(bounds[1], 2**62 - 1))
         pick = self.rng.random()
         if pick < 0.15:
             return low if self.rng.random() < 0.5 else high
