@@ -359,8 +359,8 @@ class ProcessorRuntime:
 
     def _emit_metrics(self, *, final: bool = False) -> None:
         if self._metrics is not None:
-            self._metrics.emit(self.counts, self.transactions, self.aborted, self.stats,
-                               final=final)
+            self._metrics.emit_counts(self.counts, self.transactions, self.aborted, self.stats,
+                                      final=final)
 
     def _ensure_topics(self) -> int:
         """Create the units, dead-letter and changelog topics if missing; the partition count."""

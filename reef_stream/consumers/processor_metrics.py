@@ -23,8 +23,6 @@ a metric that cannot be queued or delivered is counted in ``dropped`` and otherw
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import Counter
 from collections.abc import Mapping
 
@@ -32,53 +30,33 @@ from reef_stream.engine.join import FeedbackFate, Outcome
 from reef_stream.ops import metrics
 from reef_stream.ops.record_stats import RecordStats
 
-log = logging.getLogger("reef_stream.engine.join")
 
-
-class ProcessorMetrics:
-    """The metrics producer of one processor and what it last wrote. Used by the processor's
-    loop thread only (its delivery callbacks run there too, in ``emit``'s poll)."""
+class ProcessorMetrics(metrics.PeriodicMetrics):
+    """The metrics producer of one processor and what it last wrote (``PeriodicMetrics``)."""
 
     def __init__(self, bootstrap: str, namespace: str, labels: Mapping[str, str], *,
                  every_s: float) -> None:
-        #: Metric events the client refused or the broker did not take.
-        self.dropped = 0
-        self.every_s = every_s
-        self.producer = metrics.metrics_producer(bootstrap, self._drop)
-        self.writer = metrics.MetricsWriter(self.producer, namespace, metrics.STAGE_PROCESSOR,
-                                            dict(labels))
-        self._sent: tuple[int, int] = (0, 0)  # (transactions, aborted) last written
-        self._at = 0.0
+        super().__init__(bootstrap, namespace, metrics.STAGE_PROCESSOR, labels, every_s=every_s)
+        self._sent = (0, 0)  # (transactions, aborted): nothing to write before the first
 
-    def _drop(self) -> None:
-        self.dropped += 1
-
-    def emit(self, counts: Counter[str], transactions: int, aborted: int, stats: RecordStats,
-             *, final: bool = False) -> None:
+    def emit_counts(self, counts: Counter[str], transactions: int, aborted: int,
+                    stats: RecordStats, *, final: bool = False) -> None:
         """Write the running counts if a transaction committed or aborted since the last write
         and ``every_s`` has passed (``final``: if anything changed at all, then flush for up
         to 5 s). Never blocks otherwise, never raises."""
-        writer, producer = self.writer, self.producer
-        try:
-            sent = (transactions, aborted)
-            if sent != self._sent and (final or time.monotonic() - self._at >= self.every_s):
-                writer.write_counts(metrics.PROCESSOR_GENERATIONS,
-                                    {o.value: counts[f"generations.{o.value}"] for o in Outcome},
-                                    "outcome")
-                writer.write_counts(metrics.PROCESSOR_FEEDBACK,
-                                    {f.value: counts[f"feedback.{f.value}"] for f in FeedbackFate},
-                                    "fate")
-                writer.write(metrics.PROCESSOR_DUPLICATE_GENERATIONS,
-                             counts["generations.duplicate"])
-                writer.write(metrics.PROCESSOR_UNITS, counts["units"])
-                writer.write(metrics.PROCESSOR_INVALID_RECORDS, counts["invalid_records"])
-                writer.write(metrics.PROCESSOR_TRANSACTIONS, transactions)
-                writer.write(metrics.PROCESSOR_ABORTED_TRANSACTIONS, aborted)
-                stats.write(writer)
-                self._sent, self._at = sent, time.monotonic()
-            producer.poll(0)
-            if final:
-                self.dropped += producer.flush(5)
-        except Exception as error:  # noqa: BLE001 - metrics never fail the pipeline
-            self.dropped += 1
-            log.warning("metrics not written: %s", error)
+
+        def write(writer: metrics.MetricsWriter, _: tuple[int, int]) -> None:
+            writer.write_counts(metrics.PROCESSOR_GENERATIONS,
+                                {o.value: counts[f"generations.{o.value}"] for o in Outcome},
+                                "outcome")
+            writer.write_counts(metrics.PROCESSOR_FEEDBACK,
+                                {f.value: counts[f"feedback.{f.value}"] for f in FeedbackFate},
+                                "fate")
+            writer.write(metrics.PROCESSOR_DUPLICATE_GENERATIONS, counts["generations.duplicate"])
+            writer.write(metrics.PROCESSOR_UNITS, counts["units"])
+            writer.write(metrics.PROCESSOR_INVALID_RECORDS, counts["invalid_records"])
+            writer.write(metrics.PROCESSOR_TRANSACTIONS, transactions)
+            writer.write(metrics.PROCESSOR_ABORTED_TRANSACTIONS, aborted)
+            stats.write(writer)
+
+        self.emit(lambda: (transactions, aborted), write, final=final)

@@ -119,11 +119,11 @@ from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandl
 from reef_stream.ops.metrics import (
     REWARD_DROPPED, REWARD_FAILED, REWARD_INVALID, REWARD_MEAN, REWARD_RECORDS, REWARD_RETRIED,
     REWARD_REWARDED, REWARD_TIMED_OUT, REWARD_UNDECODABLE, STAGE_REWARD, MetricsWriter,
-    metrics_producer,
+    PeriodicMetrics,
 )
 from reef_stream.api.recipe import Recipe, Reward, feedback_for
 from reef_stream.topics import declarations
-from reef_stream.topics.kafka import Message, Producer, TopicPartition
+from reef_stream.topics.kafka import Message, TopicPartition
 from reef_stream.topics.serde import decode
 from reef_stream.consumers.reward_calls import (
     CallSlots, Slot, Work, cancel_all, is_coroutine_function,
@@ -329,12 +329,7 @@ class RewardWorker(CallSlots):
         self._tasks: list[asyncio.Task] = []  # the async runners (the loop keeps weak refs)
         self._slots: set[Slot] = set()  # the sync runners' tries, for the watchdog
         self._watch_stop = threading.Event()
-        self._metrics: MetricsWriter | None = None
-        self._metrics_producer: Producer | None = None
-        self._metrics_sent: dict[str, float] | None = None  # the counters last written
-        self._metrics_at = 0.0
-        #: Metric events that could not be queued or delivered (dropped).
-        self.metrics_dropped = 0
+        self._metrics: PeriodicMetrics | None = None
 
     # ----------------------------------------------------------------- public
 
@@ -375,7 +370,7 @@ class RewardWorker(CallSlots):
                       bootstrap=self.bootstrap, group=self.group, topics=[self.topic],
                       namespace=self.namespace, reads="generation", producer=None,
                       consumer_config=self._consumer_config, batch=CONSUME_BATCH,
-                      metrics=self._metrics, poll_timeout=0.1, stop_event=self._finish,
+                      metrics=self._metrics.writer, poll_timeout=0.1, stop_event=self._finish,
                       join_timeout=self.options.grace, commit_every_s=COMMIT_INTERVAL_S,
                       asynchronous_commits=True, logger=log).run()
         finally:
@@ -584,41 +579,31 @@ class RewardWorker(CallSlots):
 
     def _start_metrics(self) -> None:
         """The metrics producer: a plain one of its own, apart from the outcomes' producer (whose
-        spool and fatal states are for records that must not be lost; a metric may be). The
-        processor's settings: ``acks=1``, one request in flight (one worker's events stay in
-        order), a bounded queue; a metric that cannot be queued or delivered is dropped."""
-        def dropped() -> None:
-            self.metrics_dropped += 1
-
-        self._metrics_producer = metrics_producer(self.bootstrap, dropped)
-        self._metrics = MetricsWriter(self._metrics_producer, self.namespace, STAGE_REWARD, {
+        spool and fatal states are for records that must not be lost; a metric may be); see
+        ``PeriodicMetrics``."""
+        self._metrics = PeriodicMetrics(self.bootstrap, self.namespace, STAGE_REWARD, {
             "recipe": self.recipe.name, "group": self.group,
-            "instance": f"{socket.gethostname()}.{os.getpid()}"})
+            "instance": f"{socket.gethostname()}.{os.getpid()}"}, every_s=METRICS_INTERVAL_S)
+
+    @property
+    def metrics_dropped(self) -> int:
+        """Metric events the client refused or the broker did not take."""
+        return self._metrics.dropped if self._metrics is not None else 0
 
     def _emit_metrics(self, *, final: bool = False) -> None:
         """Write the counters as Metric events if ``METRICS_INTERVAL_S`` passed and they changed
-        since the last write (the first time: always; the stage loop writes the lag);
-        ``final``: whether or not the interval passed, then flush for up to 5 s and close.
-        Consumer thread only; never raises."""
-        writer, producer = self._metrics, self._metrics_producer
-        if writer is None or producer is None:
+        since the last write (the stage loop writes the lag); ``final``: whether or not the
+        interval passed, then flush for up to 5 s. Consumer thread only; never raises."""
+        if self._metrics is None:
             return
-        try:
-            due = final or time.monotonic() - self._metrics_at >= METRICS_INTERVAL_S
-            counters = self.summary.counters() if due else None
-            if counters is not None and counters != self._metrics_sent:
-                for attribute, name in _COUNTER_METRICS.items():
-                    writer.write(name, counters[attribute])
-                if counters["rewarded"]:
-                    writer.write(REWARD_MEAN, counters["reward_sum"] / counters["rewarded"],
-                                 source=self.reward.source)
-                self._metrics_sent, self._metrics_at = counters, time.monotonic()
-            producer.poll(0)
-            if final:
-                self.metrics_dropped += producer.flush(5)
-        except Exception as error:  # noqa: BLE001 - metrics never fail the worker
-            self.metrics_dropped += 1
-            log.warning("metrics not written: %s", error)
+        def write(writer: MetricsWriter, counters: dict[str, float]) -> None:
+            for attribute, name in _COUNTER_METRICS.items():
+                writer.write(name, counters[attribute])
+            if counters["rewarded"]:
+                writer.write(REWARD_MEAN, counters["reward_sum"] / counters["rewarded"],
+                             source=self.reward.source)
+
+        self._metrics.emit(self.summary.counters, write, final=final)
 
     # ----------------------------------------------------------------- offsets and rebalances
 

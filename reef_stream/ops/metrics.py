@@ -320,3 +320,49 @@ class MetricsWriter:
         """One event per entry of ``counts``, labelled ``label=<key>``."""
         for key, count in counts.items():
             self.write(name, count, **{label: str(key)})
+
+
+class PeriodicMetrics:
+    """A stage's running counts written as ``Metric`` events through a metrics producer of its
+    own (``metrics_producer``): at most every ``every_s`` and only when they changed.
+
+        periodic = PeriodicMetrics(bootstrap, namespace, STAGE_REWARD, labels, every_s=1.0)
+        periodic.emit(summary.counters, write)               # often: write(writer, counters)
+        periodic.emit(summary.counters, write, final=True)   # at the end
+
+    ``emit`` never blocks (but at ``final``, a flush of up to 5 s) and never raises: a metric
+    that cannot be queued, written or delivered is counted in ``dropped`` and logged. Used by
+    the thread that owns the stage's loop; delivery callbacks run there, in ``emit``'s poll.
+    """
+
+    def __init__(self, bootstrap: str, namespace: str, stage: str,
+                 labels: Mapping[str, str], *, every_s: float) -> None:
+        #: Metric events the client refused or the broker did not take.
+        self.dropped = 0
+        self.every_s, self.stage = every_s, stage
+        self.producer = metrics_producer(bootstrap, self._drop)
+        self.writer = MetricsWriter(self.producer, namespace, stage, dict(labels))
+        self._sent: Any = None  # the state last written
+        self._at = 0.0
+
+    def _drop(self) -> None:
+        self.dropped += 1
+
+    def emit(self, state: Callable[[], Any], write: Callable[[MetricsWriter, Any], None], *,
+             final: bool = False) -> None:
+        """Once ``every_s`` passed (``final``: whether or not it passed, then flush for up to
+        5 s): ``write(writer, state())`` when ``state()`` (anything comparable: the counts to
+        write, or what changes with them) differs from the state last written. Then serve
+        delivery reports."""
+        try:
+            if final or time.monotonic() - self._at >= self.every_s:
+                current = state()
+                if current != self._sent:
+                    write(self.writer, current)
+                    self._sent, self._at = current, time.monotonic()
+            self.producer.poll(0)
+            if final:
+                self.dropped += self.producer.flush(5)
+        except Exception as error:  # noqa: BLE001 - metrics never fail the pipeline
+            self.dropped += 1
+            log.warning("%s metrics not written: %s", self.stage, error)
