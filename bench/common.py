@@ -10,6 +10,7 @@ entry point.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -66,6 +67,21 @@ def servers(settings: Settings, home: Path) -> Iterator[Servers]:
             redis.down()
         if cluster is not None:
             cluster.down()
+
+
+def demo_arguments(parser: argparse.ArgumentParser, *, rate: float | None = None,
+                   time_limit: float = 600.0) -> None:
+    """The options every live-loop bench takes: ``--replicas``, ``--rate`` (default ``rate``,
+    else the demo's), ``--target``, ``--time-limit`` (seconds each run gets)."""
+    rate = DemoOptions.rate if rate is None else rate
+    parser.add_argument("--replicas", type=int, default=DemoOptions.replicas,
+                        help=f"serving replicas (default {DemoOptions.replicas})")
+    parser.add_argument("--rate", type=float, default=rate,
+                        help=f"generations/s per replica (default {rate:g})")
+    parser.add_argument("--target", type=float, default=0.9,
+                        help="held-out accuracy to reach (default 0.9)")
+    parser.add_argument("--time-limit", type=float, default=time_limit, metavar="S",
+                        help=f"seconds each run gets (default {time_limit:g})")
 
 
 def live_run(options: DemoOptions, settings: Settings, at: Servers, label: str) -> DemoResult:

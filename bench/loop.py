@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import figure, live_run, run, say, servers  # first: it puts the project on sys.path
+from common import demo_arguments, figure, live_run, run, say, servers  # first: it puts the project on sys.path
 
 from reef_stream.config import load_settings
 from reef_stream.demo.recipes import stage_recipe
@@ -85,14 +85,7 @@ def main() -> int:
     parser.add_argument("--recipe", default="methods.sao",
                         help="the demo's recipe, for both loops (default methods.sao; "
                              "methods.grpo, or any bound recipe path)")
-    parser.add_argument("--target", type=float, default=0.9,
-                        help="held-out accuracy to reach (default 0.9)")
-    parser.add_argument("--time-limit", type=float, default=600.0, metavar="S",
-                        help="seconds each loop gets to reach it (default 600)")
-    parser.add_argument("--replicas", type=int, default=DemoOptions.replicas,
-                        help=f"serving replicas of the live loop (default {DemoOptions.replicas})")
-    parser.add_argument("--rate", type=float, default=DemoOptions.rate,
-                        help=f"generations/s per replica (default {DemoOptions.rate:g})")
+    demo_arguments(parser)
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be at least 1")

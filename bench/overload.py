@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import figure, live_run, run, servers  # first: it puts the project on sys.path
+from common import demo_arguments, figure, live_run, run, servers  # first: it puts the project on sys.path
 
 from reef_stream.config import load_settings
 from reef_stream.demo.run import DemoOptions, DemoResult
@@ -60,19 +60,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         prog="python bench/overload.py", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--replicas", type=int, default=2, help="serving replicas (default 2)")
-    parser.add_argument("--rate", type=float, default=400.0,
-                        help="generations/s per replica (default 400: about twice what the "
-                             "trainer trains on two cores)")
+    demo_arguments(parser, rate=400.0, time_limit=400.0)  # 400/s: ~twice what trains
     parser.add_argument("--bounds", default="none,1,4",
                         help="backlog policies, comma-separated: none, or a number of steps "
                              "(schedule.max_backlog_steps); the first is the baseline "
                              "(default none,1,4)")
     parser.add_argument("--recipe", default="methods.sao", help="the demo's recipe")
-    parser.add_argument("--target", type=float, default=0.9,
-                        help="held-out accuracy to reach (default 0.9)")
-    parser.add_argument("--time-limit", type=float, default=400.0, metavar="S",
-                        help="seconds each run gets (default 400)")
     args = parser.parse_args()
     bounds = [b.strip() for b in args.bounds.split(",") if b.strip()]
     for bound in bounds:

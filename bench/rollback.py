@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import figure, live_run, run, servers  # first: it puts the project on sys.path
+from common import demo_arguments, figure, live_run, run, servers  # first: it puts the project on sys.path
 
 from reef_stream.config import load_settings
 from reef_stream.demo.run import DemoOptions, DemoResult
@@ -62,13 +62,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         prog="python bench/rollback.py", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--replicas", type=int, default=2, help="serving replicas (default 2)")
-    parser.add_argument("--rate", type=float, default=150.0,
-                        help="generations/s per replica (default 150, the demo's)")
-    parser.add_argument("--target", type=float, default=0.9,
-                        help="held-out accuracy to reach (default 0.9)")
-    parser.add_argument("--time-limit", type=float, default=600.0, metavar="S",
-                        help="seconds each run gets (default 600)")
+    demo_arguments(parser)
     parser.add_argument("--skip-baseline", action="store_true",
                         help="run only the rejecting recipe")
     args = parser.parse_args()
