@@ -1,4 +1,4 @@
-"""Compiled Avro readers: the event ``from_avro(cls, schemaless_reader(...))`` gives, in a fraction of the time.
+"""Compiled Avro readers: the events fastavro and ``from_avro`` give, in a fraction of the time.
 
 The reference decoding of an event is fastavro's ``schemaless_reader`` (a
 dict, timestamps as ``datetime``) handed to ``from_avro`` (the dataclass,
@@ -222,7 +222,7 @@ def _emit(src: _Source, depth: int, out: str, schema: Any, hint: Any, field: Any
             src.emit(inner, f"{items}.append({item})")
             src.emit(depth, f"{out} = tuple({items})")
             return
-        if isinstance(kind, str) and kind in ("string", "bytes", "long", "int", "double", "boolean"):
+        if kind in ("string", "bytes", "long", "int", "double", "boolean"):
             schema = kind
         else:
             raise _Unsupported

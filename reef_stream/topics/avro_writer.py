@@ -1,4 +1,4 @@
-"""Compiled Avro writers: the bytes fastavro's ``schemaless_writer`` writes, in a fraction of the time.
+"""Compiled Avro writers: the bytes fastavro's ``schemaless_writer`` writes, in less time.
 
 The reference encoding of an event is ``to_avro`` (a fastavro dict) handed to
 fastavro's ``schemaless_writer``, which walks the schema for every record:

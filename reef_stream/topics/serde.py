@@ -226,7 +226,8 @@ class SchemaRegistry:
         return sorted(self._by_fingerprint.values(), key=lambda known: not known.current)
 
     def writer_source(self, cls: type) -> str | None:
-        """The Python source of the writer compiled for ``cls`` events (None: fastavro writes them)."""
+        """The Python source of the writer compiled for ``cls`` events (None: fastavro writes
+        them)."""
         compiled = self._writers.get(cls)
         return None if compiled is None else compiled[0].source
 

@@ -29,6 +29,7 @@ from reef_stream.topics.events import (
 _TEXT = ["", "a", "gen-0000001", "välue ✓", "模型-7b", "x" * 200, "judge:gpt"]
 _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
+_SPECIAL_REALS = [0.0, -0.0, 1e308, -1e-308, float("inf"), float("-inf"), float("nan"), 5e-324]
 #: timestamp-millis values fastavro can read back as a datetime (years 1 to 9999)
 _MILLIS = (-62_135_596_800_000, 253_402_300_799_999)
 
@@ -46,7 +47,8 @@ class RandomEvents:
 
     def text(self) -> str:
         if self.rng.random() < 0.2:
-            return "".join(chr(int(c)) for c in self.rng.integers(32, 0x2FFF, int(self.rng.integers(0, 300))))
+            codes = self.rng.integers(32, 0x2FFF, int(self.rng.integers(0, 300)))
+            return "".join(map(chr, codes.tolist()))
         return _TEXT[int(self.rng.integers(len(_TEXT)))]
 
     def integer(self, bounds: tuple[int, int]) -> int:
@@ -59,12 +61,14 @@ class RandomEvents:
         return int(self.rng.integers(low, high, endpoint=True))
 
     def millis(self) -> int:
-        return self.integer(_MILLIS) if self.rng.random() < 0.3 else int(self.rng.integers(0, 2**41))
+        if self.rng.random() < 0.3:
+            return self.integer(_MILLIS)
+        return int(self.rng.integers(0, 2**41))
 
     def real(self) -> float:
         pick = self.rng.random()
         if pick < 0.1:
-            return float(self.rng.choice([0.0, -0.0, 1e308, -1e-308, float("inf"), 5e-324]))
+            return float(self.rng.choice(_SPECIAL_REALS))
         return float(self.rng.normal(0, 10))
 
     def maybe(self, make):
@@ -135,7 +139,7 @@ class RandomEvents:
     def publication(self) -> Publication:
         return Publication(model=self.text(), policy_version=self.integer(_INT64),
                            checkpoint_id=self.text(), uri=self.text(), sha256=self.text(),
-                           decision=Decision.PROMOTED if self.rng.random() < 0.5 else Decision.REJECTED,
+                           decision=list(Decision)[int(self.rng.integers(len(Decision)))],
                            reason=self.text(), evaluator=self.text(),
                            evaluated=bool(self.rng.random() < 0.5), measurement=self.real_map(),
                            incumbent_version=self.maybe(lambda: self.integer(_INT64)),
