@@ -68,13 +68,13 @@ two fetches. A failed step goes back to the newest checkpoint there: ``_resume``
 then the same partitions assigned again at its offsets.
 
 Rollback after rejections (``reef_stream.consumers.rollback``). Before each
-fetch, at most every ``CHECK_EVERY_S``, rank 0 of a single-rank trainer reads
-what ``<ns>.publications`` added: when the evaluator has decided on the
-trainer's newest checkpoint and replicas serve a version more than
-``max_staleness`` behind it (every sample they make is too stale: the loop has
-stalled for good), the trainer acknowledges a rollback checkpoint, the
-incumbent's weights as the next version at the offsets of its last step, and
-resumes from it.
+fetch, at most every ``CHECK_EVERY_S``, rank 0 reads what ``<ns>.publications``
+added: when the evaluator has decided on the trainer's newest checkpoint and
+replicas serve a version more than ``max_staleness`` behind it (every sample
+they make is too stale: the loop has stalled for good), the trainer
+acknowledges a rollback checkpoint, the incumbent's weights as the next version
+at the offsets of its last step, and resumes from it. Data-parallel ranks
+agree on it at a meeting of ranks (``_meet``), before a fetch or a step.
 
 Several groups may train on one units topic independently (each its own
 store, default ``$REEF_HOME/checkpoints/<ns>/<recipe>/<group>``). Dead
@@ -102,8 +102,14 @@ import torch
 from reef_stream.api.objective import state_from_record, state_record
 from reef_stream.api.recipe import Recipe
 from reef_stream.config import Settings, load_settings
-from reef_stream.consumers.publications import PublicationLedger
-from reef_stream.consumers.rollback import CHECK_EVERY_S, rollback_contents, stall_reason
+from reef_stream.consumers.rollback import (
+    CHECK_EVERY_S,
+    Agreed,
+    StallWatch,
+    Verdict,
+    Vote,
+    agree,
+)
 from reef_stream.consumers.stage import StageLoop
 from reef_stream.engine.checkpoints import (
     CheckpointContents,
@@ -252,6 +258,7 @@ class Trainer:
         self.registry = SchemaRegistry.default()
         self.summary = TrainerSummary()
         self._stop = threading.Event()
+        self._stop_asked = threading.Event()   # data parallelism: stop at the next meeting
         self._started = time.monotonic()
         # Set by _resume:
         self.backend: TorchBackend | None = None
@@ -263,19 +270,17 @@ class Trainer:
         #: went back to.
         self.acknowledged: tuple[TopicOffset, ...] = ()
         self.rolled_back_to: int | None = None
-        # Set by _watch_publications (rank 0): the fold of <ns>.publications; why this trainer
-        # cannot roll back (None: it can), and the stall last logged.
-        self.publications: PublicationLedger | None = None
-        self._cannot_roll_back: str | None = None
-        self._stall_logged: str | None = None
+        #: Rank 0's fold of <ns>.publications, opened after _resume.
+        self.watch: StallWatch | None = None
         self.pending: list[Any] = []
         self.pending_ids: set[str] = set()
         self.rank, self.ranks = 0, 1
         self.owned: list[int] = []
 
     def stop(self) -> None:
-        """Stop after the step in progress (if any) is acknowledged. Any thread; a signal handler."""
-        self._stop.set()
+        """Stop after the step in progress (if any) is acknowledged; data-parallel ranks all stop
+        at their next meeting (``_meet``). Any thread; a signal handler."""
+        (self._stop_asked if self.ranks > 1 else self._stop).set()
 
     # ----------------------------------------------------------------- the loop
 
@@ -342,7 +347,10 @@ class Trainer:
         self.pending.append(unit)
         self.pending_ids.add(unit.unit_id)
         if len(self.pending) == self.recipe.schedule.units_per_step // self.ranks:
-            self._train_step()
+            if self.ranks == 1:
+                self._train_step()
+            else:
+                self._meet(ready=True)
 
     # ----------------------------------------------------------------- one step
 
@@ -463,66 +471,27 @@ class Trainer:
 
     # ----------------------------------------------------------------- rollback
 
-    def _watch_publications(self) -> None:
-        """Open the fold of ``<ns>.publications`` this trainer checks for a stall (rank 0 of a
-        single-rank trainer; blocks until it has read the topic to its end)."""
+    def _roll_back(self, version: int, target: tuple[Publication, str] | None) -> None:
+        """Roll back to the weights of ``version`` as the next version: rank 0, which holds
+        ``target`` (the incumbent's publication, the stall's reason), acknowledges the rollback
+        checkpoint (``StallWatch.roll_back``) and tells the other ranks how it went; then every
+        rank resumes from the newest checkpoint (the rollback's, unless it failed)."""
+        verdict = Verdict.DONE
+        if target is not None and self.watch is not None:
+            verdict = self.watch.roll_back(
+                target, self._acknowledge, step=self.step + 1, recipe=self.recipe.name,
+                group=self.group, offsets=self.acknowledged, trained=self.trained)
         if self.ranks > 1:
-            log.info("a data-parallel trainer does not roll back after rejections (see "
-                     "reef_stream.consumers.rollback): it logs a stall and waits")
-            self._cannot_roll_back = "a data-parallel trainer does not roll back"
-        self.publications = PublicationLedger(self.bootstrap, self.ns).open()
-        self.publications.catch_up()
-
-    def _check_stall(self) -> None:
-        """Fold the publications that arrived; roll back when the loop has stalled
-        (``stall_reason``). Called before a fetch, on the loop's thread."""
-        if self.publications is None:
+            verdict = Verdict(self._broadcast_bytes(verdict.value.encode()).decode())
+        if verdict is Verdict.CANNOT:
             return
-        self.publications.poll(0)
-        incumbent = self.publications.incumbent(self.model_name)
-        reason = stall_reason(self.step, self.recipe.schedule.max_staleness, incumbent,
-                              self.publications.decided_version(self.model_name))
-        if reason is None:
-            self._stall_logged = None
-            return
-        cannot = self._cannot_roll_back or (
-            None if self.rolled_back_to is None else
-            f"the rollback to version {self.rolled_back_to} (step {self.step}) was rejected too")
-        if cannot is not None:
-            if self._stall_logged != reason:
-                self._stall_logged = reason
-                log.error("stalled: %s; %s; waiting for a promotion", reason, cannot)
-            return
-        self._roll_back(incumbent, reason)
-
-    def _roll_back(self, incumbent: Publication, reason: str) -> None:
-        """Acknowledge a rollback checkpoint to ``incumbent``'s weights (``rollback_contents``)
-        as the next version, then resume from it. A failure is handled as a failed step's."""
-        step = self.step + 1
-        log.warning("stalled: %s; rolling back to the weights of version %d as version %d",
-                    reason, incumbent.policy_version, step)
-        try:
-            target = load(incumbent.uri, incumbent.sha256)
-            if target.recipe != self.recipe.name:
-                raise ConfigurationError(
-                    f"version {incumbent.policy_version} of model {self.model_name} is a "
-                    f"checkpoint of recipe {target.recipe!r}, not {self.recipe.name!r}")
-            self._acknowledge(rollback_contents(
-                target, step=step, model=self.model_name, recipe=self.recipe.name,
-                group=self.group, offsets=self.acknowledged, trained=self.trained,
-                rolled_back_to=incumbent.policy_version, created_at=now_ms()))
-        except ConfigurationError as error:
-            self._cannot_roll_back = f"it cannot roll back: {error}"
-            log.error("cannot roll back: %s", error)
-            return
-        except (RetryableError, CheckpointError, KafkaException) as error:
-            log.error("the rollback to version %d failed: %s; resuming from the newest "
-                      "checkpoint", incumbent.policy_version, error)
+        if verdict is Verdict.FAILED:
             time.sleep(RETRY_BACKOFF_S)
         else:
             self.summary.rollbacks += 1
-            self.metrics.write(TRAINER_ROLLBACKS, self.summary.rollbacks,
-                               to_version=str(incumbent.policy_version))
+            if self.rank == 0:
+                self.metrics.write(TRAINER_ROLLBACKS, self.summary.rollbacks,
+                                   to_version=str(version))
         self.consumer.assign(self._resume())
 
     # ----------------------------------------------------------------- resume
@@ -589,6 +558,30 @@ class Trainer:
                 f"(torchrun --nproc-per-node {declared} -m reef_stream.cli train ...) or change "
                 "the recipe's Backend")
 
+    def _meet(self, ready: bool) -> None:
+        """Meet the other ranks (``reef_stream.consumers.rollback``: ``Vote``, ``agree``) and do
+        what they agreed: stop, roll back (rank 0 looks for a stall, its vote names the
+        version), train the step, or go on reading. ``ready``: this rank holds its share of the
+        next step; it meets again until every rank holds its own (or they agree on a stop or a
+        rollback). Blocks until every rank has voted; every rank calls it in the same order,
+        between the same steps. One rank meets alone."""
+        while True:
+            target = (self.watch.target(self.step, self.rolled_back_to)
+                      if self.watch is not None else None)
+            mine = Vote(step=self.step, ready=ready, stop=self._stop_asked.is_set(),
+                        roll_back_to=None if target is None else target[0].policy_version)
+            votes = [Vote.decode(data, rank)
+                     for rank, data in enumerate(self._gather_bytes(mine.encode()))]
+            agreed = agree(votes)
+            if agreed is Agreed.STOP:
+                self._stop.set()
+            elif agreed is Agreed.ROLL_BACK:
+                self._roll_back(votes[0].roll_back_to, target)
+            elif agreed is Agreed.STEP:
+                self._train_step()
+            if agreed is not Agreed.WAIT or not ready:
+                return
+
     # Ranks exchange bytes only, never pickled objects (``torch.distributed``'s and
     # accelerate's object collectives pickle): units as their Avro records, offsets as JSON,
     # RNG states as safetensors.
@@ -615,6 +608,8 @@ class Trainer:
 
     def _gather_bytes(self, data: bytes) -> list[bytes]:
         """``data`` of every rank, in rank order (blocks until every rank has given its own)."""
+        if self.ranks == 1:
+            return [data]
         import torch.distributed as dist
 
         length = torch.tensor([len(data)], dtype=torch.int64)
@@ -727,8 +722,10 @@ class _Steps:
         summary.resume_seconds = time.monotonic() - trainer._started
         log.info("group %s at step %d (%s); resumed in %.2f s", trainer.group, trainer.step,
                  trainer.store.url, summary.resume_seconds)
-        if trainer.rank == 0:
-            trainer._watch_publications()
+        if trainer.rank == 0:   # it decides when to roll back, for every rank
+            trainer.watch = StallWatch(
+                trainer.bootstrap, trainer.ns, model=trainer.model_name,
+                max_staleness=trainer.recipe.schedule.max_staleness, log=log).open()
         self._last_unit = self._stall_checked = time.monotonic()
         return start
 
@@ -739,16 +736,19 @@ class _Steps:
         """Never called: a manual assignment is not revoked."""
 
     def poll(self) -> None:
-        """Before each fetch: look for a stall (``Trainer._check_stall``, every
-        ``CHECK_EVERY_S``; it may roll back); stop at ``max_steps``, or after ``idle_exit``
-        seconds without a new unit (the units of an unfinished step stay unacknowledged)."""
+        """Before each fetch, unless at ``max_steps`` (every rank is at the same step): every
+        ``CHECK_EVERY_S``, and at once when this rank was asked to stop, meet the other ranks
+        (``Trainer._meet``: rank 0 looks for a stall; they may roll back or stop); stop after
+        ``idle_exit`` seconds without a new unit (the units of an unfinished step stay
+        unacknowledged)."""
         trainer = self.trainer
         self._fetch_started = time.monotonic()
-        if self._fetch_started - self._stall_checked >= CHECK_EVERY_S:
-            self._stall_checked = self._fetch_started
-            trainer._check_stall()
+        if not trainer._done() and (trainer._stop_asked.is_set() or
+                                    self._fetch_started - self._stall_checked >= CHECK_EVERY_S):
+            trainer._meet(ready=False)   # one rank: a meeting of one, rank 0
+            self._stall_checked = time.monotonic()
         if trainer._done():
-            trainer.stop()
+            trainer._stop.set()
         elif trainer.idle_exit is not None \
                 and time.monotonic() - self._last_unit > trainer.idle_exit:
             log.info("no new unit for %.0f s: leaving", trainer.idle_exit)
@@ -784,12 +784,12 @@ class _Steps:
         if took:
             self._last_unit = time.monotonic()
         if trainer._done():
-            trainer.stop()
+            trainer._stop.set()
 
     def join(self, timeout: float | None) -> None:
         """Nothing to finish: a step is trained and acknowledged within ``fetched``."""
 
     def close(self) -> None:
         """The publications' reader; the consumer is the loop's, the producer the trainer's."""
-        if self.trainer.publications is not None:
-            self.trainer.publications.close()
+        if self.trainer.watch is not None:
+            self.trainer.watch.close()

@@ -1,17 +1,23 @@
-"""When a trainer has stalled after rejections, and when the evaluator lets its rollback through
-(reef_stream.consumers.rollback): pure functions, no broker."""
+"""When a trainer has stalled after rejections, what data-parallel ranks agree on at a meeting,
+and when the evaluator lets its rollback through (reef_stream.consumers.rollback): pure
+functions, no broker."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from reef_stream.consumers.rollback import (
+    Agreed,
+    Vote,
+    agree,
     check_rollback,
     rollback_contents,
     stall_reason,
 )
 from reef_stream.engine.checkpoints import CheckpointContents
+from reef_stream.errors import FatalError
 from reef_stream.topics.events import Decision, Publication, TopicOffset
 
 
@@ -78,3 +84,32 @@ def test_a_rollback_checkpoint_holds_the_incumbent_s_state_at_the_trainer_s_offs
     assert rolled.offsets == offsets            # the trainer's position, not the incumbent's
     assert rolled.trained_units.tolist() == [1, 5, 9] and rolled.trained_units.dtype == np.uint64
     assert rolled.step_units == () and dict(rolled.metrics) == {} and rolled.created_at == 77
+
+
+def test_ranks_agree_on_a_stop_before_a_rollback_and_on_a_rollback_before_a_step():
+    ready, reading = Vote(step=4, ready=True), Vote(step=4)
+    assert agree([ready, ready]) is Agreed.STEP
+    assert agree([ready, reading]) is agree([reading, ready]) is Agreed.WAIT
+    assert agree([reading, reading]) is Agreed.WAIT
+    # Rank 0 found the trainer stalled: a rollback, even with every share held.
+    stalled = Vote(step=4, ready=True, roll_back_to=1)
+    assert agree([stalled, ready]) is agree([Vote(step=4, roll_back_to=1), reading]) \
+        is Agreed.ROLL_BACK
+    # Only rank 0 follows the publications: another rank's vote to roll back is not counted.
+    assert agree([ready, Vote(step=4, ready=True, roll_back_to=1)]) is Agreed.STEP
+    # Any rank asked to stop stops them all, before anything else.
+    assert agree([stalled, Vote(step=4, stop=True)]) is Agreed.STOP
+    with pytest.raises(FatalError, match=r"different steps \[4, 5\]"):
+        agree([ready, Vote(step=5, ready=True)])
+    # One rank meets alone.
+    assert agree([Vote(step=0, roll_back_to=3)]) is Agreed.ROLL_BACK
+
+
+def test_a_vote_travels_as_json_and_anything_else_is_a_rank_out_of_step():
+    vote = Vote(step=7, ready=True, stop=False, roll_back_to=2)
+    assert Vote.decode(vote.encode(), 0) == vote
+    assert Vote.decode(Vote(step=0).encode(), 1) == Vote(step=0, roll_back_to=None)
+    # An empty message: the other rank is in _resume's barrier, not at a meeting.
+    for garbage in (b"", b"{\"units\": []}", b"\x00\x01"):
+        with pytest.raises(FatalError, match="rank 1 is out of step"):
+            Vote.decode(garbage, 1)
