@@ -37,8 +37,9 @@ def test_a_trainer_stalled_by_rejections_rolls_back_and_the_loop_trains_on(
     store = tmp_path / "ckpt"
     trainer = Trainer(recipe, bootstrap=kafka_bootstrap, namespace=namespace, group=GROUP,
                       checkpoints=str(store), keep=0, settings=settings)
+    # Each candidate decided on its own (not superseded by a newer one waiting with it).
     evaluator = EvaluatorWorker(recipe, settings=settings,
-                                options=EvaluateOptions(keep_published=0))
+                                options=EvaluateOptions(keep_published=0, supersede=False))
     stages = [threading.Thread(target=stage.run, daemon=True) for stage in (trainer, evaluator)]
     for stage in stages:
         stage.start()
