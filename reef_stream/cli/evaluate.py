@@ -51,9 +51,10 @@ from reef_stream.errors import ConfigurationError
                    "log, not decided yet), measure only the newest and REJECT the older ones "
                    "unmeasured (reason 'superseded: ...'), so replicas get the newest version "
                    "instead of a queue of old ones. Every checkpoint still gets one decision; "
-                   "a rollback checkpoint is never superseded, and an evaluator that does not "
-                   "measure (AcceptEverything) decides every candidate. --no-supersede measures "
-                   "every candidate.")
+                   "a rollback checkpoint is never superseded, nor a candidate of a model with "
+                   "no promoted version yet, and an evaluator that does not measure "
+                   "(AcceptEverything) decides every candidate. --no-supersede measures every "
+                   "candidate.")
 @click.option("--max-candidates", type=click.IntRange(min=1), default=None,
               help="Stop after this many decisions (for tests and batch runs).")
 @click.option("--idle-exit", type=click.FloatRange(min=0, min_open=True), default=None,

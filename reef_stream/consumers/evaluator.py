@@ -29,7 +29,10 @@ empty). Then each waiting Checkpoint event, in log order:
    newest waiting candidate is measured`` (``superseded``, and the metric
    ``candidates_superseded``). The newest is decided as below, after the
    older ones' rejections are published. A rollback checkpoint is never
-   superseded and supersedes nothing (``reef_stream.consumers.superseding``);
+   superseded and supersedes nothing (``reef_stream.consumers.superseding``),
+   and neither is a candidate whose model has no incumbent yet: until a
+   first promotion replicas serve nothing, and a trainer stalled by a
+   rejected newest would have no version to roll back to, so it is measured;
 4. the candidate's files are verified against its sha256; a candidate that
    fails is REJECTED with the reason (nothing unverified is ever promoted);
 5. ``evaluator.measure(candidate)`` runs (tried ``1 + retries`` times), then
@@ -365,7 +368,8 @@ class EvaluatorWorker:
             metrics.write(EVALUATOR_DECISIONS, self.summary.rejected, decision="REJECTED")
             metrics.write(EVALUATOR_CANDIDATE_VERSION, publication.policy_version,
                           model=publication.model, decision=publication.decision.value)
-            if superseded_by is not None:  # decided: then it is the superseded rejection
+            if superseded_by is not None and publication.reason == superseded_reason(
+                    superseded_by):
                 self.summary.superseded += 1
                 metrics.write(EVALUATOR_CANDIDATES_SUPERSEDED, self.summary.superseded)
             for measure, value in sorted(publication.measurement.items()):
@@ -395,7 +399,8 @@ class EvaluatorWorker:
     def _decide(self, candidate: Checkpoint, ledger: PublicationLedger, metrics: MetricsWriter,
                 superseded_by: int | None = None) -> Publication | None:
         """The publication for ``candidate``, or None when it gets none (another recipe or model,
-        or already decided); REJECTED unmeasured when ``superseded_by`` a newer waiting version.
+        or already decided); REJECTED unmeasured when ``superseded_by`` a newer waiting version
+        and the model has an incumbent (see the module docstring).
         Blocks while ``measure`` runs."""
         if candidate.recipe != self.recipe.name or (
                 self.options.model is not None and candidate.model != self.options.model):
@@ -418,7 +423,8 @@ class EvaluatorWorker:
             return None
         current = ledger.incumbent(candidate.model)
         incumbent = Incumbent.from_publication(current) if current is not None else None
-        if superseded_by is not None:  # never promoted, so neither verified nor measured
+        if superseded_by is not None and current is not None:
+            # never promoted, so neither verified nor measured
             return self._publication(candidate, Measurement(), incumbent, Selection(
                 Decision.REJECTED, superseded_reason(superseded_by)), candidate.uri)
         try:

@@ -8,7 +8,9 @@ by its stage loop, not decided yet) and asks ``superseding`` which of them a new
 one supersedes: per recipe and model, every candidate older than the newest waiting one. It
 decides those REJECTED, with ``superseded_reason``, without verifying or measuring them (a
 superseded candidate is never promoted, so nothing unverified is served), and measures the
-newest as always. Each waiting checkpoint still gets exactly one decision, in log order.
+newest as always. Each waiting checkpoint still gets exactly one decision, in log order. (The
+evaluator measures a candidate of a model with no incumbent yet however many wait: see its
+module docstring.)
 
 A rollback checkpoint (``rolled_back_to`` set, see ``reef_stream.consumers.rollback``) is
 neither superseded nor supersedes: the trainer does not retry a rejected rollback, so it is

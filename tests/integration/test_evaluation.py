@@ -1,7 +1,7 @@
 """Candidate evaluation against the real broker and Redis: exactly one decision per checkpoint,
 only promoted versions reach replicas, and a late replica converges on the newest one. Of the
-candidates waiting together only the newest is measured (``supersede``); the tests about each
-candidate's own decision turn that off.
+candidates waiting together only the newest is measured (``supersede``, once a model has an
+incumbent); a test about each candidate's own decision turns that off.
 
 The tests write real checkpoints of a tiny model (tests.recipes.evaluators) and produce their
 Checkpoint events themselves (no trainer); the evaluator runs in this process or as `reef
@@ -76,7 +76,7 @@ def test_a_rejecting_evaluator_never_promotes_and_replicas_never_load(
     other = write_checkpoint(tmp_path / "other", 4, 0.9, recipe="another-recipe")
     produce_checkpoints(kafka_bootstrap, namespace, *events, other)
 
-    summary = run_evaluator("rejecting", settings, fleet=fleet, supersede=False)
+    summary = run_evaluator("rejecting", settings, fleet=fleet)
 
     assert (summary.rejected, summary.promoted, summary.skipped) == (3, 0, 1)
     decisions = read_publications(kafka_bootstrap, namespace, 3)
@@ -170,8 +170,8 @@ def test_a_reemitted_checkpoint_gets_no_second_decision(
     v1 = write_checkpoint(tmp_path / "ckpt", 1, 0.5)
     v2 = write_checkpoint(tmp_path / "ckpt", 2, 0.6)
     produce_checkpoints(kafka_bootstrap, namespace, v1, v2, v1)  # a trainer crash re-emits v1
-    first = run_evaluator("promoting", settings)  # v2 waits too: v1 is superseded
-    assert (first.promoted, first.superseded, first.duplicates) == (1, 1, 1)
+    first = run_evaluator("promoting", settings)
+    assert (first.promoted, first.duplicates) == (2, 1)
 
     # The trainer restarted from an older checkpoint and emits v2 again (same id), and a
     # different checkpoint with an already decided version.
@@ -188,7 +188,7 @@ def test_a_reemitted_checkpoint_gets_no_second_decision(
 
     decisions = read_publications(kafka_bootstrap, namespace, 2)
     assert [(p.policy_version, p.decision) for p in decisions] == [
-        (1, Decision.REJECTED), (2, Decision.PROMOTED)]
+        (1, Decision.PROMOTED), (2, Decision.PROMOTED)]
 
 
 def test_a_tampered_candidate_or_a_failing_measure_is_rejected_with_the_reason(
@@ -204,7 +204,7 @@ def test_a_tampered_candidate_or_a_failing_measure_is_rejected_with_the_reason(
                               recipe="broken-measure")
     produce_checkpoints(kafka_bootstrap, namespace, tampered, good, broken)
 
-    assert run_evaluator("promoting", settings, supersede=False).decided == 2
+    assert run_evaluator("promoting", settings).decided == 2
     summary = run_evaluator("broken_measure", settings, retries=1, backoff=0.01)
     assert (summary.rejected, summary.failed_measures) == (1, 2)
 
@@ -217,11 +217,11 @@ def test_a_tampered_candidate_or_a_failing_measure_is_rejected_with_the_reason(
     assert "RuntimeError: the judge is down" in third.reason
 
 
-def five_waiting(kafka_bootstrap, namespace, store) -> list:
-    """Five ever better checkpoints of the ``counting`` recipe, on the topic before any evaluator
-    starts: all five wait together."""
-    events = [write_checkpoint(store, step, alpha, recipe="counting")
-              for step, alpha in enumerate((0.5, 0.6, 0.7, 0.8, 0.9), start=1)]
+def waiting(kafka_bootstrap, namespace, store, versions) -> list:
+    """Ever better checkpoints of the ``counting`` recipe, on the topic before an evaluator
+    starts: they all wait together."""
+    events = [write_checkpoint(store, version, 0.5 + version / 20, recipe="counting")
+              for version in versions]
     produce_checkpoints(kafka_bootstrap, namespace, *events)
     return events
 
@@ -236,37 +236,42 @@ def counting_worker(settings, evaluator: CountingScore, **options) -> EvaluatorW
 def test_of_the_candidates_waiting_together_only_the_newest_is_measured(
         setup, kafka_bootstrap, namespace, tmp_path):
     settings, _ = setup
-    events = five_waiting(kafka_bootstrap, namespace, tmp_path / "ckpt")
     evaluator = CountingScore()
+    # With no incumbent yet, a candidate is measured whatever waits after it (v1); once there is
+    # one, the older of the waiting candidates are superseded (v2).
+    waiting(kafka_bootstrap, namespace, tmp_path / "ckpt", (1, 2, 3))
+    first = counting_worker(settings, evaluator).run()
+    assert evaluator.measured == [1, 3]
+    assert (first.promoted, first.rejected, first.superseded) == (2, 1, 1)
 
+    events = waiting(kafka_bootstrap, namespace, tmp_path / "ckpt", (4, 5, 6, 7, 8))
     summary = counting_worker(settings, evaluator).run()
 
-    assert evaluator.measured == [5]
+    assert evaluator.measured == [1, 3, 8]
     assert (summary.checkpoints, summary.promoted, summary.rejected, summary.superseded) == \
         (5, 1, 4, 4)
-    decisions = read_publications(kafka_bootstrap, namespace, 5)
+    decisions = read_publications(kafka_bootstrap, namespace, 8)[3:]
     assert [(p.policy_version, p.decision) for p in decisions] == \
-        [(v, Decision.REJECTED) for v in (1, 2, 3, 4)] + [(5, Decision.PROMOTED)]
+        [(v, Decision.REJECTED) for v in (4, 5, 6, 7)] + [(8, Decision.PROMOTED)]
     for publication, event in zip(decisions[:4], events):
-        assert publication.reason == superseded_reason(5)
+        assert publication.reason == superseded_reason(8) and publication.incumbent_version == 3
         assert publication.measurement == {} and publication.uri == event.uri  # not copied
     assert decisions[4].measurement["score"] == pytest.approx(score(weights(0.9)))
-    assert decisions[4].incumbent_version is None
     superseded = [m.value for m in consume_events(kafka_bootstrap, metrics(namespace), 1, Metric)
                   if m.stage == STAGE_EVALUATOR and m.name == EVALUATOR_CANDIDATES_SUPERSEDED]
-    assert superseded == [1, 2, 3, 4]
+    assert superseded == [1, 1, 2, 3, 4]
 
-    # An evaluator that crashed before committing reads all five again (a new group has no
+    # An evaluator that crashed before committing reads all eight again (a new group has no
     # committed offsets): each is found decided, superseded ones included; nothing is measured.
     replay = counting_worker(settings, evaluator, group=f"{namespace}.evaluate.fresh").run()
-    assert (replay.checkpoints, replay.decided, replay.duplicates) == (5, 0, 5)
-    assert evaluator.measured == [5]
+    assert (replay.checkpoints, replay.decided, replay.duplicates) == (8, 0, 8)
+    assert evaluator.measured == [1, 3, 8]
 
 
 def test_without_supersede_every_waiting_candidate_is_measured(
         setup, kafka_bootstrap, namespace, tmp_path):
     settings, _ = setup
-    five_waiting(kafka_bootstrap, namespace, tmp_path / "ckpt")
+    waiting(kafka_bootstrap, namespace, tmp_path / "ckpt", (1, 2, 3, 4, 5))
     evaluator = CountingScore()
 
     summary = counting_worker(settings, evaluator, supersede=False).run()
