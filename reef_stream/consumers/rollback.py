@@ -31,17 +31,19 @@ trainer logs why it waits (once) until a version is promoted.
 
 Data parallelism: the ranks agree on the moment and the incumbent at a
 meeting (``Vote``, ``agree``): one exchange of every rank's vote, with the
-all-gather the ranks' steps use, at the only points every rank passes in the
-same order: before each step (a rank holding its share of the step meets again
-until every rank holds its own) and, while a rank holds no full share, every
-``CHECK_EVERY_S`` before a fetch. Only rank 0 follows the publications; its
-vote names the version to roll back to. When it does, rank 0 acknowledges the
-rollback checkpoint (it writes every checkpoint) and tells the others whether
-it did; then every rank resumes from the newest checkpoint, so each loads the
-same state (the incumbent's, verified) and seeks its own partitions back to
-the offsets of step S, as one rank does. A rank asked to stop (a signal,
-``idle_exit``) says so at the next meeting and every rank stops there, so none
-is left waiting for the others.
+all-gather the ranks' steps use, at points every rank passes in the same
+order: before each step (a rank holding its share of the step meets again
+until every rank holds its own) and, since a stalled trainer takes no step,
+every ``CHECK_EVERY_S`` before a fetch while a rank holds no full share (it
+waits there for the others' next meeting, at most about that long). Only rank
+0 follows the publications; its vote names the version to roll back to. Then
+rank 0 (which writes every checkpoint) acknowledges the rollback checkpoint,
+built from the incumbent's verified published copy, and tells the others how
+it went; every rank resumes from the newest checkpoint, so each loads that same
+checkpoint (verified) and seeks its own partitions back to the offsets of step
+S, as one rank does. A rank asked to stop (a signal, ``idle_exit``) says so at
+the next meeting and every rank stops there, so none is left waiting for the
+others.
 """
 
 from __future__ import annotations
