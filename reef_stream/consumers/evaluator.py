@@ -677,8 +677,8 @@ class _Decisions:
 
     def _decide_waiting(self) -> None:
         """Decide the waiting events in log order, each with the version that supersedes it
-        (``superseding``, with ``supersede`` and an evaluator that measures). At a stop, or at ``--max-candidates``, the rest
-        stay undecided and uncommitted."""
+        (``superseding``, with ``supersede`` and an evaluator that measures). At a stop, or at
+        ``--max-candidates``, the rest stay undecided and uncommitted."""
         worker = self.worker
         waiting, self._waiting = self._waiting, []
         checkpoints = [checkpoint for _, checkpoint in waiting if checkpoint is not None]
@@ -686,7 +686,6 @@ class _Decisions:
         # them (a read waits 0.2 s for more; this worker's own decisions are folded in as made).
         if any(checkpoint.recipe == worker.recipe.name for checkpoint in checkpoints):
             self.ledger.catch_up()
-
         newer = iter(superseding(checkpoints) if worker._supersedes
                      else [None] * len(checkpoints))
         for done, (message, checkpoint) in enumerate(waiting):
