@@ -1,6 +1,6 @@
 """Liveness after rejections, at the demo's scale: the loop stalls, rolls back, reaches its target.
 
-    python bench/rollback.py [--replicas 2] [--rate 150] [--target 0.9] [--time-limit 600]
+    python bench/rollback.py [--replicas 2] [--rate 300] [--target 0.9] [--time-limit 600]
 
 In one invocation, against one broker and Redis (started here unless REEF_BOOTSTRAP_SERVERS /
 REEF_REDIS_URL are set), ``reef demo`` runs twice:
