@@ -318,7 +318,9 @@ def test_the_evaluator_dead_letters_undecodable_checkpoints_and_decides_every_ca
     settings_ = load_settings({"REEF_BOOTSTRAP_SERVERS": kafka_bootstrap,
                                "REEF_NAMESPACE": namespace, "REEF_HOME": str(tmp_path / "home")})
 
-    summary = run_evaluator("promoting", settings_, fleet=None, idle_exit=3)
+    # Each candidate decided on its own (not superseded by the newest waiting): the
+    # unopenable ones are rejected for what is wrong with them.
+    summary = run_evaluator("promoting", settings_, fleet=None, idle_exit=3, supersede=False)
 
     assert (summary.promoted, summary.rejected, summary.undecodable) == (2, 3, len(hostile))
     decisions = consume_events(kafka_bootstrap, declarations.publications(namespace), 5,
