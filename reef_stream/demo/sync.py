@@ -147,6 +147,9 @@ class SynchronousLoop:
     def step(self) -> dict[str, float]:
         """Sample, score and process until a step's units are there, then train on them."""
         need = self.recipe.schedule.units_per_step
+        # The units waiting for the trainer are the ones left from the last step: a backlog
+        # bound (schedule.max_backlog_steps, at least a step) then never sheds here.
+        self.processor.observe_backlog(len(self.waiting))
         while len(self.waiting) < need:
             self.waiting += self.units_of(*self.rollouts(need - len(self.waiting)))
         units, self.waiting = self.waiting[:need], self.waiting[need:]

@@ -64,3 +64,18 @@ def test_the_loop_bench_explains_itself():
     assert result.returncode == 0, result.stderr
     for said in ("--runs", "--recipe", "--time-limit", "--target", "SCORECARD sync_s="):
         assert said in result.stdout, said
+
+
+def test_a_backlog_bound_sheds_nothing_in_the_synchronous_loop():
+    # Its only queue is what a step's sampling made beyond the step: the bound (here one step)
+    # never binds, and every sample is a unit. (Before the loop told its processor state so,
+    # the state counted every unit ever emitted as waiting and shed all after the first two
+    # steps: the run never finished a third.)
+    import dataclasses
+
+    sao = load_recipe("reef_stream.demo.recipes:sao", complete=True)
+    bounded = dataclasses.replace(sao, schedule=dataclasses.replace(sao.schedule,
+                                                                    max_backlog_steps=1))
+    result = run_synchronous(bounded, target=1.01, time_limit=1.0, seed=1, threads=1)
+    assert result.steps >= 3, result.line()
+    assert result.samples == result.units == result.steps * bounded.schedule.units_per_step
