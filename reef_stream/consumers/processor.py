@@ -45,8 +45,9 @@ follows for staleness, have not passed (``reef_stream.consumers.backlog``).
 Every partition's state gets the figure (``ProcessorState.observe_backlog``)
 and sheds the units that complete while it is full: their generations end
 SHED, with dead letters, in the same transaction as everything else. A
-trainer that has not checkpointed for ``STALL_STEPS`` of its last step
-intervals (and at least ``STALL_MIN_S``) while the bound is full suspends the
+trainer that has not checkpointed for ``STALL_STEPS`` step intervals (its
+shortest of the last ``STALL_INTERVALS``, so that a stall does not lengthen the
+next wait; at least ``STALL_MIN_S``) while the bound is full suspends the
 bound until its next checkpoint, with a warning: units it skipped (duplicates,
 too stale) count until that checkpoint, and could hold its step short of full.
 
@@ -143,7 +144,7 @@ import os
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -202,8 +203,10 @@ MAX_IDLE_S = 5.0
 #: Seconds between two writes of the trainer's backlog metric (with ``max_backlog_steps``).
 BACKLOG_EVERY_S = 1.0
 #: The bound is suspended while full and no checkpoint came for this many of the trainer's
-#: last step intervals, and at least ``STALL_MIN_S`` (see the module docstring).
+#: step intervals (the shortest of its last ``STALL_INTERVALS``), and at least ``STALL_MIN_S``
+#: (see the module docstring).
 STALL_STEPS = 3
+STALL_INTERVALS = 8
 STALL_MIN_S = 30.0
 #: `reef process`'s exit status when it stops for its supervisor to restart it (EX_TEMPFAIL).
 EXIT_RESTART = 75
@@ -273,11 +276,13 @@ class ProcessorRuntime:
         self._observed: int | None = None
         #: The units waiting for the trainer (``consumers.backlog``), the figure the states got
         #: at the last batch (None: no bound, or no checkpoint yet), when the metric was last
-        #: written, and when the newest checkpoint and the one before it came (monotonic).
+        #: written, when the newest checkpoint came (monotonic) and the last intervals between
+        #: checkpoints.
         self._backlog = UnitBacklog()
         self.backlog: int | None = None
         self._backlog_at = 0.0
-        self._checkpoint_times: tuple[float, float] | None = None
+        self._checkpoint_at: float | None = None
+        self._intervals: deque[float] = deque(maxlen=STALL_INTERVALS)
         self._suspended = False
         self._partitions = 0
 
@@ -548,7 +553,9 @@ class ProcessorRuntime:
                 self._backlog.passed({o.partition: o.offset for o in checkpoint.offsets
                                       if o.topic == self.units_topic})
                 now = time.monotonic()
-                self._checkpoint_times = (self._checkpoint_times or (now, now))[1], now
+                if self._checkpoint_at is not None:
+                    self._intervals.append(now - self._checkpoint_at)
+                self._checkpoint_at = now
 
     def _observe_backlog(self) -> None:
         """With a backlog bound (``schedule.max_backlog_steps``) and a trainer (a checkpoint
@@ -559,9 +566,9 @@ class ProcessorRuntime:
         if bound is None or self.newest_checkpoint is None or not self._parts:
             return
         self.backlog = self._backlog.estimate(len(self._parts), self._partitions)
-        before, newest = self._checkpoint_times
-        waited = time.monotonic() - newest
-        stuck = self.backlog >= bound and waited >= max(STALL_STEPS * (newest - before), STALL_MIN_S)
+        waited = time.monotonic() - self._checkpoint_at
+        stuck = self.backlog >= bound and waited >= max(
+            STALL_STEPS * min(self._intervals, default=0.0), STALL_MIN_S)
         if stuck != self._suspended:
             self._suspended = stuck
             if stuck:
