@@ -224,11 +224,14 @@ class ProcessorRuntime:
                  metrics_every_s: float = 1.0, registry: SchemaRegistry | None = None,
                  max_unit_bytes: int | None = None,
                  on_stuck: Callable[[str], None] | None = None,
-                 transaction_timeout_ms: int = TRANSACTION_TIMEOUT_MS):
+                 transaction_timeout_ms: int = TRANSACTION_TIMEOUT_MS,
+                 stall_min_s: float = STALL_MIN_S):
         self.recipe, self.ns = recipe, namespace
         #: The producer's ``transaction.timeout.ms``: the broker aborts (and fences) a
         #: transaction open longer (see ``_renew_producer``).
         self.transaction_timeout_ms = transaction_timeout_ms
+        #: The shortest wait before a full backlog bound is suspended (module docstring).
+        self.stall_min_s = stall_min_s
         self.group = group or f"{namespace}.process.{recipe.name}"
         self.instance = instance
         self.batch, self.log_every_s, self.metrics_every_s = batch, log_every_s, metrics_every_s
@@ -568,7 +571,7 @@ class ProcessorRuntime:
         self.backlog = self._backlog.estimate(len(self._parts), self._partitions)
         waited = time.monotonic() - self._checkpoint_at
         stuck = self.backlog >= bound and waited >= max(
-            STALL_STEPS * min(self._intervals, default=0.0), STALL_MIN_S)
+            STALL_STEPS * min(self._intervals, default=0.0), self.stall_min_s)
         if stuck != self._suspended:
             self._suspended = stuck
             if stuck:

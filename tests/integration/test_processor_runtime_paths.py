@@ -49,7 +49,6 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
-from reef_stream.consumers import processor as processor_module
 from reef_stream.consumers.processor import MAX_IDLE_S, ProcessorRuntime
 from reef_stream.errors import FatalError
 from reef_stream.topics import declarations
@@ -304,7 +303,7 @@ def test_units_past_the_backlog_bound_are_shed_until_a_checkpoint_passes_them(
 
 
 @pytest.mark.parametrize("skips", [0, 1])
-def test_a_bound_of_one_step_never_stops_the_loop(kafka_bootstrap, namespace, monkeypatch, skips):
+def test_a_bound_of_one_step_never_stops_the_loop(kafka_bootstrap, namespace, skips):
     """The test is the trainer: it reads units (read_committed, in offset order) and, each
     time it holds a step's 8, publishes a checkpoint at the offsets after them. Counted in
     offsets, the bound (one step: 8) was passed by transaction commit markers before 8 units
@@ -313,15 +312,14 @@ def test_a_bound_of_one_step_never_stops_the_loop(kafka_bootstrap, namespace, mo
 
     With ``skips``, the trainer skips its first unit (as it skips a duplicate or a unit too
     stale): 7 held, 8 counted, every new unit shed. The processor suspends the bound once no
-    checkpoint came for ``STALL_MIN_S`` (2 s here), and the loop goes on."""
-    monkeypatch.setattr(processor_module, "STALL_MIN_S", 2.0)
+    checkpoint came for ``stall_min_s`` (2 s here), and the loop goes on."""
     create_topics(kafka_bootstrap, namespace)
     bounded = dataclasses.replace(RECIPE, schedule=dataclasses.replace(
         RECIPE.schedule, max_backlog_steps=1))
     _checkpoint_at(kafka_bootstrap, namespace, 1, {})
     work = fresh(make_workload(windows=200, groups_per_window=5, seed=17), version=100)
     runtime = ProcessorRuntime(bounded, bootstrap=kafka_bootstrap, namespace=namespace,
-                               instance="one-step", log_every_s=5)
+                               instance="one-step", log_every_s=5, stall_min_s=2.0)
     thread = threading.Thread(target=runtime.run, daemon=True)
     thread.start()
     topic = declarations.units(namespace, RECIPE.name)
