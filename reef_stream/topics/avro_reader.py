@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from reef_stream.topics.codegen import Source
 from reef_stream.topics.events import EpochMillis
 
 __all__ = ["CompiledReader", "compile_reader"]
@@ -82,28 +83,7 @@ _GLOBALS = {
 }
 
 
-class _Source:
-    """The lines of a reader being generated, and the constants they refer to."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.constants: dict[str, Any] = {}
-        self._locals = 0
-
-    def local(self) -> str:
-        self._locals += 1
-        return f"x{self._locals}"
-
-    def constant(self, value: Any) -> str:
-        name = f"k{len(self.constants)}"
-        self.constants[name] = value
-        return name
-
-    def emit(self, depth: int, line: str) -> None:
-        self.lines.append("    " * depth + line)
-
-
-def _emit_zigzag(src: _Source, depth: int, z: str) -> None:
+def _emit_zigzag(src: Source, depth: int, z: str) -> None:
     """``z`` = the zig-zag number of the varint at ``p``; ``p`` moves past it."""
     src.emit(depth, f"{z} = v[p]")
     src.emit(depth, "p += 1")
@@ -111,13 +91,13 @@ def _emit_zigzag(src: _Source, depth: int, z: str) -> None:
     src.emit(depth + 1, f"{z}, p = LONG(v, p, {z})")
 
 
-def _emit_long(src: _Source, depth: int, out: str) -> None:
+def _emit_long(src: Source, depth: int, out: str) -> None:
     z = src.local()
     _emit_zigzag(src, depth, z)
     src.emit(depth, f"{out} = ({z} >> 1) ^ -({z} & 1)")
 
 
-def _emit_sized(src: _Source, depth: int, out: str) -> str:
+def _emit_sized(src: Source, depth: int, out: str) -> str:
     """Set ``out`` to the end of the length-prefixed bytes at ``p`` (checked against the value's
     length); ``p`` is then their start. Returns the name of the end."""
     z = src.local()
@@ -130,7 +110,7 @@ def _emit_sized(src: _Source, depth: int, out: str) -> str:
     return out
 
 
-def _emit_blocks(src: _Source, depth: int) -> int:
+def _emit_blocks(src: Source, depth: int) -> int:
     """Open the loops over the blocks of an array or a map and over the items of each; returns
     the depth of the item's code."""
     z = src.local()
@@ -153,7 +133,7 @@ def _unwrap_optional(hint: Any) -> Any:
     return None
 
 
-def _emit(src: _Source, depth: int, out: str, schema: Any, hint: Any, field: Any) -> None:
+def _emit(src: Source, depth: int, out: str, schema: Any, hint: Any, field: Any) -> None:
     """Code setting ``out`` to the value ``from_avro`` makes of a field of Avro type ``schema``
     and Python type ``hint`` (``field``: the dataclass field, for a packed array's dtype);
     raises _Unsupported for a construct this module does not compile."""
@@ -256,7 +236,7 @@ def _emit(src: _Source, depth: int, out: str, schema: Any, hint: Any, field: Any
         raise _Unsupported
 
 
-def _emit_record(src: _Source, depth: int, out: str, schema: dict, cls: Any) -> None:
+def _emit_record(src: Source, depth: int, out: str, schema: dict, cls: Any) -> None:
     """A record of the dataclass ``cls``, whose fields are exactly the schema's."""
     if not dataclasses.is_dataclass(cls):
         raise _Unsupported
@@ -289,7 +269,7 @@ class CompiledReader:
 def compile_reader(schema: dict, cls: type) -> CompiledReader | None:
     """The reader of ``cls`` events written with the parsed ``schema`` (their current schema),
     or None when the schema or the class holds something this module does not compile."""
-    src = _Source()
+    src = Source()
     try:
         _emit_record(src, 1, "event", schema, cls)
     except _Unsupported:

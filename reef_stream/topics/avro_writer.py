@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from reef_stream.topics.codegen import Source
+
 __all__ = ["CompiledWriter", "compile_writer"]
 
 #: A compiled writer: appends the encoded parts of one event through its second argument.
@@ -91,25 +93,8 @@ _GLOBALS = {
 }
 
 
-class _Source:
+class _Source(Source):
     """The lines of a writer being generated, and the constants they refer to."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.constants: dict[str, Any] = {}
-        self._locals = 0
-
-    def local(self) -> str:
-        self._locals += 1
-        return f"x{self._locals}"
-
-    def constant(self, value: Any) -> str:
-        name = f"k{len(self.constants)}"
-        self.constants[name] = value
-        return name
-
-    def emit(self, depth: int, line: str) -> None:
-        self.lines.append("    " * depth + line)
 
     def refuse_unless(self, depth: int, condition: str) -> None:
         self.emit(depth, f"if not ({condition}):")
