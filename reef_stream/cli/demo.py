@@ -33,6 +33,10 @@ from reef_stream.cli.recipe_options import set_option
               metavar="PER_SECOND", help="Generations per second per replica (2 x 300 is about "
                                          "twice what the trainer trains on two cores: the "
                                          "recipe's max_backlog_steps sheds the surplus).")
+@click.option("--partitions", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="Partitions of the run's generations, feedback and units topics (one "
+                   "processor and one trainer need no more; each partition a replica spreads "
+                   "its records over costs the broker a produce request per batch).")
 @click.option("--target-accuracy", "target", type=click.FloatRange(0, 1), default=0.9,
               show_default=True, help="Stop once a promoted version reaches this held-out "
                                       "accuracy (greedy decoding).")
@@ -46,8 +50,8 @@ from reef_stream.cli.recipe_options import set_option
                    "[default: $REEF_HOME/demo/<namespace>].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chaos.")
 @click.pass_context
-def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: float, time_limit: float,
-         chaos: bool, run_dir: Path | None, seed: int,
+def demo(ctx: click.Context, path: str, replicas: int, rate: float, partitions: int, target: float,
+         time_limit: float, chaos: bool, run_dir: Path | None, seed: int,
          overrides: tuple[str, ...] = ()) -> None:
     """Run the whole loop until the policy learns the toy task from reward alone.
 
@@ -81,8 +85,9 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, target: floa
         ctx.invoke(kafka_up)
     if not settings.redis_url:
         ctx.invoke(redis_up)
-    options = DemoOptions(recipe=path, replicas=replicas, rate=rate, target=target, time_limit=time_limit,
-                          chaos=chaos, run_dir=run_dir, seed=seed, overrides=overrides)
+    options = DemoOptions(recipe=path, replicas=replicas, rate=rate, partitions=partitions,
+                          target=target, time_limit=time_limit, chaos=chaos, run_dir=run_dir,
+                          seed=seed, overrides=overrides)
     runner = Demo(options, settings=settings, bootstrap=bootstrap_servers(settings),
                   redis_url=redis_url(settings), show=DemoProgress())
     click.echo(f"demo {runner.ns}: {path}, {replicas} replicas, target {target:.2f}, "

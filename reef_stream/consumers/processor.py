@@ -164,7 +164,7 @@ from reef_stream.ops import metrics
 from reef_stream.ops.processes import stop_on_signals
 from reef_stream.ops.record_stats import RecordStats
 from reef_stream.topics import declarations
-from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.admin import ensure_topics, namespace_topics
 from reef_stream.topics.connect import ask_broker, new_admin, new_consumer
 from reef_stream.topics.declarations import MiB
 from reef_stream.topics.events import Checkpoint, Feedback, Generation, now_ms
@@ -373,7 +373,7 @@ class ProcessorRuntime:
     def _ensure_topics(self) -> int:
         """Create the units, dead-letter and changelog topics if missing; the partition count."""
         admin = new_admin(self.bootstrap)
-        topics = declarations.declare_topics(self.ns, (self.recipe.name,))
+        topics = namespace_topics(admin, self.ns, (self.recipe.name,))
         ensure_topics(admin, topics)
         partitions = next(t.partitions for t in topics if t.name == self.generations)
         ensure_topics(admin, [changelog_topic(self.ns, self.recipe.name, partitions)])

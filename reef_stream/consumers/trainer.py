@@ -150,7 +150,7 @@ from reef_stream.ops.metrics import (
     MetricsWriter,
 )
 from reef_stream.topics import declarations
-from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.admin import ensure_topics, namespace_topics
 from reef_stream.topics.connect import new_admin, new_producer
 from reef_stream.topics.dead_letters import dead_letter
 from reef_stream.topics.events import Checkpoint, Publication, TopicOffset, now_ms
@@ -642,7 +642,7 @@ class Trainer:
 
     def _ensure_topics(self) -> None:
         admin = new_admin(self.bootstrap)
-        ensure_topics(admin, declarations.declare_topics(self.ns, (self.recipe.name,)))
+        ensure_topics(admin, namespace_topics(admin, self.ns, (self.recipe.name,)))
 
     def _dead_letter(self, message: Any, reason: str, error_type: str) -> None:
         letter = dead_letter(reason, error_type, stage=STAGE_TRAINER, message=message)

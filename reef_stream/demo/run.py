@@ -96,6 +96,10 @@ class DemoOptions:
     #: the trainer takes fresh samples at its own pace. Unbounded, the surplus only waits
     #: until it is too stale.
     rate: float = 300.0
+    #: Partitions of the run's generations, feedback and units topics. The demo runs one
+    #: processor and one trainer, and the client sends one produce request per partition: at
+    #: 2 x 300/s, 6 partitions cost the broker 2.5x the CPU of 2 (README "Measured figures").
+    partitions: int = 2
     target: float = 0.9
     time_limit: float = 900.0
     chaos: bool = False
@@ -315,7 +319,8 @@ class Demo:
         """Run until the target is reached (once ``may_stop()`` also says so) or the time limit
         passes; see the module docstring."""
         ensure_topics(new_admin(self.bootstrap),
-                      declarations.declare_topics(self.ns, (self.recipe.name,)))
+                      declarations.declare_topics(self.ns, (self.recipe.name,),
+                                                  self.options.partitions))
         watcher = new_consumer(self.bootstrap, f"{self.ns}.demo-watch")
         watcher.assign([TopicPartition(t, 0, OFFSET_BEGINNING) for t in (
             self.topics["publications"],)] + [TopicPartition(declarations.metrics(self.ns), p,

@@ -17,6 +17,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, Resourc
 
 from reef_stream.topics.connect import list_topics
 from reef_stream.errors import RetryableError, TopicMismatchError
+from reef_stream.topics import declarations
 from reef_stream.topics.declarations import Topic
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,15 @@ def ensure_topics(admin: AdminClient, topics: list[Topic]) -> EnsureReport:
         raise TopicMismatchError(problems)
     report.verified = [t.name for t in topics if t.name not in report.created]
     return report
+
+
+def namespace_topics(admin: AdminClient, ns: str, recipes: tuple[str, ...] = ()) -> list[Topic]:
+    """``declarations.declare_topics`` with the namespace's own partition count: that of its
+    generations topic where it exists (chosen when the namespace was created,
+    ``reef topics create --partitions``), ``DATA_PARTITIONS`` where it does not yet."""
+    found = _metadata(admin).topics.get(declarations.generations(ns))
+    partitions = len(found.partitions) if found is not None and found.partitions else None
+    return declarations.declare_topics(ns, recipes, partitions or declarations.DATA_PARTITIONS)
 
 
 def verify_topics(admin: AdminClient, topics: list[Topic], metadata=None) -> list[str]:

@@ -22,8 +22,13 @@ from dataclasses import dataclass, field
 MiB = 1024 * 1024
 DAY_MS = 24 * 60 * 60 * 1000
 
-#: Partitions of the topics that generations and feedback flow through; they
-#: must be equal so that a generation and its feedback land in the same one.
+#: Partitions of the topics that generations, feedback and units flow through, unless
+#: the namespace's topics were created with another count (``reef topics create
+#: --partitions``); they must be equal so that a generation and its feedback land in
+#: the same one. Six lets up to six processors, or trainer ranks, share the work; a
+#: one-node run needs fewer: the client sends one produce request per partition, so
+#: the broker's CPU per record grows with the partitions a producer spreads its
+#: records over (``reef demo`` uses 2, README "Measured figures").
 DATA_PARTITIONS = 6
 
 
@@ -79,12 +84,16 @@ def dead_letters(ns: str) -> str:
     return f"{ns}.dead-letters"
 
 
-def declare_topics(ns: str, recipes: tuple[str, ...] = ()) -> list[Topic]:
-    """The topics of a namespace, with one units topic per recipe named."""
+def declare_topics(ns: str, recipes: tuple[str, ...] = (),
+                   partitions: int = DATA_PARTITIONS) -> list[Topic]:
+    """The topics of a namespace, with one units topic per recipe named; ``partitions``
+    for each of the generations, feedback and units topics."""
+    if partitions < 1:
+        raise ValueError(f"a namespace's data topics need at least 1 partition, not {partitions}")
     topics = [
-        Topic(generations(ns), DATA_PARTITIONS, config=_delete(7, 8 * MiB),
+        Topic(generations(ns), partitions, config=_delete(7, 8 * MiB),
               doc="Generation events from serving replicas and imports"),
-        Topic(feedback(ns), DATA_PARTITIONS, config=_delete(7, 1 * MiB),
+        Topic(feedback(ns), partitions, config=_delete(7, 1 * MiB),
               doc="Feedback events: rewards from workers, humans, environments, judges"),
         Topic(checkpoints(ns), 1, config=_delete(365, 1 * MiB),
               doc="Checkpoint events: one per acknowledged trainer step"),
@@ -102,7 +111,7 @@ def declare_topics(ns: str, recipes: tuple[str, ...] = ()) -> list[Topic]:
         # LogAppendTime: the broker stamps each unit, so timestamps never go backwards
         # within a partition and the trainer can merge partitions in one order that
         # is a function of the log alone (reef_stream.engine.log_merge).
-        Topic(units(ns, recipe), DATA_PARTITIONS,
+        Topic(units(ns, recipe), partitions,
               config={**_delete(7, 16 * MiB), "message.timestamp.type": "LogAppendTime"},
               doc=f"Typed units assembled by the processor of recipe {recipe!r}")
         for recipe in recipes

@@ -63,3 +63,51 @@ def test_verify_reports_missing_topics(admin, namespace):
     problems = verify_topics(admin, declare_topics(namespace))
     assert len(problems) == 6
     assert all("does not exist" in p for p in problems)
+
+
+def test_a_namespace_keeps_the_partition_count_it_was_created_with(admin, namespace):
+    from reef_stream.topics.admin import namespace_topics
+    from reef_stream.topics.declarations import feedback
+
+    ensure_topics(admin, declare_topics(namespace, ("sao",), partitions=2))
+
+    # The stages declare what the namespace has, not the default: nothing to mend.
+    declared = namespace_topics(admin, namespace, ("sao",))
+    counts = {t.name: t.partitions for t in declared}
+    for name in (generations(namespace), feedback(namespace), units(namespace, "sao")):
+        assert counts[name] == 2
+    assert ensure_topics(admin, declared).created == []
+    assert verify_topics(admin, declared) == []
+    # Against the default of a new namespace, the difference is named.
+    problems = verify_topics(admin, declare_topics(namespace, ("sao",)))
+    assert f"topic {units(namespace, 'sao')} has 2 partitions, declared 6" in problems
+
+
+def test_a_new_namespace_is_declared_with_the_default_partition_count(admin, namespace):
+    from reef_stream.topics.admin import namespace_topics
+    from reef_stream.topics.declarations import DATA_PARTITIONS
+
+    declared = namespace_topics(admin, namespace, ("sao",))
+    assert {t.partitions for t in declared if t.name.split(".")[-1] in
+            ("generations", "feedback", "sao")} == {DATA_PARTITIONS}
+
+
+def test_a_namespace_cannot_have_no_partitions():
+    with pytest.raises(ValueError, match="at least 1 partition"):
+        declare_topics("ns", partitions=0)
+
+
+def test_topics_create_partitions_through_the_cli(cli_env, admin, namespace):
+    from tests.helpers import reef
+
+    reef("topics", "create", "--partitions", "2", "--recipe", "sao", env=cli_env)
+    metadata = admin.list_topics(timeout=10)
+    assert len(metadata.topics[units(namespace, "sao")].partitions) == 2
+    # verify, and create again without the option, take the namespace's own count.
+    assert "every declared topic exists" in reef("topics", "verify", "--recipe", "sao",
+                                                 env=cli_env).stdout
+    assert reef("topics", "create", "--recipe", "sao", env=cli_env).returncode == 0
+    # Asking for another count than the namespace has names the difference.
+    other = reef("topics", "create", "--partitions", "3", env=cli_env, check=False)
+    assert other.returncode != 0
+    assert f"{generations(namespace)} has 2 partitions, declared 3" in other.stderr
