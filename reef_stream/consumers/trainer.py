@@ -84,9 +84,7 @@ repeat after a crash (at least once).
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -97,11 +95,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import safetensors.torch
-import torch
 
 from reef_stream.api.objective import state_from_record, state_record
 from reef_stream.api.recipe import Recipe
 from reef_stream.config import Settings, load_settings
+from reef_stream.consumers.ranks import Ranks
 from reef_stream.consumers.rollback import (
     CHECK_EVERY_S,
     Agreed,
@@ -274,6 +272,8 @@ class Trainer:
         self.watch: StallWatch | None = None
         self.pending: list[Any] = []
         self.pending_ids: set[str] = set()
+        #: This process among the data-parallel ranks (joined in _Steps.assignment).
+        self.world = Ranks()
         self.rank, self.ranks = 0, 1
         self.owned: list[int] = []
 
@@ -365,7 +365,8 @@ class Trainer:
         started = time.monotonic()
         step, mine = self.step + 1, self.pending
         self.producer.flush(ACK_TIMEOUT_S)   # this rank's dead letters, before any commit
-        shares = self._gather_shares(mine)
+        shares = self.world.gather_shares(mine, self.offsets, self.registry,
+                                              self.recipe.objective.unit_type)
         units = [u for units, _ in shares for u in units]
         offsets = {p: o for _, rank_offsets in shares for p, o in rank_offsets.items()}
         result = self.recipe.objective.compute(units, self.algorithm_state)
@@ -387,7 +388,7 @@ class Trainer:
         failpoint("trainer.before-checkpoint", step=step)
         weights, optimizer, rng = self.backend.state()
         if self.ranks > 1:
-            rng = {k: v for blob in self._gather_bytes(safetensors.torch.save(rng))
+            rng = {k: v for blob in self.world.gather_bytes(safetensors.torch.save(rng))
                    for k, v in safetensors.torch.load(blob).items()}
         new_ids = np.array([unit_hash(u.unit_id) for u in units], dtype=np.uint64)
         error = None
@@ -409,7 +410,7 @@ class Trainer:
                     raise
                 error = f"{type(failure).__name__}: {failure}"
         if self.ranks > 1:
-            error = self._broadcast_bytes((error or "").encode()).decode() or None
+            error = self.world.broadcast_bytes((error or "").encode()).decode() or None
         if error is not None:
             raise RetryableError(f"rank 0 could not acknowledge step {step}: {error}")
         # Acknowledged: the proposed state is now the trainer's.
@@ -482,7 +483,7 @@ class Trainer:
                 target, self._acknowledge, step=self.step + 1, recipe=self.recipe.name,
                 group=self.group, offsets=self.acknowledged, trained=self.trained)
         if self.ranks > 1:
-            verdict = Verdict(self._broadcast_bytes(verdict.value.encode()).decode())
+            verdict = Verdict(self.world.broadcast_bytes(verdict.value.encode()).decode())
         if verdict is Verdict.CANNOT:
             return
         if verdict is Verdict.FAILED:
@@ -537,26 +538,11 @@ class Trainer:
         self.offsets = {p: o for p, o in self.offsets.items() if p in self.owned}
         self.merge = LogMerge(sorted(self.owned), log_append_time=True)
         if self.ranks > 1:
-            self._gather_bytes(b"")   # every rank resumed before any trains
+            self.world.gather_bytes(b"")   # every rank resumed before any trains
         return [TopicPartition(self.topic, p, self.offsets.get(p, OFFSET_BEGINNING))
                 for p in self.owned]
 
     # ----------------------------------------------------------------- data parallelism
-
-    def _join_ranks(self) -> None:
-        """This process's rank among the data-parallel ranks (``torchrun`` / ``accelerate
-        launch`` set them in the environment; a plain process is rank 0 of 1)."""
-        from accelerate import PartialState
-
-        state = PartialState(cpu=not torch.cuda.is_available())
-        self.rank, self.ranks = state.process_index, state.num_processes
-        declared = self.recipe.backend.data_parallel_size
-        if self.ranks != declared:
-            raise ConfigurationError(
-                f"recipe {self.recipe.name!r} declares data_parallel_size {declared} but "
-                f"{self.ranks} trainer process(es) were launched: launch {declared} "
-                f"(torchrun --nproc-per-node {declared} -m reef_stream.cli train ...) or change "
-                "the recipe's Backend")
 
     def _meet(self, ready: bool) -> None:
         """Meet the other ranks (``reef_stream.consumers.rollback``: ``Vote``, ``agree``) and do
@@ -571,7 +557,7 @@ class Trainer:
             mine = Vote(step=self.step, ready=ready, stop=self._stop_asked.is_set(),
                         roll_back_to=None if target is None else target[0].policy_version)
             votes = [Vote.decode(data, rank)
-                     for rank, data in enumerate(self._gather_bytes(mine.encode()))]
+                     for rank, data in enumerate(self.world.gather_bytes(mine.encode()))]
             agreed = agree(votes)
             if agreed is Agreed.STOP:
                 self._stop.set()
@@ -581,59 +567,6 @@ class Trainer:
                 self._train_step()
             if agreed is not Agreed.WAIT or not ready:
                 return
-
-    # Ranks exchange bytes only, never pickled objects (``torch.distributed``'s and
-    # accelerate's object collectives pickle): units as their Avro records, offsets as JSON,
-    # RNG states as safetensors.
-
-    def _gather_shares(self, mine: list[Any]) -> list[tuple[list[Any], dict[int, int]]]:
-        """Every rank's pending units and offsets, in rank order."""
-        if self.ranks == 1:
-            return [(mine, self.offsets)]
-        encoded = [self.registry.encode(u) for u in mine]
-        share = json.dumps({
-            "units": [[base64.b64encode(value).decode(),
-                       [[k, base64.b64encode(v).decode()] for k, v in headers]]
-                      for value, headers in encoded],
-            "offsets": sorted(self.offsets.items())}).encode()
-        shares = []
-        for blob in self._gather_bytes(share):
-            decoded = json.loads(blob)
-            units = [self.registry.decode(base64.b64decode(value),
-                                          [(k, base64.b64decode(v)) for k, v in headers],
-                                          self.recipe.objective.unit_type)
-                     for value, headers in decoded["units"]]
-            shares.append((units, {int(p): int(o) for p, o in decoded["offsets"]}))
-        return shares
-
-    def _gather_bytes(self, data: bytes) -> list[bytes]:
-        """``data`` of every rank, in rank order (blocks until every rank has given its own)."""
-        if self.ranks == 1:
-            return [data]
-        import torch.distributed as dist
-
-        length = torch.tensor([len(data)], dtype=torch.int64)
-        lengths = [torch.zeros_like(length) for _ in range(self.ranks)]
-        dist.all_gather(lengths, length)
-        size = max(int(n) for n in lengths)
-        padded = torch.zeros(size, dtype=torch.uint8)
-        if data:
-            padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        everyone = [torch.empty(size, dtype=torch.uint8) for _ in range(self.ranks)]
-        dist.all_gather(everyone, padded)
-        return [bytes(t[:int(n)].numpy()) for t, n in zip(everyone, lengths)]
-
-    def _broadcast_bytes(self, data: bytes) -> bytes:
-        """Rank 0's ``data``, on every rank."""
-        import torch.distributed as dist
-
-        length = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(length, src=0)
-        buffer = torch.zeros(int(length), dtype=torch.uint8)
-        if self.rank == 0 and data:
-            buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        dist.broadcast(buffer, src=0)
-        return bytes(buffer.numpy())
 
     def _micro_batch_done(self, count: int) -> None:
         failpoint("trainer.in-step", step=self.step + 1)
@@ -710,7 +643,8 @@ class _Steps:
         partitions this rank owns (``p % ranks == rank``) from its offsets. Blocks (loading
         the checkpoint; every rank waits for the others); called once."""
         trainer = self.trainer
-        trainer._join_ranks()
+        trainer.world = Ranks.join(trainer.recipe)
+        trainer.rank, trainer.ranks = trainer.world.rank, trainer.world.ranks
         trainer.partitions = partitions[trainer.topic]
         trainer.owned = [p for p in trainer.partitions if p % trainer.ranks == trainer.rank]
         if trainer.ranks > 1:

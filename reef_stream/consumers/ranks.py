@@ -1,0 +1,96 @@
+"""The trainer's data-parallel ranks: who this process is among them, and what they exchange.
+
+``torchrun`` / ``accelerate launch`` set the ranks in the environment; a plain process is
+rank 0 of 1, and every exchange below is then the identity, with no process group.
+
+Ranks exchange bytes only, never pickled objects (``torch.distributed``'s and accelerate's
+object collectives pickle): units as their Avro records, offsets as JSON, RNG states as
+safetensors. Every call blocks until every rank has made the same call; ranks make them in
+the same order (``reef_stream.consumers.trainer``: between the same steps).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import torch
+
+from reef_stream.errors import ConfigurationError
+
+
+class Ranks:
+    """This process's place among the recipe's ``data_parallel_size`` ranks."""
+
+    def __init__(self, rank: int = 0, ranks: int = 1) -> None:
+        self.rank, self.ranks = rank, ranks
+
+    @classmethod
+    def join(cls, recipe: Any) -> Ranks:
+        """This process's rank as the launcher set it; ``ConfigurationError`` when the number
+        of processes launched is not the recipe's ``data_parallel_size``."""
+        from accelerate import PartialState
+
+        state = PartialState(cpu=not torch.cuda.is_available())
+        rank, ranks = state.process_index, state.num_processes
+        declared = recipe.backend.data_parallel_size
+        if ranks != declared:
+            raise ConfigurationError(
+                f"recipe {recipe.name!r} declares data_parallel_size {declared} but "
+                f"{ranks} trainer process(es) were launched: launch {declared} "
+                f"(torchrun --nproc-per-node {declared} -m reef_stream.cli train ...) or change "
+                "the recipe's Backend")
+        return cls(rank, ranks)
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """``data`` of every rank, in rank order."""
+        if self.ranks == 1:
+            return [data]
+        import torch.distributed as dist
+
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        lengths = [torch.zeros_like(length) for _ in range(self.ranks)]
+        dist.all_gather(lengths, length)
+        size = max(int(n) for n in lengths)
+        padded = torch.zeros(size, dtype=torch.uint8)
+        if data:
+            padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        everyone = [torch.empty(size, dtype=torch.uint8) for _ in range(self.ranks)]
+        dist.all_gather(everyone, padded)
+        return [bytes(t[:int(n)].numpy()) for t, n in zip(everyone, lengths)]
+
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        """Rank 0's ``data``, on every rank."""
+        if self.ranks == 1:
+            return data
+        import torch.distributed as dist
+
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(length, src=0)
+        buffer = torch.zeros(int(length), dtype=torch.uint8)
+        if self.rank == 0 and data:
+            buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dist.broadcast(buffer, src=0)
+        return bytes(buffer.numpy())
+
+    def gather_shares(self, mine: list[Any], offsets: dict[int, int], registry: Any,
+                      unit_type: type) -> list[tuple[list[Any], dict[int, int]]]:
+        """Every rank's pending units (encoded with ``registry``, decoded as ``unit_type``)
+        and next offsets, in rank order."""
+        if self.ranks == 1:
+            return [(mine, offsets)]
+        encoded = [registry.encode(u) for u in mine]
+        share = json.dumps({
+            "units": [[base64.b64encode(value).decode(),
+                       [[k, base64.b64encode(v).decode()] for k, v in headers]]
+                      for value, headers in encoded],
+            "offsets": sorted(offsets.items())}).encode()
+        shares = []
+        for blob in self.gather_bytes(share):
+            decoded = json.loads(blob)
+            units = [registry.decode(base64.b64decode(value),
+                                     [(k, base64.b64decode(v)) for k, v in headers], unit_type)
+                     for value, headers in decoded["units"]]
+            shares.append((units, {int(p): int(o) for p, o in decoded["offsets"]}))
+        return shares
