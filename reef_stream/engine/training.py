@@ -398,8 +398,11 @@ class TorchBackend:
         model = backend.model()
         #: What a unit must fit (``untrainable``).
         self.limits = model_limits(model)
-        optimizer = (backend.optimizer(model.parameters()) if backend.optimizer
-                     else torch.optim.AdamW(model.parameters(), lr=1e-3))
+        # Only what requires a gradient is trained (a LoRA model's base is frozen): the
+        # optimizer, the update ratio and its copy of the weights see nothing else.
+        trained = _trained(model)
+        optimizer = (backend.optimizer(trained) if backend.optimizer
+                     else torch.optim.AdamW(trained, lr=1e-3))
         # A model may have parameters a family does not use (a value head under
         # policy_gradient): DDP must not wait for their gradients.
         self.accelerator = Accelerator(
@@ -514,15 +517,16 @@ class TorchBackend:
         return metrics
 
     def _parameters(self) -> list[torch.Tensor]:
-        """A copy of every parameter (one more copy of the weights, on their device), for
+        """A copy of every trained parameter (one more copy of them, on their device), for
         ``_update_ratio``. Called by ``train_step`` before its first update."""
-        return [p.detach().clone() for p in self.model.parameters()]
+        return [p.detach().clone() for p in _trained(self.model)]
 
     def _update_ratio(self, before: Sequence[torch.Tensor]) -> dict[str, float]:
         """``update_ratio``: ``||theta_after - theta_before|| / ||theta_before||`` over every
-        parameter (one global L2 norm each), with ``before`` from ``_parameters``; left out
-        when ``||theta_before||`` is 0. Called by ``train_step`` after its last update. Under
-        data parallelism every rank holds the same weights, so it needs no reduction."""
+        trained parameter (a LoRA model's adapters alone; one global L2 norm each), with
+        ``before`` from ``_parameters``; left out when ``||theta_before||`` is 0. Called by
+        ``train_step`` after its last update. Under data parallelism every rank holds the
+        same weights, so it needs no reduction."""
         if not before:
             return {}
         with torch.no_grad():
@@ -530,7 +534,7 @@ class TorchBackend:
                 [torch.linalg.vector_norm(b, dtype=torch.float64) for b in before]))
             delta = torch.linalg.vector_norm(torch.stack(
                 [torch.linalg.vector_norm(p.detach() - b, dtype=torch.float64)
-                 for p, b in zip(self.model.parameters(), before, strict=True)]))
+                 for p, b in zip(_trained(self.model), before, strict=True)]))
         if float(norm) == 0.0:
             return {}
         return {TRAINER_UPDATE_RATIO: float(delta / norm)}
@@ -649,6 +653,11 @@ class TorchBackend:
         metrics.update(self._update_ratio(before))
         metrics.update({f"objective.{k}": v for k, v in result.metrics.items()})
         return metrics
+
+
+def _trained(model: Any) -> list[torch.Tensor]:
+    """The parameters of ``model`` that training changes: those that require a gradient."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _non_finite_rows(advantages: Advantages) -> np.ndarray:
