@@ -3,6 +3,7 @@
     reef up                         local broker + Redis + topics, then the status
     reef kafka up|down|status       the local Kafka cluster (1 or 3 KRaft nodes)
     reef redis up|down|status       the local Redis server
+    reef engine install|up|down|status  a local vLLM server (own cached environment)
     reef topics create|verify       the declared topics of a namespace
     reef produce generations|feedback   import JSONL logs (native or OpenAI-style)
     reef intake serve               HTTP intake for fleets not written in Python
@@ -34,9 +35,9 @@ import sys
 
 import click
 
-from reef_stream.cli import (check, cursors, dashboard, demo, evaluate, fleet, follow, intake,
-                             process, produce, reward, scorecard, servers, sink, top, topics,
-                             trace, train)
+from reef_stream.cli import (check, cursors, dashboard, demo, engine, evaluate, fleet, follow,
+                             intake, process, produce, reward, scorecard, servers, sink, top,
+                             topics, trace, train)
 from reef_stream.cli.common import ReefGroup, print_error
 from reef_stream.config import load_settings
 from reef_stream.errors import ConfigurationError
@@ -64,7 +65,7 @@ def main(ctx: click.Context, verbose: bool) -> None:
 
 
 for module in (servers, topics, produce, intake, cursors, check, reward, process, train, evaluate,
-               follow, fleet, demo, trace, top, scorecard, sink, dashboard):
+               follow, fleet, demo, trace, top, scorecard, sink, dashboard, engine):
     for command in module.COMMANDS:
         main.add_command(command)
 
