@@ -1,0 +1,294 @@
+"""Pretrained Hugging Face causal LMs as the trainer's model, in full or through LoRA adapters.
+
+A recipe names the model by a local Hugging Face directory (what ``save_pretrained`` writes:
+``config.json`` and the weights; a hub name works too where a hub is reachable)::
+
+    from reef_stream.api.losses import POLICY_GRADIENT
+    from reef_stream.api.recipe import AdamW, Backend
+    from reef_stream.engine.hf import HuggingFace, Lora
+
+    backend = Backend(
+        name="torch", loss_families=(POLICY_GRADIENT,), optimizer=AdamW(lr=1e-4),
+        model=HuggingFace("/models/qwen2.5-0.5b", dtype="bfloat16",
+                          gradient_checkpointing=True, lora=Lora(rank=8, alpha=16)))
+
+``HuggingFace`` is data (frozen, so ``--set backend.model.lora.rank=16`` can change it) and
+the zero-argument callable ``Backend.model`` wants: the trainer calls it once, after seeding
+torch with the schedule's seed (LoRA's random initialisation is then the same on every run
+and every rank). It loads the model with ``AutoModelForCausalLM.from_pretrained`` and returns a
+``HuggingFaceLM``: the trainer's ``CausalLM`` (``reef_stream.engine.training``), whose
+``forward(input_ids, attention_mask)`` is the Hugging Face model's logits, whose
+``vocab_size`` is the config's (``untrainable`` checks every unit's token ids against it) and
+whose ``max_len`` is the config's ``max_position_embeddings``. Prompt and completion token ids
+come from the events: training needs no tokenizer.
+
+With ``lora``, ``peft`` adds adapters to the named modules and freezes everything else: only
+the adapters are trained (the torch backend's optimizer gets the parameters that require a
+gradient), and the module's ``state_dict()`` / ``load_state_dict()`` hold the adapters alone,
+so a trainer checkpoint carries a few MB of adapter and the base comes from ``path`` again on
+restart. Without ``lora`` every parameter is trained and checkpointed (each tied tensor once:
+a checkpoint's safetensors file cannot hold one tensor under two names).
+
+What serving loads is a separate artifact (``reef_stream.engine.artifacts``): a Hugging Face
+directory in the serving dtype, or the adapter alone in peft's format.
+
+Configuration errors (a directory that does not exist, a config that is not a causal LM, a LoRA
+target the model does not have) are ``ConfigurationError``s raised when the model is built,
+naming what was found. transformers and peft are imported when a model is built, not when this
+module is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from reef_stream.errors import ConfigurationError
+
+__all__ = ["TRAIN_DTYPES", "HuggingFace", "HuggingFaceLM", "Lora"]
+
+#: The dtypes a model trains in (float16 needs loss scaling, which the backend does not do).
+TRAIN_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class Lora:
+    """LoRA adapters (``peft.LoraConfig``): rank ``rank`` matrices on every module whose name
+    is, or ends with ``.`` plus, one of ``target_modules`` (``("all-linear",)``: every linear
+    layer but the output head), scaled by ``alpha / rank``, with ``dropout`` on their input.
+    Only the adapters are trained; the base stays bitwise as loaded."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, (list, str)):
+            targets = (self.target_modules,) if isinstance(self.target_modules, str) else \
+                tuple(self.target_modules)
+            object.__setattr__(self, "target_modules", targets)
+        problems = []
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            problems.append(f"Lora.rank must be a positive int, got {self.rank!r}")
+        if (not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool)
+                or not self.alpha > 0 or self.alpha == float("inf")):
+            problems.append(f"Lora.alpha must be a positive finite number, got {self.alpha!r}")
+        if (not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool)
+                or not 0 <= self.dropout < 1):
+            problems.append(f"Lora.dropout must be within [0, 1), got {self.dropout!r}")
+        if (not isinstance(self.target_modules, tuple) or not self.target_modules
+                or not all(isinstance(t, str) and t for t in self.target_modules)):
+            problems.append("Lora.target_modules must name at least one module (e.g. "
+                            f"('q_proj', 'v_proj')), got {self.target_modules!r}")
+        if problems:
+            raise ConfigurationError(problems)
+
+
+@dataclass(frozen=True, slots=True)
+class HuggingFace:
+    """A Hugging Face causal LM to train: ``Backend(model=HuggingFace(path, ...))``.
+
+    ``path``: a local directory ``save_pretrained`` wrote (or a hub name, where a hub is
+    reachable). ``dtype``: the weights' dtype while training, ``"float32"`` or
+    ``"bfloat16"`` (bfloat16 weights are updated in bfloat16, with no float32 master copy;
+    LoRA adapters stay float32, as peft makes them). ``gradient_checkpointing``: recompute activations in the backward pass
+    (less memory, about a third more compute; the same loss and gradients). ``lora``: train
+    LoRA adapters only (``Lora``); None trains every parameter.
+
+    Calling it loads the model (blocks while the weights are read) and returns a
+    ``HuggingFaceLM``; each call loads a fresh copy.
+    """
+
+    path: str
+    dtype: str = "float32"
+    gradient_checkpointing: bool = False
+    lora: Lora | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.path, os.PathLike):
+            object.__setattr__(self, "path", os.fspath(self.path))
+        problems = []
+        if not isinstance(self.path, str) or not self.path:
+            problems.append(f"HuggingFace.path must name a model directory, got {self.path!r}")
+        if self.dtype not in TRAIN_DTYPES:
+            problems.append(f"HuggingFace.dtype must be one of {', '.join(TRAIN_DTYPES)}, got "
+                            f"{self.dtype!r}")
+        if not isinstance(self.gradient_checkpointing, bool):
+            problems.append("HuggingFace.gradient_checkpointing must be True or False, got "
+                            f"{self.gradient_checkpointing!r}")
+        if self.lora is not None and not isinstance(self.lora, Lora):
+            problems.append(f"HuggingFace.lora must be a Lora(...) or None, got {self.lora!r}")
+        if problems:
+            raise ConfigurationError(problems)
+
+    def __call__(self) -> HuggingFaceLM:
+        """The loaded model, wrapped as the trainer's ``CausalLM``; ``ConfigurationError``
+        when ``path`` holds no causal LM or ``lora`` targets modules it does not have."""
+        from transformers import AutoModelForCausalLM
+
+        config = self._config()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(self.path, config=config,
+                                                         dtype=getattr(torch, self.dtype))
+        except (OSError, ValueError) as exc:
+            raise ConfigurationError(f"the Hugging Face model at {self.path!r} could not be "
+                                     f"loaded: {exc}") from exc
+        model.config.use_cache = False  # training runs whole sequences; no KV cache
+        if self.gradient_checkpointing:
+            # Non-reentrant: correct with frozen inputs (LoRA) and without the inputs needing
+            # a gradient. transformers 5 renamed the method (the old name warns).
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora is not None:
+            model = self._with_adapters(model)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        max_len = getattr(text, "max_position_embeddings", None)
+        return HuggingFaceLM(model, source=self.path, lora=self.lora,
+                             vocab_size=int(text.vocab_size),
+                             max_len=max_len if isinstance(max_len, int) and max_len > 0 else None)
+
+    def _config(self) -> Any:
+        """The model's config, checked to be a causal LM's, before any weight is read."""
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        where = Path(self.path).expanduser()
+        local = where.is_absolute() or self.path.startswith((".", "~")) or where.exists()
+        if local and not where.is_dir():
+            raise ConfigurationError(
+                f"HuggingFace.path {self.path!r}: no such directory (give the directory "
+                "save_pretrained wrote, holding config.json and the weights)")
+        if local and not (where / "config.json").is_file():
+            found = ", ".join(sorted(p.name for p in where.iterdir())[:12]) or "nothing"
+            raise ConfigurationError(
+                f"HuggingFace.path {self.path!r} is not a Hugging Face model directory: it has "
+                f"no config.json (it holds: {found})")
+        try:
+            config = AutoConfig.from_pretrained(str(where) if local else self.path)
+        except (OSError, ValueError) as exc:
+            raise ConfigurationError(
+                f"HuggingFace.path {self.path!r}: no model config could be read (not a local "
+                f"directory, and not a model on a reachable hub): {exc}") from exc
+        if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise ConfigurationError(
+                f"HuggingFace.path {self.path!r} holds a {type(config).__name__} (model_type "
+                f"{getattr(config, 'model_type', '?')!r}), which is not a causal language "
+                "model: AutoModelForCausalLM cannot load it, and the trainer needs next-token "
+                "logits")
+        return config
+
+    def _with_adapters(self, model: Any) -> Any:
+        """``model`` with LoRA adapters from peft, its base frozen."""
+        from peft import LoraConfig, get_peft_model
+
+        lora = self.lora
+        assert lora is not None
+        targets = list(lora.target_modules)
+        if targets != ["all-linear"]:
+            names = [name for name, _ in model.named_modules() if name]
+            missing = [t for t in targets
+                       if not any(n == t or n.endswith("." + t) for n in names)]
+            if missing:
+                linear = sorted({name.rsplit(".", 1)[-1] for name, module in
+                                 model.named_modules() if isinstance(module, nn.Linear)})
+                raise ConfigurationError(
+                    f"Lora.target_modules {missing} match no module of the model at "
+                    f"{self.path!r} ({type(model).__name__}); its linear layers are: "
+                    f"{', '.join(linear)}")
+        config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                            target_modules=targets[0] if targets == ["all-linear"] else targets,
+                            bias="none", task_type="CAUSAL_LM")
+        with warnings.catch_warnings():  # peft asks transformers 5 by a name it deprecated
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing",
+                                    category=FutureWarning)
+            return get_peft_model(model, config)
+
+
+class HuggingFaceLM(nn.Module):
+    """A Hugging Face causal LM (or a peft model around one) as the trainer's ``CausalLM``.
+
+    ``forward(input_ids: long[B, L], attention_mask: bool[B, L]) -> float[B, L, V]``: the
+    model's logits (in its dtype), inputs moved to its device. ``vocab_size``, ``max_len``:
+    from its config. ``hf``: the Hugging Face (or peft) model itself. ``source``: where it was
+    loaded from. ``lora``: its adapters' settings, or None.
+
+    ``state_dict()`` holds what training changes: with LoRA only the adapters' tensors,
+    without it every parameter (a tied one once) and persistent buffer. ``load_state_dict``
+    takes exactly those keys (``ConfigurationError`` otherwise: the checkpoint is of another
+    model or another LoRA setting).
+    """
+
+    def __init__(self, model: Any, *, source: str, lora: Lora | None, vocab_size: int,
+                 max_len: int | None) -> None:
+        super().__init__()
+        self.hf = model
+        self.source = source
+        self.lora = lora
+        self.vocab_size = vocab_size
+        self.max_len = max_len
+        self._held = self._held_names()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        device = self.hf.get_input_embeddings().weight.device
+        return self.hf(input_ids=input_ids.to(device),
+                       attention_mask=attention_mask.to(device=device, dtype=torch.long),
+                       use_cache=False).logits
+
+    @property
+    def base(self) -> Any:
+        """The Hugging Face model (under the adapters, with LoRA)."""
+        return self.hf.get_base_model() if self.lora is not None else self.hf
+
+    def _held_names(self) -> list[str]:
+        """The ``state_dict`` keys this module keeps (see the class docstring), in order."""
+        if self.lora is not None:
+            return [name for name, p in self.named_parameters() if p.requires_grad]
+        seen: set[tuple[int, int, tuple[int, ...]]] = set()
+        held = []
+        for name, tensor in super().state_dict(keep_vars=True).items():
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                   tuple(tensor.shape))
+            if key not in seen:
+                seen.add(key)
+                held.append(name)
+        return held
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> Any:
+        """The tensors training changes (the adapters alone, with LoRA), by name."""
+        if args:
+            raise TypeError("HuggingFaceLM.state_dict takes keyword arguments only")
+        every = super().state_dict(keep_vars=keep_vars)
+        out = OrderedDict() if destination is None else destination
+        for name in self._held:
+            out[prefix + name] = every[name]
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Put ``state_dict`` (this module's ``state_dict`` keys) back. ``ConfigurationError``
+        naming the differences when its keys are not this module's."""
+        given, held = set(state_dict), set(self._held)
+        missing, unexpected = sorted(held - given), sorted(given - held)
+        if unexpected or (strict and missing):
+            what = "the LoRA adapters" if self.lora is not None else "every parameter"
+            raise ConfigurationError(
+                f"these weights do not fit the model from {self.source!r} (its state holds "
+                f"{what}: {len(held)} tensors): {len(missing)} missing (first: "
+                f"{missing[:3]}), {len(unexpected)} unexpected (first: {unexpected[:3]}); a "
+                "checkpoint of another model, or of another LoRA setting?")
+        result = super().load_state_dict(dict(state_dict), strict=False, assign=assign)
+        return type(result)(missing_keys=missing, unexpected_keys=[])
