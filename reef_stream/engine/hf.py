@@ -135,14 +135,13 @@ class HuggingFace:
         when ``path`` holds no causal LM or ``lora`` targets modules it does not have."""
         from transformers import AutoModelForCausalLM
 
-        config = self._config()
+        location, config = self._config()
         try:
-            model = AutoModelForCausalLM.from_pretrained(self.path, config=config,
+            model = AutoModelForCausalLM.from_pretrained(location, config=config,
                                                          dtype=getattr(torch, self.dtype))
         except (OSError, ValueError) as exc:
             raise ConfigurationError(f"the Hugging Face model at {self.path!r} could not be "
                                      f"loaded: {exc}") from exc
-        model.config.use_cache = False  # training runs whole sequences; no KV cache
         if self.gradient_checkpointing:
             # Non-reentrant: correct with frozen inputs (LoRA) and without the inputs needing
             # a gradient. transformers 5 renamed the method (the old name warns).
@@ -156,12 +155,13 @@ class HuggingFace:
             model = self._with_adapters(model)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         max_len = getattr(text, "max_position_embeddings", None)
-        return HuggingFaceLM(model, source=self.path, lora=self.lora,
+        return HuggingFaceLM(model, source=location, lora=self.lora,
                              vocab_size=int(text.vocab_size),
                              max_len=max_len if isinstance(max_len, int) and max_len > 0 else None)
 
-    def _config(self) -> Any:
-        """The model's config, checked to be a causal LM's, before any weight is read."""
+    def _config(self) -> tuple[str, Any]:
+        """Where the model is (a local directory, ``~`` expanded, or a hub name) and its
+        config, checked to be a causal LM's, before any weight is read."""
         from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -176,8 +176,9 @@ class HuggingFace:
             raise ConfigurationError(
                 f"HuggingFace.path {self.path!r} is not a Hugging Face model directory: it has "
                 f"no config.json (it holds: {found})")
+        location = str(where) if local else self.path
         try:
-            config = AutoConfig.from_pretrained(str(where) if local else self.path)
+            config = AutoConfig.from_pretrained(location)
         except (OSError, ValueError) as exc:
             raise ConfigurationError(
                 f"HuggingFace.path {self.path!r}: no model config could be read (not a local "
@@ -188,7 +189,7 @@ class HuggingFace:
                 f"{getattr(config, 'model_type', '?')!r}), which is not a causal language "
                 "model: AutoModelForCausalLM cannot load it, and the trainer needs next-token "
                 "logits")
-        return config
+        return location, config
 
     def _with_adapters(self, model: Any) -> Any:
         """``model`` with LoRA adapters from peft, its base frozen."""

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -283,7 +284,10 @@ def test_a_full_artifact_loads_back_to_the_trained_logits_in_its_dtype(qwen_dir,
         assert torch.equal(served(input_ids=ids, attention_mask=mask.long()).logits, trained)
 
     half = write_serving_artifact(model, tmp_path / "bf16", dtype="bfloat16")
-    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    source = json.loads((Path(qwen_dir) / "config.json").read_text())
+    assert config.pop("dtype") == "bfloat16" and source.pop("dtype") == "float32"
+    assert config == source  # the source's config, but for the serving dtype
     assert half.size < exact.size * 0.6
     served = auto.from_pretrained(half.uri)  # the config's dtype: bfloat16
     assert served.dtype == torch.bfloat16
@@ -331,6 +335,11 @@ def test_a_lora_artifact_is_the_adapter_alone_and_peft_loads_it(llama_dir, tmp_p
     # The same adapter gives the same bytes: a publication's sha256 is reproducible.
     again = write_serving_artifact(model, tmp_path / "again", dtype="float32")
     assert again.sha256 == written["float32"].sha256 != written["bfloat16"].sha256
+    # Any fsspec URL (here memory://, as an object store: no rename, the manifest last).
+    url = f"memory://artifacts/{tmp_path.name}"
+    remote = write_serving_artifact(model, url, dtype="float32")
+    assert remote.sha256 == again.sha256
+    assert set(verify_artifact(url, remote.sha256)["files"]) == files
 
 
 def test_verify_artifact_catches_a_flipped_byte_a_stray_file_and_a_replaced_manifest(
