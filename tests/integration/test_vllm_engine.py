@@ -16,6 +16,7 @@ a ``Follower``'s callback path reloads a version. ``CommandEngine`` runs real co
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -243,6 +244,56 @@ def test_a_follower_callback_reloads_the_version_it_is_handed(server, models):
         assert engine.weight_version() == "9"
     finally:
         engine(version(11, str(models / "base")))
+    assert _fingerprint(url, name) == before
+
+
+def test_artifacts_the_trainer_side_writes_load_and_are_checked_against_their_sha256(
+        server, models, tmp_path):
+    """``reef_stream.engine.artifacts.write_serving_artifact`` output (full and LoRA) loads;
+    a wrong manifest sha256 or a tampered file is refused before vLLM sees it."""
+    import torch
+
+    from reef_stream.engine.artifacts import write_serving_artifact
+    from reef_stream.engine.hf import HuggingFace, Lora
+
+    _, url = server
+    name = str(models / "base")
+    before = _fingerprint(url, name)
+    engine = VllmEngine(url)
+    full = write_serving_artifact(HuggingFace(str(models / "v1"))(), tmp_path / "full",
+                                  dtype="float32")
+    assert full.kind == "full"
+    try:
+        assert engine.reload(tmp_path / "full", version=20, sha256=full.sha256).kind == "full"
+        v1 = _fingerprint(url, name)
+        assert v1[2] != before[2]
+        engine.reload(models / "v1", version=21)
+        assert _fingerprint(url, name) == v1, "the artifact holds v1's weights exactly"
+        with pytest.raises(ReloadError, match="the publication says 0000"):
+            engine.reload(tmp_path / "full", version=22, sha256="0" * 64)
+        tampered = shutil.copytree(tmp_path / "full", tmp_path / "tampered")
+        weights = tampered / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 1
+        weights.write_bytes(bytes(data))
+        with pytest.raises(ReloadError, match="does not match its size and sha256"):
+            engine.reload(tampered, version=22)
+        assert _fingerprint(url, name) == v1 and engine.weight_version() == "21"
+
+        torch.manual_seed(3)
+        adapted = HuggingFace(name, lora=Lora(rank=LORA_RANK,
+                                              target_modules=("q_proj", "v_proj")))()
+        with torch.no_grad():  # peft starts B at zero: an adapter that changes nothing
+            for parameter_name, parameter in adapted.named_parameters():
+                if "lora_B" in parameter_name:
+                    parameter.add_(torch.randn_like(parameter) * 0.5)
+        adapter = write_serving_artifact(adapted, tmp_path / "adapter")
+        assert adapter.kind == "lora"
+        lora = VllmEngine(url, lora_name="trained-lora")
+        assert lora.reload(tmp_path / "adapter", 23, sha256=adapter.sha256).kind == "lora"
+        assert _fingerprint(url, "trained-lora")[2] != _fingerprint(url, name)[2]
+    finally:
+        engine.reload(models / "base", version=24)
     assert _fingerprint(url, name) == before
 
 
