@@ -23,6 +23,18 @@ that are nearly ``max_staleness`` stale, and a fault's backlog never drains.
 A short queue keeps what is trained fresh, at the price of the samples shed.
 None (the default): no bound.
 
+``checkpoint_every`` is the acknowledgement cadence: the trainer writes a
+checkpoint (and commits its offsets, and emits the ``Checkpoint`` event the
+evaluator decides on) every that many steps, not after each one. The steps in
+between are not lost in a crash: a restarted trainer restores the newest
+checkpoint and trains them again from the log, to the same weights. What a
+larger cadence saves is the checkpoint's write (a full model and optimizer
+state); what it costs is replay after a crash, and versions that reach serving
+only every ``checkpoint_every`` steps, so samples are up to that many steps
+older: it must be at most ``max_staleness + 1``. A backlog bound counts what
+the trainer's newest checkpoint has not taken, so it allows
+``checkpoint_every - 1`` steps more.
+
 A schedule checks its own invariants when it is built and raises one
 ``ConfigurationError`` listing every problem.
 """
@@ -53,6 +65,8 @@ class Schedule:
     max_staleness: int
     #: In steps of units waiting for the trainer; None: unbounded (see the module docstring).
     max_backlog_steps: int | None = None
+    #: Steps per checkpoint: the trainer acknowledges every this many (module docstring).
+    checkpoint_every: int = 1
 
     def __post_init__(self) -> None:
         problems = schedule_problems(self)
@@ -82,21 +96,24 @@ class Schedule:
             + ("" if self.max_backlog_steps is None else
                f", backlog at most {self.max_backlog_steps} step"
                f"{'' if self.max_backlog_steps == 1 else 's'} of units")
+            + ("" if self.checkpoint_every == 1 else
+               f", a checkpoint every {self.checkpoint_every} steps")
         )
 
     @property
     def max_backlog_units(self) -> int | None:
-        """``max_backlog_steps`` in units (None: unbounded)."""
+        """``max_backlog_steps`` in units (None: unbounded), plus the ``checkpoint_every - 1``
+        steps the trainer may have taken since its newest checkpoint."""
         if self.max_backlog_steps is None:
             return None
-        return self.max_backlog_steps * self.units_per_step
+        return (self.max_backlog_steps + self.checkpoint_every - 1) * self.units_per_step
 
 
 def schedule_problems(schedule: Schedule) -> list[str]:
     """Every invariant ``schedule`` breaks, as sentences (empty when it is consistent)."""
     problems: list[str] = []
     least = {"units_per_step": 1, "optimizer_batch_size": 1, "micro_batch_size": 1, "epochs": 1,
-             "seed": 0, "max_staleness": 0}
+             "seed": 0, "max_staleness": 0, "checkpoint_every": 1}
     valid = set()
     for name, minimum in least.items():
         value = getattr(schedule, name)
@@ -111,6 +128,12 @@ def schedule_problems(schedule: Schedule) -> list[str]:
                                 or backlog < 1):
         problems.append(f"schedule.max_backlog_steps must be None or an integer of at least 1, "
                         f"got {backlog!r}")
+    if {"checkpoint_every", "max_staleness"} <= valid \
+            and schedule.checkpoint_every > schedule.max_staleness + 1:
+        problems.append(
+            f"schedule.checkpoint_every ({schedule.checkpoint_every}) must be at most "
+            f"max_staleness + 1 ({schedule.max_staleness + 1}): versions reach serving only at "
+            "checkpoints, so every sample would be too stale before the next one")
     if not isinstance(schedule.shuffle, bool):
         problems.append(f"schedule.shuffle must be True or False, got {schedule.shuffle!r}")
     for larger, smaller in (("units_per_step", "optimizer_batch_size"),

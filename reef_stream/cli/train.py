@@ -4,11 +4,13 @@
     reef train --recipe tests.recipes.trainable --group g --checkpoints /data/ckpt --max-steps 100
 
 Consumes ``<ns>.units.<recipe>`` as consumer group G, trains a step per
-``units_per_step`` units, and acknowledges each step by writing its checkpoint,
-producing a Checkpoint event and committing the offsets, in that order. A
-trainer killed at any moment (SIGKILL included) and restarted resumes from
-its newest checkpoint and reaches the same weights. SIGINT / SIGTERM stop it
-after the step in progress. ``COMMANDS`` lists the command for
+``units_per_step`` units, and acknowledges every ``schedule.checkpoint_every``
+steps (``--set schedule.checkpoint_every=5``; or sooner, ``--checkpoint-every-s``)
+by writing a checkpoint, producing a Checkpoint event and committing the
+offsets, in that order. A trainer killed at any moment (SIGKILL included) and
+restarted resumes from its newest checkpoint, trains the steps since again from
+the log, and reaches the same weights. SIGINT / SIGTERM stop it after the step
+in progress, checkpointing what it trained. ``COMMANDS`` lists the command for
 ``main.add_command``; also runnable as ``python -m reef_stream.cli.train``.
 """
 
@@ -44,10 +46,15 @@ from reef_stream.cli.recipe_options import set_option
 @click.option("--idle-exit", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Stop after this long without a new unit (an unfinished step stays "
                    "unacknowledged and is trained on the next run).")
+@click.option("--checkpoint-every-s", type=click.FloatRange(min=0, min_open=True),
+              default=None, metavar="SECONDS",
+              help="Also checkpoint once this long has passed since the last checkpoint, "
+                   "whatever the recipe's schedule.checkpoint_every (steps) says: bounds the "
+                   "work a crash makes the trainer redo.")
 @metrics_port_option
 def train(path: str, group: str, url: str | None, keep: int, model_name: str | None,
-          max_steps: int | None, idle_exit: float | None, metrics_port: int | None,
-          overrides: tuple[str, ...] = ()) -> None:
+          max_steps: int | None, idle_exit: float | None, checkpoint_every_s: float | None,
+          metrics_port: int | None, overrides: tuple[str, ...] = ()) -> None:
     """Train a recipe as a consumer group; checkpoints are the acknowledgements.
 
     Each step's units come from the units topic in an order fixed by the log
@@ -67,7 +74,8 @@ def train(path: str, group: str, url: str | None, keep: int, model_name: str | N
     recipe = load_recipe(path, overrides=overrides, trains=True)
     trainer = Trainer(recipe, bootstrap=bootstrap_servers(settings), namespace=settings.namespace,
                       group=group, checkpoints=url, keep=keep, model_name=model_name,
-                      max_steps=max_steps, idle_exit=idle_exit, settings=settings)
+                      max_steps=max_steps, idle_exit=idle_exit,
+                      checkpoint_every_s=checkpoint_every_s, settings=settings)
     if metrics_port:  # one port per rank on a host (torchrun sets LOCAL_RANK)
         metrics_port += int(os.environ.get("LOCAL_RANK", "0"))
     serve_metrics(metrics_port)

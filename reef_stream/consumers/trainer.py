@@ -29,8 +29,8 @@ was checked when first trained. The check comes before staleness, which
 depends on the trainer's step: the dead letter names the defect of the record
 itself.) Those units, the objective's result on them and
 ``TorchBackend.train_step`` make the step. So the units of step N are a pure
-function of the log and the checkpoint of step N-1, and a restarted trainer
-rebuilds the same steps. Should a step's advantages, loss or gradient norm
+function of the log and the trainer's state after step N-1, and a restarted
+trainer rebuilds the same steps. Should a step's advantages, loss or gradient norm
 still be NaN or infinite, ``train_step`` raises ``NonFiniteStep`` (fatal)
 before that update reaches the weights: nothing of the step is acknowledged.
 
@@ -43,9 +43,14 @@ Acknowledgement (``_acknowledge``, the one place the order is written down):
    produced to ``<ns>.checkpoints`` and acknowledged by the broker;
 3. the offsets are committed for the group.
 
-Only then does the proposed algorithm state become the trainer's. A failure
-at any point aborts the step: the trainer goes back to the newest durable
-checkpoint (``_resume``) as if it had restarted, so nothing is half-applied.
+A checkpoint is written every ``schedule.checkpoint_every`` steps (and after
+``checkpoint_every_s`` seconds, at ``max_steps``, before a rollback, and when
+the trainer is stopped), holding every step since the previous one
+(``step_units``: their units in order). The steps in between live in memory
+only: a crash, or a failure at any point of an acknowledgement, sends the
+trainer back to the newest durable checkpoint (``_resume``) as if it had
+restarted, and it trains those steps again from the log, to the same weights
+(the state a checkpoint restores is exact), so nothing is half-applied.
 
 Resume (``_resume``, at start and after a failed step). The newest complete
 checkpoint in the store is loaded and verified; its offsets win over the
@@ -245,6 +250,7 @@ class Trainer:
     def __init__(self, recipe: Recipe, *, bootstrap: str, namespace: str, group: str,
                  checkpoints: str | None = None, keep: int = 5, model_name: str | None = None,
                  max_steps: int | None = None, idle_exit: float | None = None,
+                 checkpoint_every_s: float | None = None,
                  settings: Settings | None = None) -> None:
         settings = settings or load_settings()
         self.recipe, self.bootstrap, self.ns, self.group = recipe, bootstrap, namespace, group
@@ -252,6 +258,7 @@ class Trainer:
         self.store = CheckpointStore(checkpoints or default_store_url(
             settings.home, namespace, recipe.name, group))
         self.keep, self.max_steps, self.idle_exit = keep, max_steps, idle_exit
+        self.checkpoint_every_s = checkpoint_every_s
         self.model_name = model_name or recipe.backend.model_name or group
         self.registry = SchemaRegistry.default()
         self.summary = TrainerSummary()
@@ -268,6 +275,12 @@ class Trainer:
         #: went back to.
         self.acknowledged: tuple[TopicOffset, ...] = ()
         self.rolled_back_to: int | None = None
+        #: The newest checkpoint's step and when it was written (monotonic), and what the steps
+        #: trained since hold: their unit ids in order, the offsets and metrics of the last.
+        self.durable_step, self.durable_at = 0, time.monotonic()
+        self.unacknowledged: list[str] = []
+        self.step_offsets: dict[int, int] = {}
+        self.step_metrics: dict[str, float] = {}
         #: Rank 0's fold of <ns>.publications, opened after _resume.
         self.watch: StallWatch | None = None
         self.pending: list[Any] = []
@@ -355,18 +368,19 @@ class Trainer:
     # ----------------------------------------------------------------- one step
 
     def _train_step(self) -> None:
-        """Train on the pending units (with every rank's, under data parallelism) and acknowledge.
+        """Train on the pending units (with every rank's, under data parallelism); checkpoint
+        when one is due (``_checkpoint_due``).
 
         Every rank sees the whole step's units (gathered in rank order), so the
         objective computes one result and one proposed state everywhere; each
         rank trains on its own rows and DDP averages the gradients. Rank 0
-        acknowledges the step for all ranks; the others wait for its verdict.
+        acknowledges the steps for all ranks; the others wait for its verdict.
         """
         started = time.monotonic()
         step, mine = self.step + 1, self.pending
         self.producer.flush(ACK_TIMEOUT_S)   # this rank's dead letters, before any commit
         shares = self.world.gather_shares(mine, self.offsets, self.registry,
-                                              self.recipe.objective.unit_type)
+                                          self.recipe.objective.unit_type)
         units = [u for units, _ in shares for u in units]
         offsets = {p: o for _, rank_offsets in shares for p, o in rank_offsets.items()}
         result = self.recipe.objective.compute(units, self.algorithm_state)
@@ -385,24 +399,57 @@ class Trainer:
         ages = StepAges.of(units, now_ms())
         if ages.sample_age:
             metrics[TRAINER_SAMPLE_AGE_MEAN] = float(np.mean(ages.sample_age))
+        # Trained: the step and its proposed state are the trainer's from here on, durable
+        # once a checkpoint holds them (a failure before goes back to the newest checkpoint).
+        self.algorithm_state = result.proposed_state
+        self.trained.update(unit_hash(u.unit_id) for u in units)
+        self.step, self.step_offsets, self.step_metrics = step, offsets, metrics
+        self.unacknowledged.extend(u.unit_id for u in units)
+        self.pending, self.pending_ids = [], set()
+        if self._checkpoint_due():
+            self._checkpoint()
+        seconds = time.monotonic() - started
+        self._count_step(len(units), seconds, metrics, staleness, ages)
+        log.info("step %d: %d units, loss %.4f, %.2f s%s", step, len(units),
+                 metrics.get("loss", float("nan")), seconds,
+                 "" if self.durable_step == step else
+                 f"; checkpoint at step {self.durable_step}")
+
+    def _checkpoint_due(self) -> bool:
+        """Whether to checkpoint the step just trained: every ``schedule.checkpoint_every``
+        steps after the newest checkpoint, at ``max_steps``, and once ``checkpoint_every_s``
+        seconds passed since the newest checkpoint (rank 0's clock decides for every rank)."""
+        if (self.step - self.durable_step >= self.recipe.schedule.checkpoint_every
+                or (self.max_steps is not None and self.step >= self.max_steps)):
+            return True
+        if self.checkpoint_every_s is None:
+            return False
+        late = self.rank == 0 and time.monotonic() - self.durable_at >= self.checkpoint_every_s
+        return self.world.broadcast_bytes(b"1" if late else b"") == b"1"
+
+    def _checkpoint(self) -> None:
+        """Acknowledge every step trained since the newest checkpoint (``_acknowledge``): rank
+        0 writes it, with every rank's RNG states; the others wait for its verdict. Raises (a
+        ``RetryableError`` on every rank under data parallelism) when it failed: the caller
+        goes back to the newest checkpoint. Every rank calls it after the same step."""
+        step = self.step
         failpoint("trainer.before-checkpoint", step=step)
         weights, optimizer, rng = self.backend.state()
         if self.ranks > 1:
             rng = {k: v for blob in self.world.gather_bytes(safetensors.torch.save(rng))
                    for k, v in safetensors.torch.load(blob).items()}
-        new_ids = np.array([unit_hash(u.unit_id) for u in units], dtype=np.uint64)
-        error = None
+        error, offsets = None, ()
         if self.rank == 0:
-            trained = np.union1d(
-                np.fromiter(self.trained, dtype=np.uint64, count=len(self.trained)), new_ids)
+            offsets = tuple(TopicOffset(topic=self.topic, partition=p, offset=o)
+                            for p, o in sorted(self.step_offsets.items()))
             contents = CheckpointContents(
                 step=step, policy_version=step, model=self.model_name, recipe=self.recipe.name,
                 trainer_group=self.group, weights=weights, optimizer=optimizer, rng=rng,
-                algorithm_state=state_record(result.proposed_state),
-                offsets=tuple(TopicOffset(topic=self.topic, partition=p, offset=o)
-                              for p, o in sorted(offsets.items())),
-                trained_units=trained, step_units=tuple(u.unit_id for u in units),
-                metrics=metrics, created_at=now_ms())
+                algorithm_state=state_record(self.algorithm_state), offsets=offsets,
+                trained_units=np.unique(np.fromiter(self.trained, dtype=np.uint64,
+                                                    count=len(self.trained))),
+                step_units=tuple(self.unacknowledged), metrics=self.step_metrics,
+                created_at=now_ms())
             try:
                 self._acknowledge(contents)
             except (RetryableError, CheckpointError, KafkaException) as failure:
@@ -413,18 +460,11 @@ class Trainer:
             error = self.world.broadcast_bytes((error or "").encode()).decode() or None
         if error is not None:
             raise RetryableError(f"rank 0 could not acknowledge step {step}: {error}")
-        # Acknowledged: the proposed state is now the trainer's.
-        self.algorithm_state = result.proposed_state
-        self.acknowledged, self.rolled_back_to = contents.offsets if self.rank == 0 else (), None
-        self.trained.update(int(h) for h in new_ids)
-        self.step = step
-        self.pending, self.pending_ids = [], set()
-        seconds = time.monotonic() - started
-        self._count_step(len(units), seconds, metrics, staleness, ages)
+        self.acknowledged, self.rolled_back_to = offsets, None
+        self.durable_step, self.durable_at, self.unacknowledged = step, time.monotonic(), []
         pruned = self.store.prune(self.keep) if self.rank == 0 else []
-        log.info("step %d: %d units, loss %.4f, %.2f s%s", step, len(units),
-                 metrics.get("loss", float("nan")), seconds,
-                 f"; pruned steps {pruned}" if pruned else "")
+        if pruned:
+            log.info("checkpoint of step %d written; pruned steps %s", step, pruned)
 
     def _acknowledge(self, contents: CheckpointContents) -> StoredCheckpoint:
         """Acknowledge a trained step, in this order; any failure raises and aborts the step.
@@ -477,6 +517,15 @@ class Trainer:
         ``target`` (the incumbent's publication, the stall's reason), acknowledges the rollback
         checkpoint (``StallWatch.roll_back``) and tells the other ranks how it went; then every
         rank resumes from the newest checkpoint (the rollback's, unless it failed)."""
+        if self.step > self.durable_step:   # what was trained since is acknowledged first
+            try:
+                self._checkpoint()
+            except (RetryableError, CheckpointError, KafkaException) as error:
+                log.error("checkpoint before the rollback failed: %s; resuming from the "
+                          "newest checkpoint", error)
+                time.sleep(RETRY_BACKOFF_S)
+                self.consumer.assign(self._resume())
+                return
         verdict = Verdict.DONE
         if target is not None and self.watch is not None:
             verdict = self.watch.roll_back(
@@ -508,6 +557,7 @@ class Trainer:
         self.step, self.trained, self.offsets = 0, set(), {}
         self.acknowledged, self.rolled_back_to = (), None
         self.pending, self.pending_ids = [], set()
+        self.unacknowledged, self.step_offsets, self.step_metrics = [], {}, {}
         latest = self.store.latest()
         committed = {tp.partition: tp.offset for tp in self.consumer.committed(
             [TopicPartition(self.topic, p) for p in self.partitions], timeout=30) if tp.offset >= 0}
@@ -536,6 +586,7 @@ class Trainer:
                         "from fresh weights at those offsets", self.group, committed, self.store.url)
             self.offsets = dict(committed)
         self.offsets = {p: o for p, o in self.offsets.items() if p in self.owned}
+        self.durable_step, self.durable_at = self.step, time.monotonic()
         self.merge = LogMerge(sorted(self.owned), log_append_time=True)
         if self.ranks > 1:
             self.world.gather_bytes(b"")   # every rank resumed before any trains
@@ -721,7 +772,12 @@ class _Steps:
             trainer._stop.set()
 
     def join(self, timeout: float | None) -> None:
-        """Nothing to finish: a step is trained and acknowledged within ``fetched``."""
+        """A stop (not a failure): acknowledge the steps trained since the newest checkpoint,
+        so stopping loses none (``schedule.checkpoint_every``). Every rank, after the same
+        step."""
+        trainer = self.trainer
+        if trainer.backend is not None and trainer.step > trainer.durable_step:
+            trainer._checkpoint()
 
     def close(self) -> None:
         """The publications' reader; the consumer is the loop's, the producer the trainer's."""

@@ -1,9 +1,13 @@
 """The trainer SIGKILLed at 20+ moments -- while fetching, inside a step, while writing the
 checkpoint, between the checkpoint and its event, between the event and the commit, and at
 random times -- and restarted each time, over a fixed log of units: its final weights are
-bitwise those of a trainer that never stopped, and each unit was trained exactly once.
+bitwise those of a trainer that never stopped, and each unit was trained exactly once. Once
+with a checkpoint every step, once with a checkpoint every 5 (``schedule.checkpoint_every``):
+a restart then trains the steps since the newest checkpoint again, from the log.
 
-Prints the time from each restart to its first resumed step (recovery), never asserts it.
+Prints the time from each restart to its first resumed step (recovery) and, with the cadence,
+the steps each restart replayed; never asserts them. (The cadence's kills all come at
+failpoints: a kill at a random moment could come after the run's last step.)
 """
 
 from __future__ import annotations
@@ -48,12 +52,13 @@ def started():
 
 
 def _start(cli_env, group: str, store, *, max_steps: int = STEPS, failpoints: str = "",
-           started: list) -> subprocess.Popen:
+           started: list, sets: tuple[str, ...] = ()) -> subprocess.Popen:
     """A `reef train` process whose stderr lines are collected in ``process.lines`` by a thread."""
     env = {**cli_env, "REEF_FAILPOINTS": failpoints}
     process = subprocess.Popen(
         [sys.executable, "-m", "reef_stream.cli", "train", "--recipe", RECIPE, "--group", group,
-         "--checkpoints", str(store), "--keep", "0", "--max-steps", str(max_steps)],
+         "--checkpoints", str(store), "--keep", "0", "--max-steps", str(max_steps),
+         *(f"--set={s}" for s in sets)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     process.lines = []
     process.reader = threading.Thread(target=lambda: process.lines.extend(process.stderr),
@@ -162,3 +167,66 @@ def test_a_trainer_killed_20_times_ends_bitwise_where_an_uninterrupted_one_does(
     consumer.close()
     assert {(tp.partition, tp.offset) for tp in committed} == \
         {(o.partition, o.offset) for o in crashy[-1].offsets}
+
+
+EVERY = 5
+CADENCE = ("schedule.checkpoint_every=5", "schedule.max_staleness=8")
+#: Moments that come before a checkpoint's acknowledgement completes, and those that come in
+#: it (only at a checkpoint's step).
+BEFORE, DURING = PHASES[:2], PHASES[2:]
+
+
+def test_with_a_checkpoint_every_5_steps_a_trainer_killed_20_times_replays_to_the_same_weights(
+        kafka_bootstrap, cli_env, namespace, tmp_path, started):
+    create_topics(kafka_bootstrap, namespace)
+    log = [rollout_unit(i, policy_version=i // 4) for i in range(STEPS * 4)]
+    produce_units(kafka_bootstrap, namespace, [*log[:9], log[2], *log[9:]])  # one re-emitted
+
+    reference = _start(cli_env, "straight", tmp_path / "straight", started=started, sets=CADENCE)
+    out, err = reference.communicate(timeout=120)
+    assert reference.returncode == 0, err[-3000:]
+    straight = [load(c.uri, c.sha256) for c in CheckpointStore(tmp_path / "straight").steps()]
+    assert [c.step for c in straight] == [5, 10]   # not one per step
+
+    rng = random.Random(20261202)
+    store = CheckpointStore(tmp_path / "crashy")
+    kills, replayed = Counter(), []
+    while sum(kills.values()) < KILLS:
+        at = store.latest().step if store.latest() else 0
+        assert at < STEPS, f"all {STEPS} steps done after only {dict(kills)} kills"
+        checkpoint_at = at + EVERY
+        # Before the last checkpoint, only moments that precede its acknowledgement.
+        phase = rng.choice(PHASES if checkpoint_at < STEPS else BEFORE + DURING[:2])
+        target = rng.randint(at + 1, checkpoint_at) if phase in BEFORE else checkpoint_at
+        process = _start(cli_env, "crashy", tmp_path / "crashy", started=started,
+                         sets=CADENCE, failpoints=f"{phase}@{target}")
+        assert _wait_for_line(process, r"failpoint \S+ reached", timeout=120), \
+            "".join(process.lines)[-3000:]
+        _kill(process)
+        process.reader.join(5)
+        kills[phase] += 1
+        trained = [int(n) for n in re.findall(r"step (\d+): \d+ units", "".join(process.lines))]
+        replayed.append(max(trained, default=at) - at)
+
+    final = _start(cli_env, "crashy", tmp_path / "crashy", started=started, sets=CADENCE)
+    out, err = final.communicate(timeout=300)
+    assert final.returncode == 0, err[-3000:]
+    print(f"\nSIGKILLs by moment: {dict(kills)}")
+    print(f"steps trained after the newest checkpoint and lost to each kill (replayed by the "
+          f"next run): {replayed}")
+    assert sum(kills.values()) >= 20, kills
+    assert sum(replayed) > 0   # the kills did land between checkpoints
+
+    crashy = [load(c.uri, c.sha256) for c in store.steps()]
+    assert [c.step for c in crashy] == [5, 10]
+    # Each unit in exactly one checkpoint, in the same order as without the crashes ...
+    assert Counter(u for c in crashy for u in c.step_units) == Counter(u.unit_id for u in log)
+    assert [c.step_units for c in crashy] == [c.step_units for c in straight]
+    # ... to bitwise the same weights, optimizer state and algorithm state.
+    for name, tensor in straight[-1].weights.items():
+        assert torch.equal(tensor, crashy[-1].weights[name]), name
+    for key, value in straight[-1].optimizer["state"].items():
+        for name, tensor in value.items():
+            assert torch.equal(torch.as_tensor(tensor),
+                               torch.as_tensor(crashy[-1].optimizer["state"][key][name])), name
+    assert crashy[-1].algorithm_state == straight[-1].algorithm_state

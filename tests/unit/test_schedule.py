@@ -38,6 +38,15 @@ def test_a_backlog_bound_in_steps_is_a_bound_in_units():
     assert s.describe().endswith("max staleness 1 policy version, backlog at most 3 steps of units")
 
 
+def test_a_checkpoint_cadence_widens_the_backlog_bound_by_the_steps_between_checkpoints():
+    # The processor counts what the newest checkpoint has not taken: with a checkpoint every 4
+    # steps the trainer may hold 3 trained steps no checkpoint shows yet.
+    s = schedule(max_backlog_steps=2, checkpoint_every=4, max_staleness=3)
+    assert s.max_backlog_units == (2 + 3) * 8
+    assert s.describe().endswith("backlog at most 2 steps of units, a checkpoint every 4 steps")
+    assert schedule().checkpoint_every == 1 and "checkpoint" not in schedule().describe()
+
+
 def test_every_problem_is_listed_at_once():
     with pytest.raises(ConfigurationError) as caught:
         schedule(units_per_step=10, optimizer_batch_size=4, micro_batch_size=3, epochs=0,
@@ -63,6 +72,10 @@ def test_every_problem_is_listed_at_once():
                                "least 1, got 0"),
     ({"max_backlog_steps": 1.5}, "schedule.max_backlog_steps must be None or an integer of at "
                                  "least 1, got 1.5"),
+    ({"checkpoint_every": 0}, "schedule.checkpoint_every must be at least 1, got 0"),
+    ({"checkpoint_every": 3}, "schedule.checkpoint_every (3) must be at most max_staleness + 1 "
+                              "(2): versions reach serving only at checkpoints, so every sample "
+                              "would be too stale before the next one"),
 ])
 def test_each_invariant(overrides, problem):
     with pytest.raises(ConfigurationError) as caught:
