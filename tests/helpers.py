@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -48,9 +49,14 @@ def reef(*args: str, env: dict[str, str], timeout: float = 180,
 
 
 def consume_all(bootstrap: str, topic: str, expected: int, idle_rounds: int = 5) -> list:
-    """Every message of ``topic`` from the start: reads until ``expected`` arrived and the topic went quiet."""
+    """Every message of ``topic`` from the start: reads until ``expected`` arrived and the topic went quiet.
+
+    A group of its own: a group shared with another reader (another test on the same broker)
+    rebalances when that one joins, and without commits each rebalance reads from the start
+    again (seen: every generation counted three times)."""
     consumer = Consumer(client_config(bootstrap, {
-        "group.id": "verifier", "auto.offset.reset": "earliest", "enable.auto.commit": False}))
+        "group.id": f"verifier-{uuid.uuid4().hex[:8]}", "auto.offset.reset": "earliest",
+        "enable.auto.commit": False}))
     consumer.subscribe([topic])
     messages, idle = [], 0
     while idle < idle_rounds:
