@@ -21,12 +21,12 @@ STEPS = 4
 
 
 def _torchrun(cli_env, group: str, store, recipe: str = "tests.recipes.trainable_dp",
-              timeout: float = 300) -> subprocess.CompletedProcess:
+              timeout: float = 300, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_ports(1)[0]), "-m", "reef_stream.cli", "train",
          "--recipe", recipe, "--group", group, "--checkpoints", str(store),
-         "--keep", "0", "--max-steps", str(STEPS)],
+         "--keep", "0", "--max-steps", str(STEPS), *options],
         env=cli_env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -70,6 +70,33 @@ def test_two_ranks_own_disjoint_partitions_and_commit_together(kafka_bootstrap, 
         finals[group] = steps[-1].weights
     for name, tensor in finals["dp1"].items():
         assert torch.equal(tensor, finals["dp2"][name]), name
+
+
+def test_two_ranks_checkpoint_together_every_few_steps_to_the_same_weights(
+        kafka_bootstrap, cli_env, namespace, tmp_path):
+    create_topics(kafka_bootstrap, namespace)
+    log = [rollout_unit(i, policy_version=i // 4) for i in range(STEPS * 4 + 2)]
+    produce_units(kafka_bootstrap, namespace, log, spread=True)
+    # Every 2 steps; the other group also once 1 ms has passed (rank 0's clock decides for both
+    # ranks), which is after every step.
+    cadences = {"every2": ("--set", "schedule.checkpoint_every=2"),
+                "every2s": ("--set", "schedule.checkpoint_every=2",
+                            "--checkpoint-every-s", "0.001")}
+    runs = {group: _torchrun(cli_env, group, tmp_path / group, options=options)
+            for group, options in {"every1": (), **cadences}.items()}
+    steps = {}
+    for group, result in runs.items():
+        assert result.returncode == 0, result.stderr[-4000:]
+        steps[group] = [load(c.uri, c.sha256) for c in CheckpointStore(tmp_path / group).steps()]
+    assert [c.step for c in steps["every1"]] == [1, 2, 3, 4]
+    assert [c.step for c in steps["every2"]] == [2, 4]
+    assert [c.step for c in steps["every2s"]] == [1, 2, 3, 4]   # the clock came first
+    every_step = [u for c in steps["every1"] for u in c.step_units]
+    for group in cadences:
+        assert [u for c in steps[group] for u in c.step_units] == every_step
+        assert {k.split(".")[0] for k in steps[group][-1].rng} == {"rank0", "rank1"}
+        for name, tensor in steps["every1"][-1].weights.items():
+            assert torch.equal(tensor, steps[group][-1].weights[name]), (group, name)
 
 
 def test_a_step_that_diverges_on_one_rank_is_abandoned_on_both(kafka_bootstrap, cli_env,
