@@ -71,7 +71,8 @@ class CheckpointContents:
     ...). ``algorithm_state``: the objective's state as a ``state_record``.
     ``offsets``: the next offset to consume per partition. ``trained_units``:
     sorted unique ``unit_hash`` values of every unit trained up to this step.
-    ``step_units``: the ids of the units trained in this step, in step order.
+    ``step_units``: the ids of the units trained since the previous checkpoint (this step's
+    alone when every step is checkpointed, ``schedule.checkpoint_every``), in training order.
     ``rolled_back_to``: set on a rollback checkpoint (no step trained: the weights, optimizer
     and algorithm state of that promoted version, under this checkpoint's new version).
     """

@@ -13,8 +13,9 @@ generation through the pipeline can be rebuilt from the topics alone:
    that ended it (``<ns>.dead-letters``: invalid, too stale, expired, failed reward);
 4. the trainer step that consumed the unit: the first ``Checkpoint`` of a trainer group whose
    committed offset of the unit's partition is past the unit's offset (the acknowledgement
-   order makes that the step that took it); whether the step trained it (the checkpoint's
-   ``step_units``, when the checkpoint is still in its store) or dropped it;
+   order makes that the step that took it, or with ``schedule.checkpoint_every`` the
+   checkpoint of the steps that did); whether it was trained (the checkpoint's
+   ``step_units``, when the checkpoint is still in its store) or dropped;
 5. the first ``PROMOTED`` publication of that model at or after the step's version: the
    first served version that includes the generation's effect -- unless that version is a
    trainer's rollback (its ``Checkpoint`` has ``rolled_back_to``) to a version before the
