@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from reef_stream.engine.artifacts import ArtifactError, verify_artifact
+from reef_stream.engine.checkpoints import MANIFEST
 from reef_stream.errors import ReefError
 
 if TYPE_CHECKING:
@@ -80,21 +82,19 @@ def check_artifact(path: Path, sha256: str | None = None) -> str:
     """The kind of the serving artifact in ``path``, ``full`` or ``lora``; ``ReloadError`` if
     it is neither, or if its ``MANIFEST.json`` does not match its files.
 
-    The manifest (a sha256 per file; ``sha256``, when given, is the manifest's own) is checked
-    by ``reef_stream.engine.artifacts.verify_artifact`` where that module exists. Every
-    ``*.safetensors`` file must be whole (``safetensors_tensors``).
+    An artifact with a ``MANIFEST.json`` (what ``reef_stream.engine.artifacts`` writes: size
+    and sha256 of every file, and the kind) is checked by ``verify_artifact``; ``sha256``, when
+    given, must be the manifest's own (and then the manifest must be there). A directory
+    without one is judged by its shape. Every ``*.safetensors`` file must be whole
+    (``safetensors_tensors``).
     """
     path = Path(path)
     if not path.is_dir():
         raise ReloadError(f"the artifact {path} is not a directory")
-    if (path / "MANIFEST.json").is_file() or sha256 is not None:
-        verified = _verify_manifest(path, sha256)
-        if verified is not None:
-            safetensors_tensors(path)
-            return verified
-        if sha256 is not None:
-            raise ReloadError(f"cannot check {path} against sha256 {sha256}: "
-                              "reef_stream.engine.artifacts is not installed")
+    if (path / MANIFEST).is_file() or sha256 is not None:
+        kind = _verify_manifest(path, sha256)
+        safetensors_tensors(path)
+        return kind
     if (path / "adapter_config.json").is_file():
         if not any(path.glob("adapter_model*.safetensors")):
             raise ReloadError(f"the LoRA adapter {path} has adapter_config.json but no "
@@ -145,26 +145,13 @@ def safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return tensors
 
 
-def _verify_manifest(path: Path, sha256: str | None) -> str | None:
-    """The artifact's kind as ``reef_stream.engine.artifacts`` verifies it; None when that
-    module is not there."""
+def _verify_manifest(path: Path, sha256: str | None) -> str:
+    """The artifact's kind once ``verify_artifact`` checked every file against its manifest
+    (and the manifest against ``sha256``, when given)."""
     try:
-        from reef_stream.engine import artifacts
-    except ImportError:
-        return None
-    verify = getattr(artifacts, "verify_artifact", None)
-    if verify is None:
-        return None
-    try:
-        result = verify(path, sha256)
-    except Exception as error:  # noqa: BLE001 - any verification failure refuses the artifact
-        raise ReloadError(f"the artifact {path} failed verification: {error}") from error
-    kind = getattr(result, "kind", None) or (result.get("kind") if isinstance(result, dict)
-                                             else None)
-    if kind is None:
-        manifest = json.loads((path / "MANIFEST.json").read_text())
-        kind = manifest.get("kind")
-    return kind if kind in (FULL, LORA) else None
+        return verify_artifact(path, sha256)["kind"]
+    except ArtifactError as error:
+        raise ReloadError(f"the artifact {path} failed verification: {error}") from None
 
 
 def artifact_dir_of_publication(loaded: LoadedVersion) -> Path:

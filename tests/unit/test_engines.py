@@ -44,6 +44,12 @@ def test_a_file_that_is_not_whole_is_refused(tmp_path, keep):
         check_artifact(model)
 
 
+def test_a_sha256_needs_a_manifest_that_matches_it(tmp_path):
+    model = _model_dir(tmp_path / "m")
+    with pytest.raises(ReloadError, match="failed verification: .*no readable MANIFEST.json"):
+        check_artifact(model, sha256="0" * 64)
+
+
 def test_the_kind_comes_from_the_directory_shape(tmp_path):
     adapter = tmp_path / "adapter"
     adapter.mkdir()
