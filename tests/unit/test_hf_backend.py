@@ -374,6 +374,8 @@ def test_verify_artifact_catches_a_flipped_byte_a_stray_file_and_a_replaced_mani
 def test_bad_inputs_are_configuration_errors_that_say_what_is_there(llama_dir, tmp_path):
     with pytest.raises(ConfigurationError, match="no such directory"):
         HuggingFace(str(tmp_path / "absent"))()
+    with pytest.raises(ConfigurationError, match="not a model on a reachable hub"):
+        HuggingFace("nobody-here/no-such-model")()  # a hub name, offline: never fetched
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "weights.bin").write_bytes(b"")
     with pytest.raises(ConfigurationError, match=r"no config.json \(it holds: weights.bin\)"):
