@@ -154,6 +154,9 @@ def test_bfloat16_loads_as_bfloat16(llama_dir):
     assert logits.dtype == torch.bfloat16
     full = _logits(HuggingFace(llama_dir)(), ids, mask)
     torch.testing.assert_close(logits.float(), full, atol=5e-2, rtol=5e-2)
+    adapted = HuggingFace(llama_dir, dtype="bfloat16", lora=Lora(rank=4))()
+    assert {grad: {p.dtype for p in adapted.parameters() if p.requires_grad == grad}
+            for grad in (True, False)} == {True: {torch.float32}, False: {torch.bfloat16}}
 
 
 @pytest.mark.parametrize("lora", [None, Lora(rank=4)])
