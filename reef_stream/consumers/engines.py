@@ -155,9 +155,13 @@ def _verify_manifest(path: Path, sha256: str | None) -> str:
 
 
 def artifact_dir_of_publication(loaded: LoadedVersion) -> Path:
-    """The default ``artifact_dir_of``: the publication's URI as a local directory (a path
-    or a ``file://`` URL)."""
-    uri = loaded.publication.uri
+    """The default ``artifact_dir_of``: the version's serving artifact as a local directory (a
+    path or a ``file://`` URL): ``loaded.artifact`` (a follower that loads artifacts verified
+    it), else the publication's ``artifact_uri``, else its ``uri`` (read either way, where a
+    version of reef-stream has them)."""
+    publication = loaded.publication
+    uri = (getattr(loaded, "artifact", None) or getattr(publication, "artifact_uri", None)
+           or publication.uri)
     parsed = urllib.parse.urlparse(uri)
     if parsed.scheme == "file":
         return Path(urllib.parse.unquote(parsed.path))
@@ -182,10 +186,12 @@ class _Adapter:
         raise NotImplementedError
 
     def __call__(self, loaded: LoadedVersion) -> None:
-        """``Follower`` ``on_version``: reload the version's artifact; raises ``ReloadError``
-        (the follower refuses the version and keeps the previous one) if the engine did not
-        load it."""
-        self.reload(self.artifact_dir_of(loaded), loaded.policy_version)
+        """``Follower`` ``on_version``: reload the version's artifact (checked against the
+        publication's ``artifact_sha256`` when it has one); raises ``ReloadError`` (the
+        follower refuses the version and keeps the previous one) if the engine did not load
+        it."""
+        sha256 = getattr(loaded.publication, "artifact_sha256", None)
+        self.reload(self.artifact_dir_of(loaded), loaded.policy_version, sha256)
 
 
 class VllmEngine(_Adapter):

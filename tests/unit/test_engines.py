@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from safetensors.torch import save_file
 from reef_stream.consumers.engines import (
     CommandEngine,
     ReloadError,
+    artifact_dir_of_publication,
     check_artifact,
     safetensors_tensors,
 )
@@ -79,3 +81,17 @@ def test_the_engine_environment_lives_in_the_cache_and_names_its_install_command
         env.require()
     with pytest.raises(ConfigurationError, match="unknown engine 'sglang'"):
         engine_spec("sglang")
+
+
+def test_the_artifact_directory_of_a_version_prefers_the_verified_artifact():
+    def loaded(artifact=None, artifact_uri=None, uri="/checkpoints/v3"):
+        return SimpleNamespace(policy_version=3, artifact=artifact, publication=SimpleNamespace(
+            artifact_uri=artifact_uri, artifact_sha256=None, uri=uri))
+
+    assert artifact_dir_of_publication(loaded()) == Path("/checkpoints/v3")
+    assert artifact_dir_of_publication(loaded(artifact_uri="file:///art/v%203")) == \
+        Path("/art/v 3")
+    assert artifact_dir_of_publication(loaded("/verified/v3", "file:///art/v3")) == \
+        Path("/verified/v3")
+    with pytest.raises(ReloadError, match="s3://bucket/v3 is not on a local disk"):
+        artifact_dir_of_publication(loaded(artifact_uri="s3://bucket/v3"))
