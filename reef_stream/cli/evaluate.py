@@ -55,6 +55,11 @@ from reef_stream.errors import ConfigurationError
                    "no promoted version yet, and an evaluator that does not measure "
                    "(AcceptEverything) decides every candidate. --no-supersede measures every "
                    "candidate.")
+@click.option("--serving-dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              default=None,
+              help="For a Hugging Face model: the dtype of the serving artifact written beside "
+                   "each promoted copy (what `reef follow --engine` loads) [default: the "
+                   "model's own].")
 @click.option("--max-candidates", type=click.IntRange(min=1), default=None,
               help="Stop after this many decisions (for tests and batch runs).")
 @click.option("--idle-exit", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -65,8 +70,9 @@ from reef_stream.errors import ConfigurationError
 @click.pass_context
 def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None,
              publish_to: str | None, keep_published: int, retries: int, backoff: float,
-             supersede: bool, max_candidates: int | None, idle_exit: float | None,
-             metrics_port: int | None, overrides: tuple[str, ...] = ()) -> None:
+             supersede: bool, serving_dtype: str | None, max_candidates: int | None,
+             idle_exit: float | None, metrics_port: int | None,
+             overrides: tuple[str, ...] = ()) -> None:
     """Evaluate candidate checkpoints and publish one decision per checkpoint.
 
     Consumes <namespace>.checkpoints as a consumer group. For each checkpoint
@@ -76,7 +82,9 @@ def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None
     <namespace>.publications at start) and produces one Publication, PROMOTED
     or REJECTED, with the measurement, the reason and the evaluator's name.
     A promoted checkpoint is first copied to the publication store, and the
-    Publication names the copy. Only promoted versions are served by
+    Publication names the copy; for a Hugging Face model, also the serving
+    artifact written beside it (the weights in --serving-dtype, or the LoRA
+    adapter alone). Only promoted versions are served by
     `reef follow` replicas.
 
     Exactly one decision per checkpoint: a re-emitted Checkpoint event (same
@@ -103,8 +111,8 @@ def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None
     recipe = load_recipe(path, overrides=overrides)
     options = EvaluateOptions(group=group, model=model, publish_to=publish_to,
                               keep_published=keep_published, retries=retries, backoff=backoff,
-                              supersede=supersede, max_candidates=max_candidates,
-                              idle_exit=idle_exit)
+                              supersede=supersede, serving_dtype=serving_dtype,
+                              max_candidates=max_candidates, idle_exit=idle_exit)
     try:
         fleet = Fleet.from_settings(settings)
     except ConfigurationError:

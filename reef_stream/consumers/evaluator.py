@@ -43,7 +43,12 @@ empty). Then each waiting Checkpoint event, in log order:
 6. a PROMOTED candidate is copied into the ``PublicationStore``
    (``$REEF_HOME/published/<ns>/<model>/v<version>`` by default) and the copy
    verified; the Publication names the copy, so the trainer's retention of
-   its last K checkpoints cannot delete what replicas serve;
+   its last K checkpoints cannot delete what replicas serve. For a Hugging Face
+   model (``reef_stream.engine.hf.HuggingFace``) its serving artifact is written
+   beside it (``<version>-serving``: the weights in ``serving_dtype``, or the
+   LoRA adapter alone, ``reef_stream.engine.artifacts``), and the Publication
+   names it too (``artifact_uri``, ``artifact_sha256``, ``artifact_kind``): what
+   an engine's follower loads;
 7. the Publication is produced (idempotent producer, ``acks=all``) and
    waited for.
 
@@ -141,6 +146,7 @@ from reef_stream.topics.serde import SchemaRegistry
 
 if TYPE_CHECKING:
     from reef_stream.consumers.fleet import Fleet
+    from reef_stream.engine.artifacts import ServingArtifact
 
 __all__ = ["EvaluateOptions", "EvaluateSummary", "EvaluatorWorker", "PublicationLedger",
            "PublicationStore", "coordinates_key", "default_group", "default_publication_url",
@@ -184,6 +190,8 @@ class EvaluateOptions:
     still joining waits up to ``JOIN_GRACE_S`` longer). ``supersede``: of the candidates of a
     model waiting at once, measure only the newest and reject the older ones unmeasured (with
     an evaluator that ``evaluates``; see the module docstring); False measures every candidate.
+    ``serving_dtype``: the dtype of a Hugging Face model's serving artifact (None: the
+    model's own).
     """
 
     group: str | None = None
@@ -195,6 +203,7 @@ class EvaluateOptions:
     max_candidates: int | None = None
     idle_exit: float | None = None
     supersede: bool = True
+    serving_dtype: str | None = None
 
     def problems(self) -> list[str]:
         found = []
@@ -210,6 +219,9 @@ class EvaluateOptions:
             found.append(f"idle exit must be more than 0 seconds, not {self.idle_exit}")
         if self.model is not None and not self.model.strip():
             found.append("model must not be empty")
+        if self.serving_dtype not in (None, "float32", "bfloat16", "float16"):
+            found.append(f"serving dtype must be float32, bfloat16 or float16, not "
+                         f"{self.serving_dtype!r}")
         return found
 
 
@@ -446,15 +458,28 @@ class EvaluatorWorker:
             return self._publication(candidate, measurement, incumbent, Selection(
                 Decision.REJECTED, f"the evaluator's select raised {type(error).__name__}: "
                                    f"{error}"), candidate.uri)
-        uri = candidate.uri
+        uri, artifact = candidate.uri, None
         if selection.promoted:
             try:
-                uri = self.store.publish(candidate)
+                uri, artifact = self._copy(candidate)
             except CheckpointError as error:  # changed between verification and copy
                 return self._publication(candidate, measurement, incumbent, Selection(
                     Decision.REJECTED, f"the candidate failed verification while it was "
                                        f"copied for publication: {error}"), candidate.uri)
-        return self._publication(candidate, measurement, incumbent, selection, uri)
+        return self._publication(candidate, measurement, incumbent, selection, uri, artifact)
+
+    def _copy(self, candidate: Checkpoint) -> tuple[str, ServingArtifact | None]:
+        """Publish a promoted candidate's copy (its URI) and, when the recipe's model is a
+        Hugging Face one (``reef_stream.engine.hf.HuggingFace``), its serving artifact (else
+        None), in ``options.serving_dtype``. Blocks; ``CheckpointError`` when it does not
+        verify."""
+        from reef_stream.engine.hf import HuggingFace
+
+        uri = self.store.publish(candidate)
+        model = self.recipe.backend.model
+        if not isinstance(model, HuggingFace):
+            return uri, None
+        return uri, self.store.publish_artifact(candidate, model, self.options.serving_dtype)
 
     def _decide_rollback(self, candidate: Checkpoint, current: Publication | None,
                          incumbent: Incumbent | None) -> Publication:
@@ -475,16 +500,16 @@ class EvaluatorWorker:
         decision, reason = check_rollback(candidate.rolled_back_to, current, mine, theirs)
         measurement = Measurement(dict(current.measurement)) if current is not None \
             else Measurement()
-        uri = candidate.uri
+        uri, artifact = candidate.uri, None
         if decision is Decision.PROMOTED:
             try:
-                uri = self.store.publish(candidate)
+                uri, artifact = self._copy(candidate)
             except CheckpointError as error:
                 decision, reason = Decision.REJECTED, (
                     f"the rollback failed verification while it was copied for publication: "
                     f"{error}")
         return self._publication(candidate, measurement, incumbent,
-                                 Selection(decision, reason), uri)
+                                 Selection(decision, reason), uri, artifact)
 
     def _measure(self, candidate: Checkpoint,
                  metrics: MetricsWriter) -> tuple[Measurement, str | None]:
@@ -516,7 +541,8 @@ class EvaluatorWorker:
                                f"last error: {type(last_error).__name__}: {last_error}")
 
     def _publication(self, candidate: Checkpoint, measurement: Measurement,
-                     incumbent: Incumbent | None, selection: Selection, uri: str) -> Publication:
+                     incumbent: Incumbent | None, selection: Selection, uri: str,
+                     artifact: ServingArtifact | None = None) -> Publication:
         return Publication(
             model=candidate.model, policy_version=candidate.policy_version,
             checkpoint_id=candidate.checkpoint_id, uri=uri, sha256=candidate.sha256,
@@ -524,7 +550,10 @@ class EvaluatorWorker:
             evaluator=self.evaluator.name, evaluated=bool(self.evaluator.evaluates),
             measurement=dict(measurement.values),
             incumbent_version=None if incumbent is None else incumbent.policy_version,
-            created_at=now_ms(), checkpoint_created_at=candidate.created_at)
+            created_at=now_ms(), checkpoint_created_at=candidate.created_at,
+            artifact_uri=None if artifact is None else artifact.uri,
+            artifact_sha256=None if artifact is None else artifact.sha256,
+            artifact_kind=None if artifact is None else artifact.kind)
 
     # ----------------------------------------------------------------- Kafka and Redis
 

@@ -18,7 +18,9 @@ publication of its model, and whenever that is newer than what it serves:
 
 1. loads the weights with ``checkpoints.load_weights(uri, sha256)``, which
    verifies the manifest against the publication's sha256 and every file
-   against the manifest;
+   against the manifest (or, for a follower that ``loads=ARTIFACT`` for an
+   engine, verifies the publication's serving artifact the same way and hands
+   over its URI, ``reef_stream.consumers.engines``);
 2. hands them to ``on_version(LoadedVersion)`` on the follower's thread;
 3. only once that returned, serves the new version: ``policy_version``
    changes, the load is logged and reported (a heartbeat right away).
@@ -109,14 +111,23 @@ def default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+#: ``Follower(loads=...)``: the checkpoint's weights, loaded into memory (``LoadedVersion.weights``),
+#: or the serving artifact, verified where it is (``LoadedVersion.artifact``: an engine loads it).
+WEIGHTS, ARTIFACT = "weights", "artifact"
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class LoadedVersion:
     """A verified version, handed to ``on_version``: the model's state dict (name → tensor, on
-    the CPU) and the publication that promoted it."""
+    the CPU; empty when the follower ``loads`` the artifact), the publication that promoted it
+    and, for a follower that loads artifacts, the URI of its verified serving artifact
+    (``reef_stream.engine.artifacts``: a Hugging Face directory or a LoRA adapter, as
+    ``publication.artifact_kind`` says)."""
 
     policy_version: int
     weights: Mapping[str, torch.Tensor]
     publication: Publication
+    artifact: str | None = None
 
 
 class Follower:
@@ -126,7 +137,11 @@ class Follower:
     weights), or None when it serves nothing until the first load. ``fleet``: a
     ``reef_stream.consumers.fleet.Fleet``, ``AUTO`` (the Redis the settings name, if any) or None (no
     Redis projection). ``on_refused(publication, error)``: told about each refusal.
-    Constructing connects to nothing; raises ``ConfigurationError`` for bad arguments.
+    ``loads``: ``WEIGHTS`` (the checkpoint's state dict, for serving code that swaps it into
+    its model) or ``ARTIFACT`` (the publication's serving artifact verified against its
+    sha256 and handed over by URI, for an engine adapter, ``reef_stream.consumers.engines``; a
+    version published without one is refused). Constructing connects to nothing; raises
+    ``ConfigurationError`` for bad arguments.
     """
 
     def __init__(self, model: str, on_version: Callable[[LoadedVersion], None], *,
@@ -136,8 +151,10 @@ class Follower:
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S, ttl_s: float | None = None,
                  retry_s: float = DEFAULT_RETRY_S,
                  on_refused: Callable[[Publication, Exception], None] | None = None,
-                 consumer_config: dict | None = None) -> None:
+                 consumer_config: dict | None = None, loads: str = WEIGHTS) -> None:
         problems = []
+        if loads not in (WEIGHTS, ARTIFACT):
+            problems.append(f"loads must be {WEIGHTS!r} or {ARTIFACT!r}, not {loads!r}")
         if not isinstance(model, str) or not model.strip():
             problems.append("model must be a non-empty name")
         if not callable(on_version):
@@ -162,6 +179,7 @@ class Follower:
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s if ttl_s is not None else max(DEFAULT_TTL_S, 3 * heartbeat_s)
         self.retry_s = retry_s
+        self.loads = loads
         self._fleet_arg = fleet
         self.fleet: Fleet | None = None
         self._on_version = on_version
@@ -372,13 +390,16 @@ class Follower:
         version = publication.policy_version
         started = time.monotonic()
         try:
-            weights = load_weights(publication.uri, publication.sha256)
+            if self.loads == ARTIFACT:
+                weights, artifact = {}, _verified_artifact(publication)
+            else:
+                weights, artifact = load_weights(publication.uri, publication.sha256), None
         except CheckpointError as error:
             self._refuse(publication, error)
             return
         try:
             self._on_version(LoadedVersion(policy_version=version, weights=weights,
-                                           publication=publication))
+                                           publication=publication, artifact=artifact))
         except Exception as error:  # noqa: BLE001 - the serving code's failure refuses this version
             self._refuse(publication, ReefError(f"on_version raised {type(error).__name__}: "
                                                 f"{error}"))
@@ -576,3 +597,17 @@ class _Following:
 
     def close(self) -> None:
         """The ledger and the producer are the follower's."""
+
+
+def _verified_artifact(publication: Publication) -> str:
+    """The URI of ``publication``'s serving artifact once every file matches its sha256;
+    ``CheckpointError`` (a refusal) when it has none or it does not verify."""
+    from reef_stream.engine.artifacts import verify_artifact
+
+    if publication.artifact_uri is None:
+        raise CheckpointError(
+            f"version {publication.policy_version} of model {publication.model} was published "
+            "without a serving artifact (its recipe's model is not a Hugging Face one, or it "
+            "was published before artifacts existed): an engine has nothing to load")
+    verify_artifact(publication.artifact_uri, publication.artifact_sha256)
+    return publication.artifact_uri

@@ -232,10 +232,12 @@ class PublicationLedger:
 
 class PublicationStore:
     """Copies of promoted checkpoints, at ``<url>/<model>/v<version>``, out of reach of the
-    trainer's retention. ``url`` is a local path or any fsspec URL.
+    trainer's retention, and for a Hugging Face model its serving artifact beside each, at
+    ``<url>/<model>/v<version>-serving``. ``url`` is a local path or any fsspec URL.
 
     A copy holds every file of the checkpoint, byte for byte (manifest included), so it has
-    the checkpoint's sha256 and ``checkpoints.load_weights(copy_uri, sha256)`` verifies it.
+    the checkpoint's sha256 and ``checkpoints.load_weights(copy_uri, sha256)`` verifies it (a
+    rollback restores its optimizer state too); the artifact is what an engine loads.
     """
 
     def __init__(self, url: str | os.PathLike[str]) -> None:
@@ -297,6 +299,32 @@ class PublicationStore:
         verify(uri, candidate.sha256)
         return uri
 
+    def publish_artifact(self, candidate: Checkpoint, model: Callable[[], Any],
+                         dtype: str | None = None) -> Any:
+        """Write the candidate's serving artifact (``reef_stream.engine.artifacts``) beside its
+        copy, at ``<url>/<model>/v<version>-serving``: ``model()`` builds the recipe's Hugging
+        Face model (its base from its path), the candidate's verified weights are loaded into
+        it, and ``write_serving_artifact`` writes the directory in ``dtype`` (None: the model's
+        own). Returns the ``ServingArtifact``. Blocks (building the model, writing the files).
+        One already there (an evaluator that stopped before it published) is replaced whole.
+        ``CheckpointError`` when the candidate does not verify, ``FatalError`` when the store
+        cannot be written."""
+        from reef_stream.engine.artifacts import ArtifactError, write_serving_artifact
+        from reef_stream.engine.checkpoints import load_weights
+
+        uri = self._uri(f"{self._path(candidate.model, candidate.policy_version)}-serving")
+        weights = load_weights(candidate.uri, candidate.sha256)
+        built = model()
+        built.load_state_dict(weights)
+        try:
+            return write_serving_artifact(built, uri, dtype, metadata={
+                "model": candidate.model, "policy_version": candidate.policy_version,
+                "checkpoint_id": candidate.checkpoint_id, "checkpoint_sha256": candidate.sha256})
+        except ArtifactError as error:
+            raise FatalError(f"could not write the serving artifact of {candidate.checkpoint_id}"
+                             f" to the publication store {self.url}: {error}; nothing was "
+                             "published, fix the store and start the evaluator again") from error
+
     def versions(self, model: str) -> list[int]:
         """The versions of ``model`` with a complete copy, oldest first."""
         directory = f"{self.root}/{_model_dir(model)}"
@@ -317,6 +345,8 @@ class PublicationStore:
         doomed = self.versions(model)[:-keep]
         for version in doomed:
             self.fs.rm(self._path(model, version), recursive=True)
+            if self.fs.exists(f"{self._path(model, version)}-serving"):
+                self.fs.rm(f"{self._path(model, version)}-serving", recursive=True)
         directory = f"{self.root}/{_model_dir(model)}"
         if self.fs.exists(directory):
             for path in self.fs.ls(directory, detail=False):

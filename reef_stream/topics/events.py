@@ -252,6 +252,11 @@ class Publication:
     created_at: EpochMillis
     #: When the trainer created the checkpoint (None in publications written before the field).
     checkpoint_created_at: EpochMillis | None = None
+    #: The serving artifact of a PROMOTED Hugging Face model (``reef_stream.engine.artifacts``):
+    #: where, its manifest's sha256, its kind ("full" or "lora"); None otherwise.
+    artifact_uri: str | None = None
+    artifact_sha256: str | None = None
+    artifact_kind: str | None = None
 
 
 @_event
