@@ -3,10 +3,15 @@
     reef follow --model sao-small                       # until SIGTERM / Ctrl-C
     reef follow --model sao-small --once                # load the newest promoted version, exit
     reef follow --model sao-small --until-version 12 --timeout 600
+    reef follow --model llm --engine vllm --url http://127.0.0.1:18000
+    reef follow --model llm --engine command --exec 'my-reload --dir {path} --version {version}'
 
 It runs ``reef_stream.consumers.follower.Follower`` with a callback that only
 reports each verified version (tensor count and size); serving code uses the
-Python API and swaps the weights into its model instead. While it runs, the
+Python API and swaps the weights into its model instead. With ``--engine`` the
+follower loads serving artifacts (a Hugging Face model's, written by the
+evaluator) and an engine adapter (``reef_stream.consumers.engines``) makes a
+running engine serve each one. While it runs, the
 replica heartbeats into the Redis fleet projection (when Redis is
 configured) and into ``<ns>.metrics``, so ``reef fleet`` lists it.
 ``COMMANDS`` lists the command for ``main.add_command``.
@@ -39,11 +44,25 @@ from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
 @click.option("--retry", type=click.FloatRange(min=0, min_open=True), default=30.0,
               show_default=True, metavar="SECONDS",
               help="Seconds between two tries of a refused version that is still the newest.")
+@click.option("--engine", type=click.Choice(["none", "vllm", "command"]), default="none",
+              show_default=True,
+              help="Make a running inference engine serve each version's serving artifact: "
+                   "vllm (a vLLM server at --url: `reef engine up vllm`), or command (any "
+                   "engine, through --exec). none: only verify and report the weights.")
+@click.option("--url", default=None, metavar="URL",
+              help="With --engine vllm: the server's base URL, e.g. http://127.0.0.1:18000.")
+@click.option("--exec", "command", default=None, metavar="COMMAND",
+              help="With --engine command: the command run for each version, split as a shell "
+                   "would (no shell runs it); {path}, {version} and {kind} are replaced by the "
+                   "artifact directory, the version and full|lora. Exit status 0: served.")
+@click.option("--lora-name", default="reef-lora", show_default=True,
+              help="With --engine vllm and LoRA artifacts: the adapter name requests use.")
 @metrics_port_option
 @click.pass_context
 def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
            until_version: int | None, timeout: float | None, heartbeat: float,
-           retry: float, metrics_port: int | None) -> None:
+           retry: float, engine: str, url: str | None, command: str | None, lora_name: str,
+           metrics_port: int | None) -> None:
     """Follow a model's publications: load and verify the newest promoted version.
 
     Reads <namespace>.publications from the start, loads the newest PROMOTED
@@ -58,16 +77,30 @@ def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
     (REEF_REDIS_URL or `reef redis up`; expiring entries) and into
     <namespace>.metrics; `reef fleet` shows it. Stops on SIGTERM or Ctrl-C,
     --once, --until-version or --timeout.
+
+    With --engine, each version's serving artifact (written by the evaluator
+    for a Hugging Face model: the weights in the serving dtype, or a LoRA
+    adapter) is verified against its sha256 and loaded into the engine; a
+    version the engine does not load is refused and the engine keeps serving
+    the previous one. A version published without an artifact is refused.
     """
     from reef_stream.config import load_settings
-    from reef_stream.consumers.follower import Follower
+    from reef_stream.consumers.follower import ARTIFACT, WEIGHTS, Follower
 
     settings = ctx.obj if ctx.obj is not None else load_settings()
+    adapter = _adapter(engine, url, command, lora_name)
 
     def report(loaded) -> None:
         publication = loaded.publication
-        size = sum(t.numel() * t.element_size() for t in loaded.weights.values())
         evaluated = "" if publication.evaluated else ", UNEVALUATED"
+        if adapter is not None:
+            adapter(loaded)
+            click.echo(f"model {model}: {engine} serves version {loaded.policy_version} "
+                       f"({publication.artifact_kind} artifact {loaded.artifact}, reloaded in "
+                       f"{adapter.last.seconds:.2f} s, evaluator {publication.evaluator}"
+                       f"{evaluated})")
+            return
+        size = sum(t.numel() * t.element_size() for t in loaded.weights.values())
         click.echo(f"model {model}: loaded version {loaded.policy_version} (checkpoint "
                    f"{publication.checkpoint_id}, {len(loaded.weights)} tensors, "
                    f"{size / 1e6:.2f} MB, evaluator {publication.evaluator}{evaluated})")
@@ -75,7 +108,8 @@ def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
     # Refusals are logged as errors by the follower itself (the version, the cause, and what
     # keeps serving).
     follower = Follower(model, on_version=report, settings=settings, replica_id=replica_id,
-                        heartbeat_s=heartbeat, retry_s=retry)
+                        heartbeat_s=heartbeat, retry_s=retry,
+                        loads=WEIGHTS if adapter is None else ARTIFACT)
     click.echo(f"replica {follower.replica_id} following {model} in "
                f"{follower.namespace}.publications")
     serve_metrics(metrics_port)
@@ -109,6 +143,27 @@ def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
     click.echo(f"replica {follower.replica_id}: serving "
                f"{'nothing' if version is None else f'version {version}'} of {model}")
     ctx.exit(code)
+
+
+def _adapter(engine: str, url: str | None, command: str | None, lora_name: str):
+    """The engine adapter the options ask for (None for ``none``); a usage error names what is
+    missing or superfluous."""
+    from reef_stream.consumers.engines import CommandEngine, VllmEngine
+
+    if engine != "vllm" and url is not None:
+        raise click.UsageError("--url goes with --engine vllm")
+    if engine != "command" and command is not None:
+        raise click.UsageError("--exec goes with --engine command")
+    if engine == "vllm":
+        if url is None:
+            raise click.UsageError("--engine vllm needs --url (the server's base URL; "
+                                   "`reef engine up vllm` prints it)")
+        return VllmEngine(url, lora_name=lora_name)
+    if engine == "command":
+        if not command:
+            raise click.UsageError("--engine command needs --exec COMMAND")
+        return CommandEngine(command)
+    return None
 
 
 def _left(deadline: float | None) -> float | None:

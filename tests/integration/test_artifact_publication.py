@@ -151,3 +151,36 @@ def test_a_follower_of_artifacts_refuses_a_version_without_one_or_a_tampered_one
                   on_refused=lambda p, e: refused.append(str(e))) as replica:
         assert replica.wait_ready(30) is None
     assert refused and "sha256" in refused[0], refused
+
+
+def test_reef_follow_hands_each_artifact_to_an_engine_command(
+        base_dir, kafka_bootstrap, redis_url, namespace, tmp_path, cli_env):
+    import sys
+
+    from tests.helpers import reef
+
+    settings = settings_for(kafka_bootstrap, redis_url, namespace, tmp_path / "home")
+    create_topics(kafka_bootstrap, namespace)
+    spec = HuggingFace(base_dir)
+    candidate, _ = _trained_checkpoint(tmp_path / "ckpt", spec, step=1)
+    produce_checkpoints(kafka_bootstrap, namespace, candidate)
+    _evaluate(spec, settings)
+    (publication,) = read_publications(kafka_bootstrap, namespace, 1)
+
+    told = tmp_path / "told"
+    engine = (f"{sys.executable} -c 'import sys; open(sys.argv[1], \"w\").write(\" \".join("
+              f"sys.argv[2:]))' {told} {{path}} {{version}} {{kind}}")
+    result = reef("follow", "--model", "llm", "--once", "--engine", "command", "--exec", engine,
+                  env=cli_env)
+    assert told.read_text() == f"{publication.artifact_uri} 1 full"
+    assert "command serves version 1 (full artifact" in result.stdout, result.stdout
+
+    # An engine that fails refuses the version: exit status 1, the engine's words in the log.
+    failing = reef("follow", "--model", "llm", "--once", "--engine", "command", "--exec",
+                   f"{sys.executable} -c 'import sys; sys.exit(\"no room for weights\")'",
+                   env=cli_env, check=False)
+    assert failing.returncode == 1
+    assert "no room for weights" in failing.stderr
+
+    usage = reef("follow", "--model", "llm", "--engine", "vllm", env=cli_env, check=False)
+    assert usage.returncode == 2 and "--engine vllm needs --url" in usage.stderr
