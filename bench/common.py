@@ -11,21 +11,25 @@ entry point.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple, NoReturn
+from typing import NamedTuple, NoReturn, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reef_stream.cli.demo import DemoProgress  # noqa: E402
-from reef_stream.config import Settings  # noqa: E402
+from reef_stream.config import Settings, load_settings  # noqa: E402
 from reef_stream.demo.run import Demo, DemoOptions, DemoResult  # noqa: E402
 from reef_stream.ops.kafka_local import LocalCluster  # noqa: E402
 from reef_stream.ops.processes import free_ports, interrupt_on_sigterm  # noqa: E402
 from reef_stream.ops.redis_local import LocalRedis  # noqa: E402
+
+V = TypeVar("V")
 
 
 def say(text: str) -> None:
@@ -98,6 +102,30 @@ def live_run(options: DemoOptions, settings: Settings, at: Servers, label: str) 
     if result.scorecard is not None:
         print("\n".join(result.scorecard.lines()), flush=True)
     return result
+
+
+def runs_per_variant(name: str, variants: Sequence[V],
+                     options_of: Callable[[V, Path, str], DemoOptions],
+                     label_of: Callable[[V], str],
+                     line_of: Callable[[V, DemoResult], str]) -> None:
+    """``reef demo`` once per variant, in one invocation, on one broker and Redis
+    (``servers``, under a temporary home), each in a fresh namespace: ``options_of(variant,
+    run_dir, namespace)`` says how; each run is said under ``label_of(variant)``. Then one
+    ``line_of(variant, result)`` per variant, in order (the first is the others' baseline)."""
+    results: list[tuple[V, DemoResult]] = []
+    with tempfile.TemporaryDirectory(prefix=f"reef-{name}-") as tmp:
+        home = Path(tmp)
+        settings = load_settings({**os.environ, "REEF_HOME": str(home)})
+        with servers(settings, home) as at:
+            for number, variant in enumerate(variants, 1):
+                options = options_of(variant, home / f"run-{number}",
+                                     f"{name[:5]}{number}{time.strftime('%H%M%S')}")
+                results.append((variant, live_run(
+                    options, settings, at,
+                    f"run {number}/{len(variants)}, {label_of(variant)}")))
+    print()
+    for variant, result in results:
+        print(line_of(variant, result), flush=True)
 
 
 def run(main: Callable[[], int]) -> NoReturn:

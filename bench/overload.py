@@ -29,14 +29,10 @@ whom (the processor's shed against the trainer's and processor's too stale).
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
-import time
 from pathlib import Path
 
-from common import demo_arguments, figure, live_run, run, servers  # first: it puts the project on sys.path
+from common import demo_arguments, figure, run, runs_per_variant  # first: it sets sys.path
 
-from reef_stream.config import load_settings
 from reef_stream.demo.run import DemoOptions, DemoResult
 
 
@@ -72,22 +68,14 @@ def main() -> int:
         if bound != "none" and not (bound.isdigit() and int(bound) >= 1):
             parser.error(f"--bounds: {bound!r} is neither 'none' nor a number of steps >= 1")
 
-    results: list[tuple[str, DemoResult]] = []
-    with tempfile.TemporaryDirectory(prefix="reef-overload-") as tmp:
-        home = Path(tmp)
-        settings = load_settings({**os.environ, "REEF_HOME": str(home)})
-        with servers(settings, home) as at:
-            for number, bound in enumerate(bounds, 1):
-                overrides = () if bound == "none" else (f"schedule.max_backlog_steps={bound}",)
-                options = DemoOptions(recipe=args.recipe, overrides=overrides,
-                                      replicas=args.replicas, rate=args.rate, target=args.target,
-                                      time_limit=args.time_limit, run_dir=home / f"run-{number}",
-                                      namespace=f"over{number}{time.strftime('%H%M%S')}")
-                results.append((bound, live_run(
-                    options, settings, at, f"run {number}/{len(bounds)}, backlog bound {bound}")))
-    print()
-    for bound, result in results:
-        print(overload_line(bound, result), flush=True)
+    def options_of(bound: str, run_dir: Path, namespace: str) -> DemoOptions:
+        overrides = () if bound == "none" else (f"schedule.max_backlog_steps={bound}",)
+        return DemoOptions(recipe=args.recipe, overrides=overrides, replicas=args.replicas,
+                           rate=args.rate, target=args.target, time_limit=args.time_limit,
+                           run_dir=run_dir, namespace=namespace)
+
+    runs_per_variant("overload", bounds, options_of, lambda b: f"backlog bound {b}",
+                     overload_line)
     return 0
 
 

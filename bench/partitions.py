@@ -26,14 +26,10 @@ the others. Each run's scorecard is printed; the last lines are one per count:
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
-import time
 from pathlib import Path
 
-from common import demo_arguments, figure, live_run, run, servers  # first: it puts the project on sys.path
+from common import demo_arguments, figure, run, runs_per_variant  # first: it sets sys.path
 
-from reef_stream.config import load_settings
 from reef_stream.demo.run import DemoOptions, DemoResult
 
 STAGES = ("broker", "processor", "reward", "replica", "trainer", "evaluator")
@@ -79,22 +75,14 @@ def main() -> int:
         parser.error("--partitions: give at least one count, each 1 or more")
     seconds = args.seconds or args.time_limit
 
-    results: list[tuple[int, DemoResult]] = []
-    with tempfile.TemporaryDirectory(prefix="reef-partitions-") as tmp:
-        home = Path(tmp)
-        settings = load_settings({**os.environ, "REEF_HOME": str(home)})
-        with servers(settings, home) as at:
-            for number, count in enumerate(counts, 1):
-                # A target no run reaches: each runs its full time, so each gets the same traffic.
-                options = DemoOptions(recipe=args.recipe, replicas=args.replicas, rate=args.rate,
-                                      partitions=count, target=1.0, time_limit=seconds,
-                                      run_dir=home / f"run-{number}",
-                                      namespace=f"parts{number}{time.strftime('%H%M%S')}")
-                results.append((count, live_run(
-                    options, settings, at, f"run {number}/{len(counts)}, {count} partitions")))
-    print()
-    for count, result in results:
-        print(partitions_line(count, result), flush=True)
+    def options_of(count: int, run_dir: Path, namespace: str) -> DemoOptions:
+        # A target no run reaches: each runs its full time, so each gets the same traffic.
+        return DemoOptions(recipe=args.recipe, replicas=args.replicas, rate=args.rate,
+                           partitions=count, target=1.0, time_limit=seconds, run_dir=run_dir,
+                           namespace=namespace)
+
+    runs_per_variant("partitions", counts, options_of, lambda c: f"{c} partitions",
+                     partitions_line)
     return 0
 
 
