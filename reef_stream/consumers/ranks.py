@@ -5,7 +5,7 @@ rank 0 of 1, and every exchange below is then the identity, with no process grou
 
 Ranks exchange bytes only, never pickled objects (``torch.distributed``'s and accelerate's
 object collectives pickle): units as their Avro records, offsets as JSON, RNG states as
-safetensors. Every call blocks until every rank has made the same call; ranks make them in
+safetensors, carried in uint8 tensors on the process group's device (CUDA under NCCL). Every call blocks until every rank has made the same call; ranks make them in
 the same order (``reef_stream.consumers.trainer``: between the same steps).
 """
 
@@ -49,16 +49,18 @@ class Ranks:
             return [data]
         import torch.distributed as dist
 
-        length = torch.tensor([len(data)], dtype=torch.int64)
+        device = _device()
+        length = torch.tensor([len(data)], dtype=torch.int64, device=device)
         lengths = [torch.zeros_like(length) for _ in range(self.ranks)]
         dist.all_gather(lengths, length)
         size = max(int(n) for n in lengths)
-        padded = torch.zeros(size, dtype=torch.uint8)
+        padded = torch.zeros(size, dtype=torch.uint8, device=device)
         if data:
             padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        everyone = [torch.empty(size, dtype=torch.uint8) for _ in range(self.ranks)]
+        everyone = [torch.empty(size, dtype=torch.uint8, device=device)
+                    for _ in range(self.ranks)]
         dist.all_gather(everyone, padded)
-        return [bytes(t[:int(n)].numpy()) for t, n in zip(everyone, lengths)]
+        return [bytes(t[:int(n)].cpu().numpy()) for t, n in zip(everyone, lengths)]
 
     def broadcast_bytes(self, data: bytes) -> bytes:
         """Rank 0's ``data``, on every rank."""
@@ -66,13 +68,14 @@ class Ranks:
             return data
         import torch.distributed as dist
 
-        length = torch.tensor([len(data)], dtype=torch.int64)
+        device = _device()
+        length = torch.tensor([len(data)], dtype=torch.int64, device=device)
         dist.broadcast(length, src=0)
-        buffer = torch.zeros(int(length), dtype=torch.uint8)
+        buffer = torch.zeros(int(length), dtype=torch.uint8, device=device)
         if self.rank == 0 and data:
             buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         dist.broadcast(buffer, src=0)
-        return bytes(buffer.numpy())
+        return bytes(buffer.cpu().numpy())
 
     def gather_shares(self, mine: list[Any], offsets: dict[int, int], registry: Any,
                       unit_type: type) -> list[tuple[list[Any], dict[int, int]]]:
@@ -94,3 +97,13 @@ class Ranks:
                      for value, headers in decoded["units"]]
             shares.append((units, {int(p): int(o) for p, o in decoded["offsets"]}))
         return shares
+
+
+def _device() -> torch.device:
+    """Where the process group's collectives take their tensors: NCCL (accelerate's group on
+    GPUs) carries only CUDA tensors, gloo CPU ones. Untested on GPUs here (no GPU)."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
