@@ -712,7 +712,7 @@ class _Decisions:
         waiting, self._waiting = self._waiting, []
         checkpoints = [checkpoint for _, checkpoint in waiting if checkpoint is not None]
         # What was decided since (by this group's previous member, say): read once for all of
-        # them (a read waits 0.2 s for more; this worker's own decisions are folded in as made).
+        # them (a few ms when little is new; this worker's own decisions are folded in as made).
         if any(checkpoint.recipe == worker.recipe.name for checkpoint in checkpoints):
             self.ledger.catch_up()
         newer = iter(superseding(checkpoints) if worker._supersedes

@@ -96,6 +96,10 @@ class PublicationLedger:
         }
         self._bootstrap = bootstrap
         self._consumer: Consumer | None = None  # created by open(); a fold-only ledger has none
+        #: Asks for the topic's ends on a connection of its own: the reading consumer's has a
+        #: fetch waiting there (up to fetch.wait.max.ms, 500 ms), and the broker answers a
+        #: connection's requests in order, so each catch_up waited for it.
+        self._ends: Consumer | None = None
         self._positions: dict[int, int] = {}
         self._promoted: dict[str, Publication] = {}
         self._decided: dict[str, int] = {}
@@ -112,6 +116,7 @@ class PublicationLedger:
         the ledger only folds what it is given (``take``), read by someone else (the
         ``Follower``'s stage loop)."""
         self._consumer = new_consumer(self._bootstrap, self._group, self._consumer_config)
+        self._ends = new_consumer(self._bootstrap, f"{self._group}-ends")
         metadata = self._consumer.list_topics(self.topic, timeout=30)
         topic = metadata.topics.get(self.topic)
         if topic is None or topic.error is not None or not topic.partitions:
@@ -137,7 +142,10 @@ class PublicationLedger:
                 raise RetryableError(f"could not read {self.topic} to its end within "
                                      f"{timeout:.0f} s (at/end per partition: {behind}); check "
                                      "that the cluster is reachable, then start again")
-            read += self.take(self._consumer.consume(500, timeout=0.2))
+            # As many as the offsets say are left: consume returns once they are here, not
+            # after its whole timeout (compaction's gaps can make fewer come: then it waits).
+            left = sum(max(0, end - self._positions[p]) for p, end in ends.items())
+            read += self.take(self._consumer.consume(min(500, left), timeout=0.2))
         return read
 
     def poll(self, timeout: float) -> list[Publication]:
@@ -167,8 +175,9 @@ class PublicationLedger:
         return sorted(self._decided)
 
     def close(self) -> None:
-        if self._consumer is not None:
-            self._consumer.close()
+        for consumer in (self._consumer, self._ends):
+            if consumer is not None:
+                consumer.close()
 
     def __enter__(self) -> PublicationLedger:
         return self.open()
@@ -178,7 +187,7 @@ class PublicationLedger:
 
     def _watermarks(self, partition: int) -> tuple[int, int]:
         return ask_broker(f"reading the offsets of {self.topic}[{partition}]",
-                          lambda: self._consumer.get_watermark_offsets(
+                          lambda: self._ends.get_watermark_offsets(
                               TopicPartition(self.topic, partition), timeout=10))
 
     def take(self, messages: list[Message]) -> list[Publication]:
