@@ -2,6 +2,7 @@
 
     reef demo                                   SAO on the toy task, until 0.9 held-out accuracy
     reef demo --recipe methods.grpo --chaos     GRPO, with the trainer and processor SIGKILLed
+    reef demo --engine vllm                     a Hugging Face policy served by a real vLLM
 
 Brings up the local broker and Redis if they are not running (or uses
 REEF_BOOTSTRAP_SERVERS / REEF_REDIS_URL), then runs every stage as a separate
@@ -27,12 +28,21 @@ from reef_stream.cli.recipe_options import set_option
               help="The method to run, bound to the demo task (reef_stream.demo.recipes): "
                    "methods.sao (ungrouped) or methods.grpo (grouped); or any bound recipe.")
 @set_option
-@click.option("--replicas", type=click.IntRange(1, 8), default=2, show_default=True,
-              help="Serving replicas sampling from the newest promoted version.")
-@click.option("--rate", type=click.FloatRange(min=1), default=300.0, show_default=True,
+@click.option("--engine", type=click.Choice(["toy", "vllm"]), default="toy", show_default=True,
+              help="What serves the policy: the toy transformer in the project's replica "
+                   "processes, or a tiny Qwen2-style Hugging Face model (built once under "
+                   "$REEF_HOME/models) served by a real vLLM server that the demo starts (its "
+                   "environment installed once if missing) and stops, reloaded with every "
+                   "promoted version by the one replica process that samples it.")
+@click.option("--replicas", type=click.IntRange(1, 8), default=None,
+              help="Serving replicas sampling from the newest promoted version [default: 2; "
+                   "with --engine vllm 1, the only choice: one process drives the server's "
+                   "reloads and orders its requests against them].")
+@click.option("--rate", type=click.FloatRange(min=1), default=None,
               metavar="PER_SECOND", help="Generations per second per replica (2 x 300 is about "
                                          "twice what the trainer trains on two cores: the "
-                                         "recipe's max_backlog_steps sheds the surplus).")
+                                         "recipe's max_backlog_steps sheds the surplus) "
+                                         "[default: 300; with --engine vllm 200].")
 @click.option("--partitions", type=click.IntRange(1, 64), default=2, show_default=True,
               help="Partitions of the run's generations, feedback and units topics (one "
                    "processor and one trainer need no more; each partition a replica spreads "
@@ -50,9 +60,9 @@ from reef_stream.cli.recipe_options import set_option
                    "[default: $REEF_HOME/demo/<namespace>].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chaos.")
 @click.pass_context
-def demo(ctx: click.Context, path: str, replicas: int, rate: float, partitions: int, target: float,
-         time_limit: float, chaos: bool, run_dir: Path | None, seed: int,
-         overrides: tuple[str, ...] = ()) -> None:
+def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate: float | None,
+         partitions: int, target: float, time_limit: float, chaos: bool, run_dir: Path | None,
+         seed: int, overrides: tuple[str, ...] = ()) -> None:
     """Run the whole loop until the policy learns the toy task from reward alone.
 
     Replicas sample answers to "a+b=" (the last digit of the sum) from the
@@ -80,6 +90,12 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, partitions: 
     from reef_stream.demo.run import Demo, DemoOptions
     from reef_stream.ops.processes import interrupt_on_sigterm
 
+    if engine == "vllm" and replicas not in (None, 1):
+        raise click.UsageError("--engine vllm runs one replica process (it drives the one vLLM "
+                               "server's reloads and orders its requests against them): leave "
+                               "--replicas out or give 1")
+    replicas = replicas or (1 if engine == "vllm" else 2)
+    rate = rate or (VLLM_RATE if engine == "vllm" else 300.0)
     settings = load_settings()
     if not settings.bootstrap_servers:
         ctx.invoke(kafka_up)
@@ -87,11 +103,12 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, partitions: 
         ctx.invoke(redis_up)
     options = DemoOptions(recipe=path, replicas=replicas, rate=rate, partitions=partitions,
                           target=target, time_limit=time_limit, chaos=chaos, run_dir=run_dir,
-                          seed=seed, overrides=overrides)
+                          seed=seed, overrides=overrides, engine=engine)
     runner = Demo(options, settings=settings, bootstrap=bootstrap_servers(settings),
                   redis_url=redis_url(settings), show=DemoProgress())
-    click.echo(f"demo {runner.ns}: {path}, {replicas} replicas, target {target:.2f}, "
-               f"logs in {runner.run_dir / 'logs'}")
+    click.echo(f"demo {runner.ns}: {path}, {replicas} replicas"
+               + (" on vLLM" if engine == "vllm" else "")
+               + f", target {target:.2f}, logs in {runner.run_dir / 'logs'}")
     interrupt_on_sigterm()    # SIGTERM stops the stages (and nothing else) as Ctrl-C does
     result = runner.run()
     click.echo(result.line())
@@ -106,6 +123,10 @@ def demo(ctx: click.Context, path: str, replicas: int, rate: float, partitions: 
         sys.exit(1)
 
 
+#: Generations per second of the vLLM replica by default (``--engine vllm``).
+VLLM_RATE = 200.0
+
+
 class DemoProgress:
     """One status line every few seconds (a terminal sees it rewritten in place)."""
 
@@ -114,6 +135,9 @@ class DemoProgress:
         self.tty = sys.stdout.isatty()
 
     def __call__(self, status: dict[str, Any]) -> None:
+        if "line" in status:   # a progress line (the vLLM engine's install and start)
+            click.echo(("\n" if self.tty else "") + status["line"])
+            return
         if not self.tty and time.monotonic() - self.last < self.every_s:
             return
         self.last = time.monotonic()

@@ -50,14 +50,17 @@ def bind(factory: Callable[..., Recipe]) -> Recipe:
                    evaluator=HeldOutAccuracy(tolerance=TOLERANCE, model=policy_model))
 
 
-def stage_recipe(path: str) -> str:
+def stage_recipe(path: str, engine: str = "toy") -> str:
     """The recipe path the demo's stages load for ``reef demo --recipe path``: an example
     method's name (``methods.sao``, ``reef_stream.methods.grpo``) becomes its demo binding
-    here (``reef_stream.demo.recipes:sao``); any other path is a bound recipe, taken as is."""
+    here (``reef_stream.demo.recipes:sao``), or with ``engine="vllm"`` its binding to the
+    Hugging Face policy (``reef_stream.demo.vllm_recipes:sao``); any other path is a bound
+    recipe, taken as is."""
     module = path.partition(":")[0]
     for name in METHODS:
         if module in (f"methods.{name}", f"reef_stream.methods.{name}") and ":" not in path:
-            return f"{__name__}:{name}"
+            where = "reef_stream.demo.vllm_recipes" if engine == "vllm" else __name__
+            return f"{where}:{name}"
     return path
 
 

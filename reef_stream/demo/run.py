@@ -112,6 +112,17 @@ class DemoOptions:
     #: (``DemoResult.outcomes``) and that every generation a replica saw acknowledged is in the
     #: topic (``DemoResult.missing_acknowledged``). 0: stop every stage at once, check neither.
     drain_s: float = 0.0
+    #: What serves the policy: ``"toy"`` (the project's replica processes sampling the toy
+    #: transformer) or ``"vllm"`` (a real vLLM server on a Hugging Face model, driven and
+    #: sampled by one replica process: ``reef_stream.demo.vllm_serving``; ``replicas`` must
+    #: be 1 and an example method is bound by ``reef_stream.demo.vllm_recipes``).
+    engine: str = "toy"
+    #: Prompts per request to the engine (``engine="vllm"``).
+    engine_prompts: int = 32
+
+
+#: The engines ``DemoOptions.engine`` may name.
+ENGINES = ("toy", "vllm")
 
 
 @dataclass
@@ -238,11 +249,28 @@ class Demo:
         CPU is then not counted)."""
         from reef_stream.api.recipe import load_recipe
         from reef_stream.demo.recipes import stage_recipe
+        from reef_stream.errors import ConfigurationError
 
         self.options, self.settings, self.bootstrap = options, settings, bootstrap
+        if options.engine not in ENGINES:
+            raise ConfigurationError(f"the demo's engine is one of {', '.join(ENGINES)}, not "
+                                     f"{options.engine!r}")
+        if options.engine == "vllm" and (options.replicas != 1 or options.drain_s):
+            raise ConfigurationError(
+                "with the vllm engine the demo runs one replica process, which drives the one "
+                "vLLM server's reloads and orders its requests against them (--replicas 1), "
+                "and no drain check")
         #: What every stage loads: the demo's binding of an example method, or the path given.
-        self.recipe_path = stage_recipe(options.recipe)
+        self.recipe_path = stage_recipe(options.recipe, options.engine)
+        if options.engine == "vllm":   # the engine's model, built before the recipe loads it
+            from reef_stream.demo.vllm_model import demo_model_dir, ensure_demo_model
+
+            ensure_demo_model(demo_model_dir(settings.home))
         self.recipe = load_recipe(self.recipe_path, overrides=options.overrides, complete=True)
+        if options.engine == "vllm" and self.recipe.group_size > 1:
+            raise ConfigurationError(f"recipe {self.recipe.name!r} samples groups of "
+                                     f"{self.recipe.group_size}; the vllm replica samples one "
+                                     "completion per prompt (use methods.sao)")
         self.ns = options.namespace or f"demo{time.strftime('%Y%m%d%H%M%S')}"
         self.run_dir = options.run_dir or settings.home / "demo" / self.ns
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -252,6 +280,10 @@ class Demo:
         self.env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": bootstrap, "REEF_REDIS_URL": redis_url,
                     "REEF_NAMESPACE": self.ns, "REEF_HOME": str(settings.home),
                     "PYTHONUNBUFFERED": "1"}
+        if options.engine == "vllm":
+            # The stages share two cores with the vLLM server: with torch's default of a thread
+            # per core, every parallel region of a busy trainer waits for a descheduled thread.
+            self.env.setdefault("OMP_NUM_THREADS", "1")
         self.show = show or (lambda status: None)
         self.registry = SchemaRegistry.default()
         self.rng = random.Random(options.seed)
@@ -281,6 +313,12 @@ class Demo:
         self.broker_pids = tuple(local_broker_pids(bootstrap) if broker_pids is None
                                  else broker_pids)
         self._broker_cpu: dict[int, list[float]] = {}  # pid -> [first sample, last sample]
+        self.engine = None   # the vLLM server of engine="vllm" (``vllm_serving.DemoEngine``)
+        if options.engine == "vllm":
+            from reef_stream.demo.vllm_serving import DemoEngine
+
+            self.engine = DemoEngine(settings, self.run_dir / "engine",
+                                     progress=lambda line: self.show({"line": line}))
         self.stages = self._stages()
 
     # ----------------------------------------------------------------- the stages
@@ -300,7 +338,7 @@ class Demo:
             "evaluator": Stage("evaluator", [*reef, "evaluate", *recipe], self.env,
                                logs / "evaluator.log"),
         }
-        for i in range(self.options.replicas):
+        for i in range(self.options.replicas if self.engine is None else 0):
             argv = [sys.executable, "-m", "reef_stream.demo.replica", "--model", MODEL,
                     *recipe,
                     "--replica-id", f"replica-{i}", "--seed", str(self.recipe.schedule.seed),
@@ -312,6 +350,16 @@ class Demo:
             stages[f"replica-{i}"] = Stage(f"replica-{i}", argv, self.env,
                                            logs / f"replica-{i}.log")
         return stages
+
+    def _engine_replica(self, url: str) -> None:
+        """Add the replica that drives and samples the vLLM server at ``url``."""
+        from reef_stream.demo.vllm_serving import REPLICA_ID
+
+        assert self.engine is not None
+        argv = self.engine.replica_argv(url, model=MODEL, rate=self.options.rate,
+                                        prompts=self.options.engine_prompts)
+        self.stages["replica-0"] = Stage("replica-0", argv, self.env,
+                                         self.run_dir / "logs" / f"{REPLICA_ID}.log")
 
     # ----------------------------------------------------------------- the run
 
@@ -333,11 +381,16 @@ class Demo:
         next_chaos = started + self.rng.uniform(*self.options.chaos_every)
         reached = False
         try:
+            if self.engine is not None:
+                self.engine.prepare()
+                self.engine.start()   # on a thread, while the stages start
             for name, stage in self.stages.items():
                 if not name.startswith("replica-"):
                     stage.start()
             sampler.start()
             self._await_pipeline(watcher, started)
+            if self.engine is not None:
+                self._engine_replica(self.engine.wait())
             for name, stage in self.stages.items():
                 if name.startswith("replica-"):
                     stage.start()
@@ -365,6 +418,8 @@ class Demo:
                 sampler.join()
             for stage in self.stages.values():
                 stage.stop()   # samples its CPU first
+            if self.engine is not None:
+                self.engine.stop()
             self._sample_cpu()
             watcher.close()
         accuracy, version = self.accuracy()
@@ -394,6 +449,8 @@ class Demo:
         extra = {"replica": sum(v for k, v in cpu.items() if k.startswith("replica-"))}
         if "broker" in cpu:   # not counted (absent) when the broker is not on this host
             extra["broker"] = cpu["broker"]
+        if "engine" in cpu:   # the vLLM server (engine="vllm")
+            extra["engine"] = cpu["engine"]
         card = read_scorecard(self.bootstrap, self.ns, self.recipe.name,
                               target=self.options.target, measure="accuracy", extra_cpu=extra,
                               ledger=ledger)
@@ -404,13 +461,17 @@ class Demo:
         """CPU seconds used during the run, measured from outside: per stage (each process it
         ran, restarts added up) and ``broker`` (the ``broker_pids`` since the run began)."""
         used = {name: stage.cpu_seconds for name, stage in self.stages.items()}
+        if self.engine is not None:
+            used["engine"] = self.engine.cpu_seconds
         if self.broker_pids:
             used["broker"] = sum(last - first for first, last in self._broker_cpu.values())
         return used
 
     def _sample_cpu(self) -> None:
-        for stage in self.stages.values():
+        for stage in list(self.stages.values()):
             stage.sample_cpu()
+        if self.engine is not None:
+            self.engine.sample_cpu()
         for pid in self.broker_pids:
             used = process_cpu_seconds(pid)
             if used is not None:
