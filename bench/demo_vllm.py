@@ -1,6 +1,6 @@
 """`reef demo --engine vllm` to its target, beside the toy demo, in one invocation.
 
-    python bench/demo_vllm.py [--target 0.9] [--time-limit 900] [--rate 200] [--skip-toy]
+    python bench/demo_vllm.py [--target 0.9] [--time-limit 900] [--rate 100] [--skip-toy]
 
 On one broker and Redis (``common.servers``: the configured ones, or started under a temporary
 REEF_HOME) it runs ``reef demo`` twice, each in a fresh namespace:
@@ -40,6 +40,7 @@ from common import (  # first: it puts the project on sys.path
     servers,
 )
 
+from reef_stream.cli.demo import VLLM_RATE
 from reef_stream.config import load_settings
 from reef_stream.demo.run import DemoOptions, DemoResult
 from reef_stream.ops.metrics import (
@@ -101,8 +102,9 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--time-limit", type=float, default=900.0, metavar="S",
                         help="seconds each run gets (default 900)")
-    parser.add_argument("--rate", type=float, default=200.0,
-                        help="the vLLM replica's generations/s (default 200)")
+    parser.add_argument("--rate", type=float, default=VLLM_RATE,
+                        help=f"the vLLM replica's generations/s (default {VLLM_RATE:g}, the "
+                             "demo's)")
     parser.add_argument("--skip-toy", action="store_true", help="run the vLLM demo only")
     args = parser.parse_args()
 

@@ -42,7 +42,7 @@ from reef_stream.cli.recipe_options import set_option
               metavar="PER_SECOND", help="Generations per second per replica (2 x 300 is about "
                                          "twice what the trainer trains on two cores: the "
                                          "recipe's max_backlog_steps sheds the surplus) "
-                                         "[default: 300; with --engine vllm 200].")
+                                         "[default: 300; with --engine vllm 100].")
 @click.option("--partitions", type=click.IntRange(1, 64), default=2, show_default=True,
               help="Partitions of the run's generations, feedback and units topics (one "
                    "processor and one trainer need no more; each partition a replica spreads "
@@ -83,6 +83,13 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
     trained twice. Last comes the run's scorecard (time to target, samples
     generated / trained / shed / dead-lettered, goodput, staleness,
     checkpoint-to-serving latency, CPU seconds per stage; also in report.html).
+
+    With --engine vllm the policy is a tiny Qwen2-style Hugging Face model
+    (built once under $REEF_HOME/models) trained by the Hugging Face backend and
+    served by a real vLLM server that the demo starts (installing its
+    environment once, if missing) and stops at the end; one replica process
+    samples it through the OpenAI-compatible API with token ids and logprobs
+    and reloads it with every promoted version's serving artifact.
     """
     from reef_stream.cli.servers import kafka_up, redis_up
     from reef_stream.config import load_settings
@@ -123,8 +130,13 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
         sys.exit(1)
 
 
-#: Generations per second of the vLLM replica by default (``--engine vllm``).
-VLLM_RATE = 200.0
+#: Generations per second of the vLLM replica by default (``--engine vllm``). Measured on two
+#: cores (bench/demo_vllm.py, one run each): at 100/s the trainer takes every generation
+#: (goodput 0.94, staleness mean 1.0) and reached 0.9 121 s after the first generation on
+#: 12,288 samples; at 200/s 109 s on 20,992 (goodput 0.85, staleness 2.7), but then nearly no
+#: sample is of the trainer's own version, so the same-version logprob gap is measured at one
+#: step instead of sixty.
+VLLM_RATE = 100.0
 
 
 class DemoProgress:

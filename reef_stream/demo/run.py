@@ -12,6 +12,11 @@ What runs (each a child process with its log under ``<run dir>/logs``):
     trainer          reef train: units -> checkpoints (every one kept: the ledger reads them)
     evaluator        reef evaluate: held-out accuracy; promotes only what does not regress
 
+With ``engine="vllm"`` the replicas are one process (``reef_stream.demo.vllm_replica``) that
+drives and samples a vLLM server the demo starts on a Hugging Face model and stops at the end
+(``reef_stream.demo.vllm_serving``); the example methods are bound to that model by
+``reef_stream.demo.vllm_recipes``.
+
 The replicas start last, once every other stage has reported that it runs (its first
 ``process_cpu_seconds`` metric, written when its stage loop has joined or resumed; at most
 ``READY_WAIT_S``): traffic meets a pipeline that is up, as in production, and the
