@@ -131,9 +131,10 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
 
 
 #: Generations per second of the vLLM replica by default (``--engine vllm``). Measured on two
-#: cores (bench/demo_vllm.py, one run each): at 100/s the trainer takes every generation
-#: (goodput 0.94, staleness mean 1.0) and reached 0.9 121 s after the first generation on
-#: 12,288 samples; at 200/s 109 s on 20,992 (goodput 0.85, staleness 2.7), but then nearly no
+#: cores (bench/demo_vllm.py): at 100/s the trainer takes nearly every generation (goodput
+#: 0.94-0.97, staleness mean 1.0) and reached 0.9 121 and 162 s after the first generation on
+#: 12,288 and 16,512 samples (two runs); at 200/s 109 s on 20,992 (one run; goodput 0.85,
+#: staleness 2.7), but then nearly no
 #: sample is of the trainer's own version, so the same-version logprob gap is measured at one
 #: step instead of sixty.
 VLLM_RATE = 100.0
