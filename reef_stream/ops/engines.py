@@ -38,7 +38,7 @@ from pathlib import Path
 import psutil
 
 from reef_stream.errors import ConfigurationError, FatalError
-from reef_stream.ops.processes import free_ports, port_is_free, process_matches, reap
+from reef_stream.ops.processes import listening_port, port_is_free, process_matches, reap
 
 Progress = Callable[[str], None]
 
@@ -297,7 +297,7 @@ class LocalEngine:
                     f"rank {state.get('lora_rank')}: run `reef engine down` first")
             progress(f"{self.env.spec.name} is already running at {state['url']}; nothing to do")
             return state["url"]
-        port = port or free_ports(1)[0]
+        port = port or listening_port()
         if not port_is_free(port):
             raise ConfigurationError(f"Port {port} on 127.0.0.1 is already in use by another "
                                      "process, so vLLM cannot listen there: pass another --port "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 from collections.abc import Callable, Iterator
@@ -38,6 +39,25 @@ def free_ports(count: int) -> list[int]:
         for sock in sockets:
             sock.close()
     return ports
+
+
+def listening_port(lowest: int = 20000) -> int:
+    """A free port for a server to listen on, chosen below the kernel's ephemeral range (from
+    ``lowest``). A port from ``free_ports`` lies inside that range, so any process's outgoing
+    connection may take it before the server binds it; one below the range only another
+    server that chose it can (seen: vLLM, which binds ~30 s after it starts, once found its
+    port taken by the demo's own clients). Falls back to ``free_ports`` when none is free."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    if first_ephemeral - lowest >= 100:
+        choose = random.SystemRandom()
+        for _ in range(200):
+            port = choose.randrange(lowest, first_ephemeral)
+            if port_is_free(port):
+                return port
+    return free_ports(1)[0]
 
 
 def process_matches(pid: int | None, marker: str) -> bool:
