@@ -19,6 +19,10 @@ from pathlib import Path
 
 import pytest
 
+# No test reaches a model hub: Hugging Face models are built from a config and loaded from a
+# directory. Set before anything imports huggingface_hub, which reads it once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 from reef_stream.config import KAFKA_INFRA_DIR, load_settings
 from reef_stream.ops.kafka_local import LocalCluster
 from reef_stream.ops.redis_local import LocalRedis

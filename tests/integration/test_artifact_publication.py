@@ -33,12 +33,6 @@ from tests.integration.publishing import (
 from tests.recipes.trainable import recipe as trainable
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    import huggingface_hub.constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
 @pytest.fixture(scope="module")

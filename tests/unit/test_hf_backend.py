@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,20 +33,9 @@ from reef_stream.errors import ConfigurationError
 from tests.recipes.trainable import recipe as trainable
 from tests.unit_log import rollout_unit
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # before huggingface_hub reads it: never reach a hub
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+import transformers  # noqa: E402 - a dependency: missing, the tests fail rather than skip
 
 VOCAB, MAX_LEN = 300, 128
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    """Offline even when huggingface_hub was imported (and read the variable) earlier."""
-    import huggingface_hub.constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
 def _small(config_class, **extra):
