@@ -249,11 +249,14 @@ def ask_broker(what: str, call: Callable[[], T], timeout: float = 60.0) -> T:
             error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
             # _DESTROY_BROKER: the client dropped its handle of a broker that left the
             # cluster's metadata (killed, restarting) while the request waited on it.
+            # _UNKNOWN_PARTITION: the client's metadata lost a partition whose leader is that
+            # broker (callers check at start that their partitions exist; a fault test saw it).
             transient = error is not None and (error.retriable() or error.code() in (
                 KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
                 KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._DESTROY_BROKER,
-                KafkaError._ALL_BROKERS_DOWN, KafkaError.NOT_COORDINATOR,
-                KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE))
+                KafkaError._ALL_BROKERS_DOWN, KafkaError._UNKNOWN_PARTITION,
+                KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+                KafkaError.COORDINATOR_NOT_AVAILABLE))
             if not transient or time.monotonic() > deadline:
                 raise RetryableError(f"{what} failed: {exc}; check that the cluster is "
                                      "reachable, then try again") from exc
