@@ -185,6 +185,9 @@ class RewardOptions:
     group: str | None = None
     max_records: int | None = None
     idle_exit: float | None = None
+    #: Per partition of the generations topic, the offset to stop before (``reef rescore``):
+    #: a record at or past it is never taken, so never scored and never committed past.
+    until: Mapping[int, int] | None = None
 
     def problems(self) -> list[str]:
         found = []
@@ -402,6 +405,9 @@ class RewardWorker(CallSlots):
         the idle runners, once per fetch), or dead-letter it at once if it is undecodable."""
         where = (message.topic(), message.partition())
         offset = message.offset()
+        until = self.options.until
+        if until is not None and offset >= until.get(where[1], 0):
+            return
         with self._lock:
             partition = self._partitions.get(where)
             if partition is None:  # revoked between the fetch and now: the new owner reads it
