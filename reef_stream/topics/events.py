@@ -84,10 +84,16 @@ class FinishReason(enum.Enum):
 
 
 class Decision(enum.Enum):
-    """A candidate evaluator's decision (schema enum ``reef.events.Decision``)."""
+    """The stage a decision puts a version in (schema enum ``reef.events.Decision``; its
+    default, for a symbol a reader does not know, is ``REJECTED``: never served).
+
+    ``CANARY``: served by the share of replicas that takes it while it waits for a decision;
+    ``ROLLED_BACK``: taken out of service, replicas serve ``rolled_back_to`` again."""
 
     PROMOTED = "PROMOTED"
     REJECTED = "REJECTED"
+    CANARY = "CANARY"
+    ROLLED_BACK = "ROLLED_BACK"
 
 
 @_event
@@ -257,6 +263,15 @@ class Publication:
     artifact_uri: str | None = None
     artifact_sha256: str | None = None
     artifact_kind: str | None = None
+    #: CANARY: the fraction of replicas serving it (``reef_stream.consumers.canary``); on the
+    #: REJECTED / ROLLED_BACK decision ending a canary, the share it had. None otherwise.
+    share: float | None = None
+    #: CANARY: what it waits for, ``"canary"`` (live feedback) or ``"approval"`` (a person).
+    awaiting: str | None = None
+    #: The person who decided (``reef approve`` / ``reject`` / ``rollback``); None: an evaluator.
+    decided_by: str | None = None
+    #: ROLLED_BACK: the version served again (``uri`` and ``sha256`` name its published copy).
+    rolled_back_to: int | None = None
 
 
 @_event
