@@ -57,10 +57,11 @@ other, never two at once. It ends with one line per (size, mode, cadence)::
         window_step_s=... window_checkpoint_s=...
 
 Memory: a configuration whose estimated peak (``peak_bytes``) is more than this machine has
-available is skipped, with a line saying so, unless ``--force``. The peak is a checkpoint
-write's: ``CheckpointStore.write`` serialises every file into memory before writing it, so
-500M trained in full in float32 (8 GB of weights, gradients and AdamW state) needs about
-20 GB while it checkpoints; ``--dtype bfloat16`` about halves that.
+available is skipped, with a line saying so, unless ``--force``. ``CheckpointStore.write``
+streams each tensor to disk from its own memory (it once serialised every file in memory
+first, and 500M in full in float32 was killed at 18.6 GiB while it checkpointed), so the peak
+is training's: 500M trained in full in float32 (8 GB of weights, gradients and AdamW state)
+needs about 11 GB.
 
 Figures, never assertions. No network: HF_HUB_OFFLINE is set.
 """
@@ -218,15 +219,14 @@ class Medians:
 def peak_bytes(params: int, mode: str, dtype: str, batch: Batch, vocab: int) -> int:
     """About the most memory one configuration takes: the weights; the gradients and AdamW's
     two moments of what trains (all of it in full, a few percent with LoRA); a checkpoint
-    write, which holds every file's bytes in memory (``CheckpointStore.write`` serialises each
-    with safetensors first: the weights' bytes, and the optimizer's twice while they are
-    built); a micro batch's logits and their gradients; the interpreter and libraries. On the
-    safe side: 500M in full in float32 was killed for memory at 18.6 GiB while it checkpointed
-    (with 100M full at 4.9 GiB, estimated here at 5.8)."""
+    write (``CheckpointStore.write`` streams each tensor from its own memory: at most a copy
+    of one tensor, counted as 1 GiB); a micro batch's logits and their gradients; the
+    interpreter and libraries. On the safe side (100M full peaked at 4.9 GiB when the write
+    still held every file in memory)."""
     width = 2 if dtype == "bfloat16" else 4
     trained = params if mode == "full" else params // 30
     state = params * width + 3 * trained * width
-    checkpoint = 6 * trained * width
+    checkpoint = 1 << 30
     logits = 4 * batch.group_size * (batch.prompt_len + batch.completion_len) * vocab * 4
     return state + checkpoint + logits + (2 << 30)  # the interpreter, torch, transformers
 

@@ -31,7 +31,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,11 +43,12 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from reef_stream.errors import FatalError, ReefError
-from reef_stream.topics.events import TopicOffset
 from reef_stream.ops.failpoints import failpoint
+from reef_stream.topics.events import TopicOffset
 
 __all__ = ["CheckpointContents", "CheckpointError", "CheckpointStore", "StoredCheckpoint",
-           "default_store_url", "load", "load_weights", "unit_hash", "verify", "write_durably"]
+           "default_store_url", "load", "load_weights", "unit_hash", "verify", "write_durably",
+           "write_safetensors"]
 
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"step-(\d{8,})\Z")
@@ -130,13 +131,18 @@ class CheckpointStore:
         final = self._step_path(contents.step)
         staging = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            files = _serialise(contents)
             self.fs.makedirs(staging, exist_ok=True)
             entries = {}
-            for name, data in files.items():
-                self._write_file(f"{staging}/{name}", data)
-                entries[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+            for name, tensors in _tensor_files(contents):  # one file's tensors at a time
+                entries[name] = write_safetensors(self.fs, f"{staging}/{name}", tensors,
+                                                  local=self.local)
+                del tensors
                 failpoint("checkpoint.mid-write", step=contents.step)
+            meta = _meta_json(contents)
+            self._write_file(f"{staging}/meta.json", meta)
+            entries["meta.json"] = {"sha256": hashlib.sha256(meta).hexdigest(),
+                                    "bytes": len(meta)}
+            failpoint("checkpoint.mid-write", step=contents.step)
             manifest = json.dumps({"format": 1, "step": contents.step, "files": entries},
                                   sort_keys=True, indent=1).encode()
             if self.fs.exists(final):  # an earlier, incomplete attempt at this step
@@ -146,8 +152,8 @@ class CheckpointStore:
                 os.rename(staging, final)
                 fsync_dir(self.root)
             else:  # object stores have no rename: copy the files, the manifest last
-                for name, data in files.items():
-                    self._write_file(f"{final}/{name}", data)
+                for name in entries:
+                    self.fs.copy(f"{staging}/{name}", f"{final}/{name}")
                 self._write_file(f"{final}/{MANIFEST}", manifest)
                 self.fs.rm(staging, recursive=True)
         except OSError as exc:
@@ -276,12 +282,20 @@ def load_weights(uri: str, sha256: str) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- serialisation
 
 
-def _serialise(contents: CheckpointContents) -> dict[str, bytes]:
-    weights = {name: t.detach().cpu().contiguous() for name, t in contents.weights.items()}
-    optimizer_meta, optimizer_tensors = _optimizer_to(contents.optimizer)
+def _tensor_files(contents: CheckpointContents) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """The checkpoint's safetensors files, each as its name and tensors, in writing order
+    (views of the caller's tensors where they are on the CPU; nothing is serialised here)."""
+    yield "model.safetensors", dict(contents.weights)
+    _, optimizer_tensors = _optimizer_to(contents.optimizer)
+    yield "optimizer.safetensors", optimizer_tensors
     units = np.ascontiguousarray(np.asarray(contents.trained_units, dtype=np.uint64))
-    trainer = {f"rng.{name}": t.detach().cpu().contiguous() for name, t in contents.rng.items()}
+    trainer = {f"rng.{name}": t for name, t in contents.rng.items()}
     trainer["trained_units"] = torch.from_numpy(units.view(np.int64).copy())
+    yield "trainer.safetensors", trainer
+
+
+def _meta_json(contents: CheckpointContents) -> bytes:
+    optimizer_meta, _ = _optimizer_to(contents.optimizer)
     meta = {
         "step": contents.step, "policy_version": contents.policy_version, "model": contents.model,
         "recipe": contents.recipe, "trainer_group": contents.trainer_group,
@@ -293,12 +307,76 @@ def _serialise(contents: CheckpointContents) -> dict[str, bytes]:
     }
     if contents.rolled_back_to is not None:  # absent otherwise: a step's meta is unchanged
         meta["rolled_back_to"] = contents.rolled_back_to
-    return {
-        "model.safetensors": st_save(weights),
-        "optimizer.safetensors": st_save(optimizer_tensors),
-        "trainer.safetensors": st_save(trainer),
-        "meta.json": json.dumps(meta, sort_keys=True).encode(),
-    }
+    return json.dumps(meta, sort_keys=True).encode()
+
+
+def _serialise(contents: CheckpointContents) -> dict[str, bytes]:
+    """Every file of the checkpoint as bytes, in memory (for tests and small checkpoints;
+    ``CheckpointStore.write`` streams them instead, ``write_safetensors``)."""
+    files = {name: st_save({k: t.detach().cpu().contiguous() for k, t in tensors.items()})
+             for name, tensors in _tensor_files(contents)}
+    files["meta.json"] = _meta_json(contents)
+    return files
+
+
+# safetensors' dtype names, and the order its writer lays tensors out in (by dtype, the last
+# of this list first, then by name): the bytes ``write_safetensors`` writes are those of
+# ``safetensors.torch.save`` for the same tensors.
+_ST_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8",
+              torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fn: "F8_E4M3", torch.int16: "I16",
+              torch.uint16: "U16", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int32: "I32", torch.uint32: "U32", torch.float32: "F32",
+              torch.complex64: "C64", torch.float64: "F64", torch.int64: "I64",
+              torch.uint64: "U64"}
+_ST_RANK = {dtype: rank for rank, dtype in enumerate(_ST_DTYPES)}
+_WRITE_CHUNK = 64 << 20
+
+
+def write_safetensors(fs: Any, path: str, tensors: Mapping[str, torch.Tensor], *,
+                      local: bool) -> dict[str, Any]:
+    """Write ``tensors`` as a safetensors file at ``path``, one tensor at a time, hashing as it
+    writes; returns its manifest entry (``sha256``, ``bytes``). On a local disk the file is
+    fsynced before this returns (blocks).
+
+    The bytes are ``safetensors.torch.save(tensors)``'s, but never all in memory: a CPU tensor
+    is written from its own memory (a GPU or non-contiguous one through a copy of that tensor
+    alone), so a checkpoint of any size is written with no more extra memory than its largest
+    tensor. ``FatalError`` for a sparse tensor or a dtype safetensors has no name for.
+    """
+    layout = []
+    for name, tensor in tensors.items():
+        if tensor.layout != torch.strided or tensor.dtype not in _ST_DTYPES:
+            raise FatalError(f"checkpoint tensor {name!r} ({tensor.dtype}, {tensor.layout}) "
+                             "cannot be stored in safetensors")
+        layout.append((name, tensor))
+    layout.sort(key=lambda item: (-_ST_RANK[item[1].dtype], item[0]))
+    header, offset = {}, 0
+    for name, tensor in layout:
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _ST_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    head += b" " * (-len(head) % 8)
+    digest = hashlib.sha256()
+    with (open(path, "wb") if local else fs.open(path, "wb")) as out:
+        def emit(data: Any) -> None:
+            digest.update(data)
+            out.write(data)
+
+        emit(len(head).to_bytes(8, "little") + head)
+        for _, tensor in layout:
+            if tensor.numel() == 0:
+                continue
+            data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            view = memoryview(data)
+            for start in range(0, len(view), _WRITE_CHUNK):
+                emit(view[start:start + _WRITE_CHUNK])
+            del data, view
+        if local:
+            out.flush()
+            os.fsync(out.fileno())
+    return {"sha256": digest.hexdigest(), "bytes": 8 + len(head) + offset}
 
 
 def _optimizer_to(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
