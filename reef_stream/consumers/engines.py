@@ -6,7 +6,9 @@ seconds) once the engine serves it, or raises ``ReloadError`` saying why it did 
 engine's HTTP status and message, or the command's exit status and stderr) — the engine then
 still serves what it served before. Each adapter is also a ``Follower``'s ``on_version``
 callback: ``__call__(loaded)`` finds the artifact directory of the ``LoadedVersion`` with
-``artifact_dir_of`` and reloads it, so a refusal keeps the previous version serving::
+``artifact_dir_of`` and reloads it, so a refusal keeps the previous version serving (a
+``Follower(loads=ARTIFACT)`` hashed the artifact's files already: the adapter then checks its
+manifest's bytes and the safetensors headers only, ``check_verified``)::
 
     engine = VllmEngine("http://127.0.0.1:18000")
     Follower("my-model", on_version=engine).start()
@@ -36,6 +38,7 @@ the same weights again).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import subprocess
@@ -56,7 +59,7 @@ if TYPE_CHECKING:
     from reef_stream.consumers.follower import LoadedVersion
 
 __all__ = ["CommandEngine", "Reload", "ReloadError", "VllmEngine", "artifact_dir_of_publication",
-           "check_artifact", "safetensors_tensors"]
+           "check_artifact", "check_verified", "safetensors_tensors"]
 
 FULL = "full"
 LORA = "lora"
@@ -145,6 +148,35 @@ def safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return tensors
 
 
+def check_verified(path: Path, sha256: str | None) -> str:
+    """The kind of an artifact whose files were checked against ``sha256`` moments ago (by a
+    ``Follower`` that ``loads=ARTIFACT``): its ``MANIFEST.json`` must still be the one
+    ``sha256`` names (its bytes alone are hashed) and every ``*.safetensors`` file whole
+    (``safetensors_tensors``, headers only); the files are not hashed again. ``ReloadError``
+    otherwise."""
+    path = Path(path)
+    try:
+        manifest_bytes = (path / MANIFEST).read_bytes()
+        manifest = json.loads(manifest_bytes)
+        kind = manifest["kind"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ReloadError(f"the artifact {path} has no readable {MANIFEST}: {error}") from None
+    if sha256 is not None and hashlib.sha256(manifest_bytes).hexdigest() != sha256:
+        raise ReloadError(f"the artifact {path} failed verification: its manifest is not the "
+                          f"one sha256 {sha256} names (replaced since it was verified)")
+    if kind not in (FULL, LORA):
+        raise ReloadError(f"the artifact {path}: unknown kind {kind!r} in its manifest")
+    safetensors_tensors(path)
+    return kind
+
+
+def _local_dir(uri: str) -> Path:
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme == "file":
+        return Path(urllib.parse.unquote(parsed.path)).resolve()
+    return Path(uri).resolve()
+
+
 def _verify_manifest(path: Path, sha256: str | None) -> str:
     """The artifact's kind once ``verify_artifact`` checked every file against its manifest
     (and the manifest against ``sha256``, when given)."""
@@ -182,16 +214,27 @@ class _Adapter:
         self.last: Reload | None = None
 
     def reload(self, artifact_dir: Path, version: int | None = None,
-               sha256: str | None = None) -> Reload:
+               sha256: str | None = None, *, verified: bool = False) -> Reload:
         raise NotImplementedError
+
+    def check(self, path: Path, sha256: str | None, verified: bool) -> str:
+        """The artifact's kind, from ``verify`` (every byte hashed) or, when the caller
+        ``verified`` the directory against ``sha256`` already, from ``check_verified`` (its
+        manifest's bytes and the safetensors headers only)."""
+        return check_verified(path, sha256) if verified else self.verify(path, sha256)
 
     def __call__(self, loaded: LoadedVersion) -> None:
         """``Follower`` ``on_version``: reload the version's artifact (checked against the
         publication's ``artifact_sha256`` when it has one); raises ``ReloadError`` (the
         follower refuses the version and keeps the previous one) if the engine did not load
-        it."""
+        it. A follower that ``loads=ARTIFACT`` hashed every file of ``loaded.artifact``
+        against that sha256 just before: when that is the directory reloaded, its files are
+        not hashed a second time (``check_verified``)."""
         sha256 = getattr(loaded.publication, "artifact_sha256", None)
-        self.reload(self.artifact_dir_of(loaded), loaded.policy_version, sha256)
+        path = self.artifact_dir_of(loaded)
+        verified = (sha256 is not None and getattr(loaded, "artifact", None) is not None
+                    and _local_dir(loaded.artifact) == Path(path).resolve())
+        self.reload(path, loaded.policy_version, sha256, verified=verified)
 
 
 class VllmEngine(_Adapter):
@@ -212,13 +255,14 @@ class VllmEngine(_Adapter):
         self.timeout_s = timeout_s
 
     def reload(self, artifact_dir: Path, version: int | None = None,
-               sha256: str | None = None) -> Reload:
+               sha256: str | None = None, *, verified: bool = False) -> Reload:
         """Load the artifact in ``artifact_dir`` (full weights or a LoRA adapter; ``sha256``:
-        its manifest's, when known); blocks until vLLM serves it. Raises ``ReloadError`` when
+        its manifest's, when known; ``verified``: the caller checked every file against it
+        already, see ``check``); blocks until vLLM serves it. Raises ``ReloadError`` when
         the artifact is refused or vLLM answers with an error; vLLM then serves the previous
         weights."""
         path = Path(artifact_dir).resolve()
-        kind = self.verify(path, sha256)
+        kind = self.check(path, sha256, verified)
         started = time.monotonic()
         if kind == LORA:
             self._post("/v1/load_lora_adapter", {"lora_name": self.lora_name,
@@ -361,11 +405,11 @@ class CommandEngine(_Adapter):
         return argv
 
     def reload(self, artifact_dir: Path, version: int | None = None,
-               sha256: str | None = None) -> Reload:
-        """Run the command on ``artifact_dir`` (checked against ``sha256`` when given); blocks
-        until it exits. ``ReloadError`` unless it exits with status 0."""
+               sha256: str | None = None, *, verified: bool = False) -> Reload:
+        """Run the command on ``artifact_dir`` (checked against ``sha256`` when given, see
+        ``check``); blocks until it exits. ``ReloadError`` unless it exits with status 0."""
         path = Path(artifact_dir).resolve()
-        kind = self.verify(path, sha256)
+        kind = self.check(path, sha256, verified)
         argv = self.command(path, version, kind)
         started = time.monotonic()
         try:

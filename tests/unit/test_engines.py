@@ -95,3 +95,52 @@ def test_the_artifact_directory_of_a_version_prefers_the_verified_artifact():
         Path("/verified/v3")
     with pytest.raises(ReloadError, match="s3://bucket/v3 is not on a local disk"):
         artifact_dir_of_publication(loaded(artifact_uri="s3://bucket/v3"))
+
+
+def _artifact(path: Path) -> str:
+    """A full artifact with its manifest (as write_serving_artifact lays it out); its sha256."""
+    import hashlib
+
+    _model_dir(path, w=torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    files = {name: {"sha256": hashlib.sha256((path / name).read_bytes()).hexdigest(),
+                    "bytes": (path / name).stat().st_size}
+             for name in ("config.json", "model.safetensors")}
+    manifest = json.dumps({"format": 1, "kind": "full", "dtype": "float32", "source": "x",
+                           "files": files, "metadata": {}}, sort_keys=True).encode()
+    (path / "MANIFEST.json").write_bytes(manifest)
+    return hashlib.sha256(manifest).hexdigest()
+
+
+def test_an_artifact_the_follower_verified_is_not_hashed_again(tmp_path):
+    """A Follower(loads=ARTIFACT) hashed every file of loaded.artifact against the
+    publication's artifact_sha256 just before on_version: the adapter checks the manifest's
+    bytes and the safetensors headers, not every byte a second time."""
+    directory = tmp_path / "v3"
+    sha256 = _artifact(directory)
+    hashed = []
+
+    def verify(path, sha):
+        hashed.append(path)
+        return check_artifact(path, sha)
+
+    def loaded(artifact):
+        return SimpleNamespace(policy_version=3, artifact=artifact, publication=SimpleNamespace(
+            artifact_uri=directory.as_uri(), artifact_sha256=sha256, uri="/checkpoints/v3"))
+
+    engine = CommandEngine(["true", "{path}"], verify=verify)
+    engine(loaded(directory.as_uri()))  # what the follower hands over: verified
+    assert hashed == [] and engine.last.kind == "full" and engine.last.version == 3
+    engine(loaded(None))  # a follower that loads weights verified nothing of the artifact
+    assert hashed == [directory.resolve()]
+
+    # What the lighter check still catches: a manifest replaced since, a file cut short.
+    (directory / "MANIFEST.json").write_bytes((directory / "MANIFEST.json").read_bytes() + b" ")
+    with pytest.raises(ReloadError, match="replaced since it was verified"):
+        engine(loaded(str(directory)))
+    sha256 = _artifact(tmp_path / "v4")
+    directory = tmp_path / "v4"
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4])
+    with pytest.raises(ReloadError, match="is not whole"):
+        engine(loaded(str(directory)))
+    assert engine.last.version == 3 and len(hashed) == 1
