@@ -46,9 +46,10 @@ from reef_stream.errors import CorruptRecordError, InvalidRecord
 #: Milliseconds since the Unix epoch, UTC (Avro ``timestamp-millis``).
 EpochMillis = NewType("EpochMillis", int)
 
-#: numpy notation of the packed dtypes: little-endian int32 and float32.
+#: numpy notation of the packed dtypes: little-endian int32 and float32, and uint8 (masks).
 INT32 = "<i4"
 FLOAT32 = "<f4"
+UINT8 = "|u1"
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _ONE_MS = timedelta(milliseconds=1)
@@ -83,6 +84,17 @@ class FinishReason(enum.Enum):
     UNKNOWN = "UNKNOWN"
 
 
+class SegmentSource(enum.Enum):
+    """Who produced a segment of a trajectory (schema enum ``reef.events.SegmentSource``).
+
+    ``ENVIRONMENT`` is the schema's enum default: a source added later reads as masked, never
+    as trained.
+    """
+
+    POLICY = "POLICY"
+    ENVIRONMENT = "ENVIRONMENT"
+
+
 class Decision(enum.Enum):
     """The stage a decision puts a version in (schema enum ``reef.events.Decision``; its
     default, for a symbol a reader does not know, is ``REJECTED``: never served).
@@ -108,6 +120,30 @@ class SamplingParams:
     seed: int | None = None
 
 
+@_event
+class Segment:
+    """One turn of a multi-turn trajectory (nested record ``reef.events.Segment``): ``length``
+    consecutive completion tokens from one ``source``; ``role`` says what produced them, for
+    people (``assistant``, ``tool``, ``tool:add``, ``user``; empty when unknown)."""
+
+    source: SegmentSource
+    length: int
+    role: str = ""
+
+
+@_event_with_arrays
+class Turn:
+    """A segment with its tokens, as ``Generation.turns`` gives it: ``token_ids: int32[length]``
+    and, for a POLICY segment, ``logprobs: float32[length]`` (None for ENVIRONMENT: it has
+    none). Views of the generation's arrays, not copies. Not an event."""
+
+    source: SegmentSource
+    role: str
+    start: int
+    token_ids: np.ndarray
+    logprobs: np.ndarray | None
+
+
 @_event_with_arrays
 class Generation:
     """One completion sampled by a serving replica.
@@ -121,6 +157,15 @@ class Generation:
     staleness of every sample is measurable. ``group_id`` and ``group_size``
     describe grouped sampling (e.g. n completions per prompt); an ungrouped
     generation has ``group_id=None`` and ``group_size=1``.
+
+    A multi-turn trajectory (tool calls, environment turns) keeps its completion flattened in
+    ``completion_token_ids`` -- every turn's tokens in order, exactly as sampled or received,
+    never re-tokenised -- and says in ``segments`` which runs of them the policy generated
+    (trained, with their behaviour logprobs) and which came from the environment or a tool
+    (masked out of the loss; their ``completion_logprobs`` are 0). ``segments=()`` (single-turn,
+    and every generation written before the field): the whole completion is the policy's.
+    ``turns()`` splits the completion by segment; ``policy_mask()`` is the per-token mask a
+    ``Sample`` carries.
     """
 
     SCHEMA: ClassVar[str] = "reef.events.Generation"
@@ -140,6 +185,66 @@ class Generation:
     sampling: SamplingParams
     created_at: EpochMillis
     metadata: dict[str, str] = field(default_factory=dict)
+    segments: tuple[Segment, ...] = ()
+
+    def policy_mask(self) -> np.ndarray:
+        """``uint8[completion_len]``: 1 on the tokens the policy generated, 0 on environment
+        tokens; empty when every completion token is the policy's (no segments, or only POLICY
+        ones). Raises ``InvalidRecord`` (field ``segments``) when the segments do not add up to
+        the completion."""
+        if not self.segments or all(s.source is SegmentSource.POLICY for s in self.segments):
+            self._segment_lengths()
+            return empty_mask()
+        lengths = self._segment_lengths()
+        return np.repeat(np.array([s.source is SegmentSource.POLICY for s in self.segments],
+                                  dtype=np.uint8), lengths)
+
+    def turns(self) -> tuple[Turn, ...]:
+        """The completion split by segment, in order (one POLICY turn for a single-turn
+        generation). Raises ``InvalidRecord`` when the segments do not add up to it."""
+        if not self.segments:
+            return (Turn(source=SegmentSource.POLICY, role="", start=0,
+                         token_ids=self.completion_token_ids, logprobs=self.completion_logprobs),)
+        turns, start = [], 0
+        for segment, length in zip(self.segments, self._segment_lengths()):
+            end = start + int(length)
+            policy = segment.source is SegmentSource.POLICY
+            turns.append(Turn(source=segment.source, role=segment.role, start=start,
+                              token_ids=self.completion_token_ids[start:end],
+                              logprobs=self.completion_logprobs[start:end] if policy else None))
+            start = end
+        return tuple(turns)
+
+    def _segment_lengths(self) -> np.ndarray:
+        lengths = np.array([s.length for s in self.segments], dtype=np.int64)
+        total = int(lengths.sum()) if self.segments else len(self.completion_token_ids)
+        if (lengths < 1).any() or total != len(self.completion_token_ids):
+            raise InvalidRecord(
+                f"segment lengths {lengths.tolist()} do not split the "
+                f"{len(self.completion_token_ids)} completion tokens (each at least 1, adding "
+                "up to the completion's length)", field="segments")
+        return lengths
+
+
+def empty_mask() -> np.ndarray:
+    """The empty ``policy_mask``: every completion token is the policy's."""
+    return np.zeros(0, dtype=np.uint8)
+
+
+def mask_problem(mask: np.ndarray, completion_len: int) -> str | None:
+    """Why ``mask`` (a ``Sample.policy_mask``) does not fit a completion of ``completion_len``
+    tokens, or None: it is empty, or one 0/1 value per completion token, at least one of them 1
+    (a sample with no policy token has nothing to train)."""
+    if not mask.size:
+        return None
+    if mask.size != completion_len:
+        return (f"its policy_mask has {mask.size} values for {completion_len} completion tokens "
+                "(one per token, or none)")
+    if mask.max() > 1:
+        return "its policy_mask holds values other than 0 and 1"
+    if not mask.any():
+        return "its policy_mask marks no completion token as the policy's: nothing to train"
+    return None
 
 
 @_event
@@ -173,6 +278,12 @@ class Sample:
     ``created_at`` is the generation's ``created_at``: with the unit's ``created_at`` and the
     step that trains it, it splits the sample's age into its parts. 0 means unknown (units
     written before the field, or built without it).
+
+    ``policy_mask: uint8[completion_len]`` marks the completion tokens the policy generated (1,
+    trained) and those from the environment or a tool (0, masked out of the loss; their
+    ``completion_logprobs`` are 0): a multi-turn generation's ``policy_mask()``. Empty (the
+    default, single-turn samples, units written before the field): all are the policy's.
+    ``mask_problem`` says when one does not fit its tokens.
     """
 
     generation_id: str
@@ -186,6 +297,7 @@ class Sample:
     finish_reason: FinishReason = FinishReason.UNKNOWN
     temperature: float = 1.0
     created_at: EpochMillis = EpochMillis(0)
+    policy_mask: np.ndarray = field(default_factory=empty_mask, metadata={"dtype": UINT8})
 
 
 @_event_with_arrays
@@ -446,7 +558,9 @@ def _pack(value: Any, *, dtype: np.dtype, name: str) -> bytes:
     return array.tobytes()
 
 
-def _unpack(raw: bytes, *, dtype: np.dtype, name: str) -> np.ndarray:
+def _unpack(raw: bytes | str, *, dtype: np.dtype, name: str) -> np.ndarray:
+    if isinstance(raw, str):  # a bytes field's schema default, as fastavro fills it in (JSON text:
+        raw = raw.encode("latin-1")  # code points 0-255 are the bytes, per the Avro spec)
     if len(raw) % dtype.itemsize:
         raise CorruptRecordError(
             f"{len(raw)} bytes is not a whole number of {dtype.name} items "
