@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from reef_stream.errors import ConfigurationError, FatalError
-from reef_stream.topics.events import Sample
+from reef_stream.topics.events import Sample, mask_problem
 from reef_stream.api.losses import (
     LossFamily, PolicyGradientInputs, ValueRegressionInputs,
 )
@@ -112,7 +112,13 @@ class SampleBatch:
 
 
 def collate(samples: Sequence[Sample]) -> SampleBatch:
-    """The padded tensors of ``samples`` (read without copying the token arrays twice)."""
+    """The padded tensors of ``samples`` (read without copying the token arrays twice).
+
+    ``completion_mask`` is False on padding and on the environment and tool tokens of a
+    multi-turn sample (its ``policy_mask``), so every loss, the logprob gap and the KL to
+    behaviour count only the tokens the policy generated. Raises ``FatalError`` for a
+    ``policy_mask`` that does not fit its tokens (``reef_stream.topics.events.mask_problem``
+    says why)."""
     if not samples:
         raise FatalError("collate needs at least one sample")
     prompt_lens = np.array([len(s.prompt_token_ids) for s in samples])
@@ -121,12 +127,17 @@ def collate(samples: Sequence[Sample]) -> SampleBatch:
     input_ids = np.zeros((len(samples), width), dtype=np.int64)
     completion_ids = np.zeros((len(samples), t), dtype=np.int64)
     behaviour = np.zeros((len(samples), t), dtype=np.float32)
+    policy = np.ones((len(samples), t), dtype=bool)
     for row, sample in enumerate(samples):
         p, c = prompt_lens[row], completion_lens[row]
         input_ids[row, :p] = sample.prompt_token_ids
         input_ids[row, p:p + c] = sample.completion_token_ids
         completion_ids[row, :c] = sample.completion_token_ids
         behaviour[row, :c] = sample.completion_logprobs
+        if sample.policy_mask.size:
+            if (problem := mask_problem(sample.policy_mask, int(c))) is not None:
+                raise FatalError(f"generation {sample.generation_id}: {problem}")
+            policy[row, :c] = sample.policy_mask.astype(bool)
     positions = np.arange(width)[None, :]
     return SampleBatch(
         input_ids=torch.from_numpy(input_ids),
@@ -134,7 +145,8 @@ def collate(samples: Sequence[Sample]) -> SampleBatch:
         completion_ids=torch.from_numpy(completion_ids),
         # A completion token at position 0 (no prompt) has nothing predicting it.
         completion_mask=torch.from_numpy((np.arange(t)[None, :] < completion_lens[:, None])
-                                         & ((prompt_lens[:, None] + np.arange(t)[None, :]) > 0)),
+                                         & ((prompt_lens[:, None] + np.arange(t)[None, :]) > 0)
+                                         & policy),
         behaviour_logprobs=torch.from_numpy(behaviour),
         completion_start=torch.from_numpy(prompt_lens.astype(np.int64)),
     )
