@@ -47,7 +47,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +117,61 @@ class ReplicaReport:
         return json.dumps(record, sort_keys=True)
 
 
+class RoundSender:
+    """Hands a replica's generations to its producer round by round and counts them: what the
+    toy replica and the vLLM replica (``reef_stream.demo.vllm_replica``) share.
+
+    ``send_round`` sends one round's generations, made lazily by the iterable it is given; when
+    the producer pushes back (``SpoolFull``) the rest of the round is dropped (counted in
+    ``backpressured``) and the sender pauses ``BACKPRESSURE_PAUSE_S``; then it waits what
+    ``pacer`` asks. ``on_sent(handle, generation)``, when given, sees every send. Blocks in its
+    waits, which ``stop_event`` cuts short. Not thread-safe: one replica loop drives it.
+    """
+
+    def __init__(self, producer: RecordProducer, replica_id: str, stop_event: threading.Event,
+                 pacer: Pacer | None = None,
+                 on_sent: Callable[[SendHandle, Any], None] | None = None) -> None:
+        self.producer, self.replica_id, self.stop_event = producer, replica_id, stop_event
+        self.pacer, self.on_sent = pacer, on_sent
+        self.sent = self.rounds = self.backpressured = 0
+        self.by_version: dict[int, int] = {}
+
+    def send_round(self, version: int, generations: Iterable[Any], size: int) -> int:
+        """Send ``generations`` (``size`` of them, all of policy ``version``); returns how
+        many the producer took."""
+        self.rounds += 1
+        round_sent = 0
+        try:
+            for generation in generations:
+                handle = self.producer.send(generation)
+                if self.on_sent is not None:
+                    self.on_sent(handle, generation)
+                round_sent += 1
+        except SpoolFull as full:
+            self.backpressured += size - round_sent
+            log.warning("replica %s: the producer pushes back (%s); pausing %.0f s",
+                        self.replica_id, full, BACKPRESSURE_PAUSE_S)
+            self.stop_event.wait(BACKPRESSURE_PAUSE_S)
+        finally:
+            self.sent += round_sent
+            if round_sent:
+                self.by_version[version] = self.by_version.get(version, 0) + round_sent
+        if self.pacer is not None:
+            self.stop_event.wait(self.pacer.wait_after(round_sent))
+        return round_sent
+
+    def report(self, model: str, final_version: int, flushed: Any) -> ReplicaReport:
+        """The replica's report, with the producer's final counts (``flushed``: what its
+        ``close`` returned, or None when it never started)."""
+        return ReplicaReport(
+            replica_id=self.replica_id, model=model, sent=self.sent,
+            by_version=dict(self.by_version), rounds=self.rounds,
+            backpressured=self.backpressured, final_version=final_version,
+            acknowledged=flushed.acknowledged if flushed else 0,
+            failed=flushed.failed if flushed else 0,
+            unflushed=(flushed.pending + flushed.spooled) if flushed else 0)
+
+
 class _ServedPolicy:
     """The policy the sampling thread uses and the version it holds.
 
@@ -162,6 +217,15 @@ def replica_spool_dir(settings: Settings, namespace: str, replica_id: str) -> Pa
 def _note_acknowledged(into: list[str], generation_id: str, handle: SendHandle) -> None:
     if handle.state is DeliveryState.ACKNOWLEDGED:
         into.append(generation_id)
+
+
+def _noting_acknowledged(into: list[str]) -> Callable[[SendHandle, Any], None]:
+    """A ``RoundSender`` ``on_sent`` that appends each generation's id to ``into`` once the
+    broker acknowledged it."""
+    def on_sent(handle: SendHandle, generation: Any) -> None:
+        handle.add_done_callback(functools.partial(_note_acknowledged, into,
+                                                   generation.generation_id))
+    return on_sent
 
 
 def _seed_of(replica_id: str) -> int:
@@ -218,8 +282,6 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
                         initial_version=0, fleet=fleet, heartbeat_s=heartbeat_s)
     stream = ProblemStream(sampling_seed)
     generator = torch.Generator().manual_seed(sampling_seed)
-    by_version: dict[int, int] = {}
-    sent = rounds = backpressured = 0
     acknowledged: list[str] = []  # appended on the producer's thread (acked_log only)
     producer: RecordProducer | None = None
     follower.start()
@@ -233,56 +295,40 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
                  replica_id, model_name, follower.policy_version,
                  f"grouped ({group_size} per prompt)" if grouped else "ungrouped", prompts,
                  f", at most {rate:g} generations/s" if rate else "")
-        pacer = Pacer(rate) if rate is not None else None
-        while not stop_event.is_set() and (max_generations is None or sent < max_generations):
+        sender = RoundSender(producer, replica_id, stop_event,
+                             Pacer(rate) if rate is not None else None,
+                             _noting_acknowledged(acknowledged) if acked_log else None)
+        while not stop_event.is_set() and (max_generations is None
+                                           or sender.sent < max_generations):
             if follower.error is not None:
                 raise follower.error
             version, model = served.current(follower.policy_version)
             batch = stream.take(prompts)
             if max_generations is not None:
-                batch = batch[:max(1, -(-(max_generations - sent) // per_prompt))]
+                batch = batch[:max(1, -(-(max_generations - sender.sent) // per_prompt))]
             prompts_ids = prompt_tensor([p for p in batch for _ in range(per_prompt)])
             completions = sample(model, prompts_ids, temperature=temperature, generator=generator)
-            rounds += 1
-            round_sent = 0
-            try:
+
+            def generations(batch=batch, version=version, completions=completions):
                 for i, problem in enumerate(batch):
                     group_id = uuid.uuid4().hex if grouped else None
                     for row in range(i * per_prompt, (i + 1) * per_prompt):
-                        generation = make_generation(
+                        yield make_generation(
                             model=model_name, policy_version=version, replica_id=replica_id,
                             problem=problem, token_ids=completions.token_ids[row],
                             logprobs=completions.logprobs[row], temperature=temperature,
                             group_id=group_id, group_size=per_prompt)
-                        handle = producer.send(generation)
-                        if acked_log is not None:
-                            handle.add_done_callback(functools.partial(
-                                _note_acknowledged, acknowledged, generation.generation_id))
-                        round_sent += 1
-            except SpoolFull as full:
-                backpressured += len(batch) * per_prompt - round_sent
-                log.warning("replica %s: the producer pushes back (%s); pausing %.0f s",
-                            replica_id, full, BACKPRESSURE_PAUSE_S)
-                stop_event.wait(BACKPRESSURE_PAUSE_S)
-            finally:
-                sent += round_sent
-                if round_sent:
-                    by_version[version] = by_version.get(version, 0) + round_sent
-            if pacer is not None:
-                stop_event.wait(pacer.wait_after(round_sent))
+
+            sender.send_round(version, generations(), len(batch) * per_prompt)
     finally:
         flushed = producer.close(flush_timeout) if producer is not None else None
         follower.stop()
         if acked_log is not None:
             acked_log.write_text("".join(f"{gid}\n" for gid in acknowledged))
-    report = ReplicaReport(
-        replica_id=replica_id, model=model_name, sent=sent, by_version=dict(by_version),
-        rounds=rounds, backpressured=backpressured, final_version=served.version,
-        acknowledged=flushed.acknowledged if flushed else 0,
-        failed=flushed.failed if flushed else 0,
-        unflushed=(flushed.pending + flushed.spooled) if flushed else 0)
-    log.info("replica %s stopped: %d generations sent (%s)", replica_id, sent,
-             ", ".join(f"version {v}: {n}" for v, n in sorted(by_version.items())) or "none")
+    report = sender.report(model_name, served.version, flushed)
+    log.info("replica %s stopped: %d generations sent (%s)", replica_id, report.sent,
+             ", ".join(f"version {v}: {n}" for v, n in sorted(report.by_version.items()))
+             or "none")
     return report
 
 

@@ -51,18 +51,16 @@ import numpy as np
 from reef_stream.config import Settings, load_settings
 from reef_stream.consumers.engines import VllmEngine
 from reef_stream.consumers.follower import ARTIFACT, AUTO, Follower, LoadedVersion
-from reef_stream.demo.replica import Pacer, ReplicaReport, replica_spool_dir
+from reef_stream.demo.replica import Pacer, ReplicaReport, RoundSender, replica_spool_dir
 from reef_stream.demo.task import ProblemStream, make_generation
 from reef_stream.errors import FatalError
-from reef_stream.intake.producer import RecordProducer, SpoolFull
+from reef_stream.intake.producer import RecordProducer
 from reef_stream.ops.processes import stop_on_signals
 
 __all__ = ["EngineGate", "complete", "run_vllm_replica"]
 
 log = logging.getLogger("reef_stream.demo.vllm_replica")
 
-#: Seconds a replica pauses after the producer pushed back.
-BACKPRESSURE_PAUSE_S = 1.0
 #: Seconds one completions request may take.
 REQUEST_TIMEOUT_S = 120.0
 
@@ -164,8 +162,6 @@ def run_vllm_replica(model_name: str, url: str, *, prompts: int = 32, rate: floa
                         fleet=fleet, heartbeat_s=heartbeat_s, loads=ARTIFACT)
     engine_model = served_model(url)
     stream = ProblemStream(sampling_seed)
-    by_version: dict[int, int] = {}
-    sent = rounds = backpressured = 0
     producer: RecordProducer | None = None
     follower.start()
     try:
@@ -176,8 +172,10 @@ def run_vllm_replica(model_name: str, url: str, *, prompts: int = 32, rate: floa
         log.info("replica %s drives vLLM at %s (%s), serving version %s, %d prompts a request%s",
                  replica_id, url, engine_model, gate.version, prompts,
                  f", at most {rate:g} generations/s" if rate else "")
-        pacer = Pacer(rate) if rate is not None else None
-        while not stop_event.is_set() and (max_generations is None or sent < max_generations):
+        sender = RoundSender(producer, replica_id, stop_event,
+                             Pacer(rate) if rate is not None else None)
+        while not stop_event.is_set() and (max_generations is None
+                                           or sender.sent < max_generations):
             if follower.error is not None:
                 raise follower.error
             batch = stream.take(prompts)
@@ -190,37 +188,17 @@ def run_vllm_replica(model_name: str, url: str, *, prompts: int = 32, rate: floa
             if not batch:
                 stop_event.wait(0.01)
                 continue
-            rounds += 1
-            round_sent = 0
-            try:
-                for problem, (token, logprob) in zip(batch, completions):
-                    producer.send(make_generation(
-                        model=model_name, policy_version=version, replica_id=replica_id,
-                        problem=problem, token_ids=np.array([token], dtype=np.int32),
-                        logprobs=np.array([logprob], dtype=np.float32), temperature=1.0))
-                    round_sent += 1
-            except SpoolFull as full:
-                backpressured += len(batch) - round_sent
-                log.warning("replica %s: the producer pushes back (%s); pausing %.0f s",
-                            replica_id, full, BACKPRESSURE_PAUSE_S)
-                stop_event.wait(BACKPRESSURE_PAUSE_S)
-            finally:
-                sent += round_sent
-                if round_sent:
-                    by_version[version] = by_version.get(version, 0) + round_sent
-            if pacer is not None:
-                stop_event.wait(pacer.wait_after(round_sent))
+            sender.send_round(version, (
+                make_generation(model=model_name, policy_version=version, replica_id=replica_id,
+                                problem=problem, token_ids=np.array([token], dtype=np.int32),
+                                logprobs=np.array([logprob], dtype=np.float32), temperature=1.0)
+                for problem, (token, logprob) in zip(batch, completions)), len(batch))
     finally:
         flushed = producer.close(flush_timeout) if producer is not None else None
         follower.stop()
-    report = ReplicaReport(
-        replica_id=replica_id, model=model_name, sent=sent, by_version=dict(by_version),
-        rounds=rounds, backpressured=backpressured, final_version=gate.version,
-        acknowledged=flushed.acknowledged if flushed else 0,
-        failed=flushed.failed if flushed else 0,
-        unflushed=(flushed.pending + flushed.spooled) if flushed else 0)
+    report = sender.report(model_name, gate.version, flushed)
     log.info("replica %s stopped: %d generations sent over %d versions; %d engine reloads",
-             replica_id, sent, len(by_version), len(gate.reloads))
+             replica_id, report.sent, len(report.by_version), len(gate.reloads))
     return report, gate.reloads
 
 
