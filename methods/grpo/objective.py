@@ -5,10 +5,14 @@ rewards ``r``::
 
     advantage_i = (r_i - mean(r)) / (std(r) + epsilon)
 
-with the population standard deviation (``ddof=0``). A group whose rewards
+with the population standard deviation (``ddof=0``) by default; the other
+scalings (sample std, none as in Dr. GRPO, the batch's std) are
+``AdvantageNormalisation`` values (``reef_stream.api.variants``). A group whose rewards
 are all equal has advantages 0: it carries no signal (``zero_std_fraction``
-counts them). The objective keeps no statistics across steps: its state
-only counts steps. Pure: no I/O, no randomness.
+counts them); with ``dynamic_sampling`` (DAPO) such groups are dropped from the
+loss and its normaliser (``PerSampleAdvantages.keep``), counted in
+``dynamic_sampling_dropped_fraction``. The objective keeps no statistics across
+steps: its state only counts steps. Pure: no I/O, no randomness.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from reef_stream.errors import ConfigurationError
 from reef_stream.topics.events import RolloutUnit
 from reef_stream.api.losses import POLICY_GRADIENT, LossFamily
 from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages
+from reef_stream.api.variants import AdvantageNormalisation, equal_reward_groups
+from reef_stream.ops.metrics import OBJECTIVE_DYNAMIC_SAMPLING_DROPPED
 
 #: Metric names (the trainer reports them as ``objective.<name>``).
 METRIC_REWARD_MEAN = "reward_mean"
@@ -45,20 +51,39 @@ class GroupState:
 class GroupNormalisedAdvantage:
     """The GRPO objective over ``RolloutUnit``\\ s, one group each.
 
-    ``epsilon``: added to the group's standard deviation (positive).
-    Raises ``ConfigurationError`` for a bad setting.
+    ``epsilon``: added to the standard deviation (positive). ``normalisation``: how the
+    centred rewards are scaled (``AdvantageNormalisation``; GRPO's group population std by
+    default, ``NONE`` for Dr. GRPO). ``dynamic_sampling``: drop the groups whose rewards are
+    all equal from the loss (DAPO, Yu et al. 2025; off by default). Raises
+    ``ConfigurationError`` for a bad setting.
     """
 
     name: str = "grpo"
     unit_type: type = RolloutUnit
     loss_family: LossFamily[Any] = POLICY_GRADIENT
     epsilon: float = 1e-4
+    normalisation: AdvantageNormalisation = AdvantageNormalisation.GROUP_POPULATION_STD
+    dynamic_sampling: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) \
                 or not math.isfinite(self.epsilon) or self.epsilon <= 0:
             raise ConfigurationError(f"GroupNormalisedAdvantage.epsilon must be a positive finite "
                                      f"number, got {self.epsilon!r}")
+        if not isinstance(self.normalisation, AdvantageNormalisation):
+            raise ConfigurationError(
+                f"GroupNormalisedAdvantage.normalisation must be an AdvantageNormalisation "
+                f"({', '.join(n.name for n in AdvantageNormalisation)}), got "
+                f"{self.normalisation!r}")
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ConfigurationError(f"GroupNormalisedAdvantage.dynamic_sampling must be a bool, "
+                                     f"got {self.dynamic_sampling!r}")
+
+    def describe(self) -> str:
+        """The chosen variants, in one line (``reef check`` prints it)."""
+        return (f"advantages {self.normalisation.describe()}, eps {self.epsilon:g}; "
+                + ("dynamic sampling: groups with all-equal rewards dropped (DAPO)"
+                   if self.dynamic_sampling else "no dynamic sampling"))
 
     def initial_state(self) -> GroupState:
         """Step 0. Pure, idempotent; called once, when a trainer starts without a checkpoint."""
@@ -72,17 +97,21 @@ class GroupNormalisedAdvantage:
         Pure and deterministic; blocks for the arithmetic only. Called once
         per training step, in step order, before the forward pass.
         """
-        advantages, rewards, stds = [], [], []
-        for unit in units:
-            group = np.array([member.reward for member in unit.members], dtype=np.float64)
-            std = float(group.std())
-            advantages.append((group - group.mean()) / (std + self.epsilon))
-            rewards.append(group)
-            stds.append(std)
-        values = np.concatenate(advantages)
+        rewards = [np.array([member.reward for member in unit.members], dtype=np.float64)
+                   for unit in units]
+        stds = [float(group.std()) for group in rewards]
+        equal = equal_reward_groups(rewards)
+        kept = [not e for e in equal] if self.dynamic_sampling else None
+        values = np.concatenate(self.normalisation.apply(rewards, self.epsilon, kept))
+        keep = None
+        extra: dict[str, float] = {}
+        if kept is not None:
+            keep = np.concatenate([np.full(len(g), k) for g, k in zip(rewards, kept)])
+            extra[OBJECTIVE_DYNAMIC_SAMPLING_DROPPED] = float(np.mean(equal))
         return ObjectiveResult(
-            advantages=PerSampleAdvantages(values.astype(np.float32)),
+            advantages=PerSampleAdvantages(values.astype(np.float32), keep),
             metrics={
+                **extra,
                 METRIC_REWARD_MEAN: float(np.concatenate(rewards).mean()),
                 METRIC_REWARD_STD: float(np.mean(stds)),
                 METRIC_ADVANTAGE_MEAN: float(values.mean()),

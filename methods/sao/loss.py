@@ -9,10 +9,13 @@ so that one unlikely token cannot dominate a step (V-trace's truncated
 
     ratio  = exp(logprobs - behaviour_logprobs)            (per token, no gradient)
     weight = min(ratio, truncation)                        (no gradient)
-    loss   = -sum(mask * weight * advantage * logprobs) / max(sum(mask), 1)
+    loss   = -sum(mask * weight * advantage * logprobs) / max(tokens, 1)
+
+(``tokens``: the optimizer batch's loss tokens over every micro batch and data-parallel rank,
+``PolicyGradientInputs.totals``; the micro batch's own when not given.)
 
 The gradient is ``-weight * advantage * grad(logprobs)`` per unmasked token,
-averaged over the micro batch's tokens: the policy gradient, reweighted. On
+averaged over the optimizer batch's tokens: the policy gradient, reweighted. On
 policy (``ratio == 1``) it is the plain policy gradient, the same as the
 clipped ``policy_gradient`` family's there. The loss *value* is a surrogate
 whose gradient is what matters; do not read it as an objective.
@@ -38,6 +41,7 @@ from reef_stream.api.losses import (
     PolicyGradientLoss,
     register_loss_family,
 )
+from reef_stream.api.variants import LOG_RATIO_BOUND, BatchTotals, RatioLevel, log_ratio
 
 #: Metric names of the loss (the trainer prefixes nothing; they sit next to ``loss``).
 METRIC_RATIO_MEAN = "ratio_mean"
@@ -70,11 +74,17 @@ class TruncatedPolicyGradient:
     def __call__(self, inputs: PolicyGradientInputs, /) -> LossOutput:
         mask = inputs.mask.to(inputs.logprobs.dtype)
         count = mask.sum().clamp(min=1.0)
+        totals = inputs.totals or BatchTotals.of(inputs.mask)
         with torch.no_grad():
-            ratio = torch.exp(inputs.logprobs - inputs.behaviour_logprobs)
+            # Clamped before exp (LOG_RATIO_BOUND): a behaviour logprob of -100 gives a large,
+            # finite ratio, truncated like any other, not an infinite one.
+            ratio = torch.exp(log_ratio(inputs.logprobs, inputs.behaviour_logprobs, inputs.mask,
+                                        RatioLevel.TOKEN, LOG_RATIO_BOUND))
             weight = ratio.clamp(max=self.truncation)
             scale = weight * inputs.advantages * mask
-        loss = -(scale * inputs.logprobs).sum() / count
+        # Divided by the optimizer batch's tokens (every micro batch and rank), so the micro
+        # batch size does not change the loss (a micro batch of one sample is no sequence mean).
+        loss = -(scale * inputs.logprobs).sum() / max(totals.tokens, 1.0)
         with torch.no_grad():
             metrics = {
                 METRIC_RATIO_MEAN: float((ratio * mask).sum() / count),

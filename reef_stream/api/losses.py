@@ -18,11 +18,13 @@ log-probabilities per token, advantages, mask) and ``VALUE_REGRESSION``
 its backend the families it supports, and ``load_recipe`` checks the two
 agree.
 
-This is the only algorithm module that imports torch.
+This module and ``reef_stream.api.variants`` (the typed options of the built-in losses) are
+the only algorithm modules that import torch.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from collections.abc import Mapping
@@ -32,6 +34,15 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 
 from reef_stream.errors import ConfigurationError, FatalError
+from reef_stream.ops.metrics import (
+    LOSS_BEHAVIOUR_WEIGHT_MEAN, LOSS_CLIP_FRACTION, LOSS_CLIP_FRACTION_HIGH,
+    LOSS_CLIP_FRACTION_LOW, LOSS_DUAL_CLIP_FRACTION, LOSS_ENTROPY, LOSS_KL_REFERENCE,
+    LOSS_RATIO_MEAN,
+)
+from reef_stream.api.variants import (
+    LOG_RATIO_BOUND, Aggregation, BatchTotals, DecoupledProximal, EntropyBonus, ExtraInput,
+    KLPenalty, RatioLevel, TokenMean, check_aggregation, log_ratio,
+)
 
 InputsT = TypeVar("InputsT")
 InputsT_contra = TypeVar("InputsT_contra", contravariant=True)
@@ -97,54 +108,280 @@ class PolicyGradientInputs:
     ``behaviour_logprobs: float[B, T]`` (the policy that sampled, from the
     generation events), ``advantages: float[B, T]`` (a per-sample advantage
     is broadcast over its tokens by the backend), ``mask: bool[B, T]`` (True
-    on real completion tokens, False on padding).
+    on the tokens the loss trains, False on padding and on dropped samples).
+
+    ``totals``: the optimizer batch's loss tokens and sequences over every
+    micro batch and data-parallel rank (``BatchTotals``), what a loss divides
+    by, so micro-batch size and rank count do not change the loss; None: this
+    micro batch's own counts. Optional tensors, ``float[B, T]``, present when
+    the loss asks for them (its ``extra_inputs``): ``reference_logprobs`` (a
+    frozen reference policy), ``proximal_logprobs`` (the weights at the start
+    of the step), ``entropy`` (the current policy's, differentiable).
     """
 
     logprobs: torch.Tensor
     behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
     mask: torch.Tensor
+    totals: BatchTotals | None = None
+    reference_logprobs: torch.Tensor | None = None
+    proximal_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        _check_same_shape(self, ("logprobs", "behaviour_logprobs", "advantages", "mask"), ndim=2)
+        present = tuple(name for name in ("reference_logprobs", "proximal_logprobs", "entropy")
+                        if getattr(self, name) is not None)
+        _check_same_shape(self, ("logprobs", "behaviour_logprobs", "advantages", "mask")
+                          + present, ndim=2)
+        _check_totals(self)
+
+    def needed(self, extra: ExtraInput, by: str) -> torch.Tensor:
+        """The optional tensor ``extra``; ``FatalError`` naming the loss ``by`` when the backend
+        did not provide it (it provides what a loss's ``extra_inputs`` lists)."""
+        value = getattr(self, extra.value)
+        if value is None:
+            raise FatalError(f"{by} needs {extra.value} in its PolicyGradientInputs; list "
+                             f"ExtraInput.{extra.name} in its extra_inputs")
+        return value
 
 
 class PolicyGradientLoss(Protocol):
-    """A policy-gradient loss: ``loss(PolicyGradientInputs) -> LossOutput``. Pure, idempotent."""
+    """A policy-gradient loss: ``loss(PolicyGradientInputs) -> LossOutput``. Pure, idempotent.
+
+    Its loss is the micro batch's share of the optimizer batch's loss: it divides by
+    ``inputs.totals`` (when given), so the backend sums micro batches and ranks."""
 
     def __call__(self, inputs: PolicyGradientInputs, /) -> LossOutput: ...
 
 
+def _check_options(owner: str, aggregation: Any, log_ratio_bound: Any, kl: Any, entropy: Any
+                   ) -> None:
+    check_aggregation(owner, aggregation)
+    if isinstance(log_ratio_bound, bool) or not isinstance(log_ratio_bound, (int, float)) \
+            or not 0 < log_ratio_bound <= 80:
+        raise ConfigurationError(f"{owner}.log_ratio_bound must be in (0, 80] (exp stays "
+                                 f"finite in float32), got {log_ratio_bound!r}")
+    if kl is not None and not isinstance(kl, KLPenalty):
+        raise ConfigurationError(f"{owner}.kl must be a KLPenalty or None, got {kl!r}")
+    if entropy is not None and not isinstance(entropy, EntropyBonus):
+        raise ConfigurationError(f"{owner}.entropy must be an EntropyBonus or None, got {entropy!r}")
+
+
+def _extras(kl: KLPenalty | None, entropy: EntropyBonus | None,
+            proximal: DecoupledProximal | None = None) -> frozenset[ExtraInput]:
+    return frozenset(
+        ([ExtraInput.REFERENCE_LOGPROBS] if kl is not None else [])
+        + ([ExtraInput.ENTROPY] if entropy is not None else [])
+        + ([ExtraInput.PROXIMAL_LOGPROBS] if proximal is not None else []))
+
+
+def _penalised(terms: torch.Tensor, inputs: PolicyGradientInputs, kl: KLPenalty | None,
+               entropy: EntropyBonus | None, bound: float, by: str, metrics: dict[str, float],
+               mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``terms`` plus the KL penalty and minus the entropy bonus per token (both aggregated
+    like the surrogate); their token means go to ``metrics``."""
+    if kl is not None:
+        estimate = kl.estimator.estimate(
+            inputs.logprobs, inputs.needed(ExtraInput.REFERENCE_LOGPROBS, by), bound)
+        terms = terms + kl.coefficient * estimate
+        metrics[LOSS_KL_REFERENCE] = float((estimate.detach() * mask).sum() / count)
+    if entropy is not None:
+        values = inputs.needed(ExtraInput.ENTROPY, by)
+        terms = terms - entropy.coefficient * values
+        metrics[LOSS_ENTROPY] = float((values.detach() * mask).sum() / count)
+    return terms
+
+
 @dataclass(frozen=True, slots=True)
 class ClippedPolicyGradient:
-    """The clipped importance-weighted surrogate (PPO's), averaged over unmasked tokens.
+    """The clipped importance-weighted surrogate (PPO, Schulman et al. 2017), with its variants.
 
-    With ``r = exp(logprobs - behaviour_logprobs)`` per token:
-    ``loss = -sum(mask * min(r * A, clip(r, 1 - epsilon, 1 + epsilon) * A)) / max(sum(mask), 1)``.
-    Gradients flow through ``logprobs`` only. A micro batch without unmasked
-    tokens has loss 0. Metrics: ``ratio_mean`` (over unmasked tokens),
-    ``clip_fraction`` (share of unmasked tokens whose clipped term was chosen
-    and differs from the unclipped one).
+    With the log-ratio ``l = clamp(logprobs - anchor, -log_ratio_bound, log_ratio_bound)``
+    (``anchor``: the behaviour logprobs; the proximal ones under ``proximal``), per token
+    (``RatioLevel.TOKEN``) or its sequence's token mean (``RatioLevel.SEQUENCE``, GSPO),
+    ``r = exp(l)``, per loss token::
+
+        surrogate = min(r * A, clip(r, 1 - epsilon, 1 + epsilon_high) * A)
+        surrogate = max(surrogate, dual_clip * A)      where A < 0, when dual_clip is set
+        surrogate = w * surrogate                      under proximal: w = min(exp(proximal
+                                                       - behaviour), weight_cap), no gradient
+        term      = -surrogate + kl.coefficient * k(current, reference)
+                    - entropy.coefficient * entropy
+        loss      = aggregation(term)                  over the optimizer batch (``totals``)
+
+    ``epsilon``: the low side (and the high one when ``epsilon_high`` is None, the default);
+    ``epsilon_high``: DAPO's clip-higher (Yu et al. 2025; e.g. 0.28); ``dual_clip``: the bound
+    ``c > 1`` on a negative advantage's loss (dual-clip PPO, Ye et al. 2020). Defaults: PPO's
+    token-level clip at 0.2 with token-mean aggregation. Gradients flow through ``logprobs``
+    (and ``entropy``) only. A batch without loss tokens has loss 0. Metrics over the micro
+    batch's loss tokens: ``ratio_mean``, ``clip_fraction`` (the clipped term chosen and
+    different), ``clip_fraction_low`` / ``clip_fraction_high`` (by side), and when on
+    ``dual_clip_fraction``, ``kl_reference``, ``entropy``, ``behaviour_weight_mean``.
+    ``ConfigurationError`` for a bad option.
     """
 
     epsilon: float = 0.2
+    epsilon_high: float | None = None
+    dual_clip: float | None = None
+    ratio_level: RatioLevel = RatioLevel.TOKEN
+    aggregation: Aggregation = TokenMean()
+    kl: KLPenalty | None = None
+    entropy: EntropyBonus | None = None
+    proximal: DecoupledProximal | None = None
+    log_ratio_bound: float = LOG_RATIO_BOUND
+
+    def __post_init__(self) -> None:
+        owner = "ClippedPolicyGradient"
+        _clip_range(owner, "epsilon", self.epsilon, upper=1.0)
+        if self.epsilon_high is not None:
+            _clip_range(owner, "epsilon_high", self.epsilon_high, upper=math.inf)
+        if self.dual_clip is not None and (
+                isinstance(self.dual_clip, bool) or not isinstance(self.dual_clip, (int, float))
+                or not 1.0 < self.dual_clip < math.inf):
+            raise ConfigurationError(f"{owner}.dual_clip must be a finite number > 1 or None, "
+                                     f"got {self.dual_clip!r}")
+        if not isinstance(self.ratio_level, RatioLevel):
+            raise ConfigurationError(f"{owner}.ratio_level must be a RatioLevel (TOKEN, "
+                                     f"SEQUENCE), got {self.ratio_level!r}")
+        if self.proximal is not None and not isinstance(self.proximal, DecoupledProximal):
+            raise ConfigurationError(f"{owner}.proximal must be a DecoupledProximal or None, "
+                                     f"got {self.proximal!r}")
+        _check_options(owner, self.aggregation, self.log_ratio_bound, self.kl, self.entropy)
+
+    @property
+    def extra_inputs(self) -> frozenset[ExtraInput]:
+        """What the backend must add to the inputs for this loss's options."""
+        return _extras(self.kl, self.entropy, self.proximal)
+
+    def describe(self) -> str:
+        """The chosen variant of each part, in one line (``reef check`` prints it)."""
+        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        parts = [f"PPO clip [1 - {self.epsilon:g}, 1 + {high:g}]"
+                 + (" (clip-higher, DAPO)" if high != self.epsilon else ""),
+                 f"dual clip {self.dual_clip:g}" if self.dual_clip else "no dual clip",
+                 f"{self.ratio_level.value}-level ratio"
+                 + (" (GSPO)" if self.ratio_level is RatioLevel.SEQUENCE else ""),
+                 self.aggregation.describe(),
+                 self.kl.describe() if self.kl else "no KL penalty",
+                 self.entropy.describe() if self.entropy else "no entropy bonus",
+                 self.proximal.describe() if self.proximal else "clipped against the behaviour "
+                                                                "policy",
+                 f"log-ratio clamped to +-{self.log_ratio_bound:g}"]
+        return "; ".join(parts)
+
+    def __call__(self, inputs: PolicyGradientInputs, /) -> LossOutput:
+        name = type(self).__name__
+        mask = inputs.mask.to(inputs.logprobs.dtype)
+        totals = inputs.totals or BatchTotals.of(inputs.mask)
+        count = mask.sum().clamp(min=1.0)
+        anchor = (inputs.needed(ExtraInput.PROXIMAL_LOGPROBS, name) if self.proximal
+                  else inputs.behaviour_logprobs)
+        ratio = torch.exp(log_ratio(inputs.logprobs, anchor, inputs.mask, self.ratio_level,
+                                    self.log_ratio_bound))
+        advantages = inputs.advantages.detach()
+        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        unclipped = ratio * advantages
+        clipped = torch.clamp(ratio, 1.0 - self.epsilon, 1.0 + high) * advantages
+        surrogate = torch.minimum(unclipped, clipped)
+        metrics: dict[str, float] = {}
+        if self.dual_clip is not None:
+            floor = self.dual_clip * advantages
+            dual = (advantages < 0) & (floor > surrogate)
+            surrogate = torch.where(dual, floor, surrogate)
+            metrics[LOSS_DUAL_CLIP_FRACTION] = float((dual * mask).sum() / count)
+        if self.proximal is not None:
+            with torch.no_grad():
+                weight = torch.exp(log_ratio(anchor, inputs.behaviour_logprobs, inputs.mask,
+                                             RatioLevel.TOKEN, self.log_ratio_bound))
+                if self.proximal.weight_cap is not None:
+                    weight = weight.clamp(max=self.proximal.weight_cap)
+            surrogate = weight * surrogate
+            metrics[LOSS_BEHAVIOUR_WEIGHT_MEAN] = float((weight * mask).sum() / count)
+        terms = _penalised(-surrogate, inputs, self.kl, self.entropy, self.log_ratio_bound,
+                           name, metrics, mask, count)
+        loss = self.aggregation.reduce(terms, mask, totals)
+        with torch.no_grad():
+            was_clipped = (clipped < unclipped).to(mask.dtype) * mask
+            metrics.update({
+                LOSS_RATIO_MEAN: float((ratio * mask).sum() / count),
+                LOSS_CLIP_FRACTION: float(was_clipped.sum() / count),
+                LOSS_CLIP_FRACTION_LOW: float((was_clipped * (ratio < 1.0)).sum() / count),
+                LOSS_CLIP_FRACTION_HIGH: float((was_clipped * (ratio > 1.0)).sum() / count),
+            })
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class ClippedWeightPolicyGradient:
+    """CISPO (MiniMax-M1, 2025): clip the importance *weight*, not the update, so every token
+    keeps a gradient. Per loss token, with ``r = exp(clamp(logprobs - behaviour, +-bound))``::
+
+        w    = clip(r, 1 - epsilon_low, 1 + epsilon_high)      (no gradient)
+        term = -w * A * logprobs + kl and entropy terms as in ClippedPolicyGradient
+        loss = aggregation(term)
+
+    ``epsilon_low``: the lower bound's distance below 1 (None: no lower bound, weights down
+    to 0); ``epsilon_high``: above 1. The loss value is a surrogate whose gradient matters.
+    Metrics: ``ratio_mean``, ``clip_fraction`` and its sides (weights clipped), and the
+    penalties' when on. ``ConfigurationError`` for a bad option.
+    """
+
+    epsilon_high: float = 0.2
+    epsilon_low: float | None = None
+    aggregation: Aggregation = TokenMean()
+    kl: KLPenalty | None = None
+    entropy: EntropyBonus | None = None
+    log_ratio_bound: float = LOG_RATIO_BOUND
+
+    def __post_init__(self) -> None:
+        owner = "ClippedWeightPolicyGradient"
+        _clip_range(owner, "epsilon_high", self.epsilon_high, upper=math.inf)
+        if self.epsilon_low is not None:
+            _clip_range(owner, "epsilon_low", self.epsilon_low, upper=1.0)
+        _check_options(owner, self.aggregation, self.log_ratio_bound, self.kl, self.entropy)
+
+    @property
+    def extra_inputs(self) -> frozenset[ExtraInput]:
+        return _extras(self.kl, self.entropy)
+
+    def describe(self) -> str:
+        low = "0" if self.epsilon_low is None else f"1 - {self.epsilon_low:g}"
+        return "; ".join([
+            f"CISPO clipped weights [{low}, 1 + {self.epsilon_high:g}]", "token-level ratio",
+            self.aggregation.describe(),
+            self.kl.describe() if self.kl else "no KL penalty",
+            self.entropy.describe() if self.entropy else "no entropy bonus",
+            f"log-ratio clamped to +-{self.log_ratio_bound:g}"])
 
     def __call__(self, inputs: PolicyGradientInputs, /) -> LossOutput:
         mask = inputs.mask.to(inputs.logprobs.dtype)
+        totals = inputs.totals or BatchTotals.of(inputs.mask)
         count = mask.sum().clamp(min=1.0)
-        ratio = torch.exp(inputs.logprobs - inputs.behaviour_logprobs.detach())
-        advantages = inputs.advantages.detach()
-        unclipped = ratio * advantages
-        clipped = torch.clamp(ratio, 1.0 - self.epsilon, 1.0 + self.epsilon) * advantages
-        surrogate = torch.minimum(unclipped, clipped)
-        loss = -(surrogate * mask).sum() / count
         with torch.no_grad():
-            was_clipped = (clipped < unclipped).to(mask.dtype) * mask
-            metrics = {
-                "ratio_mean": float((ratio * mask).sum() / count),
-                "clip_fraction": float(was_clipped.sum() / count),
-            }
+            ratio = torch.exp(log_ratio(inputs.logprobs, inputs.behaviour_logprobs, inputs.mask,
+                                        RatioLevel.TOKEN, self.log_ratio_bound))
+            low = 0.0 if self.epsilon_low is None else 1.0 - self.epsilon_low
+            weight = ratio.clamp(low, 1.0 + self.epsilon_high)
+            below, above = (ratio < low) * mask, (ratio > 1.0 + self.epsilon_high) * mask
+        metrics: dict[str, float] = {}
+        terms = _penalised(-(weight * inputs.advantages.detach()) * inputs.logprobs, inputs,
+                           self.kl, self.entropy, self.log_ratio_bound,
+                           type(self).__name__, metrics, mask, count)
+        loss = self.aggregation.reduce(terms, mask, totals)
+        metrics.update({
+            LOSS_RATIO_MEAN: float((ratio * mask).sum() / count),
+            LOSS_CLIP_FRACTION: float((below + above).sum() / count),
+            LOSS_CLIP_FRACTION_LOW: float(below.sum() / count),
+            LOSS_CLIP_FRACTION_HIGH: float(above.sum() / count),
+        })
         return LossOutput(loss=loss, metrics=metrics)
+
+
+def _clip_range(owner: str, name: str, value: Any, *, upper: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0.0 < value <= upper or not math.isfinite(value):
+        raise ConfigurationError(f"{owner}.{name} must be a finite number in (0, {upper:g}], "
+                                 f"got {value!r}")
 
 
 POLICY_GRADIENT: LossFamily[PolicyGradientInputs] = LossFamily(
@@ -172,9 +409,13 @@ class ValueRegressionInputs:
     predictions: torch.Tensor
     targets: torch.Tensor
     mask: torch.Tensor
+    #: The optimizer batch's unmasked entries (``tokens``) over every micro batch and rank;
+    #: None: this micro batch's own.
+    totals: BatchTotals | None = None
 
     def __post_init__(self) -> None:
         _check_same_shape(self, ("predictions", "targets", "mask"), ndim=(1, 2))
+        _check_totals(self)
 
 
 class ValueRegressionLoss(Protocol):
@@ -187,7 +428,8 @@ class ValueRegressionLoss(Protocol):
 class MaskedSquaredError:
     """Mean squared error over unmasked entries.
 
-    ``loss = sum(mask * (predictions - targets) ** 2) / max(sum(mask), 1)``;
+    ``loss = sum(mask * (predictions - targets) ** 2) / max(totals.tokens, 1)``
+    (``totals``: the optimizer batch's unmasked entries; this micro batch's when None);
     gradients flow through ``predictions`` only. Metrics: ``mse`` (the loss)
     and ``prediction_mean`` (over unmasked entries).
     """
@@ -195,11 +437,12 @@ class MaskedSquaredError:
     def __call__(self, inputs: ValueRegressionInputs, /) -> LossOutput:
         mask = inputs.mask.to(inputs.predictions.dtype)
         count = mask.sum().clamp(min=1.0)
+        totals = inputs.totals or BatchTotals.of(inputs.mask)
         error = inputs.predictions - inputs.targets.detach()
-        loss = (error.square() * mask).sum() / count
+        loss = (error.square() * mask).sum() / max(totals.tokens, 1.0)
         with torch.no_grad():
             metrics = {
-                "mse": float(loss),
+                "mse": float((error.square() * mask).sum() / count),
                 "prediction_mean": float((inputs.predictions * mask).sum() / count),
             }
         return LossOutput(loss=loss, metrics=metrics)
@@ -315,3 +558,9 @@ def _check_same_shape(inputs: Any, names: tuple[str, ...], *, ndim: int | tuple[
         problems.append(f"mask must be a bool tensor, got {tensors['mask'].dtype}")
     if problems:
         raise FatalError(f"{kind}: " + "; ".join(problems))
+
+
+def _check_totals(inputs: Any) -> None:
+    if inputs.totals is not None and not isinstance(inputs.totals, BatchTotals):
+        raise FatalError(f"{type(inputs).__name__}.totals must be a BatchTotals or None, got "
+                         f"{inputs.totals!r}")

@@ -56,9 +56,14 @@ class PerSampleAdvantages:
     """
 
     values: Array
+    #: ``bool[num_samples]`` or None (all): the samples the loss trains on. A sample not kept
+    #: has no loss token: it counts in neither the loss nor its normaliser (dynamic sampling,
+    #: DAPO, drops the groups whose rewards are all equal).
+    keep: Array | None = None
 
     def __post_init__(self) -> None:
         _require_ndim("PerSampleAdvantages.values", self.values, 1)
+        _check_keep("PerSampleAdvantages", self.keep, self.values)
 
     @property
     def num_samples(self) -> int:
@@ -77,8 +82,12 @@ class PerTokenAdvantages:
 
     values: Array
     mask: Array
+    #: ``bool[num_samples]`` or None (all): the samples the loss trains on (as
+    #: ``PerSampleAdvantages.keep``).
+    keep: Array | None = None
 
     def __post_init__(self) -> None:
+        _check_keep("PerTokenAdvantages", self.keep, self.values)
         _require_ndim("PerTokenAdvantages.values", self.values, 2)
         _require_ndim("PerTokenAdvantages.mask", self.mask, 2)
         if tuple(self.values.shape) != tuple(self.mask.shape):
@@ -212,3 +221,18 @@ def _require_ndim(name: str, value: Any, ndim: int) -> None:
     if value.ndim != ndim:
         raise FatalError(f"{name} must have {ndim} dims, got shape {tuple(value.shape)}")
 
+
+def _check_keep(kind: str, keep: Any, values: Any) -> None:
+    if keep is None:
+        return
+    _require_ndim(f"{kind}.keep", keep, 1)
+    if keep.shape[0] != values.shape[0] or "bool" not in str(keep.dtype):
+        raise FatalError(f"{kind}.keep must be bool[{values.shape[0]}] (one per sample), got "
+                         f"{keep.dtype}{list(keep.shape)}")
+
+
+def kept_rows(advantages: Advantages, rows: np.ndarray) -> np.ndarray:
+    """``bool[len(rows)]``: whether each of the samples at ``rows`` is trained on."""
+    if advantages.keep is None:
+        return np.ones(len(rows), dtype=bool)
+    return np.asarray(advantages.keep)[rows].astype(bool)

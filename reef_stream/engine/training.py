@@ -41,6 +41,7 @@ only ones that import torch.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,18 +55,23 @@ from reef_stream.topics.events import Sample, mask_problem
 from reef_stream.api.losses import (
     LossFamily, PolicyGradientInputs, ValueRegressionInputs,
 )
+from reef_stream.api.variants import BatchTotals, ExtraInput
+from reef_stream.engine.loss_inputs import (
+    completion_entropy, completion_logprobs, local_totals, proximal_logprobs, proximal_rows,
+    restricted,
+)
 from reef_stream.ops.metrics import (
     TRAINER_GRAD_NORM, TRAINER_KL_BEHAVIOUR, TRAINER_LOGPROB_GAP_OLDER,
     TRAINER_LOGPROB_GAP_OLDER_TOKENS, TRAINER_LOGPROB_GAP_SAME_VERSION,
     TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS, TRAINER_UPDATE_RATIO,
 )
 from reef_stream.api.objective import (
-    Advantages, ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages,
+    Advantages, ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages, kept_rows,
 )
 
 __all__ = ["CausalLM", "INPUT_BUILDERS", "NonFiniteStep", "SampleBatch", "TorchBackend",
-           "UnitLimits", "collate", "completion_logprobs", "inputs_builder", "model_limits",
-           "select_rows", "unit_members", "untrainable"]
+           "UnitLimits", "collate", "completion_entropy", "completion_logprobs",
+           "inputs_builder", "model_limits", "select_rows", "unit_members", "untrainable"]
 
 
 class NonFiniteStep(FatalError):
@@ -152,15 +158,6 @@ def collate(samples: Sequence[Sample]) -> SampleBatch:
     )
 
 
-def completion_logprobs(logits: torch.Tensor, batch: SampleBatch) -> torch.Tensor:
-    """``float[B, T]``: the log-probability the model gives each completion token (0 on padding)."""
-    t = batch.completion_ids.shape[1]
-    positions = (batch.completion_start[:, None] + torch.arange(t)[None, :] - 1).clamp(
-        0, logits.shape[1] - 1)
-    rows = torch.log_softmax(logits.float(), dim=-1).gather(
-        1, positions[:, :, None].expand(-1, -1, logits.shape[-1]))
-    chosen = rows.gather(2, batch.completion_ids[:, :, None]).squeeze(-1)
-    return chosen * batch.completion_mask
 
 
 # --------------------------------------------------------------------------- family inputs
@@ -185,14 +182,28 @@ def _advantage_rows(advantages: Advantages, rows: np.ndarray, batch: SampleBatch
 
 
 def policy_gradient_inputs(model: Any, batch: SampleBatch, advantages: Advantages,
-                           rows: np.ndarray) -> PolicyGradientInputs:
-    """Current logprobs from a forward pass; behaviour logprobs as the generations recorded."""
+                           rows: np.ndarray, *, entropy: bool = False, reference: Any = None,
+                           proximal: torch.Tensor | None = None) -> PolicyGradientInputs:
+    """Current logprobs from a forward pass; behaviour logprobs as the generations recorded.
+
+    The backend adds what its loss asks for (``extra_inputs``): ``entropy`` (from the same
+    forward pass), the logprobs of a frozen ``reference`` model (a forward pass without
+    gradient), the ``proximal`` logprobs recomputed at the start of the step (``float[B, T]``).
+    """
     logits = model(batch.input_ids, batch.attention_mask)
+    reference_logprobs = None
+    if reference is not None:
+        with torch.no_grad():
+            reference_logprobs = completion_logprobs(
+                reference(batch.input_ids, batch.attention_mask), batch)
     return PolicyGradientInputs(
         logprobs=completion_logprobs(logits, batch),
         behaviour_logprobs=batch.behaviour_logprobs,
         advantages=_advantage_rows(advantages, rows, batch),
-        mask=batch.completion_mask)
+        mask=batch.completion_mask,
+        reference_logprobs=reference_logprobs,
+        proximal_logprobs=proximal,
+        entropy=completion_entropy(logits, batch) if entropy else None)
 
 
 def value_regression_inputs(model: Any, batch: SampleBatch, advantages: Advantages,
@@ -361,9 +372,10 @@ def _number(value: float) -> str:
 
 def select_rows(advantages: Advantages, rows: np.ndarray) -> Advantages:
     """The advantages of the samples at ``rows`` only (a data-parallel rank's share)."""
+    keep = None if advantages.keep is None else advantages.keep[rows]
     if isinstance(advantages, PerSampleAdvantages):
-        return PerSampleAdvantages(advantages.values[rows])
-    return PerTokenAdvantages(advantages.values[rows], advantages.mask[rows])
+        return PerSampleAdvantages(advantages.values[rows], keep)
+    return PerTokenAdvantages(advantages.values[rows], advantages.mask[rows], keep)
 
 
 def unit_members(unit: Any) -> tuple[Sample, ...]:
@@ -401,6 +413,13 @@ class TorchBackend:
         self.family = family
         self.builder = inputs_builder(family)
         self.loss = dict(backend.losses).get(family, family.reference)
+        #: The optional inputs the loss asks for (``reef_stream.api.variants.ExtraInput``).
+        self.extras: frozenset[ExtraInput] = frozenset(getattr(self.loss, "extra_inputs", ()))
+        if self.extras and family.inputs is not PolicyGradientInputs:
+            raise ConfigurationError(
+                f"the loss {self.loss!r} asks for {sorted(e.value for e in self.extras)}, which "
+                f"the torch backend adds to PolicyGradientInputs only, not to "
+                f"{family.inputs.__name__}")
         self.schedule = schedule
         # Data parallel: this rank trains units_per_step / ranks units of every step, in
         # optimizer batches of optimizer_batch_size / ranks; DDP averages the gradients.
@@ -410,6 +429,12 @@ class TorchBackend:
         model = backend.model()
         #: What a unit must fit (``untrainable``).
         self.limits = model_limits(model)
+        #: A frozen copy of the initial policy, for a KL penalty (``KLPenalty``): the seeded
+        #: model as built, before any update (so the same after a restore); one more copy of
+        #: the weights in memory, never trained, never checkpointed.
+        self.reference: Any = None
+        if ExtraInput.REFERENCE_LOGPROBS in self.extras:
+            self.reference = copy.deepcopy(model).requires_grad_(False)
         # Only what requires a gradient is trained (a LoRA model's base is frozen): the
         # optimizer, the update ratio and its copy of the weights see nothing else.
         trained = _trained(model)
@@ -421,6 +446,8 @@ class TorchBackend:
             cpu=not torch.cuda.is_available(),
             kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        if self.reference is not None:
+            self.reference = self.reference.to(self.accelerator.device).eval()
         self.max_grad_norm = backend.max_grad_norm
         self.between_micro_batches = between_micro_batches
 
@@ -465,6 +492,29 @@ class TorchBackend:
         with torch.no_grad():
             return float(torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(p.grad) for p in parameters])))
+
+    # ----------------------------------------------------------------- normalisation
+
+    def _sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """``values`` summed over every data-parallel rank (one all-reduce; every rank must
+        call it at the same point); ``values`` themselves on one rank."""
+        if self.ranks == 1:
+            return [float(v) for v in values]
+        import torch.distributed as dist
+
+        summed = torch.tensor(list(values), dtype=torch.float64, device=self.accelerator.device)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        return summed.tolist()
+
+    def _inputs(self, batch: SampleBatch, rows: np.ndarray, advantages: Advantages,
+                proximal: Mapping[int, torch.Tensor] | None) -> Any:
+        """The family's inputs for one micro batch, with the extras the loss asks for."""
+        if not self.extras:
+            return self.builder(self.model, batch, advantages, rows)
+        return policy_gradient_inputs(
+            self.model, batch, advantages, rows, entropy=ExtraInput.ENTROPY in self.extras,
+            reference=self.reference,
+            proximal=None if proximal is None else proximal_rows(proximal, rows, batch))
 
     # ----------------------------------------------------------------- policy health
 
@@ -618,8 +668,17 @@ class TorchBackend:
         gap = torch.zeros(6, dtype=torch.float64, device=self.accelerator.device)
         before = self._parameters()
         self.model.train()
+        proximal = None
+        if ExtraInput.PROXIMAL_LOGPROBS in self.extras:   # the weights of step - 1, no grad
+            size = schedule.micro_batch_size
+            proximal = proximal_logprobs(self.model, [
+                (collate([s for i in chunk for s in members[i]]),
+                 np.concatenate([np.arange(starts[i], starts[i + 1]) for i in chunk]))
+                for chunk in (range(f, min(f + size, len(members)))
+                              for f in range(0, len(members), size))])
         totals: dict[str, float] = {}
         micro_batches = updates = 0
+        batch_losses = 0.0
         for epoch in range(schedule.epochs):
             order = np.arange(len(units))
             if schedule.shuffle:
@@ -628,13 +687,23 @@ class TorchBackend:
             for first in range(0, len(order), self.optimizer_batch):
                 batch_units = order[first:first + self.optimizer_batch]
                 self.optimizer.zero_grad(set_to_none=True)
+                micros = []
                 for micro in range(0, len(batch_units), schedule.micro_batch_size):
                     chosen = batch_units[micro:micro + schedule.micro_batch_size]
                     rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in chosen])
                     samples = [s for i in chosen for s in members[i]]
-                    inputs = self.builder(self.model, collate(samples), result.advantages, rows)
+                    micros.append((chosen, rows, samples, collate(samples),
+                                   torch.from_numpy(kept_rows(result.advantages, rows))))
+                # The normaliser of every micro batch's loss: the optimizer batch's totals over
+                # every micro batch and rank, agreed before any backward pass.
+                batch_totals = BatchTotals(*self._sum_over_ranks(local_totals(
+                    [(batch.completion_mask, keep) for _, _, _, batch, keep in micros],
+                    per_sample=self.family.inputs is ValueRegressionInputs)))
+                for chosen, rows, samples, batch, keep in micros:
+                    inputs = self._inputs(batch, rows, result.advantages, proximal)
                     if epoch == 0 and first == 0:  # no update yet: the weights of step - 1
                         self._behaviour_gap(inputs, samples, step, gap)
+                    inputs = restricted(inputs, keep, batch_totals)
                     output = self.loss(inputs)
                     loss = float(output.loss.detach())
                     if not math.isfinite(loss):
@@ -643,9 +712,11 @@ class TorchBackend:
                             f"the loss of a micro batch (epoch {epoch + 1}) is {_number(loss)}")))
                     self._unless_diverged_elsewhere(
                         step, f"a micro batch's loss (epoch {epoch + 1})")
-                    self.accelerator.backward(output.loss * (len(chosen) / len(batch_units)))
+                    # Each loss is its micro batch's share of the optimizer batch's loss, whole
+                    # ranks included; DDP averages the ranks' gradients, so times ranks.
+                    self.accelerator.backward(output.loss * self.ranks)
                     micro_batches += 1
-                    totals["loss"] = totals.get("loss", 0.0) + loss
+                    batch_losses += loss
                     for name, value in output.metrics.items():
                         totals[name] = totals.get(name, 0.0) + float(value)
                     if self.between_micro_batches:
@@ -660,6 +731,8 @@ class TorchBackend:
                 self.optimizer.step()
         grad_norm = totals.pop(TRAINER_GRAD_NORM, 0.0) / max(updates, 1)
         metrics = {name: value / micro_batches for name, value in totals.items()}
+        # The optimizer batches' losses (their micro batches' and ranks' shares summed), mean.
+        metrics["loss"] = self._sum_over_ranks([batch_losses])[0] / max(updates, 1)
         metrics[TRAINER_GRAD_NORM] = grad_norm
         metrics.update(self._gap_metrics(gap))
         metrics.update(self._update_ratio(before))

@@ -1,0 +1,324 @@
+"""The variants of the built-in objectives and losses, as typed options (never strings).
+
+Each option is an enum or a frozen dataclass, validated when it is built
+(``ConfigurationError`` naming the bad value), and says what it does in
+``describe()`` (what ``reef check`` prints). The losses and objectives that take them:
+``reef_stream.api.losses.ClippedPolicyGradient`` / ``ClippedWeightPolicyGradient`` and
+``methods.grpo.objective.GroupNormalisedAdvantage``.
+
+Options, and where they come from:
+
+- ``AdvantageNormalisation``: how a group's centred rewards are scaled: the group's
+  population std (GRPO, Shao et al. 2024, "DeepSeekMath"), its sample std, nothing (Dr. GRPO,
+  Liu et al. 2025, "Understanding R1-Zero-Like Training"), or the std over the whole batch
+  (REINFORCE++-baseline, Hu et al. 2025).
+- ``Aggregation``: how per-token terms become the loss: ``TokenMean`` (DAPO's token-level
+  loss, Yu et al. 2025), ``SequenceMeanTokenMean`` (the original GRPO), ``SequenceMeanTokenSum``,
+  ``ConstantNormaliser`` (Dr. GRPO: a fixed token budget per sequence).
+- ``RatioLevel``: the importance ratio per token (PPO) or per sequence, the geometric mean of
+  its tokens' ratios (GSPO, Zheng et al. 2025).
+- ``KLPenalty``: a penalty to a frozen reference policy, by Schulman's k1/k2/k3 estimators
+  ("Approximating KL divergence", 2020), as in GRPO.
+- ``EntropyBonus``: minus a coefficient times the policy's entropy (Mnih et al. 2016, A3C).
+- ``DecoupledProximal``: clip against a proximal policy recomputed at the start of the step,
+  with the behaviour gap corrected by a truncated importance weight (decoupled PPO, Hilton et
+  al. 2022, "Batch size-invariance for policy optimization"; AReaL, Fu et al. 2025).
+- ``LOG_RATIO_BOUND``: every log-ratio is clamped to ``[-bound, bound]`` before ``exp``.
+
+Normalisation is exact over the optimizer batch: the backend counts the batch's loss tokens
+and sequences (``BatchTotals``, summed over its micro batches and data-parallel ranks) before
+the backward pass, and every loss divides by those totals, so the micro-batch size and the
+number of ranks do not change the loss or its gradient.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+import torch
+
+from reef_stream.errors import ConfigurationError
+
+#: The default bound on a log-ratio before ``exp``: ratios stay in ``[e^-20, e^20]`` (about
+#: ``[2e-9, 4.9e8]``), finite in float32 (whose ``exp`` overflows past 88.7). A token whose
+#: log-ratio lies outside has a constant ratio (no gradient through it); a behaviour logprob of
+#: -100 thus gives a finite loss and gradient instead of an infinite ratio and a NaN step.
+LOG_RATIO_BOUND = 20.0
+
+
+def _positive(owner: str, name: str, value: object, *, allow_zero: bool = False) -> None:
+    """``ConfigurationError`` unless ``value`` is a finite number > 0 (>= 0 with allow_zero)."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value) and (value >= 0 if allow_zero else value > 0))
+    if not ok:
+        raise ConfigurationError(f"{owner}.{name} must be a finite number "
+                                 f"{'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+# --------------------------------------------------------------------------- totals
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTotals:
+    """What a loss divides by: the optimizer batch's loss tokens and sequences (a sequence
+    counts when it has at least one loss token), summed over its micro batches and every
+    data-parallel rank. A loss given ``None`` takes its own micro batch's counts (a micro batch
+    that is the whole batch)."""
+
+    tokens: float
+    sequences: float
+
+    def __post_init__(self) -> None:
+        _positive("BatchTotals", "tokens", self.tokens, allow_zero=True)
+        _positive("BatchTotals", "sequences", self.sequences, allow_zero=True)
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> BatchTotals:
+        """The counts of one ``bool[B, T]`` mask (or ``bool[B]``: one entry a sequence)."""
+        rows = mask if mask.ndim == 2 else mask[:, None]
+        return cls(tokens=float(rows.sum()), sequences=float(rows.any(dim=1).sum()))
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+@dataclass(frozen=True, slots=True)
+class TokenMean:
+    """``sum(terms * mask) / tokens``: every token of the batch weighs the same, however long
+    its sequence (DAPO's token-level policy-gradient loss, Yu et al. 2025). The default."""
+
+    def reduce(self, terms: torch.Tensor, mask: torch.Tensor, totals: BatchTotals
+               ) -> torch.Tensor:
+        return (terms * mask).sum() / max(totals.tokens, 1.0)
+
+    def describe(self) -> str:
+        return "token-mean (sum over the batch's tokens / its token count; DAPO)"
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceMeanTokenMean:
+    """``sum_i(mean_t(terms_i)) / sequences``: each sequence's token mean, averaged over the
+    batch's sequences; a long sequence's tokens weigh less (the original GRPO, Shao et al.
+    2024)."""
+
+    def reduce(self, terms: torch.Tensor, mask: torch.Tensor, totals: BatchTotals
+               ) -> torch.Tensor:
+        lengths = mask.sum(dim=1).clamp(min=1.0)
+        return ((terms * mask).sum(dim=1) / lengths).sum() / max(totals.sequences, 1.0)
+
+    def describe(self) -> str:
+        return "seq-mean-token-mean (each sequence's token mean, averaged over sequences; GRPO)"
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceMeanTokenSum:
+    """``sum(terms * mask) / sequences``: each sequence's token sum, averaged over the batch's
+    sequences (no length normalisation; verl's ``seq-mean-token-sum``)."""
+
+    def reduce(self, terms: torch.Tensor, mask: torch.Tensor, totals: BatchTotals
+               ) -> torch.Tensor:
+        return (terms * mask).sum() / max(totals.sequences, 1.0)
+
+    def describe(self) -> str:
+        return "seq-mean-token-sum (each sequence's token sum, averaged over sequences)"
+
+
+@dataclass(frozen=True, slots=True)
+class ConstantNormaliser:
+    """``sum(terms * mask) / (sequences * tokens_per_sequence)``: a fixed budget per sequence
+    instead of its length, so no length bias (Dr. GRPO, Liu et al. 2025: the generation
+    budget). ``tokens_per_sequence`` > 0."""
+
+    tokens_per_sequence: float
+
+    def __post_init__(self) -> None:
+        _positive("ConstantNormaliser", "tokens_per_sequence", self.tokens_per_sequence)
+
+    def reduce(self, terms: torch.Tensor, mask: torch.Tensor, totals: BatchTotals
+               ) -> torch.Tensor:
+        return (terms * mask).sum() / (max(totals.sequences, 1.0) * self.tokens_per_sequence)
+
+    def describe(self) -> str:
+        return (f"constant normaliser (token sum / (sequences x {self.tokens_per_sequence:g}); "
+                "Dr. GRPO)")
+
+
+Aggregation = Union[TokenMean, SequenceMeanTokenMean, SequenceMeanTokenSum, ConstantNormaliser]
+AGGREGATIONS = (TokenMean, SequenceMeanTokenMean, SequenceMeanTokenSum, ConstantNormaliser)
+
+
+def check_aggregation(owner: str, value: object) -> None:
+    if not isinstance(value, AGGREGATIONS):
+        raise ConfigurationError(
+            f"{owner}.aggregation must be one of {', '.join(a.__name__ for a in AGGREGATIONS)}, "
+            f"got {value!r}")
+
+
+# --------------------------------------------------------------------------- ratios
+
+
+class RatioLevel(enum.Enum):
+    """Where the importance ratio is taken."""
+
+    #: One ratio per token, ``exp(logprob - behaviour)`` (PPO).
+    TOKEN = "token"
+    #: One ratio per sequence, ``exp(mean over its tokens of (logprob - behaviour))``, the
+    #: geometric mean of its tokens' ratios, clipped as a whole (GSPO, Zheng et al. 2025).
+    SEQUENCE = "sequence"
+
+
+def log_ratio(current: torch.Tensor, anchor: torch.Tensor, mask: torch.Tensor,
+              level: RatioLevel, bound: float) -> torch.Tensor:
+    """``float[B, T]``: ``current - anchor`` per token (``anchor`` without gradient), or each
+    sequence's masked token mean broadcast over its tokens (``RatioLevel.SEQUENCE``), clamped
+    to ``[-bound, bound]``; 0 on padding."""
+    raw = torch.where(mask, current - anchor.detach(), 0.0)
+    if level is RatioLevel.SEQUENCE:
+        lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)
+        raw = (raw.sum(dim=1, keepdim=True) / lengths).expand_as(raw)
+    return torch.where(mask, raw.clamp(-bound, bound), 0.0)
+
+
+# --------------------------------------------------------------------------- penalties
+
+
+class KLEstimator(enum.Enum):
+    """Schulman's estimators of KL(current || reference) from a sample of the current policy,
+    with ``d = reference - current`` per token (logprobs)."""
+
+    #: ``-d``: unbiased, can be negative, high variance.
+    K1 = "k1"
+    #: ``d^2 / 2``: biased, low variance, never negative.
+    K2 = "k2"
+    #: ``exp(d) - 1 - d``: unbiased, never negative, low variance (GRPO's choice).
+    K3 = "k3"
+
+    def estimate(self, current: torch.Tensor, reference: torch.Tensor, bound: float
+                 ) -> torch.Tensor:
+        d = (reference.detach() - current).clamp(-bound, bound)
+        if self is KLEstimator.K1:
+            return -d
+        if self is KLEstimator.K2:
+            return 0.5 * d.square()
+        return torch.expm1(d) - d
+
+
+@dataclass(frozen=True, slots=True)
+class KLPenalty:
+    """Add ``coefficient * aggregate(k(current, reference))`` to the loss: a penalty to a
+    reference policy (GRPO, Shao et al. 2024, with ``K3``). The reference logprobs come from the
+    backend's frozen copy of the initial policy (``reef_stream.engine.training``)."""
+
+    coefficient: float
+    estimator: KLEstimator = KLEstimator.K3
+
+    def __post_init__(self) -> None:
+        _positive("KLPenalty", "coefficient", self.coefficient, allow_zero=True)
+        if not isinstance(self.estimator, KLEstimator):
+            raise ConfigurationError(f"KLPenalty.estimator must be a KLEstimator (K1, K2, K3), "
+                                     f"got {self.estimator!r}")
+
+    def describe(self) -> str:
+        return (f"KL to the initial policy, {self.estimator.value} estimator, coefficient "
+                f"{self.coefficient:g}")
+
+
+@dataclass(frozen=True, slots=True)
+class EntropyBonus:
+    """Subtract ``coefficient * aggregate(entropy)`` from the loss, the entropy of the current
+    policy's next-token distribution at each completion token (A3C, Mnih et al. 2016)."""
+
+    coefficient: float
+
+    def __post_init__(self) -> None:
+        _positive("EntropyBonus", "coefficient", self.coefficient, allow_zero=True)
+
+    def describe(self) -> str:
+        return f"entropy bonus, coefficient {self.coefficient:g}"
+
+
+@dataclass(frozen=True, slots=True)
+class DecoupledProximal:
+    """Clip against the proximal policy (the weights at the start of the step, whose logprobs
+    the backend recomputes then) instead of the behaviour policy, and weight each token by the
+    truncated behaviour importance weight ``min(exp(proximal - behaviour), weight_cap)`` (no
+    gradient): decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025). A sample many
+    versions old is then corrected for its staleness, and the clip bounds the step's own
+    update only. ``weight_cap`` > 0 (None: untruncated)."""
+
+    weight_cap: float | None = 2.0
+
+    def __post_init__(self) -> None:
+        if self.weight_cap is not None:
+            _positive("DecoupledProximal", "weight_cap", self.weight_cap)
+
+    def describe(self) -> str:
+        cap = "untruncated" if self.weight_cap is None else f"truncated at {self.weight_cap:g}"
+        return f"decoupled proximal policy (recomputed at step start), behaviour weight {cap}"
+
+
+class ExtraInput(enum.Enum):
+    """Optional tensors of ``PolicyGradientInputs`` a loss asks the backend for (its
+    ``extra_inputs``); the backend computes only those asked."""
+
+    #: Logprobs of the frozen reference policy (``KLPenalty``).
+    REFERENCE_LOGPROBS = "reference_logprobs"
+    #: Logprobs of the weights at the start of the step (``DecoupledProximal``).
+    PROXIMAL_LOGPROBS = "proximal_logprobs"
+    #: The current policy's entropy per completion token (``EntropyBonus``).
+    ENTROPY = "entropy"
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+class AdvantageNormalisation(enum.Enum):
+    """How a group's centred rewards ``r - mean(group)`` are scaled (``epsilon`` added to
+    any std)."""
+
+    #: ``/ (std(group, ddof=0) + eps)`` (GRPO, Shao et al. 2024). The default.
+    GROUP_POPULATION_STD = "group_population_std"
+    #: ``/ (std(group, ddof=1) + eps)``: the sample std (as several open-source GRPO trainers
+    #: compute it); a group of one has std 0.
+    GROUP_SAMPLE_STD = "group_sample_std"
+    #: Not scaled: ``r - mean(group)`` (Dr. GRPO, Liu et al. 2025: the std's difficulty bias
+    #: removed).
+    NONE = "none"
+    #: ``/ (std over the batch's centred rewards + eps)`` (REINFORCE++-baseline, Hu et al.
+    #: 2025); groups dropped by dynamic sampling are left out of that std.
+    BATCH_STD = "batch_std"
+
+    def apply(self, groups: list[np.ndarray], epsilon: float,
+              kept: list[bool] | None = None) -> list[np.ndarray]:
+        """The advantages of each group of rewards (float64 arrays), in order. Pure."""
+        centred = [g - g.mean() for g in groups]
+        if self is AdvantageNormalisation.NONE:
+            return centred
+        if self is AdvantageNormalisation.BATCH_STD:
+            counted = [c for c, keep in zip(centred, kept or [True] * len(groups)) if keep]
+            std = float(np.concatenate(counted).std()) if counted else 0.0
+            return [c / (std + epsilon) for c in centred]
+        ddof = 0 if self is AdvantageNormalisation.GROUP_POPULATION_STD else 1
+        return [c / ((float(g.std(ddof=ddof)) if g.size > ddof else 0.0) + epsilon)
+                for c, g in zip(centred, groups)]
+
+    def describe(self) -> str:
+        return {
+            AdvantageNormalisation.GROUP_POPULATION_STD:
+                "(r - group mean) / (group population std + eps) (GRPO)",
+            AdvantageNormalisation.GROUP_SAMPLE_STD:
+                "(r - group mean) / (group sample std + eps)",
+            AdvantageNormalisation.NONE: "r - group mean, unscaled (Dr. GRPO)",
+            AdvantageNormalisation.BATCH_STD:
+                "(r - group mean) / (batch std of centred rewards + eps) (REINFORCE++-baseline)",
+        }[self]
+
+
+def equal_reward_groups(groups: list[np.ndarray]) -> list[bool]:
+    """Per group, whether all its rewards are equal (no signal: dynamic sampling drops it,
+    DAPO, Yu et al. 2025)."""
+    return [bool(g.size == 0 or g.max() == g.min()) for g in groups]
