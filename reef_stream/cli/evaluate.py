@@ -60,6 +60,20 @@ from reef_stream.errors import ConfigurationError
               help="For a Hugging Face model: the dtype of the serving artifact written beside "
                    "each promoted copy (what `reef follow --engine` loads) [default: the "
                    "model's own].")
+@click.option("--publish-every", "publish_every_s", type=click.FloatRange(min=0, min_open=True),
+              default=None, metavar="SECONDS",
+              help="Publication cadence: at most one promotion per SECONDS of the trainer's "
+                   "clock; a candidate whose checkpoint is younger than that after the "
+                   "incumbent's is REJECTED unmeasured ('publication cadence: ...') [default: "
+                   "the recipe's release policy, else every promoted candidate].")
+@click.option("--canary-share", type=click.FloatRange(min=0, max=1), default=None,
+              metavar="SHARE",
+              help="Publish what the offline evaluator promotes as a CANARY on this share of "
+                   "the replicas, judged by the recipe's canary evaluator on live feedback; 0 "
+                   "turns the canary off [default: the recipe's].")
+@click.option("--require-approval/--no-require-approval", default=None,
+              help="Whether a version that passed waits for `reef approve` [default: the "
+                   "recipe's].")
 @click.option("--max-candidates", type=click.IntRange(min=1), default=None,
               help="Stop after this many decisions (for tests and batch runs).")
 @click.option("--idle-exit", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -70,7 +84,9 @@ from reef_stream.errors import ConfigurationError
 @click.pass_context
 def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None,
              publish_to: str | None, keep_published: int, retries: int, backoff: float,
-             supersede: bool, serving_dtype: str | None, max_candidates: int | None,
+             supersede: bool, serving_dtype: str | None, publish_every_s: float | None,
+             canary_share: float | None, require_approval: bool | None,
+             max_candidates: int | None,
              idle_exit: float | None, metrics_port: int | None,
              overrides: tuple[str, ...] = ()) -> None:
     """Evaluate candidate checkpoints and publish one decision per checkpoint.
@@ -96,6 +112,11 @@ def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None
     model is measured, and the older ones are REJECTED as superseded, without
     measuring (--no-supersede measures them all, one after the other).
 
+    Release: with a canary (the recipe's Staged(canary=...) or --canary-share)
+    a promoted candidate is first a CANARY on a share of the replicas, then
+    PROMOTED or ROLLED_BACK from live feedback; with --require-approval it
+    waits for `reef approve` / `reef reject`; --publish-every sets a cadence.
+
     The default evaluator (AcceptEverything) promotes everything without
     measuring; a warning says so at start and its publications are marked
     unevaluated. Stops on SIGTERM or Ctrl-C, --max-candidates or
@@ -112,6 +133,8 @@ def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None
     options = EvaluateOptions(group=group, model=model, publish_to=publish_to,
                               keep_published=keep_published, retries=retries, backoff=backoff,
                               supersede=supersede, serving_dtype=serving_dtype,
+                              publish_every_s=publish_every_s, canary_share=canary_share,
+                              require_approval=require_approval,
                               max_candidates=max_candidates, idle_exit=idle_exit)
     try:
         fleet = Fleet.from_settings(settings)

@@ -65,8 +65,7 @@ publication acknowledged by the broker (``_publish``)
 ``reef_stream.consumers.stage``, once ``_Decisions`` says it is committable)
 → the Redis projection updated and old published copies pruned
 (``_after_commit``; after a commit that failed, at the next one that
-succeeds). A crash before the commit re-reads
-the checkpoint on restart; step 2 then finds its decision in the ledger
+succeeds). A crash before the commit re-reads the checkpoint on restart; step 2 then finds its decision in the ledger
 (candidates that waited together are committed together, after the last of
 them is decided: a superseded candidate read again is found decided). A
 publication that cannot be stored, or a copy that cannot be written, stops
@@ -85,11 +84,14 @@ restarted worker, a standby member of the group, another recipe's evaluator)
 letters the record again under the same key, so a reader of the dead letters
 deduplicates by key. Other readers (replicas' ``Follower``) only count them.
 
-Publications are keyed by model, so compaction keeps each model's latest
-decision. A REJECTED publication is keyed ``<model>#rejected`` so that it
-cannot compact away the model's last PROMOTED one (which late replicas and a
+Publications are keyed by stage (``publication_key``), so compaction keeps
+each model's latest decision of each stage: a REJECTED publication cannot
+compact away the model's last PROMOTED one (which late replicas and a
 restarted evaluator need); readers use the event's ``model`` field, never the
 key.
+
+Release: the recipe's release policy stages what the offline gate promoted (a canary,
+a person's approval, a cadence: ``reef_stream.consumers.canary``).
 
 Threads: ``run`` owns the clients (the stage loop its consumer) and must be
 called from one thread; it
@@ -110,6 +112,13 @@ from typing import TYPE_CHECKING
 from reef_stream.api.evaluator import Incumbent, Measurement, Selection
 from reef_stream.api.recipe import Recipe
 from reef_stream.config import Settings, load_settings
+from reef_stream.consumers.canary import (
+    CanaryRunner,
+    Release,
+    cadence_reason,
+    stage,
+    waiting_reason,
+)
 from reef_stream.consumers.publications import (
     PublicationLedger,
     PublicationStore,
@@ -204,6 +213,10 @@ class EvaluateOptions:
     idle_exit: float | None = None
     supersede: bool = True
     serving_dtype: str | None = None
+    #: Release overrides (None: the recipe's evaluator says; ``reef_stream.consumers.canary``).
+    publish_every_s: float | None = None
+    canary_share: float | None = None
+    require_approval: bool | None = None
 
     def problems(self) -> list[str]:
         found = []
@@ -219,6 +232,10 @@ class EvaluateOptions:
             found.append(f"idle exit must be more than 0 seconds, not {self.idle_exit}")
         if self.model is not None and not self.model.strip():
             found.append("model must not be empty")
+        if self.publish_every_s is not None and not self.publish_every_s > 0:
+            found.append(f"publish every must be more than 0 s, not {self.publish_every_s}")
+        if self.canary_share is not None and not 0 <= self.canary_share <= 1:
+            found.append(f"canary share must be in [0, 1], not {self.canary_share}")
         if self.serving_dtype not in (None, "float32", "bfloat16", "float16"):
             found.append(f"serving dtype must be float32, bfloat16 or float16, not "
                          f"{self.serving_dtype!r}")
@@ -227,8 +244,8 @@ class EvaluateOptions:
 
 @dataclass
 class EvaluateSummary:
-    """The worker's counters. ``checkpoints``: events read; ``promoted`` / ``rejected``:
-    decisions published; ``superseded``: of the rejected, those decided unmeasured because a
+    """The worker's counters. ``checkpoints``: events read; ``promoted`` / ``rejected`` /
+    ``canaries`` / ``rolled_back``: decisions published; ``superseded``: of the rejected, those decided unmeasured because a
     newer candidate of their model was waiting (``supersede``); ``duplicates``: candidates
     already decided (same checkpoint id, or a version not newer than one decided);
     ``skipped``: checkpoints of another recipe or model; ``undecodable``: checkpoint events
@@ -240,6 +257,8 @@ class EvaluateSummary:
     checkpoints: int = 0
     promoted: int = 0
     rejected: int = 0
+    canaries: int = 0
+    rolled_back: int = 0
     superseded: int = 0
     duplicates: int = 0
     skipped: int = 0
@@ -250,12 +269,13 @@ class EvaluateSummary:
 
     @property
     def decided(self) -> int:
-        return self.promoted + self.rejected
+        return self.promoted + self.rejected + self.canaries
 
     def line(self) -> str:
         """One line for the log: ``evaluator <group>: checkpoints=... promoted=... ...``."""
         names = ("checkpoints", "promoted", "rejected", "superseded", "duplicates", "skipped",
-                 "undecodable", "failed_measures", "undecodable_publications")
+                 "undecodable", "failed_measures", "undecodable_publications", "canaries",
+                 "rolled_back")
         counts = " ".join(f"{name}={getattr(self, name)}" for name in names)
         return f"evaluator {self.group}: {counts} elapsed_s={self.elapsed_s:.1f}"
 
@@ -295,6 +315,9 @@ class EvaluatorWorker:
         self.store = PublicationStore(options.publish_to
                                       or default_publication_url(settings, self.namespace))
         self.summary = EvaluateSummary(group=self.group)
+        self.release = Release.of(self.evaluator, canary_share=options.canary_share,
+                                  require_approval=options.require_approval,
+                                  publish_every_s=options.publish_every_s)
         self.fleet = fleet
         self._registry = SchemaRegistry.default()
         self._consumer_config = consumer_config or {}
@@ -343,6 +366,8 @@ class EvaluatorWorker:
                 producer, message, error))
         metrics = MetricsWriter(producer, self.namespace, STAGE,
                                 {"group": self.group, "recipe": self.recipe.name})
+        self._canary = CanaryRunner(self.bootstrap, self.namespace, self.release,
+                                    registry=self._registry)
         try:
             ledger.open()
             ledger.catch_up()
@@ -357,6 +382,7 @@ class EvaluatorWorker:
                 consumer_config={"max.poll.interval.ms": 3_600_000, **self._consumer_config},
             ).run()
         finally:
+            self._canary.close()
             ledger.close()
             self.summary.elapsed_s = time.monotonic() - started
         return self.summary
@@ -375,6 +401,8 @@ class EvaluatorWorker:
             ledger.record(publication)
             if publication.decision is Decision.PROMOTED:
                 self.summary.promoted += 1
+            elif publication.decision is Decision.CANARY:
+                self.summary.canaries += 1
             else:
                 self.summary.rejected += 1
             metrics.write(EVALUATOR_DECISIONS, self.summary.promoted, decision="PROMOTED")
@@ -389,6 +417,20 @@ class EvaluatorWorker:
                 metrics.write(EVALUATOR_MEASUREMENT, value, model=publication.model,
                               measure=measure)
         return publication
+
+    def _judge_canaries(self, producer: Producer, ledger: PublicationLedger) -> None:
+        """Publish the canary decisions due (``CanaryRunner``) on the canaries this evaluator
+        opened (by its name), acknowledged one by one; no offset goes with them."""
+        for publication in self._canary.decisions(ledger, self.evaluator.name,
+                                                  self.options.model):
+            value, headers = self._registry.encode(publication)
+            deliver(producer, self.publications_topic, publication_key(publication), value,
+                    headers, f"the canary decision on {publication.model} version "
+                             f"{publication.policy_version}")
+            ledger.record(publication)
+            self.summary.promoted += publication.decision is Decision.PROMOTED
+            self.summary.rolled_back += publication.decision is Decision.ROLLED_BACK
+            self._after_commit(publication)
 
     def _after_commit(self, publication: Publication) -> None:
         """After the checkpoint's offset is committed: log, update the Redis projection,
@@ -435,10 +477,14 @@ class EvaluatorWorker:
             return None
         current = ledger.incumbent(candidate.model)
         incumbent = Incumbent.from_publication(current) if current is not None else None
-        if superseded_by is not None and current is not None:
-            # never promoted, so neither verified nor measured
+        waiting = ledger.waiting(candidate.model)
+        unmeasured = (superseded_reason(superseded_by)
+                      if superseded_by is not None and current is not None else
+                      waiting_reason(waiting) if waiting is not None else
+                      cadence_reason(candidate, current, self.release.publish_every_s))
+        if unmeasured is not None:  # never promoted, so neither verified nor measured
             return self._publication(candidate, Measurement(), incumbent, Selection(
-                Decision.REJECTED, superseded_reason(superseded_by)), candidate.uri)
+                Decision.REJECTED, unmeasured), candidate.uri)
         try:
             verify(candidate.uri, candidate.sha256)
         except CheckpointError as error:
@@ -466,7 +512,10 @@ class EvaluatorWorker:
                 return self._publication(candidate, measurement, incumbent, Selection(
                     Decision.REJECTED, f"the candidate failed verification while it was "
                                        f"copied for publication: {error}"), candidate.uri)
-        return self._publication(candidate, measurement, incumbent, selection, uri, artifact)
+        publication = self._publication(candidate, measurement, incumbent, selection, uri,
+                                        artifact)
+        return stage(publication, self.release, current is not None) if selection.promoted \
+            else publication
 
     def _copy(self, candidate: Checkpoint) -> tuple[str, ServingArtifact | None]:
         """Publish a promoted candidate's copy (its URI) and, when the recipe's model is a
@@ -661,6 +710,7 @@ class _Decisions:
             worker.stop()
             return
         self.ledger.poll(0)  # meanwhile: what others publish, and letters for what is bad
+        worker._judge_canaries(self.producer, self.ledger)
         idle = options.idle_exit
         if idle is not None:
             if worker._last_assigned is None:  # still joining the group: allow for it

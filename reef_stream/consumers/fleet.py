@@ -7,9 +7,10 @@ Redis holds projections only; every key below can be rebuilt from Kafka
 | --- | --- | --- | --- |
 | ``models`` | set | evaluator, replicas | every model with a decision or a replica |
 | ``published:<model>`` | hash | evaluator | the newest PROMOTED publication: version, checkpoint_id, uri, sha256, evaluator, evaluated, decided_at |
+| ``staged:<model>`` | hash | evaluator, ``reef approve``/``reject`` | the version waiting for a decision (a CANARY): version, share, awaiting (canary or approval), reason, evaluator, decided_at |
 | ``serving:<model>`` | string, expires | replicas | the current serving version: the newest version a live replica serves (for routers) |
 | ``replicas:<model>`` | sorted set | replicas | replica ids scored by last heartbeat (ms); entries older than the TTL are pruned |
-| ``replica:<id>`` | hash, expires | replicas | model, version ('' before the first load), host, state, last_seen (ms) |
+| ``replica:<id>`` | hash, expires | replicas | model, version ('' before the first load), host, state (serving, canary, waiting), last_seen (ms) |
 
 Expiry: a replica's hash and the serving version live ``ttl_s`` seconds
 after the last heartbeat that refreshed them, so a replica that died
@@ -30,6 +31,7 @@ Redis's own.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -48,7 +50,7 @@ from reef_stream.topics.kafka import KafkaError, TopicPartition
 from reef_stream.topics.serde import SchemaRegistry
 
 __all__ = ["DEFAULT_HEARTBEAT_S", "DEFAULT_TTL_S", "Fleet", "FleetSnapshot", "ModelStatus",
-           "PublishedVersion", "RebuildReport", "ReplicaStatus"]
+           "PublishedVersion", "RebuildReport", "ReplicaStatus", "StagedVersion"]
 
 log = logging.getLogger(__name__)
 
@@ -144,13 +146,48 @@ class PublishedVersion:
 
 
 @dataclass(frozen=True, slots=True)
+class StagedVersion:
+    """A model's version waiting for a decision (its open CANARY publication): on ``share`` of
+    the replicas, awaiting ``canary`` (live feedback) or ``approval`` (a person)."""
+
+    model: str
+    version: int
+    share: float
+    awaiting: str
+    reason: str
+    evaluator: str
+    decided_at: int
+
+    @classmethod
+    def of(cls, publication: Publication) -> StagedVersion:
+        return cls(model=publication.model, version=publication.policy_version,
+                   share=publication.share or 0.0, awaiting=publication.awaiting or "",
+                   reason=publication.reason, evaluator=publication.evaluator,
+                   decided_at=publication.created_at)
+
+    def fields(self) -> dict[str, str]:
+        return {"version": str(self.version), "share": repr(self.share),
+                "awaiting": self.awaiting, "reason": self.reason, "evaluator": self.evaluator,
+                "decided_at": str(self.decided_at)}
+
+    @classmethod
+    def from_fields(cls, model: str, fields: Mapping[str, str]) -> StagedVersion:
+        return cls(model=model, version=int(fields["version"]),
+                   share=float(fields.get("share") or 0), awaiting=fields.get("awaiting", ""),
+                   reason=fields.get("reason", ""), evaluator=fields.get("evaluator", ""),
+                   decided_at=int(fields.get("decided_at") or 0))
+
+
+@dataclass(frozen=True, slots=True)
 class ModelStatus:
-    """One model: its published version, the serving version routers use, its live replicas."""
+    """One model: its published version, the serving version routers use, its live replicas,
+    and the version waiting for a decision (None when none waits)."""
 
     model: str
     published: PublishedVersion | None
     serving: int | None
     replicas: tuple[ReplicaStatus, ...] = ()
+    staged: StagedVersion | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,18 +282,49 @@ class Fleet:
             pipe.zrem(self._key("replicas", model), replica_id)
             pipe.execute()
 
-    def record_publication(self, publication: Publication) -> bool:
+    def record_publication(self, publication: Publication,
+                           incumbent: Publication | None = None) -> bool:
         """Fold one publication in: a PROMOTED one becomes the model's published version
-        unless a newer one is there; any decision adds the model. Atomic; idempotent; True
-        if the published version changed."""
-        if publication.decision is not Decision.PROMOTED:
-            self.client.sadd(self._key("models"), publication.model)
+        unless a newer one is there; a CANARY one the staged version; a decision on the staged
+        version ends it; the rollback of a promoted version (ROLLED_BACK without a share)
+        publishes ``incumbent`` (what the ledger serves after it; None: the rolled-back-to
+        version from the event). Any decision adds the model. Idempotent; True if the
+        published version changed."""
+        model, decision = publication.model, publication.decision
+        staged = self._key("staged", model)
+        if decision is Decision.CANARY:
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.sadd(self._key("models"), model)
+                pipe.delete(staged)
+                pipe.hset(staged, mapping=StagedVersion.of(publication).fields())
+                pipe.execute()
+            return False
+        current = self.client.hget(staged, "version")
+        if current is not None and (int(current) == publication.policy_version or (
+                decision is Decision.PROMOTED and int(current) < publication.policy_version)):
+            self.client.delete(staged)
+        if decision is Decision.ROLLED_BACK and publication.share is None:
+            target = incumbent or dataclasses.replace(
+                publication, policy_version=publication.rolled_back_to,
+                decision=Decision.PROMOTED)
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.sadd(self._key("models"), model)
+                pipe.delete(self._key("published", model))
+                pipe.hset(self._key("published", model),
+                          mapping=PublishedVersion.of(target).fields())
+                pipe.execute()
+            return True
+        if decision is not Decision.PROMOTED:
+            self.client.sadd(self._key("models"), model)
             return False
         published = PublishedVersion.of(publication)
-        return bool(self._publish(keys=[self._key("published", publication.model),
-                                        self._key("models")],
-                                  args=[publication.model, published.version,
-                                        *_pairs(published.fields())]))
+        return bool(self._publish(keys=[self._key("published", model), self._key("models")],
+                                  args=[model, published.version, *_pairs(published.fields())]))
+
+    def staged(self, model: str) -> StagedVersion | None:
+        """The version of ``model`` waiting for a decision, or None."""
+        fields = self.client.hgetall(self._key("staged", model))
+        return StagedVersion.from_fields(model, fields) if fields.get("version") else None
 
     def clear(self) -> int:
         """Delete every key of this namespace's projection; returns how many. Idempotent."""
@@ -307,7 +375,8 @@ class Fleet:
             names = [name for name in names if name == model]
         models = tuple(ModelStatus(model=name, published=self.published(name),
                                    serving=self.serving_version(name),
-                                   replicas=tuple(self.replicas(name, now=now)))
+                                   replicas=tuple(self.replicas(name, now=now)),
+                                   staged=self.staged(name))
                        for name in names)
         return FleetSnapshot(namespace=self.namespace, models=models, taken_at=now)
 
@@ -328,6 +397,7 @@ class Fleet:
         with PublicationLedger(bootstrap, self.namespace) as ledger:
             ledger.catch_up(timeout)
             published = {m: ledger.incumbent(m) for m in ledger.models()}
+            staged = {m: ledger.waiting(m) for m in ledger.models()}
             read = ledger.read
         since = now_ms() - int(self.ttl_s * 1000)
         heartbeats, latest = _read_heartbeats(bootstrap, self.namespace, since, timeout)
@@ -343,6 +413,9 @@ class Fleet:
                 if publication is not None:
                     pipe.hset(self._key("published", name),
                               mapping=PublishedVersion.of(publication).fields())
+                if staged[name] is not None:
+                    pipe.hset(self._key("staged", name),
+                              mapping=StagedVersion.of(staged[name]).fields())
             for replica in sorted(live, key=lambda r: r.last_seen):
                 self.heartbeat(replica, client=pipe)
             pipe.execute()

@@ -13,8 +13,12 @@
 
 A follower reads ``<ns>.publications`` from its beginning (``assign``, no
 consumer group: every replica reads everything; it runs on the stage loop,
-``reef_stream.consumers.stage``, as a reader), keeps the newest PROMOTED
-publication of its model, and whenever that is newer than what it serves:
+``reef_stream.consumers.stage``, as a reader), keeps the fold of its model's
+publications (``PublicationLedger``), and whenever what this replica should
+serve (``ledger.serving``: the open CANARY version when this replica takes
+it, from the publication and its ``canary_slot`` alone, else the incumbent,
+the newest PROMOTED version or the one a ROLLED_BACK went back to) is
+another version than the one it serves:
 
 1. loads the weights with ``checkpoints.load_weights(uri, sha256)``, which
    verifies the manifest against the publication's sha256 and every file
@@ -30,7 +34,9 @@ raises is a refusal: logged as an error naming the version and the cause,
 reported to ``on_refused(publication, error)``, counted, and the previous
 version keeps serving. The refused version is tried again every
 ``retry_s`` seconds while it is the newest (a store that was unreachable may
-come back); a newer promoted version supersedes it. Intermediate versions are
+come back); another version to serve supersedes it. A canary's replicas
+report the state ``canary`` (``reef fleet``), and go back to the incumbent
+when the canary is rolled back or rejected. Intermediate versions are
 never loaded: a replica started late, or one that was busy, goes straight to
 the newest promoted version (convergence). REJECTED publications, and other
 models', are ignored.
@@ -80,6 +86,7 @@ from reef_stream.engine.checkpoints import CheckpointError, load_weights
 from reef_stream.config import Settings, load_settings
 from reef_stream.topics.connect import ask_broker, bootstrap_servers, new_producer
 from reef_stream.consumers.publications import READ_TIMEOUT_S, PublicationLedger
+from reef_stream.consumers.publications import canary_slot as canary_slot_of
 from reef_stream.consumers.stage import StageLoop
 from reef_stream.errors import (
     ConfigurationError, FatalError, InvalidRecord, ReefError, RetryableError,
@@ -151,7 +158,8 @@ class Follower:
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S, ttl_s: float | None = None,
                  retry_s: float = DEFAULT_RETRY_S,
                  on_refused: Callable[[Publication, Exception], None] | None = None,
-                 consumer_config: dict | None = None, loads: str = WEIGHTS) -> None:
+                 consumer_config: dict | None = None, loads: str = WEIGHTS,
+                 canary_slot: float | None = None) -> None:
         problems = []
         if loads not in (WEIGHTS, ARTIFACT):
             problems.append(f"loads must be {WEIGHTS!r} or {ARTIFACT!r}, not {loads!r}")
@@ -166,6 +174,8 @@ class Follower:
                             f"interval ({heartbeat_s} s)")
         if not retry_s > 0:
             problems.append(f"retry interval must be more than 0 seconds, not {retry_s}")
+        if canary_slot is not None and not 0 <= canary_slot < 1:
+            problems.append(f"canary slot must be in [0, 1), not {canary_slot}")
         if initial_version is not None and initial_version < 0:
             problems.append(f"initial version must be 0 or more, not {initial_version}")
         if problems:
@@ -175,6 +185,9 @@ class Follower:
         self.namespace = namespace or self._settings.namespace
         self.bootstrap = bootstrap or bootstrap_servers(self._settings)
         self.replica_id = replica_id or default_replica_id()
+        #: Where this replica stands for canary cohorts (``publications.takes_canary``).
+        self.canary_slot = canary_slot_of(self.replica_id) if canary_slot is None \
+            else canary_slot
         self.host = socket.gethostname()
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s if ttl_s is not None else max(DEFAULT_TTL_S, 3 * heartbeat_s)
@@ -189,6 +202,7 @@ class Follower:
         self._version = initial_version
         self._served: set[int] = set() if initial_version is None else {initial_version}
         self._publication: Publication | None = None
+        self._canary: Publication | None = None  # the model's open canary, if any
         #: version -> (the error, monotonic time of the next try)
         self._refused: dict[int, tuple[Exception, float]] = {}
         self._loads = 0
@@ -368,16 +382,18 @@ class Follower:
             self._lock.notify_all()
 
     def _converge(self, ledger: PublicationLedger) -> None:
-        """Load the model's newest promoted version if it is newer than the one served and not
-        waiting for its retry."""
-        newest = ledger.incumbent(self.model)
+        """Load what this replica should serve (``ledger.serving``) if it is another version
+        than the one served and not waiting for its retry."""
+        newest = ledger.serving(self.model, self.canary_slot)
+        with self._lock:
+            self._canary = ledger.waiting(self.model)
         if newest is None:
             return
         version = newest.policy_version
         with self._lock:
-            if self._version is not None and version <= self._version:
+            if self._version is not None and version == self._version:
                 return
-            for old in [v for v in self._refused if v < version]:
+            for old in [v for v in self._refused if v != version]:
                 del self._refused[old]  # superseded
             refused = self._refused.get(version)
         if refused is not None and time.monotonic() < refused[1]:
@@ -467,10 +483,13 @@ class Follower:
 
     def status(self, state: str | None = None) -> ReplicaStatus:
         """This replica as a heartbeat describes it, now."""
-        version = self.policy_version
+        with self._lock:
+            version, canary = self._version, self._canary
+        on_canary = canary is not None and version == canary.policy_version
         return ReplicaStatus(replica_id=self.replica_id, model=self.model, version=version,
                              host=self.host, last_seen=now_ms(),
-                             state=state or ("waiting" if version is None else "serving"))
+                             state=state or ("waiting" if version is None else
+                                             "canary" if on_canary else "serving"))
 
     def _heartbeats(self) -> None:
         """The heartbeat thread: one at once, then every ``heartbeat_s`` or after a load."""

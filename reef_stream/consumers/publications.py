@@ -9,12 +9,24 @@ replicas' ``Follower`` and the fleet's ``reef fleet --rebuild`` read it to follo
 ``<url>/<model>/v<version>``, out of reach of the trainer's retention; the evaluator copies
 a candidate in before it publishes the copy's URI.
 
-Publications are keyed by model (``publication_key``); a REJECTED one is keyed
-``<model>#rejected`` so that it cannot compact away the model's last PROMOTED one.
+Publications are keyed by stage (``publication_key``), so that compaction keeps the latest
+of each stage per model and never the wrong one: PROMOTED by ``<model>`` (the incumbent
+survives anything later); CANARY by ``<model>#canary``, and so is the REJECTED or ROLLED_BACK
+decision that ends a canary (its ``share`` is set): once compacted, a decided canary cannot
+look open again; another REJECTED by ``<model>#rejected``; the rollback of a promoted version
+(``reef rollback``) by ``<model>#rolled_back``.
+
+Staged publication (``reef_stream.consumers.canary``): the ledger's fold, in log order, per
+model: the incumbent (``incumbent``) is the newest PROMOTED version, or after a ROLLED_BACK of
+the incumbent the version it rolled back to; the open canary (``waiting``) is the newest
+CANARY version newer than the incumbent that no later decision ended. A replica serves the
+canary when ``takes_canary(canary, slot)``, with its ``canary_slot`` (from its replica id),
+else the incumbent (``serving``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -37,13 +49,18 @@ from reef_stream.topics.kafka import (
 )
 from reef_stream.topics.serde import SchemaRegistry
 
-__all__ = ["READ_TIMEOUT_S", "REJECTED_KEY_SUFFIX", "PublicationLedger", "PublicationStore",
-           "default_publication_url", "publication_key"]
+__all__ = ["CANARY_KEY_SUFFIX", "READ_TIMEOUT_S", "REJECTED_KEY_SUFFIX", "ROLLED_BACK_KEY_SUFFIX",
+           "PublicationLedger", "PublicationStore", "canary_slot", "default_publication_url",
+           "publication_key", "takes_canary"]
 
 log = logging.getLogger(__name__)
 
 #: Appended to the model in the key of a REJECTED publication (see the module docstring).
 REJECTED_KEY_SUFFIX = "#rejected"
+#: Appended to the model in the key of a CANARY publication and of the decision ending one.
+CANARY_KEY_SUFFIX = "#canary"
+#: Appended to the model in the key of the rollback of a promoted version.
+ROLLED_BACK_KEY_SUFFIX = "#rolled_back"
 #: How long reading a topic up to its end may take before it is given up (RetryableError).
 READ_TIMEOUT_S = 60.0
 
@@ -55,10 +72,41 @@ def default_publication_url(settings: Settings, namespace: str) -> str:
 
 
 def publication_key(publication: Publication) -> bytes:
-    """The Kafka key of a publication: the model, or ``<model>#rejected`` for a rejection."""
-    if publication.decision is Decision.PROMOTED:
+    """The Kafka key of a publication, by its stage (see the module docstring): the model for
+    PROMOTED, ``<model>#canary`` for CANARY and for the REJECTED / ROLLED_BACK ending a canary
+    (``share`` set), ``<model>#rolled_back`` for another rollback, else ``<model>#rejected``."""
+    decision = publication.decision
+    if decision is Decision.PROMOTED:
         return publication.model.encode()
+    if decision is Decision.CANARY or publication.share is not None:
+        return (publication.model + CANARY_KEY_SUFFIX).encode()
+    if decision is Decision.ROLLED_BACK:
+        return (publication.model + ROLLED_BACK_KEY_SUFFIX).encode()
     return (publication.model + REJECTED_KEY_SUFFIX).encode()
+
+
+def canary_slot(replica_id: str) -> float:
+    """A replica's place in [0, 1) for canary cohorts, from its id alone (sha256): stable
+    across restarts. A deployment that numbers its replicas may give replica i of n the slot
+    i / n instead (``Follower(canary_slot=...)``): then a share s takes s * n of them, exactly."""
+    digest = hashlib.sha256(replica_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64
+
+
+def takes_canary(canary: Publication, slot: float) -> bool:
+    """Whether the replica at ``slot`` serves the CANARY ``canary``: its slot falls in the
+    arc ``[offset, offset + share)`` (mod 1), where the offset comes from the model and the
+    version, so each canary takes another cohort of about ``share`` of the fleet. A pure
+    function of the publication and the slot: every replica decides alone, the same way
+    after a restart."""
+    share = canary.share or 0.0
+    if share <= 0.0:
+        return False
+    if share >= 1.0:
+        return True
+    digest = hashlib.sha256(f"{canary.model}/{canary.policy_version}".encode()).digest()
+    offset = int.from_bytes(digest[:8], "big") / 2 ** 64
+    return (slot - offset) % 1.0 < share
 
 
 # --------------------------------------------------------------------------- the ledger
@@ -102,6 +150,13 @@ class PublicationLedger:
         self._ends: Consumer | None = None
         self._positions: dict[int, int] = {}
         self._promoted: dict[str, Publication] = {}
+        #: model -> version -> its PROMOTED publication, while in the log (rollback targets).
+        self._promotions: dict[str, dict[int, Publication]] = {}
+        #: model -> the open CANARY publication (newer than the incumbent, not decided since).
+        self._canary: dict[str, Publication] = {}
+        #: model -> the newest version whose canary ended (or that was promoted): a CANARY
+        #: read back after its own end (``record`` first) does not open again.
+        self._ended: dict[str, int] = {}
         self._decided: dict[str, int] = {}
         self._by_checkpoint: dict[str, Publication] = {}
         self._on_undecodable = on_undecodable
@@ -158,8 +213,33 @@ class PublicationLedger:
         self._fold(publication)
 
     def incumbent(self, model: str) -> Publication | None:
-        """The newest PROMOTED publication of ``model``, or None."""
+        """What every replica of ``model`` outside a canary serves: the newest PROMOTED
+        publication, or after the rollback of that one, the rolled-back-to version's (its
+        PROMOTED publication while in the log, else the rollback with ``uri`` and ``sha256`` of
+        that version and ``policy_version`` set to it). None before any promotion."""
         return self._promoted.get(model)
+
+    def waiting(self, model: str) -> Publication | None:
+        """The open CANARY publication of ``model`` (waiting for a decision: ``awaiting``),
+        or None."""
+        return self._canary.get(model)
+
+    def serving(self, model: str, slot: float) -> Publication | None:
+        """What the replica at canary ``slot`` serves: the open canary if it takes it
+        (``takes_canary``), else the incumbent."""
+        canary = self._canary.get(model)
+        if canary is not None and takes_canary(canary, slot):
+            return canary
+        return self._promoted.get(model)
+
+    def promoted_versions(self, model: str) -> list[int]:
+        """The versions of ``model`` with a PROMOTED publication still in the log, sorted
+        (a rolled-back one excluded)."""
+        return sorted(self._promotions.get(model, {}))
+
+    def promotion(self, model: str, version: int) -> Publication | None:
+        """The PROMOTED publication of ``version``, if it is still in the log."""
+        return self._promotions.get(model, {}).get(version)
 
     def decided_version(self, model: str) -> int | None:
         """The newest policy version of ``model`` with a decision (promoted or rejected)."""
@@ -226,11 +306,34 @@ class PublicationLedger:
         return taken
 
     def _fold(self, publication: Publication) -> None:
-        model, version = publication.model, publication.policy_version
-        if publication.decision is Decision.PROMOTED:
-            current = self._promoted.get(model)
+        """One publication, in log order (see the module docstring)."""
+        model, version, decision = publication.model, publication.policy_version, \
+            publication.decision
+        current = self._promoted.get(model)
+        canary = self._canary.get(model)
+        if decision is Decision.PROMOTED:
+            self._promotions.setdefault(model, {})[version] = publication
             if current is None or version >= current.policy_version:
                 self._promoted[model] = publication
+            if canary is not None and canary.policy_version <= version:
+                del self._canary[model]
+            self._ended[model] = max(self._ended.get(model, -1), version)
+        elif decision is Decision.CANARY:
+            if (current is None or version > current.policy_version) \
+                    and version > self._ended.get(model, -1):
+                self._canary[model] = publication
+        elif canary is not None and canary.policy_version == version:
+            del self._canary[model]  # a REJECTED or ROLLED_BACK canary: its replicas go back
+            self._ended[model] = max(self._ended.get(model, -1), version)
+        elif publication.share is not None:  # ends a canary not open here (read back)
+            self._ended[model] = max(self._ended.get(model, -1), version)
+        elif decision is Decision.ROLLED_BACK and current is not None \
+                and current.policy_version == version and publication.rolled_back_to is not None:
+            target = self._promotions.get(model, {}).get(publication.rolled_back_to)
+            self._promoted[model] = target if target is not None else dataclasses.replace(
+                publication, policy_version=publication.rolled_back_to,
+                decision=Decision.PROMOTED, measurement={})
+            self._promotions.get(model, {}).pop(version, None)
         if version > self._decided.get(model, -1):
             self._decided[model] = version
         self._by_checkpoint[publication.checkpoint_id] = publication

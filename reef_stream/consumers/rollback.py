@@ -23,6 +23,13 @@ the trainer then writes a rollback checkpoint (``rollback_checkpoint``;
 - ``rolled_back_to = I`` in the checkpoint and its ``Checkpoint`` event, so
   ``reef trace`` and ``reef top`` show it, and the metric ``rollbacks``.
 
+A version staged for release (a CANARY waiting for its live measurement or a
+person's approval, ``reef_stream.consumers.canary``) is no stall: it may be
+promoted soon. A person's rollback of a promoted version (``reef rollback``,
+a ROLLED_BACK publication) makes the rolled-back-to version the incumbent: a
+trainer then more than ``max_staleness`` past it has stalled, and rolls back
+to its weights as its next version in the same way (versions stay monotonic).
+
 The evaluator promotes a rollback without measuring it once it has checked
 that its weights are the incumbent's (they were measured when I was promoted)
 and that I is still the incumbent (``check_rollback``). Replicas load S + 1;
@@ -126,6 +133,8 @@ class StallWatch:
         incumbent = self.ledger.incumbent(self.model)
         reason = stall_reason(step, self.max_staleness, incumbent,
                               self.ledger.decided_version(self.model))
+        if self.ledger.waiting(self.model) is not None:
+            reason = None  # a staged version (canary, approval) may be promoted soon
         if reason is None or incumbent is None:
             self._logged = None
             return None

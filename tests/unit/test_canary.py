@@ -1,0 +1,259 @@
+"""Staged publication without a broker: the ledger's fold of stages (canary, rollback, approval),
+the keys compaction keeps per stage, canary cohorts, the live-reward fold, the decision rule, the
+publication cadence and a person's decisions."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from reef_stream.api.canary import Action, Arm, MeanDifference, Staged
+from reef_stream.consumers.canary import (
+    Release,
+    Tally,
+    cadence_reason,
+    stage,
+    verdict_publication,
+    waiting_reason,
+)
+from reef_stream.consumers.decisions import approval, rejection
+from reef_stream.consumers.decisions import rollback as rollback_of
+from reef_stream.consumers.publications import (
+    PublicationLedger,
+    canary_slot,
+    publication_key,
+    takes_canary,
+)
+from reef_stream.errors import ConfigurationError
+from reef_stream.topics.events import (
+    Checkpoint,
+    Decision,
+    Feedback,
+    FinishReason,
+    Generation,
+    Publication,
+    SamplingParams,
+)
+from tests.recipes.evaluators import HeldOutScore
+
+
+def pub(version: int, decision: Decision = Decision.PROMOTED, **fields) -> Publication:
+    base = dict(model="m", policy_version=version, checkpoint_id=f"c{version}",
+                uri=f"/pub/v{version}", sha256=f"sha{version}", decision=decision,
+                reason="because", evaluator="e", evaluated=True, created_at=1000 * version,
+                checkpoint_created_at=1000 * version)
+    base.update(fields)
+    return Publication(**base)
+
+
+def ledger_of(*publications: Publication) -> PublicationLedger:
+    ledger = PublicationLedger("unused:9092", "ns")
+    for publication in publications:
+        ledger.record(publication)
+    return ledger
+
+
+def test_each_stage_has_its_key_and_a_decided_canary_replaces_its_canary_record():
+    assert publication_key(pub(1)) == b"m"
+    assert publication_key(pub(2, Decision.REJECTED)) == b"m#rejected"
+    canary = pub(3, Decision.CANARY, share=0.5, awaiting="canary")
+    assert publication_key(canary) == b"m#canary"
+    ended = dataclasses.replace(canary, decision=Decision.ROLLED_BACK, rolled_back_to=1)
+    assert publication_key(ended) == b"m#canary"
+    assert publication_key(dataclasses.replace(canary, decision=Decision.REJECTED)) == b"m#canary"
+    assert publication_key(pub(3, Decision.ROLLED_BACK, rolled_back_to=1)) == b"m#rolled_back"
+
+
+def test_the_ledger_folds_a_canary_its_rollback_and_a_later_promotion():
+    canary = pub(2, Decision.CANARY, share=0.5, awaiting="canary")
+    ledger = ledger_of(pub(1), canary)
+    assert ledger.incumbent("m").policy_version == 1
+    assert ledger.waiting("m") == canary
+    rolled = verdict_publication(canary, pub(1), _verdict(Action.ROLL_BACK), Release(), "c")
+    assert (rolled.decision, rolled.rolled_back_to, rolled.uri) == \
+        (Decision.ROLLED_BACK, 1, "/pub/v1")
+    ledger.record(rolled)
+    ledger.record(canary)  # read back after its own end (record first): stays ended
+    assert ledger.waiting("m") is None and ledger.incumbent("m").policy_version == 1
+    assert ledger.decided_version("m") == 2
+    ledger.record(pub(3, Decision.CANARY, share=0.5, awaiting="canary"))
+    ledger.record(pub(3))
+    assert ledger.waiting("m") is None and ledger.incumbent("m").policy_version == 3
+
+
+def test_a_compacted_log_keeps_what_replicas_serve():
+    """Only the latest record per key survives compaction; the fold of what is left agrees."""
+    log = [pub(1), pub(2, Decision.CANARY, share=0.5, awaiting="canary"),
+           pub(2, Decision.ROLLED_BACK, share=0.5, rolled_back_to=1),
+           pub(3, Decision.REJECTED), pub(4), pub(4, Decision.ROLLED_BACK, rolled_back_to=1,
+                                                  uri="/pub/v1", sha256="sha1")]
+    latest = {publication_key(p): i for i, p in enumerate(log)}
+    compacted = [p for i, p in enumerate(log) if latest[publication_key(p)] == i]
+    for publications in (log, compacted):
+        ledger = ledger_of(*publications)
+        assert ledger.waiting("m") is None
+        incumbent = ledger.incumbent("m")
+        assert (incumbent.policy_version, incumbent.uri, incumbent.sha256) == \
+            (1, "/pub/v1", "sha1")
+
+
+def test_a_person_rolls_the_incumbent_back_and_a_newer_promotion_follows():
+    ledger = ledger_of(pub(1), pub(2), pub(3))
+    with pytest.raises(ConfigurationError, match="not earlier"):
+        rollback_of(ledger, "m", by="ann", to=3)
+    with pytest.raises(ConfigurationError, match="no PROMOTED publication"):
+        rollback_of(ledger, "m", by="ann", to=0)
+    with pytest.raises(ConfigurationError, match="no longer verifies"):
+        rollback_of(ledger, "m", by="ann")  # /pub/v2 does not exist
+    event = dataclasses.replace(pub(3), decision=Decision.ROLLED_BACK, rolled_back_to=2,
+                                uri="/pub/v2", sha256="sha2", decided_by="ann")
+    ledger.record(event)
+    assert ledger.incumbent("m") == pub(2)
+    assert ledger.promoted_versions("m") == [1, 2]
+    ledger.record(pub(4))
+    assert ledger.incumbent("m").policy_version == 4
+
+
+def test_approval_and_rejection_apply_to_the_waiting_version_only():
+    waiting = pub(2, Decision.CANARY, share=0.0, awaiting="approval")
+    ledger = ledger_of(pub(1), waiting)
+    with pytest.raises(ConfigurationError, match="not waiting for a decision"):
+        approval(ledger, "m", 1, by="ann")
+    with pytest.raises(ConfigurationError, match="must say why"):
+        rejection(ledger, "m", 2, by="ann", reason=" ")
+    approved = approval(ledger, "m", 2, by="ann", reason="read samples")
+    assert (approved.decision, approved.decided_by, approved.share) == \
+        (Decision.PROMOTED, "ann", None)
+    assert approved.reason == "approved by ann: read samples"
+    rejected = rejection(ledger, "m", 2, by="bob", reason="too long")
+    assert (rejected.decision, rejected.share, publication_key(rejected)) == \
+        (Decision.REJECTED, 0.0, b"m#canary")
+    ledger.record(rejected)
+    assert ledger.waiting("m") is None and ledger.incumbent("m").policy_version == 1
+
+
+def test_canary_cohorts_are_deterministic_and_exact_with_numbered_slots():
+    canary = pub(7, Decision.CANARY, share=0.5, awaiting="canary")
+    for n in (2, 4, 10):
+        taken = [takes_canary(canary, i / n) for i in range(n)]
+        assert sum(taken) == n // 2, n
+    ids = [f"replica-{i}" for i in range(2000)]
+    share = sum(takes_canary(canary, canary_slot(r)) for r in ids) / len(ids)
+    assert 0.45 < share < 0.55
+    assert canary_slot("replica-3") == canary_slot("replica-3")
+    other = dataclasses.replace(canary, policy_version=8)
+    assert [takes_canary(canary, canary_slot(r)) for r in ids] != \
+        [takes_canary(other, canary_slot(r)) for r in ids]  # another cohort per version
+    assert not takes_canary(dataclasses.replace(canary, share=0.0), 0.3)
+    assert takes_canary(dataclasses.replace(canary, share=1.0), 0.3)
+    ledger = ledger_of(pub(6), canary)
+    assert {ledger.serving("m", i / 4).policy_version for i in range(4)} == {6, 7}
+
+
+def _generation(gid: str, version: int, created_at: int = 5000, model: str = "m") -> Generation:
+    return Generation(
+        generation_id=gid, request_id=gid, prompt_id="p", model=model, policy_version=version,
+        replica_id="r", prompt_token_ids=np.array([1], dtype=np.int32),
+        completion_token_ids=np.array([2], dtype=np.int32),
+        completion_logprobs=np.array([-0.1], dtype=np.float32),
+        finish_reason=FinishReason.STOP, sampling=SamplingParams(max_tokens=1),
+        created_at=created_at)
+
+
+def _feedback(gid: str, reward: float, source: str = "exact") -> Feedback:
+    return Feedback(feedback_id=f"f-{gid}-{source}", generation_id=gid, source=source,
+                    reward=reward, created_at=6000)
+
+
+def test_the_tally_joins_in_any_order_once_per_generation_and_only_in_the_window():
+    """The two topics interleave in any way; one generation's feedback records keep their order
+    (they share a partition: keyed by generation id)."""
+    rng = random.Random(3)
+    blocks = []
+    for i in range(200):
+        version = (2, 1)[i % 2]
+        blocks.append([_generation(f"g{i}", version)])
+        blocks.append([_feedback(f"g{i}", float(version == 2) + rng.random()),
+                       _feedback(f"g{i}", 100.0)])  # a second feedback: not counted
+    blocks += [[_generation("old", 2, created_at=10)], [_feedback("old", 50.0)],
+               [_generation("other", 3)], [_feedback("other", 50.0)],
+               [_generation("m2", 2, model="n")], [_feedback("m2", 50.0)],
+               [_generation("src", 2)], [_feedback("src", 50.0, source="judge")]]
+    arms = []
+    for order in range(3):
+        shuffled = list(blocks)
+        if order:
+            random.Random(order).shuffle(shuffled)
+        tally = Tally("m", candidate=2, incumbent=1, since_ms=1000, source="exact")
+        for event in (event for block in shuffled for event in block):
+            (tally.generation if isinstance(event, Generation) else tally.feedback)(event)
+        arms.append(tally.arms())
+    for canary, incumbent in arms:
+        assert (canary.count, incumbent.count) == (100, 100)
+        assert canary.mean == pytest.approx(arms[0][0].mean)
+        assert canary.mean - incumbent.mean == pytest.approx(1.0, abs=0.15)
+
+
+def test_mean_difference_waits_then_promotes_or_rolls_back():
+    rule = MeanDifference(min_samples=50, z=2.0, margin=0.05)
+    assert rule.judge(Arm(2, 10, 1.0, 0.1), Arm(1, 500, 0.0, 0.1)).action is Action.WAIT
+    assert rule.judge(Arm(2, 100, 0.5, 0.04), Arm(1, 100, 0.8, 0.04)).action is Action.ROLL_BACK
+    promote = rule.judge(Arm(2, 100, 0.8, 0.04), Arm(1, 100, 0.7, 0.04))
+    assert promote.action is Action.PROMOTE and "not worse" in promote.reason
+    assert promote.figures["difference"] == pytest.approx(0.1)
+    assert rule.judge(Arm(2, 60, 0.69, 0.04), Arm(1, 60, 0.7, 0.04)).action is Action.WAIT
+    capped = MeanDifference(min_samples=50, max_samples=60, margin=0.05)
+    assert capped.judge(Arm(2, 60, 0.69, 0.04), Arm(1, 60, 0.7, 0.04)).action is Action.PROMOTE
+    with pytest.raises(ConfigurationError, match="share"):
+        MeanDifference(share=0)
+    assert Arm.of(1, [1.0, 3.0]) == Arm(1, 2, 2.0, 2.0)
+
+
+def _checkpoint(version: int, created_at: int) -> Checkpoint:
+    return Checkpoint(checkpoint_id=f"c{version}", recipe="r", trainer_group="g", step=version,
+                      model="m", policy_version=version, uri="/x", sha256="s", offsets=(),
+                      trained_unit_count=0, created_at=created_at)
+
+
+def test_the_publication_cadence_counts_on_the_trainers_clock():
+    incumbent = pub(1, checkpoint_created_at=10_000)
+    assert cadence_reason(_checkpoint(2, 14_000), incumbent, None) is None
+    reason = cadence_reason(_checkpoint(2, 14_000), incumbent, 5.0)
+    assert reason.startswith("publication cadence:") and "4.0 s" in reason
+    assert cadence_reason(_checkpoint(3, 15_000), incumbent, 5.0) is None
+    assert cadence_reason(_checkpoint(2, 11_000), None, 5.0) is None
+    rollback = dataclasses.replace(_checkpoint(2, 11_000), rolled_back_to=1)
+    assert cadence_reason(rollback, incumbent, 5.0) is None
+
+
+def test_the_release_policy_stages_what_the_offline_gate_promoted():
+    evaluator = Staged(HeldOutScore(), canary=MeanDifference(share=0.25), publish_every_s=3.0)
+    release = Release.of(evaluator)
+    assert (release.canary.share, release.require_approval, release.publish_every_s) == \
+        (0.25, False, 3.0)
+    assert Release.of(evaluator, canary_share=0.5).canary.share == 0.5
+    assert Release.of(evaluator, canary_share=0).canary is None
+    with pytest.raises(ConfigurationError, match="no canary"):
+        Release.of(HeldOutScore(), canary_share=0.5)
+    promoted = pub(2)
+    staged = stage(promoted, release, has_incumbent=True)
+    assert (staged.decision, staged.share, staged.awaiting) == (Decision.CANARY, 0.25, "canary")
+    assert stage(promoted, release, has_incumbent=False) == promoted  # a first version
+    approval_only = Release(require_approval=True)
+    held = stage(promoted, approval_only, has_incumbent=False)
+    assert (held.decision, held.share, held.awaiting) == (Decision.CANARY, 0.0, "approval")
+    assert "approval" in waiting_reason(held)
+    passed = verdict_publication(staged, pub(1), _verdict(Action.PROMOTE),
+                                 Release(canary=release.canary, require_approval=True), "c")
+    assert (passed.decision, passed.awaiting, passed.measurement["canary_mean"]) == \
+        (Decision.CANARY, "approval", 0.5)
+    assert Staged(HeldOutScore()).name == "held-out-score" and Staged(HeldOutScore()).evaluates
+
+
+def _verdict(action: Action):
+    from reef_stream.api.canary import Verdict
+
+    return Verdict(action, f"{action.value} by the test", {"canary_mean": 0.5})
