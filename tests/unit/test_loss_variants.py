@@ -1,0 +1,379 @@
+"""The loss and advantage variants (``reef_stream.api.variants``) against values computed by
+hand, each test naming the method or paper that introduced the variant."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from methods.grpo.objective import GroupNormalisedAdvantage
+from methods.sao.loss import TruncatedPolicyGradient
+from reef_stream.api.losses import (
+    POLICY_GRADIENT, ClippedPolicyGradient, ClippedWeightPolicyGradient, PolicyGradientInputs,
+)
+from reef_stream.api.recipe import Backend
+from reef_stream.api.schedule import Schedule
+from reef_stream.api.variants import (
+    AdvantageNormalisation, ConstantNormaliser, DecoupledProximal, EntropyBonus, KLEstimator,
+    KLPenalty, RatioLevel, SequenceMeanTokenMean, SequenceMeanTokenSum, TokenMean,
+)
+from reef_stream.engine.training import TorchBackend
+from reef_stream.errors import ConfigurationError
+from reef_stream.ops.metrics import (
+    LOSS_BEHAVIOUR_WEIGHT_MEAN, LOSS_CLIP_FRACTION_HIGH, LOSS_CLIP_FRACTION_LOW,
+    LOSS_DUAL_CLIP_FRACTION, LOSS_ENTROPY, LOSS_KL_REFERENCE, LOSS_RATIO_MEAN,
+    OBJECTIVE_DYNAMIC_SAMPLING_DROPPED,
+)
+from tests.recipes.trainable import recipe
+from tests.unit_log import rollout_unit
+
+
+def _inputs(logprobs, behaviour, advantages, mask=None, **extra):
+    """Float64 inputs; ``logprobs`` a leaf with a gradient."""
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    logprobs = as_tensor(logprobs).requires_grad_(True)
+    mask = torch.ones_like(logprobs, dtype=torch.bool) if mask is None else torch.tensor(mask)
+    extra = {k: (as_tensor(v).requires_grad_(k == "entropy")) for k, v in extra.items()}
+    return PolicyGradientInputs(logprobs=logprobs, behaviour_logprobs=as_tensor(behaviour),
+                                advantages=as_tensor(advantages), mask=mask, **extra)
+
+
+def _group(rewards):
+    return [np.array(g, dtype=np.float64) for g in rewards]
+
+
+# --------------------------------------------------------------------------- log-ratio clamp
+
+
+@pytest.mark.parametrize("loss", [ClippedPolicyGradient(), ClippedPolicyGradient(dual_clip=3.0),
+                                  ClippedWeightPolicyGradient(), TruncatedPolicyGradient()],
+                         ids=["ppo", "dual-clip", "cispo", "sao"])
+def test_a_behaviour_logprob_of_minus_100_gives_a_finite_loss_and_gradient(loss):
+    """Issue 18: exp(-1 + 100) overflows float32 (past 88.7); the log-ratio is clamped to
+    +-LOG_RATIO_BOUND (20) first, so the ratio is e^20, finite, in float32 as in float64."""
+    for dtype in (torch.float32, torch.float64):
+        inputs = PolicyGradientInputs(
+            logprobs=torch.tensor([[-1.0, -0.5]], dtype=dtype, requires_grad=True),
+            behaviour_logprobs=torch.tensor([[-100.0, -0.5]], dtype=dtype),
+            advantages=torch.tensor([[-1.0, 1.0]], dtype=dtype),
+            mask=torch.ones(1, 2, dtype=torch.bool))
+        out = loss(inputs)
+        out.loss.backward()
+        assert math.isfinite(out.loss.item()), dtype
+        assert torch.isfinite(inputs.logprobs.grad).all(), inputs.logprobs.grad
+        assert out.metrics[LOSS_RATIO_MEAN] == pytest.approx((math.exp(20.0) + 1) / 2, rel=1e-5)
+
+
+def test_the_ppo_loss_of_a_clamped_token_by_hand():
+    """PPO (Schulman et al. 2017) with the clamp: A = -1, log-ratio 99 -> 20, the unclipped
+    term e^20 * -1 is the min: loss e^20 / 1 token; the clamp holds the ratio, so no gradient."""
+    inputs = _inputs([[-1.0]], [[-100.0]], [[-1.0]])
+    out = ClippedPolicyGradient()(inputs)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(math.exp(20.0))
+    assert inputs.logprobs.grad.tolist() == [[0.0]]
+    inside = _inputs([[-1.0]], [[-11.0]], [[-1.0]])         # 10 < 20: untouched
+    assert ClippedPolicyGradient()(inside).loss.item() == pytest.approx(math.exp(10.0))
+
+
+# --------------------------------------------------------------------------- clip
+
+
+def test_clip_higher_by_hand():
+    """DAPO's clip-higher (Yu et al. 2025): epsilon 0.2 below, 0.28 above. r = 1.5, A = +1 ->
+    1.28; r = 0.5, A = -1 -> min(-0.5, -0.8) = -0.8; loss -(1.28 - 0.8) / 2 = -0.24."""
+    inputs = _inputs([[math.log(1.5), math.log(0.5)]], [[0.0, 0.0]], [[1.0, -1.0]])
+    out = ClippedPolicyGradient(epsilon=0.2, epsilon_high=0.28)(inputs)
+    assert out.loss.item() == pytest.approx(-0.24)
+    assert out.metrics[LOSS_CLIP_FRACTION_HIGH] == 0.5
+    assert out.metrics[LOSS_CLIP_FRACTION_LOW] == 0.5
+    symmetric = ClippedPolicyGradient(epsilon=0.2)(inputs)
+    assert float(symmetric.loss) == pytest.approx(-(1.2 - 0.8) / 2)
+
+
+def test_dual_clip_by_hand():
+    """Dual-clip PPO (Ye et al. 2020): A = -1, r = 5: PPO's min(-5, -1.2) = -5, bounded below
+    by c * A = -3: loss 3 and no gradient; without the dual clip loss 5, gradient -r * A = 5."""
+    inputs = _inputs([[math.log(5.0)]], [[0.0]], [[-1.0]])
+    out = ClippedPolicyGradient(dual_clip=3.0)(inputs)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(3.0)
+    assert inputs.logprobs.grad.tolist() == [[0.0]]
+    assert out.metrics[LOSS_DUAL_CLIP_FRACTION] == 1.0
+    plain = _inputs([[math.log(5.0)]], [[0.0]], [[-1.0]])
+    out = ClippedPolicyGradient()(plain)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(5.0)
+    assert plain.logprobs.grad.item() == pytest.approx(5.0)
+
+
+# --------------------------------------------------------------------------- ratio level
+
+
+def test_sequence_level_ratio_by_hand():
+    """GSPO (Zheng et al. 2025): one ratio a sequence, exp(mean log-ratio). Tokens 0.1 and 0.3
+    -> s = e^0.2 = 1.2214, A = +1: clipped at 1.2 (loss -1.2, no gradient); with epsilon 0.3
+    unclipped: loss -e^0.2, d/dlogp_t = -s / 2 for each of its 2 tokens; the padding token of
+    the row takes no part."""
+    log = [[0.1, 0.3, 0.0]]
+    mask = [[True, True, False]]
+    for epsilon, value, gradient in ((0.2, -1.2, 0.0),
+                                     (0.3, -math.exp(0.2), -math.exp(0.2) / 2)):
+        inputs = _inputs(log, [[0.0, 0.0, -7.0]], [[1.0, 1.0, 1.0]], mask)
+        out = ClippedPolicyGradient(epsilon=epsilon, ratio_level=RatioLevel.SEQUENCE,
+                                    aggregation=SequenceMeanTokenMean())(inputs)
+        out.loss.backward()
+        assert out.loss.item() == pytest.approx(value)
+        assert inputs.logprobs.grad[0].tolist() == pytest.approx([gradient, gradient, 0.0])
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+@pytest.mark.parametrize("aggregation, expected", [
+    (TokenMean(), (-2 + 3) / 4),              # DAPO's token-level loss
+    (SequenceMeanTokenMean(), (-2 + 1) / 2),  # the original GRPO
+    (SequenceMeanTokenSum(), (-2 + 3) / 2),
+    (ConstantNormaliser(4), (-2 + 3) / (2 * 4)),  # Dr. GRPO
+])
+def test_aggregations_by_hand(aggregation, expected):
+    """On policy (r = 1) the terms are -A: a 1-token sequence with A = 2 (term -2) and a
+    3-token one with A = -1 (terms 1, 1, 1): token-mean (DAPO) 0.25, seq-mean-token-mean
+    (GRPO) -0.5, seq-mean-token-sum 0.5, constant normaliser 4 (Dr. GRPO) 0.125."""
+    inputs = _inputs([[-1.0, 0.0, 0.0], [-1.0, -1.0, -1.0]], [[-1.0, 0.0, 0.0], [-1.0] * 3],
+                     [[2.0, 0.0, 0.0], [-1.0] * 3], [[True, False, False], [True] * 3])
+    assert ClippedPolicyGradient(aggregation=aggregation)(inputs).loss.item() == pytest.approx(
+        expected)
+
+
+# --------------------------------------------------------------------------- CISPO
+
+
+def test_cispo_clipped_weights_by_hand():
+    """CISPO (MiniMax-M1, 2025): weights clip(r, 1 - 0.5, 1 + 0.2) without gradient, times
+    A * logprob. r = e^0.5 -> 1.2, r = e^-1 -> 0.5; A = 1: loss -(1.2 * -0.5 + 0.5 * -2) / 2 =
+    0.8, gradient -(1.2, 0.5) / 2: every token keeps a gradient, clipped or not."""
+    inputs = _inputs([[-0.5, -2.0]], [[-1.0, -1.0]], [[1.0, 1.0]])
+    out = ClippedWeightPolicyGradient(epsilon_high=0.2, epsilon_low=0.5)(inputs)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(0.8)
+    assert inputs.logprobs.grad[0].tolist() == pytest.approx([-0.6, -0.25])
+    assert out.metrics[LOSS_CLIP_FRACTION_HIGH] == 0.5 and out.metrics[LOSS_CLIP_FRACTION_LOW] == 0.5
+    unbounded = _inputs([[-0.5, -2.0]], [[-1.0, -1.0]], [[1.0, 1.0]])
+    out = ClippedWeightPolicyGradient(epsilon_high=0.2)(unbounded)   # no lower bound
+    assert out.loss.item() == pytest.approx(-(1.2 * -0.5 + math.exp(-1) * -2.0) / 2)
+
+
+# --------------------------------------------------------------------------- penalties
+
+
+@pytest.mark.parametrize("estimator, per_token", [
+    (KLEstimator.K1, [0.5, -1.0]),
+    (KLEstimator.K2, [0.125, 0.5]),
+    (KLEstimator.K3, [math.exp(-0.5) - 0.5, math.e - 2.0]),
+])
+def test_kl_penalty_estimators_by_hand(estimator, per_token):
+    """Schulman's k1/k2/k3 ("Approximating KL divergence", 2020; k3 as in GRPO), with
+    d = reference - current = (-0.5, 1): k1 = -d, k2 = d^2 / 2, k3 = e^d - 1 - d. A = 0, so
+    the loss is 0.1 * their token mean, as is the metric without the coefficient."""
+    inputs = _inputs([[-1.0, -2.0]], [[-1.0, -2.0]], [[0.0, 0.0]],
+                     reference_logprobs=[[-1.5, -1.0]])
+    loss = ClippedPolicyGradient(kl=KLPenalty(0.1, estimator))
+    out = loss(inputs)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(0.1 * sum(per_token) / 2)
+    assert out.metrics[LOSS_KL_REFERENCE] == pytest.approx(sum(per_token) / 2)
+    d = np.array([-0.5, 1.0])
+    derivative = {KLEstimator.K1: np.ones(2), KLEstimator.K2: -d,
+                  KLEstimator.K3: 1 - np.exp(d)}[estimator]          # d k / d current
+    assert inputs.logprobs.grad[0].tolist() == pytest.approx((0.1 * derivative / 2).tolist())
+
+
+def test_entropy_bonus_by_hand():
+    """The entropy bonus (A3C, Mnih et al. 2016): A = 0, entropies (1.0, 0.5), coefficient
+    0.1: loss -0.1 * 0.75, metric 0.75, gradient -0.1 / 2 on each token's entropy."""
+    inputs = _inputs([[-1.0, -1.0]], [[-1.0, -1.0]], [[0.0, 0.0]], entropy=[[1.0, 0.5]])
+    out = ClippedPolicyGradient(entropy=EntropyBonus(0.1))(inputs)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(-0.075)
+    assert out.metrics[LOSS_ENTROPY] == pytest.approx(0.75)
+    assert inputs.entropy.grad[0].tolist() == pytest.approx([-0.05, -0.05])
+
+
+def test_a_loss_asks_the_backend_for_what_its_options_need():
+    """The extra inputs follow the options; a loss given inputs without them says which."""
+    assert ClippedPolicyGradient().extra_inputs == frozenset()
+    options = ClippedPolicyGradient(kl=KLPenalty(0.1), entropy=EntropyBonus(0.01),
+                                    proximal=DecoupledProximal())
+    assert {e.value for e in options.extra_inputs} == {
+        "reference_logprobs", "entropy", "proximal_logprobs"}
+    with pytest.raises(Exception, match="needs reference_logprobs"):
+        ClippedPolicyGradient(kl=KLPenalty(0.1))(_inputs([[-1.0]], [[-1.0]], [[1.0]]))
+
+
+# --------------------------------------------------------------------------- decoupled PPO
+
+
+def test_decoupled_proximal_policy_by_hand():
+    """Decoupled PPO (Hilton et al. 2022; AReaL): behaviour -3, proximal -2, current -1.9,
+    A = +1. Against the proximal policy r = e^0.1 = 1.105 (inside the clip), times the behaviour
+    weight min(e^(-2 + 3), 2) = 2: loss -2 e^0.1, gradient -2 e^0.1. Untruncated the weight is e.
+    Clipped against the behaviour policy instead, r = e^1.1 > 1.2: loss -1.2, no gradient."""
+    def run(loss):
+        inputs = _inputs([[-1.9]], [[-3.0]], [[1.0]], proximal_logprobs=[[-2.0]])
+        out = loss(inputs)
+        out.loss.backward()
+        return out.loss.item(), inputs.logprobs.grad.item(), out.metrics
+
+    value, gradient, metrics = run(ClippedPolicyGradient(proximal=DecoupledProximal(2.0)))
+    assert value == pytest.approx(-2 * math.exp(0.1))
+    assert gradient == pytest.approx(-2 * math.exp(0.1))
+    assert metrics[LOSS_BEHAVIOUR_WEIGHT_MEAN] == pytest.approx(2.0)
+    value, _, _ = run(ClippedPolicyGradient(proximal=DecoupledProximal(None)))
+    assert value == pytest.approx(-math.e * math.exp(0.1))
+    value, gradient, _ = run(ClippedPolicyGradient())
+    assert (value, gradient) == (pytest.approx(-1.2), 0.0)
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+@pytest.mark.parametrize("normalisation, expected", [
+    (AdvantageNormalisation.GROUP_POPULATION_STD, [[1, -1, -1, 1], [1 / 3 ** .5] * 3 + [-3 ** .5]]),
+    (AdvantageNormalisation.GROUP_SAMPLE_STD, [[.5 / (1 / 3) ** .5 * s for s in (1, -1, -1, 1)],
+                                               [.25 / .5] * 3 + [-.75 / .5]]),
+    (AdvantageNormalisation.NONE, [[.5, -.5, -.5, .5], [.25, .25, .25, -.75]]),
+    (AdvantageNormalisation.BATCH_STD, [[c / 1.75 ** .5 * 8 ** .5 for c in (.5, -.5, -.5, .5)],
+                                        [c / 1.75 ** .5 * 8 ** .5 for c in (.25,) * 3 + (-.75,)]]),
+])
+def test_advantage_normalisations_by_hand(normalisation, expected):
+    """Groups (1, 0, 0, 1) and (1, 1, 1, 0), centred (.5, -.5, -.5, .5) and (.25, .25, .25,
+    -.75): GRPO's population std (.5; .433), the sample std (.577; .5), none (Dr. GRPO, Liu et
+    al. 2025), the batch std sqrt(1.75 / 8) (REINFORCE++-baseline, Hu et al. 2025)."""
+    objective = GroupNormalisedAdvantage(epsilon=1e-12, normalisation=normalisation)
+    units = [rollout_unit(i) for i in range(2)]
+    units = [dataclasses.replace(u, members=tuple(dataclasses.replace(m, reward=float(r))
+                                                  for m, r in zip(u.members, rewards)))
+             for u, rewards in zip(units, ([1, 0, 0, 1], [1, 1, 1, 0]))]
+    result = objective.compute(units, objective.initial_state())
+    assert np.asarray(result.advantages.values).tolist() == pytest.approx(
+        [v for group in expected for v in group], rel=1e-5)
+    assert result.advantages.keep is None
+
+
+def test_dynamic_sampling_drops_groups_with_all_equal_rewards():
+    """DAPO's dynamic sampling (Yu et al. 2025): of groups (1,1,1,1), (1,0,0,1), (0,0,0,0) the
+    first and last carry no signal: dropped (keep False on their samples), 2/3 counted; the
+    batch std leaves them out (the kept group's centred rewards alone: std .5)."""
+    units = [rollout_unit(i) for i in range(3)]
+    units = [dataclasses.replace(u, members=tuple(dataclasses.replace(m, reward=float(r))
+                                                  for m, r in zip(u.members, rewards)))
+             for u, rewards in zip(units, ([1] * 4, [1, 0, 0, 1], [0] * 4))]
+    objective = GroupNormalisedAdvantage(epsilon=1e-12, dynamic_sampling=True,
+                                         normalisation=AdvantageNormalisation.BATCH_STD)
+    result = objective.compute(units, objective.initial_state())
+    assert np.asarray(result.advantages.keep).tolist() == [False] * 4 + [True] * 4 + [False] * 4
+    assert result.metrics[OBJECTIVE_DYNAMIC_SAMPLING_DROPPED] == pytest.approx(2 / 3)
+    assert np.asarray(result.advantages.values)[4:8].tolist() == pytest.approx([1, -1, -1, 1])
+    off = GroupNormalisedAdvantage().compute(units, GroupNormalisedAdvantage().initial_state())
+    assert off.advantages.keep is None and OBJECTIVE_DYNAMIC_SAMPLING_DROPPED not in off.metrics
+
+
+# --------------------------------------------------------------------------- typed options
+
+
+@pytest.mark.parametrize("build, words", [
+    (lambda: ClippedPolicyGradient(dual_clip=0.5), "dual_clip must be a finite number > 1"),
+    (lambda: ClippedPolicyGradient(epsilon_high=-0.1), "epsilon_high must be"),
+    (lambda: ClippedPolicyGradient(aggregation="token-mean"), "aggregation must be one of"),
+    (lambda: ClippedPolicyGradient(ratio_level="sequence"), "ratio_level must be a RatioLevel"),
+    (lambda: ClippedPolicyGradient(log_ratio_bound=100.0), "log_ratio_bound must be in"),
+    (lambda: ClippedWeightPolicyGradient(epsilon_low=1.5), "epsilon_low must be"),
+    (lambda: KLPenalty(-1.0), "KLPenalty.coefficient must be"),
+    (lambda: KLPenalty(0.1, "k3"), "estimator must be a KLEstimator"),
+    (lambda: ConstantNormaliser(0), "tokens_per_sequence must be"),
+    (lambda: DecoupledProximal(weight_cap=0.0), "weight_cap must be"),
+    (lambda: GroupNormalisedAdvantage(normalisation="none"), "must be an AdvantageNormalisation"),
+])
+def test_options_are_checked_when_built(build, words):
+    with pytest.raises(ConfigurationError, match=words):
+        build()
+
+
+# --------------------------------------------------------------------------- in the backend
+
+
+def _backend(loss, schedule=None):
+    schedule = schedule or Schedule(units_per_step=2, optimizer_batch_size=2, micro_batch_size=1,
+                                    epochs=1, seed=3, max_staleness=3)
+    configured = dataclasses.replace(recipe, schedule=schedule, backend=Backend(
+        name="torch", loss_families=(POLICY_GRADIENT,), model=recipe.backend.model,
+        losses={POLICY_GRADIENT: loss}))
+    return TorchBackend(configured), configured
+
+
+def _step(backend, configured, units, step):
+    result = configured.objective.compute(units, configured.objective.initial_state())
+    return backend.train_step(units, result, step)
+
+
+def test_the_kl_reference_is_a_frozen_copy_of_the_initial_policy():
+    """GRPO's KL penalty: the backend keeps the seeded initial weights, never trained; the KL
+    to them is 0 before the first update and grows as the policy moves; the step reports it,
+    the entropy and the clip fraction per side."""
+    loss = ClippedPolicyGradient(kl=KLPenalty(0.05), entropy=EntropyBonus(0.01),
+                                 epsilon_high=0.28)
+    schedule = Schedule(units_per_step=2, optimizer_batch_size=2, micro_batch_size=2, epochs=1,
+                        seed=3, max_staleness=3)
+    backend, configured = _backend(loss, schedule)
+    frozen = {k: v.clone() for k, v in backend.reference.state_dict().items()}
+    assert all(torch.equal(frozen[k], v) for k, v in backend.state()[0].items())
+    first = _step(backend, configured, [rollout_unit(0), rollout_unit(1)], 1)
+    assert first[LOSS_KL_REFERENCE] == pytest.approx(0.0, abs=1e-7)
+    for step in range(2, 6):
+        metrics = _step(backend, configured, [rollout_unit(2 * step), rollout_unit(2 * step + 1)],
+                        step)
+    assert metrics[LOSS_KL_REFERENCE] > 1e-6
+    assert all(torch.equal(frozen[k], v) for k, v in backend.reference.state_dict().items())
+    assert metrics[LOSS_ENTROPY] > 0
+    assert {LOSS_CLIP_FRACTION_LOW, LOSS_CLIP_FRACTION_HIGH} <= set(metrics)
+
+
+def test_the_proximal_policy_is_the_weights_at_the_start_of_the_step():
+    """Decoupled PPO in the backend: two updates a step; the proximal logprobs are recomputed
+    once, before the first, so the behaviour weight of the step's tokens is the same as the
+    loss computes it by hand from the start-of-step weights and the recorded logprobs."""
+    loss = ClippedPolicyGradient(proximal=DecoupledProximal(weight_cap=None))
+    schedule = Schedule(units_per_step=2, optimizer_batch_size=1, micro_batch_size=1, epochs=1,
+                        shuffle=False, seed=3, max_staleness=3)
+    backend, configured = _backend(loss, schedule)
+    units = [rollout_unit(0), rollout_unit(1)]
+    from reef_stream.engine.training import collate, completion_logprobs
+    with torch.no_grad():
+        weights = []
+        for unit in units:
+            batch = collate(unit.members)
+            start = completion_logprobs(backend.model(batch.input_ids, batch.attention_mask),
+                                        batch)
+            weights.append(torch.exp(start - batch.behaviour_logprobs).mean().item())
+    metrics = _step(backend, configured, units, 1)
+    assert metrics[LOSS_BEHAVIOUR_WEIGHT_MEAN] == pytest.approx(np.mean(weights), rel=1e-5)
+
+
+def test_a_step_with_a_behaviour_logprob_of_minus_100_trains():
+    """Issue 18: such a sample stopped the trainer with NonFiniteStep, replayed identically
+    forever; clamped, the step trains and the weights stay finite."""
+    unit = rollout_unit(0)
+    first = unit.members[0]
+    logprobs = first.completion_logprobs.copy()
+    logprobs[0] = -100.0
+    unit = dataclasses.replace(unit, members=(dataclasses.replace(
+        first, completion_logprobs=logprobs), *unit.members[1:]))
+    backend, configured = _backend(ClippedPolicyGradient())
+    metrics = _step(backend, configured, [unit, rollout_unit(1)], 1)
+    assert math.isfinite(metrics["loss"])
+    assert all(torch.isfinite(v).all() for v in backend.state()[0].values())
