@@ -223,6 +223,10 @@ class Recipe:
     #: Feedback sources produced outside ``reef reward`` (humans, environments, judges) that
     #: the processor may wait for, besides the reward function's ``source``.
     external_sources: tuple[str, ...] = ()
+    #: Where ``reef reward`` may run the reward function: "thread" (anywhere) or "process"
+    #: (required in a sandbox process, ``reef reward --sandbox process``; a worker started
+    #: without it refuses to start): for a reward that runs code a model wrote.
+    reward_sandbox: str = "thread"
 
 
 def recipe_problems(recipe: Any, *, registry: SchemaRegistry | None = None, trains: bool = False,

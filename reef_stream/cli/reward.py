@@ -54,11 +54,40 @@ from reef_stream.cli.recipe_options import set_option
               help="Stop after this many seconds without a new generation and nothing in flight "
                    "(at least 30 s while the worker holds no partition: a rebalance may be "
                    "under way) [default: run until stopped].")
+@click.option("--slow-concurrency", type=click.IntRange(min=0), default=None,
+              help="Slots of the slow lane, apart from the --concurrency fast ones: tries again "
+                   "after a timeout, and calls that ran past the fast lane's deadline "
+                   "[default: a quarter of --concurrency, at least 1; 0: no slow lane].")
+@click.option("--adaptive-timeout/--fixed-timeout", default=True, show_default=True,
+              help="Whether a fast-lane call leaves the fast lane after 3 x the observed p99 "
+                   "(at least 0.1 s): moved to the slow lane while it has room, else timed out.")
+@click.option("--sandbox", type=click.Choice(["thread", "process"]), default="thread",
+              show_default=True,
+              help="Where the reward function runs: on a thread of the worker, or in a pool of "
+                   "sandbox processes (killed at the timeout; CPU, memory, file size, open "
+                   "files and process limits; a fresh directory per call; no network where "
+                   "the kernel allows it). A sandbox failure is a dead letter with its "
+                   "category (error type sandbox.<category>), never a reward.")
+@click.option("--sandbox-workers", type=click.IntRange(min=1), default=None,
+              help="Sandbox worker processes [default: every lane's slots + 2].")
+@click.option("--sandbox-cpu", type=click.IntRange(min=1), default=10, show_default=True,
+              metavar="SECONDS", help="CPU seconds of one sandboxed call.")
+@click.option("--sandbox-memory", type=click.IntRange(min=1), default=1024, show_default=True,
+              metavar="MB", help="Address space of one sandboxed call, beyond the worker's.")
+@click.option("--sandbox-file-size", type=click.IntRange(min=1), default=64, show_default=True,
+              metavar="MB", help="The largest file one sandboxed call may write.")
+@click.option("--sandbox-open-files", type=click.IntRange(min=1), default=256,
+              show_default=True, help="Open files of one sandboxed call.")
+@click.option("--sandbox-processes", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Processes one sandboxed call may run (its user's, see the README).")
 @metrics_port_option
 @click.pass_context
 def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
            group: str | None, timeout: float, retries: int, backoff: float, grace: float,
-           max_records: int | None, idle_exit: float | None, metrics_port: int | None,
+           max_records: int | None, idle_exit: float | None, slow_concurrency: int | None,
+           adaptive_timeout: bool, sandbox: str, sandbox_workers: int | None, sandbox_cpu: int,
+           sandbox_memory: int, sandbox_file_size: int, sandbox_open_files: int,
+           sandbox_processes: int, metrics_port: int | None,
            overrides: tuple[str, ...] = ()) -> None:
     """Score generations with a recipe's reward function and emit Feedback.
 
@@ -71,6 +100,13 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
     so a killed worker re-reads at most its uncommitted tail (duplicate
     feedback has the same id; the processor drops it).
 
+    A try that timed out is tried again only in the slow lane (--slow-concurrency
+    slots of its own), never in the fast one; a fast-lane call past 3 x the observed
+    p99 moves there (--adaptive-timeout), so a few hanging calls cannot fill the
+    fast lane. With --sandbox process each call runs in a pre-started sandbox
+    process and is killed (its whole process group) at --timeout; the start-up log
+    says whether the calls' network is isolated.
+
     Stops on SIGTERM or Ctrl-C (running calls finish, up to --grace), on
     --max-records or --idle-exit, and prints a one-line summary: records,
     rewarded, failed, invalid, undecodable, retried, timed_out, dropped. The
@@ -80,12 +116,20 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
     from reef_stream.config import load_settings
     from reef_stream.consumers.reward import RewardOptions, RewardWorker
     from reef_stream.api.recipe import load_recipe
+    from reef_stream.sandbox.categories import Limits
 
     settings = ctx.obj if ctx.obj is not None else load_settings()
     recipe = load_recipe(path, overrides=overrides)
     options = RewardOptions(concurrency=concurrency, backlog=backlog, timeout=timeout,
                             retries=retries, backoff=backoff, grace=grace, group=group,
-                            max_records=max_records, idle_exit=idle_exit)
+                            max_records=max_records, idle_exit=idle_exit,
+                            slow_concurrency=slow_concurrency, adaptive=adaptive_timeout,
+                            sandbox=sandbox, sandbox_target=path,
+                            sandbox_overrides=tuple(overrides), sandbox_size=sandbox_workers,
+                            sandbox_limits=Limits(cpu_s=sandbox_cpu, memory_mb=sandbox_memory,
+                                                  file_mb=sandbox_file_size,
+                                                  open_files=sandbox_open_files,
+                                                  processes=sandbox_processes))
     worker = RewardWorker(recipe, settings=settings, options=options)
     serve_metrics(metrics_port)
     # SIGTERM/SIGINT stop the worker cleanly; a second one stops it without the grace period.

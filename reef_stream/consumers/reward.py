@@ -126,8 +126,10 @@ from reef_stream.topics import declarations
 from reef_stream.topics.kafka import Message, TopicPartition
 from reef_stream.topics.serde import decode
 from reef_stream.consumers.reward_calls import (
-    CallSlots, Slot, Work, cancel_all, is_coroutine_function,
+    FAST, SLOW, CallSlots, RewardOptions, Work, cancel_all, is_coroutine_function,
 )
+from reef_stream.sandbox.categories import SandboxFailure
+from reef_stream.sandbox.pool import SandboxPool
 from reef_stream.consumers.stage import MessageRejected, StageLoop
 
 __all__ = ["RewardOptions", "RewardSummary", "RewardWorker", "default_group"]
@@ -163,52 +165,6 @@ def default_group(recipe: Recipe, namespace: str) -> str:
     Under the namespace, so two pipelines sharing a cluster never share workers.
     """
     return f"{namespace}.reward.{recipe.name}"
-
-
-@dataclass(frozen=True)
-class RewardOptions:
-    """How a worker runs; validated by ``problems()``.
-
-    ``retries``: extra tries after the first (0 = one try). ``backlog``: generations taken
-    and not yet settled at most [default: ``DEFAULT_BACKLOG`` or ``2 * concurrency`` if more]
-    (see the module docstring). ``max_records``:
-    stop after taking this many records. ``idle_exit``: stop after this many
-    seconds without a new record and nothing in flight.
-    """
-
-    concurrency: int = 8
-    backlog: int | None = None
-    timeout: float = 30.0
-    retries: int = 2
-    backoff: float = 0.5
-    grace: float = 30.0
-    group: str | None = None
-    max_records: int | None = None
-    idle_exit: float | None = None
-    #: Per partition of the generations topic, the offset to stop before (``reef rescore``):
-    #: a record at or past it is never taken, so never scored and never committed past.
-    until: Mapping[int, int] | None = None
-
-    def problems(self) -> list[str]:
-        found = []
-        if self.concurrency < 1:
-            found.append(f"concurrency must be at least 1, not {self.concurrency}")
-        if self.backlog is not None and self.backlog < self.concurrency:
-            found.append(f"backlog must be at least the concurrency ({self.concurrency}), "
-                         f"not {self.backlog}")
-        if not self.timeout > 0:
-            found.append(f"timeout must be more than 0 seconds, not {self.timeout}")
-        if self.retries < 0:
-            found.append(f"retries must be 0 or more, not {self.retries}")
-        if self.backoff < 0:
-            found.append(f"backoff must be 0 or more seconds, not {self.backoff}")
-        if self.grace < 0:
-            found.append(f"grace must be 0 or more seconds, not {self.grace}")
-        if self.max_records is not None and self.max_records < 1:
-            found.append(f"max records must be at least 1, not {self.max_records}")
-        if self.idle_exit is not None and not self.idle_exit > 0:
-            found.append(f"idle exit must be more than 0 seconds, not {self.idle_exit}")
-        return found
 
 
 @dataclass
@@ -292,6 +248,10 @@ class RewardWorker(CallSlots):
         problems = options.problems()
         if recipe.reward is None:
             problems.append(f"recipe {recipe.name!r} has no reward function (Recipe(reward=...))")
+        if getattr(recipe, "reward_sandbox", "thread") == "process" \
+                and options.sandbox != "process":
+            problems.append(f"recipe {recipe.name!r} requires its reward function to run in a "
+                            "sandbox process (reward_sandbox='process'): use --sandbox process")
         if problems:
             raise ConfigurationError(problems)
         self.recipe = recipe
@@ -308,7 +268,10 @@ class RewardWorker(CallSlots):
         self._spool_lock: int | None = None
         self._consumer_config = consumer_config or {}
         self._on_outcome = on_outcome
-        self._is_async = is_coroutine_function(self.reward)
+        pool = None if options.sandbox != "process" else SandboxPool(
+            options.sandbox_target, overrides=options.sandbox_overrides,
+            limits=options.sandbox_limits, size=options.pool_size())
+        self._is_async = pool is None and is_coroutine_function(self.reward)
         self._stop = threading.Event()
         #: Ends the stage loop: a stop, --idle-exit, --max-records, a fatal outcome (only a
         #: stop also drops the calls not started yet).
@@ -330,9 +293,10 @@ class RewardWorker(CallSlots):
         self._ready = threading.Condition()  # sync runners wait here
         self._work_ready: asyncio.Event | None = None  # async runners wait here
         self._tasks: list[asyncio.Task] = []  # the async runners (the loop keeps weak refs)
-        self._slots: set[Slot] = set()  # the sync runners' tries, for the watchdog
+        self._slots: set = set()  # the sync runners' tries, for the watchdog
         self._watch_stop = threading.Event()
         self._metrics: PeriodicMetrics | None = None
+        self._init_calls(pool)
 
     # ----------------------------------------------------------------- public
 
@@ -365,6 +329,8 @@ class RewardWorker(CallSlots):
                                        daemon=True)
         loop_thread.start()
         self._loop, self._loop_thread, self._producer = loop, loop_thread, producer
+        if self._pool is not None:
+            self._pool.start()
         self._start_runners()
         self._start_metrics()
         self._last_assigned = time.monotonic()  # the idle clock starts at the subscription
@@ -394,8 +360,9 @@ class RewardWorker(CallSlots):
 
             asyncio.run_coroutine_threadsafe(start(), self._loop).result()
             return
-        for _ in range(count):
-            threading.Thread(target=self._runner, name="reef-reward-call", daemon=True).start()
+        for lane, slots in ((FAST, count), (SLOW, self._slow_lanes)):
+            for _ in range(slots):
+                self._start_runner(None, lane)
         threading.Thread(target=self._watch, name="reef-reward-watchdog", daemon=True).start()
 
     # ----------------------------------------------------------------- taking records
@@ -456,10 +423,11 @@ class RewardWorker(CallSlots):
     def _drop_queued(self) -> None:
         """At a stop: drop the queued records at once (uncommitted: the group reads them again)."""
         dropped = 0
-        with suppress(IndexError):
-            while True:  # popleft: a call slot may take one meanwhile
-                self._queue.popleft()
-                dropped += 1
+        for queue in (self._queue, self._slow_queue):
+            with suppress(IndexError):
+                while True:  # popleft: a call slot may take one meanwhile
+                    queue.popleft()
+                    dropped += 1
         if dropped:
             with self._lock:
                 self._in_flight -= dropped
@@ -502,17 +470,25 @@ class RewardWorker(CallSlots):
         self._emit(self._dead_letter(work.message, reason, "InvalidRecord"), work.entry, "invalid")
 
     def _failed(self, work: Work) -> None:
-        """Emit the dead letter of a generation whose every try raised or timed out."""
+        """Emit the dead letter of a generation whose every try raised or timed out, or that
+        ended in a sandbox failure (``error_type`` ``sandbox.<category>``)."""
         self.summary.add(failed=1)
         tries, timeouts, last_error = work.tries, work.timeouts, work.error
+        error_type = getattr(last_error, "error_type", type(last_error).__name__)
+        if isinstance(last_error, SandboxFailure):
+            reason = (f"reward function {self.reward.source!r} ended without a reward in the "
+                      f"sandbox for generation {work.generation.generation_id} after {tries} "
+                      f"{'try' if tries == 1 else 'tries'}: {last_error} (category "
+                      f"{last_error.category})")
+            self._emit(self._dead_letter(work.message, reason, error_type), work.entry, "failed")
+            return
         raised = tries - timeouts
         counts = f"{timeouts} timed out, {raised} raised" if timeouts and raised else \
             ("all timed out" if timeouts else "all raised")
         reason = (f"reward function {self.reward.source!r} failed on every one of "
                   f"{tries} tries ({counts}) for generation {work.generation.generation_id}; "
-                  f"last error: {type(last_error).__name__}: {last_error}")
-        self._emit(self._dead_letter(work.message, reason, type(last_error).__name__),
-                   work.entry, "failed")
+                  f"last error: {error_type}: {last_error}")
+        self._emit(self._dead_letter(work.message, reason, error_type), work.entry, "failed")
 
     def _dropped(self, work: Work) -> bool:
         """True if ``work``'s partition was revoked since it was taken (even if assigned again:
@@ -602,14 +578,17 @@ class RewardWorker(CallSlots):
         interval passed, then flush for up to 5 s. Consumer thread only; never raises."""
         if self._metrics is None:
             return
-        def write(writer: MetricsWriter, counters: dict[str, float]) -> None:
+        def write(writer: MetricsWriter, state: tuple) -> None:
+            counters = state[0]
+            self._write_call_metrics(writer)
             for attribute, name in _COUNTER_METRICS.items():
                 writer.write(name, counters[attribute])
             if counters["rewarded"]:
                 writer.write(REWARD_MEAN, counters["reward_sum"] / counters["rewarded"],
                              source=self.reward.source)
 
-        self._metrics.emit(self.summary.counters, write, final=final)
+        self._metrics.emit(lambda: (self.summary.counters(), self._saturated_slots(),
+                                    len(self._slow_queue) + self._demoted), write, final=final)
 
     # ----------------------------------------------------------------- offsets and rebalances
 
@@ -677,6 +656,8 @@ class RewardWorker(CallSlots):
             abandoned = self._in_flight
         with self._ready:  # the call threads and the watchdog end
             self._ready.notify_all()
+        with self._slow_ready:
+            self._slow_ready.notify_all()
         self._watch_stop.set()
         if abandoned:
             log.warning("%d generations had no stored outcome at stop; their offsets stay "
@@ -686,6 +667,8 @@ class RewardWorker(CallSlots):
             self._loop_thread.join(5)
             producer.close(5)
         finally:
+            if self._pool is not None:
+                self._pool.close()
             self._emit_metrics(final=True)
             if self._spool_lock is not None:
                 os.close(self._spool_lock)

@@ -22,19 +22,123 @@ import asyncio
 import inspect
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
+from reef_stream.ops.metrics import (
+    REWARD_CALL_P50, REWARD_CALL_P99, REWARD_SATURATED_SLOTS, REWARD_SATURATION, REWARD_SLOW_LANE,
+    SANDBOX_CALL_P50, SANDBOX_CALL_P99, SANDBOX_COLD_STARTS, SANDBOX_FAILURES, SANDBOX_LIVE,
+    SANDBOX_NETWORK_ISOLATED, SANDBOX_POOL_SIZE, SANDBOX_RESTARTS, SANDBOX_START_P50,
+    SANDBOX_START_P99, SANDBOX_WARM_STARTS,
+)
+from reef_stream.sandbox.categories import CATEGORIES, TIMEOUT, Limits, SandboxFailure
+from reef_stream.sandbox.latency import LatencyWindow
+from reef_stream.sandbox.pool import Ticket
 from reef_stream.topics.events import Generation
 from reef_stream.topics.kafka import Message
 
-if TYPE_CHECKING:
-    from reef_stream.consumers.reward import RewardOptions
 
-__all__ = ["MAX_BACKOFF_S", "CallSlots", "Slot", "Work", "backoff_seconds", "cancel_all",
+__all__ = ["FAST", "MAX_BACKOFF_S", "SLOW", "CallSlots", "RewardOptions", "Slot", "Work", "backoff_seconds", "cancel_all",
            "is_coroutine_function"]
 
 #: The longest wait between two tries of one generation.
 MAX_BACKOFF_S = 30.0
+FAST, SLOW = "fast", "slow"
+#: A fast-lane try leaves the fast lane after this many times the observed p99 ...
+ADAPT_FACTOR = 3.0
+#: ... but never before this many seconds, and only once this many calls succeeded.
+ADAPT_FLOOR_S = 0.1
+ADAPT_MIN_SAMPLES = 32
+#: How often the p99 of the adaptive deadline is computed again.
+P99_EVERY_S = 0.5
+#: Generations waiting for the slow lane at most, per slow-lane slot; beyond, a timed-out
+#: generation is dead-lettered at once.
+SLOW_QUEUE_PER_SLOT = 8
+#: The watchdog looks at the slots at least this often.
+WATCH_EVERY_S = 0.05
+#: The sandbox pool's ``stats()`` keys, as metrics.
+SANDBOX_STATS = {"size": SANDBOX_POOL_SIZE, "live": SANDBOX_LIVE, "warm_starts": SANDBOX_WARM_STARTS,
+                 "cold_starts": SANDBOX_COLD_STARTS, "restarts": SANDBOX_RESTARTS,
+                 "start_p50": SANDBOX_START_P50, "start_p99": SANDBOX_START_P99,
+                 "call_p50": SANDBOX_CALL_P50, "call_p99": SANDBOX_CALL_P99,
+                 "network_isolated": SANDBOX_NETWORK_ISOLATED}
+
+
+@dataclass(frozen=True)
+class RewardOptions:
+    """How a worker runs; validated by ``problems()``.
+
+    ``retries``: extra tries after the first (0 = one try). ``backlog``: generations taken
+    and not yet settled at most [default: ``DEFAULT_BACKLOG`` or ``2 * concurrency`` if more]
+    (see the module docstring). ``max_records``:
+    stop after taking this many records. ``idle_exit``: stop after this many
+    seconds without a new record and nothing in flight.
+    """
+
+    concurrency: int = 8
+    backlog: int | None = None
+    timeout: float = 30.0
+    retries: int = 2
+    backoff: float = 0.5
+    grace: float = 30.0
+    group: str | None = None
+    max_records: int | None = None
+    idle_exit: float | None = None
+    #: Per partition of the generations topic, the offset to stop before (``reef rescore``):
+    #: a record at or past it is never taken, so never scored and never committed past.
+    until: Mapping[int, int] | None = None
+    #: "thread" (calls in the worker) or "process" (``reef_stream.sandbox``: ``sandbox_target``,
+    #: a ``module:attribute`` a fresh Python imports, with ``sandbox_overrides``, is called in a
+    #: ``SandboxPool`` of ``sandbox_size`` workers [default: every lane's slots + 2] under
+    #: ``sandbox_limits``).
+    sandbox: str = "thread"
+    sandbox_target: str | None = None
+    sandbox_overrides: tuple[str, ...] = ()
+    sandbox_limits: Limits = Limits()
+    sandbox_size: int | None = None
+    #: Slots of the slow lane (tries again after a timeout, calls past the fast lane's
+    #: deadline) [default: a quarter of ``concurrency``, at least 1]; 0: none. ``adaptive``:
+    #: the fast lane's deadline follows the observed latency (see the module docstring).
+    slow_concurrency: int | None = None
+    adaptive: bool = True
+
+    def slow_lanes(self) -> int:
+        return max(1, self.concurrency // 4) if self.slow_concurrency is None \
+            else self.slow_concurrency
+
+    def pool_size(self) -> int:
+        """Every call thread may hold a sandbox worker: the fast lane's, the slow lane's and
+        the demoted calls', and 2 more that absorb the restarts after kills."""
+        return self.sandbox_size or self.concurrency + 2 * self.slow_lanes() + 2
+
+    def problems(self) -> list[str]:
+        found = list(self.sandbox_limits.problems())
+        if self.sandbox not in ("thread", "process"):
+            found.append(f"sandbox must be 'thread' or 'process', not {self.sandbox!r}")
+        if self.sandbox == "process" and not self.sandbox_target:
+            found.append("a process sandbox needs sandbox_target (module:attribute)")
+        if self.slow_concurrency is not None and self.slow_concurrency < 0:
+            found.append(f"slow concurrency must be 0 or more, not {self.slow_concurrency}")
+        if self.concurrency < 1:
+            found.append(f"concurrency must be at least 1, not {self.concurrency}")
+        if self.backlog is not None and self.backlog < self.concurrency:
+            found.append(f"backlog must be at least the concurrency ({self.concurrency}), "
+                         f"not {self.backlog}")
+        if not self.timeout > 0:
+            found.append(f"timeout must be more than 0 seconds, not {self.timeout}")
+        if self.retries < 0:
+            found.append(f"retries must be 0 or more, not {self.retries}")
+        if self.backoff < 0:
+            found.append(f"backoff must be 0 or more seconds, not {self.backoff}")
+        if self.grace < 0:
+            found.append(f"grace must be 0 or more seconds, not {self.grace}")
+        if self.max_records is not None and self.max_records < 1:
+            found.append(f"max records must be at least 1, not {self.max_records}")
+        if self.idle_exit is not None and not self.idle_exit > 0:
+            found.append(f"idle exit must be more than 0 seconds, not {self.idle_exit}")
+        return found
 
 
 class Work:
@@ -53,38 +157,67 @@ class Work:
 
 class Slot:
     """A call thread's running try, as the watchdog sees it (under the worker's lock):
-    ``work`` (None between tries), when it ``started``, whether it was ``abandoned``."""
+    ``work`` (None between tries), when it ``started``, its ``deadline`` (the full timeout)
+    and ``fast_deadline`` (the adaptive one of the fast lane, None once passed or in the slow
+    lane), its ``lane``, whether it was ``demoted`` to the slow lane (its thread ends after
+    this call) or ``abandoned`` (in-thread: its thread finishes alone), and the sandbox's
+    ``ticket`` (None in-thread)."""
 
-    __slots__ = ("abandoned", "started", "work")
+    __slots__ = ("abandoned", "deadline", "demoted", "fast_deadline", "lane", "started",
+                 "ticket", "work")
 
-    def __init__(self) -> None:
+    def __init__(self, lane: str = FAST, ticket: Any = None) -> None:
         self.work: Work | None = None
         self.started = 0.0
-        self.abandoned = False
+        self.deadline: float | None = None
+        self.fast_deadline: float | None = None
+        self.lane, self.ticket = lane, ticket
+        self.abandoned = self.demoted = False
 
 
 class CallSlots:
     """The call slots of a ``RewardWorker`` (see the module docstring)."""
 
+    def _init_calls(self, pool: Any) -> None:
+        """The lanes' state; ``pool``: the sandbox's ``SandboxPool`` (None: in-thread)."""
+        options = self.options
+        self._pool = pool
+        self._slow_lanes = options.slow_lanes()
+        self._slow_queue: deque[Work] = deque()
+        self._slow_ready = threading.Condition(self._lock)
+        self._demoted = 0  # running calls moved to the slow lane
+        self.call_latency = LatencyWindow()  # of the tries that returned
+        self._p99: float | None = None
+        self._p99_at = 0.0
+
     # ----------------------------------------------------------------- sync calls (threads)
 
-    def _runner(self, work: Work | None = None) -> None:
-        """A call thread of a sync reward function: settles queued generations one at a time
-        until the worker closes. ``work``: the generation of a timed-out try, which this thread
-        goes on with in place of the abandoned one. Ends when its own call is abandoned."""
-        slot = Slot()
+    def _runner(self, work: Work | None = None, lane: str = FAST) -> None:
+        """A call thread of a sync reward function (or of the sandbox): settles queued
+        generations of its ``lane`` one at a time until the worker closes. ``work``: one to go
+        on with first. Ends when its own call is abandoned, or after the call it was demoted
+        in (another thread took its place in the fast lane)."""
+        slot = Slot(lane, None if self._pool is None else Ticket())
         with self._lock:
             self._slots.add(slot)
-        while work is not None or (work := self._next_sync()) is not None:
+        while work is not None or (work := self._next_sync(lane)) is not None:
             try:
                 if not self._run_sync(slot, work):
                     return
             except Exception as error:  # noqa: BLE001 - a bug here must not end the slot silently
                 self._broken(error)
             work = None
+        with self._lock:
+            self._slots.discard(slot)
 
-    def _next_sync(self) -> Work | None:
-        """The next queued generation; blocks while there is none. None once closing."""
+    def _next_sync(self, lane: str = FAST) -> Work | None:
+        """The next queued generation of ``lane``; blocks while there is none. None once
+        closing."""
+        if lane == SLOW:
+            with self._slow_ready:
+                while not self._slow_queue and not self._closing:
+                    self._slow_ready.wait()
+                return None if self._closing else self._slow_queue.popleft()
         queue = self._queue
         while True:
             try:
@@ -103,26 +236,30 @@ class CallSlots:
 
     def _run_sync(self, slot: Slot, work: Work) -> bool:
         """Try the reward function on this thread until ``work`` is settled (feedback or dead
-        letter) or dropped: True. False when the watchdog abandoned the try this thread was
-        in: the thread ends (another goes on with ``work``)."""
+        letter), moved to the slow lane or dropped: True if this thread goes on with the next
+        generation. False when the watchdog abandoned the try this thread was in (in-thread:
+        another thread goes on with ``work``) or demoted it to the slow lane."""
         options = self.options
         while True:
-            if work.error is not None:  # the last try failed
-                if work.tries > options.retries:
-                    self._failed(work)
-                    return True
-                self.summary.add(retried=1)
-                self._stop.wait(backoff_seconds(options, work.tries))  # a stop cuts it short
+            if work.error is not None and not self._again(work, slot.lane):
+                return self._goes_on(slot)
             if self._dropped(work):
-                return True
+                return self._goes_on(slot)
             work.tries += 1
+            started = time.monotonic()
             with self._lock:
-                slot.work, slot.started = work, time.monotonic()
+                slot.work, slot.started = work, started
+                slot.deadline = started + options.timeout
+                slot.fast_deadline = self._fast_deadline(started) if slot.lane == FAST else None
             try:
-                result, error = self.reward(work.generation), None
-                if inspect.isawaitable(result):  # awaited on the loop; abandoned like a call
-                    result = asyncio.run_coroutine_threadsafe(_awaited(result),
-                                                              self._loop).result()
+                if slot.ticket is not None:
+                    result, error = self._pool.call(work.generation, options.timeout,
+                                                    slot.ticket), None
+                else:
+                    result, error = self.reward(work.generation), None
+                    if inspect.isawaitable(result):  # awaited on the loop; abandoned like a call
+                        result = asyncio.run_coroutine_threadsafe(_awaited(result),
+                                                                  self._loop).result()
             except BaseException as raised:  # noqa: BLE001 - the function's failure is the outcome
                 result, error = None, raised
             with self._lock:
@@ -130,37 +267,148 @@ class CallSlots:
                     return False
                 slot.work = None
             if error is None:
+                self.call_latency.add(time.monotonic() - started)
                 self._succeeded(work, result)
-                return True
+                return self._goes_on(slot)
+            if isinstance(error, SandboxFailure) and error.category == TIMEOUT:
+                work.timeouts += 1
+                self.summary.add(timed_out=1)
             work.error = error
 
+    def _again(self, work: Work, lane: str) -> bool:
+        """After a failed try: True to try again here (after the backoff); otherwise ``work``
+        was settled (dead-lettered) or moved to the slow lane. A sandbox failure that the same
+        generation would meet again is never retried; a try that timed out is tried again only
+        in the slow lane (when there is one, with room), never in the fast lane."""
+        error, options = work.error, self.options
+        if isinstance(error, SandboxFailure) and not error.retryable \
+                or work.tries > options.retries:
+            self._failed(work)
+            return False
+        timed_out = isinstance(error, TimeoutError) or isinstance(error, SandboxFailure) \
+            and error.category == TIMEOUT
+        if timed_out and lane == FAST and self._slow_lanes:
+            with self._slow_ready:
+                room = len(self._slow_queue) < SLOW_QUEUE_PER_SLOT * self._slow_lanes
+                if room:
+                    self._slow_queue.append(work)
+                    self._slow_ready.notify()
+            if not room:
+                work.error = TimeoutError(f"{error}; the slow lane was full, so it was not "
+                                          "tried again")
+                self._failed(work)
+            return False
+        self.summary.add(retried=1)
+        self._stop.wait(backoff_seconds(options, work.tries))  # a stop cuts it short
+        return True
+
+    def _goes_on(self, slot: Slot) -> bool:
+        """Whether the thread of ``slot`` takes another generation (not if it was demoted)."""
+        if not slot.demoted:
+            return True
+        with self._lock:
+            self._demoted -= 1
+            self._slots.discard(slot)
+        return False
+
+    def _fast_deadline(self, started: float) -> float | None:
+        """When a fast-lane try that started at ``started`` leaves the fast lane: ``ADAPT_FACTOR``
+        times the observed p99 (at least ``ADAPT_FLOOR_S``), once ``ADAPT_MIN_SAMPLES`` calls
+        succeeded; None (only the full timeout) before, or without adaptive timeouts."""
+        if not self.options.adaptive or len(self.call_latency) < ADAPT_MIN_SAMPLES:
+            return None
+        now = time.monotonic()
+        if now - self._p99_at > P99_EVERY_S:
+            self._p99 = self.call_latency.percentile(99)
+            self._p99_at = now
+        seconds = max(ADAPT_FLOOR_S, ADAPT_FACTOR * (self._p99 or 0.0))
+        return started + seconds if seconds < self.options.timeout else None
+
     def _watch(self) -> None:
-        """The sync calls' watchdog thread: a try running for ``timeout`` seconds is abandoned
-        (its thread finishes alone, its result ignored) and counted as timed out, and a new
-        call thread goes on with its generation. Sleeps until the earliest running deadline."""
+        """The sync calls' watchdog thread. At a fast-lane try's adaptive deadline the try is
+        demoted to the slow lane (it goes on; a new thread takes its place in the fast lane)
+        while the slow lane has room, or else it times out then. At the full timeout a try
+        times out: in-thread it is abandoned (its thread finishes alone, its result ignored)
+        and a new thread takes its place; in the sandbox it is killed (its process group and
+        worker; the slot is free at once). Sleeps until the earliest running deadline."""
         timeout = self.options.timeout
         while not self._closing:
             now = time.monotonic()
-            wake, expired = now + timeout, []
+            wake, expired, demoted, killed = now + timeout, [], 0, []
             with self._lock:
                 for slot in self._slots:
-                    if slot.work is None:
+                    if slot.work is None or slot.abandoned:
                         continue
-                    deadline = slot.started + timeout
-                    if deadline <= now:
-                        expired.append((slot, slot.work))
-                        slot.abandoned, slot.work = True, None
-                    else:
-                        wake = min(wake, deadline)
+                    fast = slot.fast_deadline
+                    if fast is not None and fast <= now:
+                        slot.fast_deadline = None
+                        if self._demoted < self._slow_lanes:
+                            slot.demoted, self._demoted = True, self._demoted + 1
+                            demoted += 1
+                        else:
+                            slot.deadline = now  # no room in the slow lane: it times out now
+                    elif fast is not None:
+                        wake = min(wake, fast)
+                    if slot.deadline is not None and slot.deadline <= now:
+                        if slot.ticket is not None:
+                            killed.append((slot, now - slot.started))
+                            slot.deadline = None
+                        else:
+                            expired.append((slot, slot.work))
+                            slot.abandoned, slot.work = True, None
+                    elif slot.deadline is not None:
+                        wake = min(wake, slot.deadline)
                 for slot, _ in expired:
                     self._slots.discard(slot)
+                    if slot.demoted:
+                        self._demoted -= 1
+            for _ in range(demoted):
+                self._start_runner(None, FAST)
+            for slot, seconds in killed:
+                slot.ticket.kill(f"no result within {seconds:.3g} s (wall clock): the call's "
+                                 "process group was killed and its worker replaced")
             for slot, work in expired:
                 work.timeouts += 1
-                work.error = TimeoutError(f"no result within {timeout:g} s")
+                work.error = TimeoutError(f"no result within {now - slot.started:.3g} s")
                 self.summary.add(timed_out=1)
-                threading.Thread(target=self._runner, args=(work,), name="reef-reward-call",
-                                 daemon=True).start()
-            self._watch_stop.wait(max(0.0, wake - now))
+                if slot.demoted:  # its fast-lane place was taken: to the slow lane's queue
+                    self._again(work, FAST)  # (no backoff: demoted only when slow lanes exist)
+                else:  # a new thread in its place goes on with it (tried again, or moved)
+                    self._start_runner(work, slot.lane)
+            self._watch_stop.wait(max(0.0, min(wake - now, WATCH_EVERY_S)))
+
+    def _start_runner(self, work: Work | None, lane: str) -> None:
+        threading.Thread(target=self._runner, args=(work, lane), name=f"reef-reward-{lane}",
+                         daemon=True).start()
+
+    def _saturated_slots(self) -> int:
+        """Slots busy with a call running past the observed p99 (saturation)."""
+        p99 = self.call_latency.percentile(99)
+        if p99 is None:
+            return 0
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for slot in self._slots
+                       if slot.work is not None and not slot.abandoned and now - slot.started > p99)
+
+    def _write_call_metrics(self, writer: Any) -> None:
+        """Saturation, call latency, the lanes and the sandbox pool, as Metric events."""
+        saturated = self._saturated_slots()
+        writer.write(REWARD_SATURATED_SLOTS, saturated)
+        writer.write(REWARD_SATURATION, saturated / self.options.concurrency)
+        for q, name in ((50, REWARD_CALL_P50), (99, REWARD_CALL_P99)):
+            value = self.call_latency.percentile(q)
+            if value is not None:
+                writer.write(name, value)
+        writer.write(REWARD_SLOW_LANE, len(self._slow_queue) + self._demoted)
+        if self._pool is None:
+            return
+        stats = self._pool.stats()
+        for key, name in SANDBOX_STATS.items():
+            if key in stats:
+                writer.write(name, stats[key])
+        for category in CATEGORIES:
+            writer.write(SANDBOX_FAILURES, self._pool.failures[category], category=category)
 
     # ----------------------------------------------------------------- async calls (the loop)
 

@@ -228,6 +228,31 @@ REWARD_TIMED_OUT = "timed_out"
 REWARD_DROPPED = "dropped"
 #: The mean reward of the feedback sent since the process started, per feedback source.
 REWARD_MEAN = "reward_mean"                      # labels: source
+#: The reward worker's call slots (``consumers.reward_calls``): slots busy with a call running
+#: past the observed p99 (and that count over ``concurrency``: the saturation), the latency of
+#: the tries that returned (p50, p99, seconds), and the slow lane (queued + running).
+REWARD_SATURATED_SLOTS = "saturated_slots"
+REWARD_SATURATION = "saturation"
+REWARD_CALL_P50 = "call_seconds_p50"
+REWARD_CALL_P99 = "call_seconds_p99"
+REWARD_SLOW_LANE = "slow_lane"
+#: The sandbox pool of ``reef reward --sandbox process`` (``reef_stream.sandbox.pool``): its
+#: size and live workers, calls that found a worker idle (warm) or waited for one to start
+#: (cold), workers replaced after a kill, worker start and call latency (p50, p99, seconds),
+#: whether the calls' network is isolated (1) or not (0), and the calls that ended in each
+#: sandbox failure category (label ``category``: timeout, memory, crashed, exit,
+#: output_invalid, sandbox_unavailable).
+SANDBOX_POOL_SIZE = "sandbox_pool_size"
+SANDBOX_LIVE = "sandbox_live"
+SANDBOX_WARM_STARTS = "sandbox_warm_starts"
+SANDBOX_COLD_STARTS = "sandbox_cold_starts"
+SANDBOX_RESTARTS = "sandbox_restarts"
+SANDBOX_START_P50 = "sandbox_start_seconds_p50"
+SANDBOX_START_P99 = "sandbox_start_seconds_p99"
+SANDBOX_CALL_P50 = "sandbox_call_seconds_p50"
+SANDBOX_CALL_P99 = "sandbox_call_seconds_p99"
+SANDBOX_NETWORK_ISOLATED = "sandbox_network_isolated"
+SANDBOX_FAILURES = "sandbox_failures"            # labels: category
 
 
 def metric(stage: str, name: str, value: float, labels: Mapping[str, str] | None = None,
