@@ -38,6 +38,12 @@ time is one the caller passes in, never the wall clock):
 6. A unit's id is ``unit_id(recipe, member ids)``, its members are ordered by
    generation id, its ``created_at`` is the latest event time of its members
    and their feedback: re-emitted after a restart, in any order, it is the same.
+7. A multi-turn generation's environment tokens are never trained: in a
+   ``RolloutUnit``, every sample of a generation with environment segments
+   carries the generation's ``policy_mask()``, whichever builder built it (a
+   sample already carrying one keeps it). A generation whose segments do not
+   split its completion is INVALID. A builder of another unit type carries the
+   mask itself.
 
 Pending state is kept per *key* (a group key; feedback ahead of its
 generation under ``group_id or generation_id``); what is remembered of a
@@ -49,6 +55,7 @@ key's state as JSON-ready data, ``restore`` loads it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import math
@@ -58,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
-from reef_stream.topics.events import EpochMillis, Feedback, Generation
+from reef_stream.topics.events import EpochMillis, Feedback, Generation, RolloutUnit
 from reef_stream.api.processor import (DEFAULT_RETENTION_MS, MissingFeedback, Origin, Processor, Score, Scored,
                                        processor_problems, unit_id)
 from reef_stream.engine.ledger import Ledger, segment_of
@@ -267,6 +274,11 @@ class ProcessorState(Generic[UnitT]):
         except InvalidRecord as error:
             key, size = generation.group_id or gid, 0
             rejection = Outcome.INVALID, f"cannot be grouped: {error}"
+        if rejection is None and generation.segments:
+            try:
+                generation.policy_mask()
+            except InvalidRecord as error:
+                rejection = Outcome.INVALID, f"its segments do not fit its completion: {error}"
         bucket = self._bucket(key, step)
         self._where[gid] = key
         self._adopt_orphans(member, step)
@@ -561,6 +573,9 @@ class ProcessorState(Generic[UnitT]):
         if not isinstance(unit, builder.unit_type):
             raise FatalError(f"the processor's unit builder returned a {type(unit).__name__}, "
                              f"not its unit_type {builder.unit_type.__name__}")
+        if isinstance(unit, RolloutUnit):
+            unit = _with_policy_masks(unit, {m.generation.generation_id: m.generation
+                                             for m in members})
         step.units.append(EmittedUnit(uid, key, unit, ids))
         for member in members:
             self._conclude(key, bucket, member, Outcome.UNIT, f"in unit {uid}", now, step, unit=uid)
@@ -663,6 +678,21 @@ class ProcessorState(Generic[UnitT]):
             for gid in gids:
                 if index.get(gid) == key:
                     del index[gid]
+
+
+def _with_policy_masks(unit: RolloutUnit, generations: Mapping[str, Generation]) -> RolloutUnit:
+    """``unit`` with each sample of a multi-turn generation carrying the generation's
+    ``policy_mask()`` (rule 7); ``unit`` itself when none lacks one."""
+    members, changed = [], False
+    for sample in unit.members:
+        generation = generations.get(sample.generation_id)
+        if (generation is not None and generation.segments and not sample.policy_mask.size
+                and len(sample.completion_token_ids) == len(generation.completion_token_ids)):
+            mask = generation.policy_mask()
+            if mask.size:
+                sample, changed = dataclasses.replace(sample, policy_mask=mask), True
+        members.append(sample)
+    return dataclasses.replace(unit, members=tuple(members)) if changed else unit
 
 
 def _emitted(uid: str, members: int, size: int | None, how: str) -> str:

@@ -86,6 +86,45 @@ Other fields of a response (``text``, ``usage``, ``top_logprobs``, ...) are
 ignored. A response whose tokens are plain strings is rejected with what to
 enable on the server.
 
+Generations, multi-turn chat logs with tool calls
+-------------------------------------------------
+
+One conversation as an agent loop records it (OpenAI chat messages, each with
+the token ids it was rendered to), in the same optional envelope; it becomes
+one Generation whose ``segments`` say which turns the policy generated::
+
+    {"reef": {"policy_version": 12, "replica_id": "agent-a"},
+     "id": "conv-7", "model": "qwen-7b", "created": 1795000000, "finish_reason": "stop",
+     "messages": [
+       {"role": "user", "content": "17+25?", "token_ids": [151644, 872, 198, 1596]},
+       {"role": "assistant", "tool_calls": [...], "token_ids": [151644, 77091, 198, 5631],
+        "logprobs": {"content": [{"token": "token_id:151644", "logprob": -0.01}, ...]}},
+       {"role": "tool", "name": "add", "content": "42", "token_ids": [151644, 14172, 198, 19]},
+       {"role": "assistant", "content": "42", "token_ids": [2983, 151645],
+        "logprobs": [-0.2, -0.01]}]}
+
+- ``id`` (required) is the ``generation_id`` (and the ``request_id`` unless
+  the envelope gives one); ``model``, ``created`` (seconds) and
+  ``finish_reason`` (as for responses, or the native names; default ``stop``)
+  are optional, ``tools`` is ignored, any other top-level field is an error.
+- the prompt is the token ids of the messages before the first assistant
+  message, in order (each needs its ``token_ids``), or the envelope's
+  ``prompt_token_ids``;
+- each assistant message is a POLICY segment: its token ids from
+  ``token_ids`` (vLLM ``return_token_ids``), else the ``"token_id:1234"``
+  strings of ``logprobs.content[j].token``; its logprobs from
+  ``logprobs.content[j].logprob`` or a plain list of numbers, one per token;
+- each later message of another role (a tool result, a user or environment
+  turn) is an ENVIRONMENT segment: its ``token_ids`` are required and its
+  logprobs are 0; its role is ``tool:<name>`` for a tool message with a
+  ``name``;
+- token-in/token-out: the prompt then every later message's token ids must be
+  exactly the tokens the policy was conditioned on and sampled, chat-template
+  tokens included (a turn's header belongs to the message it opens); they are
+  trained as given, never re-tokenised. ``content`` and ``tool_calls`` are
+  not read. A conversation with one assistant message and nothing after it is
+  an ordinary single-turn generation.
+
 Feedback
 --------
 
@@ -121,6 +160,8 @@ from reef_stream.topics.events import (
     FinishReason,
     Generation,
     SamplingParams,
+    Segment,
+    SegmentSource,
     now_ms,
 )
 from reef_stream.intake.validation import validate
@@ -201,6 +242,8 @@ def parse_generations(value: Any, defaults: OpenAIDefaults = NO_DEFAULTS) -> lis
                                    envelope, defaults)
     if "object" in record:
         return _openai_generations(record, "", {}, defaults)
+    if "messages" in record:
+        return [_chat_log_generation(record, defaults)]
     return [_native_generation(record)]
 
 
@@ -342,6 +385,112 @@ def _openai_generations(response: dict[str, Any], prefix: str, envelope: dict[st
         validate(generation)
         generations.append(generation)
     return generations
+
+
+_CHAT_LOG_FIELDS = frozenset({"reef", "id", "model", "created", "finish_reason", "messages",
+                               "tools"})
+
+
+def _chat_log_generation(record: dict[str, Any], defaults: OpenAIDefaults) -> Generation:
+    """The Generation of one multi-turn chat log (module docstring)."""
+    _reject_unknown(record, _CHAT_LOG_FIELDS, "")
+    envelope = _object(record.get("reef", {}), "reef")
+    _reject_unknown(envelope, _ENVELOPE_FIELDS, "reef.")
+    conversation_id = _required(record, "id", "", _string)
+    messages = [_object(m, f"messages[{i}]")
+                for i, m in enumerate(_required(record, "messages", "", _list))]
+    roles = [_required(m, "role", f"messages[{i}].", _string) for i, m in enumerate(messages)]
+    if "assistant" not in roles:
+        raise InvalidRecord("has no assistant message: nothing the policy generated",
+                            field="messages")
+    first = roles.index("assistant")
+    prompt = _optional(envelope, "prompt_token_ids", "reef.", _token_ids, None)
+    if prompt is None:
+        if not first:
+            raise InvalidRecord("the conversation opens with the assistant, so it has no prompt "
+                                "tokens: give them in reef.prompt_token_ids",
+                                field="messages[0]")
+        prompt = np.concatenate([_required(messages[i], "token_ids", f"messages[{i}].",
+                                           _token_ids) for i in range(first)])
+    ids, values, segments = [], [], []
+    for i in range(first, len(messages)):
+        message, path = messages[i], f"messages[{i}]."
+        if roles[i] == "assistant":
+            tokens, logprobs = _assistant_turn(message, path)
+            source, role = SegmentSource.POLICY, "assistant"
+        else:
+            tokens = _required(message, "token_ids", path, _token_ids)
+            logprobs = np.zeros(tokens.size, dtype=np.float32)
+            source, role = SegmentSource.ENVIRONMENT, roles[i]
+            if roles[i] == "tool" and isinstance(message.get("name"), str):
+                role = f"tool:{message['name']}"
+        if tokens.size:
+            ids.append(tokens)
+            values.append(logprobs)
+            segments.append(Segment(source=source, length=int(tokens.size), role=role))
+    if len(segments) == 1:
+        segments = []     # one assistant turn: an ordinary single-turn generation
+    generation = Generation(
+        generation_id=conversation_id,
+        request_id=_optional(envelope, "request_id", "reef.", _string, conversation_id),
+        prompt_id=_optional(envelope, "prompt_id", "reef.", _string, None)
+        or _prompt_digest(prompt),
+        group_id=_optional(envelope, "group_id", "reef.", _string, None),
+        group_size=_optional(envelope, "group_size", "reef.", _integer, 1),
+        model=_optional(envelope, "model", "reef.", _string, None) or defaults.model
+        or _required(record, "model", "", _string),
+        policy_version=_from_envelope_or_default(envelope, "policy_version", _integer,
+                                                 defaults.policy_version, "--policy-version"),
+        replica_id=_from_envelope_or_default(envelope, "replica_id", _string,
+                                             defaults.replica_id, "--replica-id"),
+        prompt_token_ids=prompt,
+        completion_token_ids=np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32),
+        completion_logprobs=np.concatenate(values) if values else np.zeros(0, np.float32),
+        finish_reason=_optional(record, "finish_reason", "", _chat_finish_reason,
+                                FinishReason.STOP),
+        sampling=_from_envelope_or_default(envelope, "sampling", parse_sampling,
+                                           defaults.sampling, "--sampling"),
+        created_at=_or_now(_optional(record, "created", "", _seconds_to_millis, None)),
+        metadata=_optional(envelope, "metadata", "reef.", _string_map, {}),
+        segments=tuple(segments),
+    )
+    validate(generation)
+    return generation
+
+
+def _assistant_turn(message: dict[str, Any], path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, behaviour logprobs) of one assistant message of a chat log."""
+    logprobs = message.get("logprobs")
+    if logprobs is None:
+        raise InvalidRecord("is required on every assistant message: the behaviour logprob of "
+                            "each token it sampled (chat: logprobs=true)", field=f"{path}logprobs")
+    token_strings, where = None, f"{path}logprobs"
+    if isinstance(logprobs, list):
+        values = _logprobs(logprobs, f"{path}logprobs")
+    else:
+        values, token_strings, where = _chat_logprobs(_object(logprobs, f"{path}logprobs"),
+                                                      f"{path}logprobs.")
+    tokens = _optional(message, "token_ids", path, _nullable(_token_ids), None)
+    if tokens is None:
+        tokens = _ids_from_token_strings(token_strings, where if token_strings is not None
+                                         else f"{path}token_ids")
+    if tokens.size != values.size:
+        raise InvalidRecord(f"has {values.size} logprobs for {tokens.size} token ids; there "
+                            "must be one logprob per token", field=f"{path}logprobs")
+    if not tokens.size:
+        raise InvalidRecord("is empty: an assistant turn has at least one token",
+                            field=f"{path}token_ids")
+    if values.max() > 1e-3:
+        raise InvalidRecord(f"holds a positive value ({float(values.max())}); log-probabilities "
+                            "are at most 0", field=f"{path}logprobs")
+    return tokens, values
+
+
+def _chat_finish_reason(value: Any, field: str) -> FinishReason:
+    name = _string(value, field)
+    if name.upper() in FinishReason.__members__:
+        return FinishReason[name.upper()]
+    return _openai_finish_reason(name, field)
 
 
 def _openai_choice(value: Any, path: str, *, chat: bool) -> _Choice:

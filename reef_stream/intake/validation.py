@@ -3,7 +3,8 @@
 ``validate(event)`` raises ``InvalidRecord`` naming the field and the
 problem: a missing or empty identifier, a wrong type, a negative version, a
 NaN or infinite reward or logprob, token and logprob arrays whose lengths
-disagree, token ids outside int32, an Avro ``int`` field (``group_size``,
+disagree, multi-turn ``segments`` that do not split the completion (or have no
+policy turn, or give an environment token a logprob other than 0), token ids outside int32, an Avro ``int`` field (``group_size``,
 ``sampling.max_tokens``, ``sampling.top_k``) outside int32, a ``created_at`` past the year
 9999 (no reader could decode it), text with a lone surrogate (not UTF-8). The size limit of the destination topic
 is checked by the producer after encoding (``check_size``).
@@ -31,7 +32,9 @@ import numpy as np
 from collections.abc import Sequence
 
 from reef_stream.errors import InvalidRecord
-from reef_stream.topics.events import DeadLetter, Feedback, FinishReason, Generation, SamplingParams
+from reef_stream.topics.events import (
+    DeadLetter, Feedback, FinishReason, Generation, SamplingParams, Segment, SegmentSource,
+)
 
 #: Header bytes Kafka adds per record beyond key, value and headers (generous).
 RECORD_OVERHEAD = 128
@@ -160,6 +163,8 @@ def _generation(g: Generation, reductions: bool = True) -> tuple[np.ndarray, np.
             field="completion_logprobs")
     if reductions:
         _logprobs(logprobs)
+    if type(g.segments) is not tuple or g.segments:
+        _segments(g.segments, completion, logprobs)
     if not isinstance(g.finish_reason, FinishReason):
         raise InvalidRecord(f"must be a FinishReason, not {g.finish_reason!r}", field="finish_reason")
     if not isinstance(g.sampling, SamplingParams):
@@ -174,6 +179,47 @@ def _generation(g: Generation, reductions: bool = True) -> tuple[np.ndarray, np.
         _utf8(key, "metadata")
         _utf8(value, f"metadata.{key}")
     return prompt, completion, logprobs
+
+
+def _segments(segments, completion: np.ndarray, logprobs: np.ndarray) -> None:
+    """A multi-turn generation's segments: Segments of a known source, at least one token each,
+    adding up to the completion, at least one of the policy; environment tokens' logprobs 0.
+    Errors name the field ``segments`` and say which segment."""
+    if type(segments) is not tuple:
+        raise InvalidRecord(f"must be a tuple of Segment, not {type(segments).__name__}",
+                            field="segments")
+    start, policy = 0, False
+    for i, segment in enumerate(segments):
+        if not isinstance(segment, Segment):
+            raise InvalidRecord(f"segment {i} is a {type(segment).__name__}, not a Segment",
+                                field="segments")
+        if not isinstance(segment.source, SegmentSource):
+            raise InvalidRecord(f"segment {i}'s source must be a SegmentSource, not "
+                                f"{segment.source!r}", field="segments")
+        length = segment.length
+        if type(length) is not int or not 1 <= length <= _INT32_MAX:
+            raise InvalidRecord(f"segment {i}'s length is {length!r}; it must be an integer "
+                                f"from 1 to {_INT32_MAX}", field="segments")
+        if not isinstance(segment.role, str):
+            raise InvalidRecord(f"segment {i}'s role must be a string, not "
+                                f"{type(segment.role).__name__}", field="segments")
+        _utf8(segment.role, "segments")
+        end = start + length
+        if segment.source is SegmentSource.POLICY:
+            policy = True
+        elif end <= logprobs.size and logprobs[start:end].any():
+            at = start + int(np.flatnonzero(logprobs[start:end])[0])
+            raise InvalidRecord(
+                f"is {float(logprobs[at])} at index {at}, a token of environment segment {i}; "
+                "environment and tool tokens carry no logprob: give 0", field="completion_logprobs")
+        start = end
+    if start != completion.size:
+        raise InvalidRecord(f"lengths add up to {start} tokens, but the completion has "
+                            f"{completion.size}; the segments split the completion exactly",
+                            field="segments")
+    if not policy:
+        raise InvalidRecord("has no POLICY segment: a trajectory has at least one turn the "
+                            "policy generated (nothing else is trained)", field="segments")
 
 
 def _sampling(s: SamplingParams) -> None:

@@ -12,8 +12,16 @@ import pytest
 from reef_stream.config import SCHEMAS_DIR
 from reef_stream.errors import InvalidRecord
 from reef_stream.topics.events import (
-    FinishReason, Generation, RolloutUnit, Sample, SamplingParams, Segment, SegmentSource,
-    events_equal, mask_problem, to_avro,
+    FinishReason,
+    Generation,
+    RolloutUnit,
+    Sample,
+    SamplingParams,
+    Segment,
+    SegmentSource,
+    events_equal,
+    mask_problem,
+    to_avro,
 )
 from reef_stream.topics.serde import SchemaRegistry, schema_fingerprint
 

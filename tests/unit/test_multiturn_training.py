@@ -11,13 +11,24 @@ import torch
 
 from reef_stream.api.losses import POLICY_GRADIENT
 from reef_stream.api.objective import PerSampleAdvantages
+from reef_stream.api.parts import ComposedProcessor, RequireSources, Ungrouped
+from reef_stream.api.testing import Restart, run_processor
+from reef_stream.engine.outcomes import Outcome
 from reef_stream.engine.training import (
     collate,
     completion_logprobs,
     policy_gradient_inputs,
 )
 from reef_stream.errors import FatalError
-from reef_stream.topics.events import Sample
+from reef_stream.topics.events import (
+    Feedback,
+    FinishReason,
+    Generation,
+    Sample,
+    SamplingParams,
+    Segment,
+    SegmentSource,
+)
 
 VOCAB = 11
 
@@ -95,3 +106,47 @@ def test_collate_refuses_a_mask_that_does_not_fit(mask):
                         completion_token_ids=np.array([4, 5, 6, 7], dtype=np.int32),
                         completion_logprobs=np.zeros(4, dtype=np.float32), reward=0.0,
                         policy_mask=np.array(mask, dtype=np.uint8))])
+
+
+
+# --- the processor's join: the mask travels from the generation into the unit --------------
+
+
+def generation(generation_id, segments=()):
+    return Generation(
+        generation_id=generation_id, request_id="r", prompt_id="p", model="m", policy_version=0,
+        replica_id="x", prompt_token_ids=np.array([1, 2], dtype=np.int32),
+        completion_token_ids=np.array([4, 5, 6, 7], dtype=np.int32),
+        completion_logprobs=np.array([-1, 0, 0, -1], dtype=np.float32),
+        finish_reason=FinishReason.STOP, sampling=SamplingParams(max_tokens=4), created_at=1,
+        segments=tuple(Segment(source=SegmentSource[source], length=n) for source, n in segments))
+
+
+def join(*generations):
+    processor = ComposedProcessor(grouping=Ungrouped(),
+                                  feedback=RequireSources(("exact",), timeout_ms=1_000))
+    records = []
+    for g in generations:   # a restart between each generation and its feedback: from snapshots
+        records += [g, Restart(), Feedback(feedback_id=f"{g.generation_id}:f",
+                                           generation_id=g.generation_id, source="exact",
+                                           reward=1.0, created_at=1)]
+    return run_processor(processor, records, finish=True)
+
+
+def test_the_join_puts_each_multi_turn_generations_mask_in_its_sample():
+    outcomes = join(generation("multi", [("POLICY", 1), ("ENVIRONMENT", 2), ("POLICY", 1)]),
+                    generation("single"),
+                    generation("turns", [("POLICY", 2), ("POLICY", 2)]),
+                    generation("bad", [("POLICY", 1), ("ENVIRONMENT", 2)]))
+
+    def sample_of(gid):
+        (member,) = outcomes.unit_of(gid).unit.members
+        return member
+
+    assert sample_of("multi").policy_mask.tolist() == [1, 0, 0, 1]
+    assert sample_of("single").policy_mask.size == 0
+    assert sample_of("turns").policy_mask.size == 0   # no environment token: nothing masked
+    bad = outcomes.outcome("bad")
+    assert bad.outcome is Outcome.INVALID and "segments do not fit" in bad.reason
+    # and collate masks the environment tokens of the unit's sample
+    assert collate([sample_of("multi")]).completion_mask.tolist() == [[True, False, False, True]]
