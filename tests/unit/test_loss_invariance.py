@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,9 +26,9 @@ from reef_stream.api.recipe import Backend
 from reef_stream.api.schedule import Schedule
 from reef_stream.api.variants import (
     BatchTotals, ConstantNormaliser, DecoupledProximal, EntropyBonus, KLEstimator, KLPenalty,
-    RatioLevel, SequenceMeanTokenMean, SequenceMeanTokenSum, TokenMean,
+    RatioLevel, SequenceMeanTokenMean, SequenceMeanTokenSum,
 )
-from reef_stream.engine.training import TorchBackend
+from reef_stream.engine.training import TorchBackend, select_rows
 from tests.recipes.trainable import recipe
 from tests.unit_log import rollout_unit
 
@@ -216,3 +220,68 @@ def test_dropped_samples_count_in_neither_the_loss_nor_its_normaliser():
                            loss_family=POLICY_GRADIENT)
     assert backend.train_step(units[1:], rest, 1)["loss"] == pytest.approx(with_drop, rel=1e-5)
     torch.testing.assert_close(_gradients(backend), gradient, rtol=1e-4, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- two real ranks
+
+
+def _data_parallel_rank(out: Path) -> None:
+    """One of 2 torchrun ranks (gloo): its half of the units (2 groups, micro batches of 1), the
+    objective over all 4 as the trainer computes it, one step; writes its gradients (after
+    DDP's all-reduce) and the step's loss."""
+    from safetensors.torch import save_file
+
+    rank = int(os.environ["RANK"])
+    units = _units()
+    loss = ClippedPolicyGradient(aggregation=SequenceMeanTokenMean())
+    schedule = Schedule(units_per_step=4, optimizer_batch_size=4, micro_batch_size=1, epochs=1,
+                        seed=3, max_staleness=3)
+    configured = dataclasses.replace(recipe, schedule=schedule, backend=Backend(
+        name="torch", loss_families=(POLICY_GRADIENT,), model=recipe.backend.model,
+        losses={POLICY_GRADIENT: loss}, data_parallel_size=2))
+    backend = TorchBackend(configured, rank=rank, ranks=2)
+    result = configured.objective.compute(units, configured.objective.initial_state())
+    sizes = [len(u.members) for u in units]
+    first = sum(sizes[:2 * rank])
+    rows = np.arange(first, first + sum(sizes[2 * rank:2 * rank + 2]))
+    local = dataclasses.replace(result, advantages=select_rows(result.advantages, rows))
+    metrics = backend.train_step(units[2 * rank:2 * rank + 2], local, 1)
+    save_file({"gradient": _gradients(backend).contiguous(),
+               "loss": torch.tensor([metrics["loss"]], dtype=torch.float64)},
+              str(out / f"rank{rank}.safetensors"))
+
+
+def test_two_data_parallel_ranks_agree_on_the_totals_and_train_the_whole_batch(tmp_path):
+    """Two torchrun ranks (gloo on the CPU), each half the step in micro batches of 1, give the
+    loss and gradient of one process training the whole batch at once: the ranks all-reduce the
+    batch's totals before the backward pass, and DDP's average of loss x ranks is the sum."""
+    from safetensors.torch import load_file
+
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "tests.unit.test_loss_invariance",
+         str(tmp_path)], env=env, capture_output=True, text=True, timeout=240, cwd=root)
+    assert run.returncode == 0, run.stderr[-4000:]
+    ranks = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2)]
+    torch.testing.assert_close(ranks[0]["gradient"], ranks[1]["gradient"])   # DDP: the same
+    backend, configured = _backend(ClippedPolicyGradient(aggregation=SequenceMeanTokenMean()),
+                                   POLICY_GRADIENT, 4)
+    units = _units()
+    whole = backend.train_step(units, configured.objective.compute(
+        units, configured.objective.initial_state()), 1)
+    assert float(ranks[0]["loss"]) == pytest.approx(whole["loss"], rel=1e-5)
+    assert float(ranks[1]["loss"]) == pytest.approx(whole["loss"], rel=1e-5)
+    torch.testing.assert_close(ranks[0]["gradient"], _gradients(backend), rtol=1e-4, atol=1e-6)
+
+
+def _free_port() -> int:
+    from reef_stream.ops.processes import free_ports
+
+    return free_ports(1)[0]
+
+
+if __name__ == "__main__":   # a rank of the test above, under torchrun
+    _data_parallel_rank(Path(sys.argv[1]))
