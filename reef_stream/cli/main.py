@@ -10,6 +10,7 @@
     reef replay|tail|lag            consumer-group cursors, records as JSON, lag
     reef check --recipe X           a recipe's contract, or every problem with its bindings
     reef reward --recipe X          reward workers: score generations, emit feedback
+    reef rescore --recipe X --source S  a fixed reward over logged generations, as a new source
     reef process --recipe X         the processor: generations + feedback -> typed units
     reef train --recipe X --group G the trainer: units -> checkpoints (acknowledged steps)
     reef evaluate --recipe X        candidate evaluation: one Publication per checkpoint
@@ -36,8 +37,8 @@ import sys
 import click
 
 from reef_stream.cli import (check, cursors, dashboard, demo, engine, evaluate, fleet, follow,
-                             intake, process, produce, reward, scorecard, servers, sink, top,
-                             topics, trace, train)
+                             intake, process, produce, rescore, reward, scorecard, servers, sink,
+                             top, topics, trace, train)
 from reef_stream.cli.common import ReefGroup, print_error
 from reef_stream.config import load_settings
 from reef_stream.errors import ConfigurationError
@@ -64,8 +65,8 @@ def main(ctx: click.Context, verbose: bool) -> None:
         sys.exit(2)
 
 
-for module in (servers, topics, produce, intake, cursors, check, reward, process, train, evaluate,
-               follow, fleet, demo, trace, top, scorecard, sink, dashboard, engine):
+for module in (servers, topics, produce, intake, cursors, check, reward, rescore, process, train,
+               evaluate, follow, fleet, demo, trace, top, scorecard, sink, dashboard, engine):
     for command in module.COMMANDS:
         main.add_command(command)
 

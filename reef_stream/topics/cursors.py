@@ -298,6 +298,21 @@ def replay(
                         refusal=refusal if dry_run else None)
 
 
+def offsets_at(bootstrap: str, topic: TopicInfo, position: Position) -> dict[int, int]:
+    """Per partition of ``topic``, the offset ``position`` means there now (an ``AtTime`` after
+    a partition's last record: its high watermark). Blocks on the cluster (seconds)."""
+    marks = _watermarks(new_admin(bootstrap), topic.name, topic.partitions)
+    with closing(_reader(bootstrap)) as consumer:
+        return {p: offset for p, (offset, _) in
+                _resolve(consumer, topic.name, position, marks).items()}
+
+
+def committed_offsets(bootstrap: str, group: str, topic: TopicInfo) -> dict[int, int | None]:
+    """``group``'s committed offset on each partition of ``topic``; None where it never
+    committed. Blocks on the cluster (seconds)."""
+    return _committed(new_admin(bootstrap), group, topic.name, topic.partitions)
+
+
 def _live_members(admin: AdminClient, group: str) -> str | None:
     """Why the group's offsets cannot be moved now (it has live members), or None."""
     description = _describe_group(admin, group)
