@@ -58,8 +58,8 @@ def rescore(ctx: click.Context, path: str, source: str, from_time: str | None,
     import logging
 
     from reef_stream.api.recipe import load_recipe
-    from reef_stream.consumers.reward import RewardOptions
     from reef_stream.consumers.rescore import Rescorer
+    from reef_stream.consumers.reward import RewardOptions
     from reef_stream.errors import ConfigurationError
     from reef_stream.topics.cursors import AtTime, Earliest, parse_time
 
