@@ -49,7 +49,9 @@ shares of wall time spent checkpointing:
 These are slow on a small machine (a 500M step takes 10 s to a minute and more on 2 shared
 cores), so the default ``--steps`` is 2: two real steps per cadence window, six per
 configuration; raise it for steadier figures. The default run took about 10 minutes on 2
-cores (500M in full in float32 skipped for memory, below). Configurations run one after the
+cores with 500M in full in float32 skipped for memory, as it then was (below); that
+configuration alone, ``--sizes 500M --modes full --steps 1``, takes about 5. Configurations
+run one after the
 other, never two at once. It ends with one line per (size, mode, cadence)::
 
     CHECKPOINT size=100M mode=lora cadence=5 step_s=... checkpoint_s=... checkpoint_mb=...
@@ -60,8 +62,8 @@ Memory: a configuration whose estimated peak (``peak_bytes``) is more than this 
 available is skipped, with a line saying so, unless ``--force``. ``CheckpointStore.write``
 streams each tensor to disk from its own memory (it once serialised every file in memory
 first, and 500M in full in float32 was killed at 18.6 GiB while it checkpointed), so the peak
-is training's: 500M trained in full in float32 (8 GB of weights, gradients and AdamW state)
-needs about 11 GB.
+is training's and the serving artifact's: 500M trained in full in float32 (8 GB of weights,
+gradients and AdamW state) peaked at 14.0 GB.
 
 Figures, never assertions. No network: HF_HUB_OFFLINE is set.
 """
@@ -216,19 +218,24 @@ class Medians:
         return self.checkpoint_s / (cadence * self.step_s + self.checkpoint_s)
 
 
-def peak_bytes(params: int, mode: str, dtype: str, batch: Batch, vocab: int) -> int:
+def peak_bytes(params: int, mode: str, dtype: str, batch: Batch, vocab: int,
+               serving_dtype: str = "bfloat16") -> int:
     """About the most memory one configuration takes: the weights; the gradients and AdamW's
     two moments of what trains (all of it in full, a few percent with LoRA); a checkpoint
     write (``CheckpointStore.write`` streams each tensor from its own memory: at most a copy
-    of one tensor, counted as 1 GiB); a micro batch's logits and their gradients; the
-    interpreter and libraries. On the safe side (100M full peaked at 4.9 GiB when the write
-    still held every file in memory)."""
+    of one tensor, counted as 1 GiB); the serving artifact's write (what it serves cast to
+    the serving dtype, and ``save_pretrained``'s safetensors bytes of it twice); a micro
+    batch's logits and their gradients; the interpreter and libraries. 500M in full in
+    float32 peaked at 14.0 GB (estimated 13.4 GiB); 100M full at 4.9 GiB when the checkpoint
+    write still held every file in memory."""
     width = 2 if dtype == "bfloat16" else 4
     trained = params if mode == "full" else params // 30
     state = params * width + 3 * trained * width
     checkpoint = 1 << 30
+    artifact = 3 * (params if mode == "full" else trained) * (4 if serving_dtype == "float32"
+                                                              else 2)
     logits = 4 * batch.group_size * (batch.prompt_len + batch.completion_len) * vocab * 4
-    return state + checkpoint + logits + (2 << 30)  # the interpreter, torch, transformers
+    return state + checkpoint + artifact + logits + (2 << 30)  # the interpreter, torch, transformers
 
 
 def available_bytes() -> int | None:
@@ -544,7 +551,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"parameters, save_pretrained in {time.perf_counter() - started:.1f} s")
             for mode in args.modes:
                 batch = Batch(args.units, args.group_size, args.prompt_len, args.completion_len)
-                needed, free = peak_bytes(count, mode, args.dtype, batch, SIZES[size].vocab), \
+                needed, free = peak_bytes(count, mode, args.dtype, batch, SIZES[size].vocab,
+                                          args.serving_dtype), \
                     available_bytes()
                 if free is not None and needed > free and not args.force:
                     reason = (f"needs about {needed / 2**30:.1f} GiB of memory at its peak (a "

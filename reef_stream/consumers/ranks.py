@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from reef_stream.errors import ConfigurationError
+
+log = logging.getLogger("reef_stream.consumers.trainer.ranks")  # in the trainer's log
 
 
 class Ranks:
@@ -76,6 +80,29 @@ class Ranks:
             buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         dist.broadcast(buffer, src=0)
         return bytes(buffer.cpu().numpy())
+
+    def weights_differ(self, weights: Mapping[str, torch.Tensor]) -> str | None:
+        """None when every rank holds these very ``weights``, bitwise; else what differs.
+
+        Under data parallelism every rank applies the same averaged gradients to the same
+        weights, so after a step they hold the same bytes; a rank that does not (a
+        nondeterministic kernel, a fault) must not have its twin's weights acknowledged for
+        it. Each rank hashes the safetensors bytes of its weights (``safetensors_sha256``: the
+        sha256 a checkpoint's ``model.safetensors`` gets, streamed, never all in memory) and
+        the digests are compared. Every rank gets the same answer. One rank: None, at once.
+        """
+        if self.ranks == 1:
+            return None
+        from reef_stream.engine.checkpoints import safetensors_sha256
+
+        digests = [d.decode() for d in self.gather_bytes(safetensors_sha256(weights).encode())]
+        if len(set(digests)) == 1:
+            log.info("rank %d of %d holds the weights of every rank (sha256 %s)", self.rank,
+                     self.ranks, digests[0])
+            return None
+        return ("the data-parallel ranks hold different weights after this step (sha256 of "
+                "their safetensors bytes by rank: "
+                + ", ".join(f"rank {r}: {d[:16]}" for r, d in enumerate(digests)) + ")")
 
     def gather_shares(self, mine: list[Any], offsets: dict[int, int], registry: Any,
                       unit_type: type) -> list[tuple[list[Any], dict[int, int]]]:

@@ -438,8 +438,9 @@ class Trainer:
         if self.ranks > 1:
             rng = {k: v for blob in self.world.gather_bytes(safetensors.torch.save(rng))
                    for k, v in safetensors.torch.load(blob).items()}
-        error, offsets = None, ()
-        if self.rank == 0:
+        # Every rank's weights are the ones rank 0 writes, bitwise, or the step is not acknowledged.
+        error, offsets = self.world.weights_differ(weights), ()
+        if self.rank == 0 and error is None:
             offsets = tuple(TopicOffset(topic=self.topic, partition=p, offset=o)
                             for p, o in sorted(self.step_offsets.items()))
             contents = CheckpointContents(

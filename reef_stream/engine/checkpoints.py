@@ -48,7 +48,7 @@ from reef_stream.topics.events import TopicOffset
 
 __all__ = ["CheckpointContents", "CheckpointError", "CheckpointStore", "StoredCheckpoint",
            "default_store_url", "load", "load_weights", "unit_hash", "verify", "write_durably",
-           "write_safetensors"]
+           "safetensors_chunks", "safetensors_sha256", "write_safetensors"]
 
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"step-(\d{8,})\Z")
@@ -343,6 +343,33 @@ def write_safetensors(fs: Any, path: str, tensors: Mapping[str, torch.Tensor], *
     alone), so a checkpoint of any size is written with no more extra memory than its largest
     tensor. ``FatalError`` for a sparse tensor or a dtype safetensors has no name for.
     """
+    digest, size = hashlib.sha256(), 0
+    with (open(path, "wb") if local else fs.open(path, "wb")) as out:
+        for chunk in safetensors_chunks(tensors):
+            digest.update(chunk)
+            out.write(chunk)
+            size += len(chunk)
+        if local:
+            out.flush()
+            os.fsync(out.fileno())
+    return {"sha256": digest.hexdigest(), "bytes": size}
+
+
+def safetensors_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The sha256 of ``safetensors.torch.save(tensors)``, computed without those bytes in
+    memory (``safetensors_chunks``): what a checkpoint's manifest says of its
+    ``model.safetensors`` when ``tensors`` are its weights."""
+    digest = hashlib.sha256()
+    for chunk in safetensors_chunks(tensors):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> Iterator[Any]:
+    """The bytes of ``safetensors.torch.save(tensors)``, in pieces of at most 64 MiB (buffers:
+    the header as ``bytes``, then views of each tensor's own memory, valid until the next
+    piece is asked for). ``FatalError`` for a sparse tensor or a dtype safetensors has no
+    name for."""
     layout = []
     for name, tensor in tensors.items():
         if tensor.layout != torch.strided or tensor.dtype not in _ST_DTYPES:
@@ -358,25 +385,15 @@ def write_safetensors(fs: Any, path: str, tensors: Mapping[str, torch.Tensor], *
         offset += size
     head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     head += b" " * (-len(head) % 8)
-    digest = hashlib.sha256()
-    with (open(path, "wb") if local else fs.open(path, "wb")) as out:
-        def emit(data: Any) -> None:
-            digest.update(data)
-            out.write(data)
-
-        emit(len(head).to_bytes(8, "little") + head)
-        for _, tensor in layout:
-            if tensor.numel() == 0:
-                continue
-            data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            view = memoryview(data)
-            for start in range(0, len(view), _WRITE_CHUNK):
-                emit(view[start:start + _WRITE_CHUNK])
-            del data, view
-        if local:
-            out.flush()
-            os.fsync(out.fileno())
-    return {"sha256": digest.hexdigest(), "bytes": 8 + len(head) + offset}
+    yield len(head).to_bytes(8, "little") + head
+    for _, tensor in layout:
+        if tensor.numel() == 0:
+            continue
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        view = memoryview(data)
+        for start in range(0, len(view), _WRITE_CHUNK):
+            yield view[start:start + _WRITE_CHUNK]
+        del data, view
 
 
 def _optimizer_to(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -21,6 +21,7 @@ from reef_stream.engine.checkpoints import (
     CheckpointContents,
     CheckpointStore,
     load,
+    safetensors_sha256,
     unit_hash,
     write_safetensors,
 )
@@ -70,6 +71,8 @@ def test_streamed_files_are_the_bytes_safetensors_serialises_and_read_back_bitwi
     for name, data in expected.items():
         assert fs.cat_file(f"{path}/{name}") == data, name
         assert manifest["files"][name]["bytes"] == len(data)
+    # What data-parallel ranks compare at a checkpoint: the weights file's sha256, unwritten.
+    assert safetensors_sha256(contents.weights) == manifest["files"]["model.safetensors"]["sha256"]
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)) == sorted(
         [*expected, MANIFEST])
     assert not [p for p in fs.ls(store.root, detail=False) if ".tmp-" in p]  # staging gone
