@@ -40,9 +40,11 @@ def fleet(ctx: click.Context, model: str | None, rebuild: bool, ttl: float | Non
     For each model: the published version (the newest promoted one, with its
     evaluator, and UNEVALUATED when the default evaluator promoted it), the
     serving version (the newest one a live replica serves, which routers
-    use), and how many live replicas serve the published version. Then every
-    live replica: its model, loaded version, host and seconds since its last
-    heartbeat. Everything comes from Redis (REEF_REDIS_URL or `reef redis
+    use), and how many live replicas serve the published version; a version
+    waiting for a decision (a canary on a share of the replicas, or one
+    awaiting `reef approve`). Then every live replica: its model, loaded
+    version, state (serving, canary, waiting), host and seconds since its
+    last heartbeat. Everything comes from Redis (REEF_REDIS_URL or `reef redis
     up`), which holds projections only; --rebuild restores them from Kafka
     after Redis lost them.
     """
@@ -76,6 +78,10 @@ def _as_dict(snapshot) -> dict:
             "evaluator": m.published.evaluator, "evaluated": m.published.evaluated,
             "decided_at": m.published.decided_at},
         "serving": m.serving,
+        "staged": None if m.staged is None else {
+            "version": m.staged.version, "share": m.staged.share, "awaiting": m.staged.awaiting,
+            "reason": m.staged.reason, "evaluator": m.staged.evaluator,
+            "decided_at": m.staged.decided_at},
         "replicas": [{"replica": r.replica_id, "version": r.version, "host": r.host,
                       "state": r.state, "last_seen": r.last_seen,
                       "age_s": round(r.age_s(now), 1)} for r in m.replicas],
@@ -101,19 +107,26 @@ def _print(snapshot) -> None:
                        "-" if m.serving is None else str(m.serving), str(len(m.replicas)),
                        str(on_published))
     console.print(models)
+    for m in snapshot.models:
+        if m.staged is not None:
+            console.print(f"[bold yellow]waiting for a decision:[/bold yellow] "
+                          f"{escape(m.model)} version {m.staged.version} (share "
+                          f"{m.staged.share:g}, awaiting {escape(m.staged.awaiting)}): "
+                          f"{escape(m.staged.reason)}")
     replicas = [(m, r) for m in snapshot.models for r in m.replicas]
     if not replicas:
         console.print("no live replicas")
         return
     table = Table(title="replicas")
-    for column in ("replica", "model", "version", "host", "age"):
+    for column in ("replica", "model", "version", "state", "host", "age"):
         table.add_column(column, justify="right" if column == "age" else "left")
     for m, r in replicas:
         version = "-" if r.version is None else str(r.version)
         if m.published is not None and r.version != m.published.version:
             version += " [yellow](behind)[/yellow]" if r.version is not None \
                 and r.version < m.published.version else ""
-        table.add_row(escape(r.replica_id), escape(m.model), version, escape(r.host),
+        table.add_row(escape(r.replica_id), escape(m.model), version, escape(r.state),
+                      escape(r.host),
                       f"{r.age_s(snapshot.taken_at):.1f}s")
     console.print(table)
 
