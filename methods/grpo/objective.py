@@ -79,11 +79,11 @@ class GroupNormalisedAdvantage:
             raise ConfigurationError(f"GroupNormalisedAdvantage.dynamic_sampling must be a bool, "
                                      f"got {self.dynamic_sampling!r}")
 
-    def describe(self) -> str:
-        """The chosen variants, in one line (``reef check`` prints it)."""
-        return (f"advantages {self.normalisation.describe()}, eps {self.epsilon:g}; "
-                + ("dynamic sampling: groups with all-equal rewards dropped (DAPO)"
-                   if self.dynamic_sampling else "no dynamic sampling"))
+    def describe(self) -> tuple[str, ...]:
+        """The chosen variant of each part, one ``part: choice`` a line (``reef check``)."""
+        return (f"advantages: {self.normalisation.describe()}, eps {self.epsilon:g}",
+                "dynamic sampling: " + ("groups whose rewards are all equal dropped (DAPO)"
+                                        if self.dynamic_sampling else "off"))
 
     def initial_state(self) -> GroupState:
         """Step 0. Pure, idempotent; called once, when a trainer starts without a checkpoint."""

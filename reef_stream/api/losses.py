@@ -253,21 +253,23 @@ class ClippedPolicyGradient:
         """What the backend must add to the inputs for this loss's options."""
         return _extras(self.kl, self.entropy, self.proximal)
 
-    def describe(self) -> str:
-        """The chosen variant of each part, in one line (``reef check`` prints it)."""
+    def describe(self) -> tuple[str, ...]:
+        """The chosen variant of each part, one ``part: choice`` a line (``reef check``)."""
         high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-        parts = [f"PPO clip [1 - {self.epsilon:g}, 1 + {high:g}]"
-                 + (" (clip-higher, DAPO)" if high != self.epsilon else ""),
-                 f"dual clip {self.dual_clip:g}" if self.dual_clip else "no dual clip",
-                 f"{self.ratio_level.value}-level ratio"
-                 + (" (GSPO)" if self.ratio_level is RatioLevel.SEQUENCE else ""),
-                 self.aggregation.describe(),
-                 self.kl.describe() if self.kl else "no KL penalty",
-                 self.entropy.describe() if self.entropy else "no entropy bonus",
-                 self.proximal.describe() if self.proximal else "clipped against the behaviour "
-                                                                "policy",
-                 f"log-ratio clamped to +-{self.log_ratio_bound:g}"]
-        return "; ".join(parts)
+        return (
+            f"clip: ratio in [1 - {self.epsilon:g}, 1 + {high:g}]"
+            + (" (clip-higher, DAPO)" if high != self.epsilon else " (PPO)")
+            + (f", dual clip {self.dual_clip:g} (dual-clip PPO)" if self.dual_clip else
+               ", no dual clip"),
+            f"ratio: {self.ratio_level.value}-level"
+            + (" (GSPO)" if self.ratio_level is RatioLevel.SEQUENCE else " (PPO)"),
+            f"aggregation: {self.aggregation.describe()}",
+            f"kl: {self.kl.describe() if self.kl else 'none'}",
+            f"entropy: {self.entropy.describe() if self.entropy else 'none'}",
+            "anchor: " + (self.proximal.describe() if self.proximal
+                          else "the behaviour policy (no proximal policy)"),
+            f"log-ratio: clamped to +-{self.log_ratio_bound:g} before exp",
+        )
 
     def __call__(self, inputs: PolicyGradientInputs, /) -> LossOutput:
         name = type(self).__name__
@@ -344,14 +346,15 @@ class ClippedWeightPolicyGradient:
     def extra_inputs(self) -> frozenset[ExtraInput]:
         return _extras(self.kl, self.entropy)
 
-    def describe(self) -> str:
+    def describe(self) -> tuple[str, ...]:
+        """The chosen variant of each part, one ``part: choice`` a line (``reef check``)."""
         low = "0" if self.epsilon_low is None else f"1 - {self.epsilon_low:g}"
-        return "; ".join([
-            f"CISPO clipped weights [{low}, 1 + {self.epsilon_high:g}]", "token-level ratio",
-            self.aggregation.describe(),
-            self.kl.describe() if self.kl else "no KL penalty",
-            self.entropy.describe() if self.entropy else "no entropy bonus",
-            f"log-ratio clamped to +-{self.log_ratio_bound:g}"])
+        return (f"weights: clip(ratio, {low}, 1 + {self.epsilon_high:g}), no gradient (CISPO)",
+                "ratio: token-level",
+                f"aggregation: {self.aggregation.describe()}",
+                f"kl: {self.kl.describe() if self.kl else 'none'}",
+                f"entropy: {self.entropy.describe() if self.entropy else 'none'}",
+                f"log-ratio: clamped to +-{self.log_ratio_bound:g} before exp")
 
     def __call__(self, inputs: PolicyGradientInputs, /) -> LossOutput:
         mask = inputs.mask.to(inputs.logprobs.dtype)

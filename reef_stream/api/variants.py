@@ -96,7 +96,7 @@ class TokenMean:
         return (terms * mask).sum() / max(totals.tokens, 1.0)
 
     def describe(self) -> str:
-        return "token-mean (sum over the batch's tokens / its token count; DAPO)"
+        return "token-mean: the batch's token sum / its token count (DAPO)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +111,7 @@ class SequenceMeanTokenMean:
         return ((terms * mask).sum(dim=1) / lengths).sum() / max(totals.sequences, 1.0)
 
     def describe(self) -> str:
-        return "seq-mean-token-mean (each sequence's token mean, averaged over sequences; GRPO)"
+        return "seq-mean-token-mean: each sequence's token mean, averaged over sequences (GRPO)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +124,7 @@ class SequenceMeanTokenSum:
         return (terms * mask).sum() / max(totals.sequences, 1.0)
 
     def describe(self) -> str:
-        return "seq-mean-token-sum (each sequence's token sum, averaged over sequences)"
+        return "seq-mean-token-sum: each sequence's token sum, averaged over sequences"
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +143,8 @@ class ConstantNormaliser:
         return (terms * mask).sum() / (max(totals.sequences, 1.0) * self.tokens_per_sequence)
 
     def describe(self) -> str:
-        return (f"constant normaliser (token sum / (sequences x {self.tokens_per_sequence:g}); "
-                "Dr. GRPO)")
+        return (f"constant normaliser: token sum / (sequences x {self.tokens_per_sequence:g}) "
+                "(Dr. GRPO)")
 
 
 Aggregation = Union[TokenMean, SequenceMeanTokenMean, SequenceMeanTokenSum, ConstantNormaliser]

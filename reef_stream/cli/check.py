@@ -72,6 +72,7 @@ def contract_lines(recipe: Recipe, path: str, registry: SchemaRegistry) -> list[
         "counted; late feedback is counted and dead-lettered",
         f"objective: {objective.name}: consumes {unit_type.__name__}, loss family "
         f"{objective.loss_family.name} ({objective.loss_family.description})",
+        *_variant_lines(recipe),
         f"backend:   {recipe.backend.name}: supports {families}; data-parallel size "
         f"{recipe.backend.data_parallel_size}",
         f"schedule:  {recipe.schedule.describe()}",
@@ -96,6 +97,23 @@ def contract_lines(recipe: Recipe, path: str, registry: SchemaRegistry) -> list[
     lines.append(f"model:     {name}"
                  + (f"; optimizer {recipe.backend.optimizer}" if recipe.backend.optimizer
                     else "; optimizer AdamW (lr 1e-3, the default)"))
+    return lines
+
+
+def _variant_lines(recipe: Recipe) -> list[str]:
+    """The chosen variant of each part of the objective and of the loss the backend binds to
+    its family, one ``part: choice`` a line (``describe()`` of the built-in ones,
+    ``reef_stream.api.variants``). A loss without ``describe`` is shown as it prints."""
+    objective = recipe.objective
+    family = objective.loss_family
+    losses = dict(recipe.backend.losses)
+    loss = losses.get(family, family.reference)
+    lines = [f"            {part}" for part in getattr(objective, "describe", tuple)()]
+    reference = "" if family in losses else " (the family's reference)"
+    if not hasattr(loss, "describe"):
+        return [*lines, f"loss:      {loss!r}{reference}"]
+    lines.append(f"loss:      {type(loss).__name__}{reference}")
+    lines += [f"            {part}" for part in loss.describe()]
     return lines
 
 

@@ -92,7 +92,7 @@ def test_clip_higher_by_hand():
     assert out.metrics[LOSS_CLIP_FRACTION_HIGH] == 0.5
     assert out.metrics[LOSS_CLIP_FRACTION_LOW] == 0.5
     symmetric = ClippedPolicyGradient(epsilon=0.2)(inputs)
-    assert float(symmetric.loss) == pytest.approx(-(1.2 - 0.8) / 2)
+    assert symmetric.loss.item() == pytest.approx(-(1.2 - 0.8) / 2)
 
 
 def test_dual_clip_by_hand():
@@ -377,3 +377,58 @@ def test_a_step_with_a_behaviour_logprob_of_minus_100_trains():
     metrics = _step(backend, configured, [unit, rollout_unit(1)], 1)
     assert math.isfinite(metrics["loss"])
     assert all(torch.isfinite(v).all() for v in backend.state()[0].values())
+
+
+# --------------------------------------------------------------------------- the recipe
+
+
+def test_grpo_exposes_the_variants_and_reef_check_prints_the_chosen_ones():
+    """methods.grpo's factory takes the loss, the advantages' normalisation and dynamic
+    sampling; ``reef check`` prints each part's choice (here DAPO's clip-higher, dual-clip PPO,
+    a k2 KL penalty, Dr. GRPO's advantages, DAPO's dynamic sampling)."""
+    import functools
+
+    from methods.grpo import recipe as grpo
+    from reef_stream.api.recipe import check_recipe
+    from reef_stream.cli.check import contract_lines
+    from reef_stream.demo.recipes import bind
+    from reef_stream.topics.serde import SchemaRegistry
+
+    loss = ClippedPolicyGradient(epsilon_high=0.28, dual_clip=3.0,
+                                 kl=KLPenalty(0.01, KLEstimator.K2))
+    bound = bind(functools.partial(grpo, loss=loss, normalisation=AdvantageNormalisation.NONE,
+                                   dynamic_sampling=True))
+    check_recipe(bound, complete=True)
+    assert bound.backend.losses[POLICY_GRADIENT] is loss
+    lines = contract_lines(bound, "variants", SchemaRegistry.default())
+    for expected in [
+        "            advantages: r - group mean, unscaled (Dr. GRPO), eps 0.0001",
+        "            dynamic sampling: groups whose rewards are all equal dropped (DAPO)",
+        "loss:      ClippedPolicyGradient",
+        "            clip: ratio in [1 - 0.2, 1 + 0.28] (clip-higher, DAPO), dual clip 3 "
+        "(dual-clip PPO)",
+        "            ratio: token-level (PPO)",
+        "            aggregation: token-mean: the batch's token sum / its token count (DAPO)",
+        "            kl: KL to the initial policy, k2 estimator, coefficient 0.01",
+        "            entropy: none",
+        "            log-ratio: clamped to +-20 before exp",
+    ]:
+        assert expected in lines, (expected, lines)
+
+
+def test_reef_check_prints_the_default_grpo_variants_and_set_changes_the_objectives():
+    from click.testing import CliRunner
+
+    from reef_stream.cli.main import main
+
+    result = CliRunner().invoke(main, ["check", "--recipe", "reef_stream.demo.recipes:grpo"])
+    assert result.exit_code == 0, result.output
+    assert ("            advantages: (r - group mean) / (group population std + eps) (GRPO), "
+            "eps 0.0001\n            dynamic sampling: off\nloss:      ClippedPolicyGradient\n"
+            "            clip: ratio in [1 - 0.2, 1 + 0.2] (PPO), no dual clip\n") in result.stdout
+    result = CliRunner().invoke(main, [
+        "check", "--recipe", "reef_stream.demo.recipes:grpo", "--set",
+        "objective.normalisation=batch_std", "--set", "objective.dynamic_sampling=true"])
+    assert result.exit_code == 0, result.output
+    assert "(r - group mean) / (batch std of centred rewards + eps)" in result.stdout
+    assert "dynamic sampling: groups whose rewards are all equal dropped" in result.stdout
