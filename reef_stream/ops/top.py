@@ -53,6 +53,7 @@ class _Model:
     published: int | None = None
     rejected: int = 0
     rollbacks: dict[int, int] = field(default_factory=dict)  # version -> the version it holds
+    staged: Publication | None = None  # the version waiting for a decision (a CANARY)
 
 
 @dataclass
@@ -143,7 +144,16 @@ class TopView:
                 model.rollbacks[event.policy_version] = event.rolled_back_to
         elif isinstance(event, Publication):
             model = state.model(event.model)
-            if event.decision is Decision.PROMOTED:
+            if model.staged is not None and (model.staged.policy_version <= event.policy_version
+                                             if event.decision is Decision.PROMOTED else
+                                             model.staged.policy_version == event.policy_version):
+                model.staged = None  # decided (a CANARY for it sets it again below)
+            if event.decision is Decision.CANARY:
+                model.staged = event
+            elif event.decision is Decision.ROLLED_BACK:
+                if event.share is None and event.rolled_back_to is not None:  # `reef rollback`
+                    model.published = event.rolled_back_to
+            elif event.decision is Decision.PROMOTED:
                 model.published = max(model.published or 0, event.policy_version)
             else:
                 model.rejected += 1
@@ -176,7 +186,8 @@ class TopView:
             groups.add_row(group, state, f"{total:,}")
 
         versions = Table(title="versions", title_justify="left")
-        for column in ("model", "trained", "published", "rejected", "rollbacks", "serving"):
+        for column in ("model", "trained", "published", "rejected", "rollbacks", "serving",
+                       "waiting for a decision"):
             versions.add_column(column, justify="left" if column == "model" else "right")
         for name, model in sorted(self.state.models.items()):
             serving = sorted(v for m, v in self.state.replicas.values() if m == name)
@@ -185,8 +196,12 @@ class TopView:
             newest = max(model.rollbacks, default=None)
             rollbacks = "0" if newest is None else (
                 f"{len(model.rollbacks)}, v{newest} = v{model.rollbacks[newest]}")
+            staged = model.staged
+            waiting = "-" if staged is None else (
+                f"v{staged.policy_version} {staged.awaiting or '?'}"
+                + (f" (canary {staged.share:.0%})" if staged.share else ""))
             versions.add_row(name, _or_dash(model.trained), _or_dash(model.published),
-                             str(model.rejected), rollbacks, shown)
+                             str(model.rejected), rollbacks, shown, waiting)
 
         replicas = Table(title="replicas", title_justify="left")
         for column in ("replica", "model", "version"):

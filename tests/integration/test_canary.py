@@ -25,6 +25,7 @@ from reef_stream.consumers.canary import CanaryWatch
 from reef_stream.consumers.evaluator import EvaluateOptions, EvaluatorWorker
 from reef_stream.consumers.follower import Follower
 from reef_stream.consumers.publications import PublicationLedger
+from reef_stream.ops.trace import trace_generation
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import feedback, generations
 from reef_stream.topics.events import (
@@ -182,6 +183,12 @@ def test_a_worse_candidate_is_rolled_back_by_its_canary_and_a_better_one_promote
         assert [lv.versions for lv in loads if 2 in lv.versions] and \
             all(lv.versions[-1] == 1 for lv in loads)
         eventually(lambda: fleet.snapshot().model("tiny").staged is None, 10, "nothing staged")
+        canary_links = [link.text for link in trace_generation(
+            kafka_bootstrap, namespace, "gen-2-1-1").links if link.kind == "canary"]
+        assert len(canary_links) == 2
+        assert canary_links[0].startswith("version 2 staged on a share of 0.5 of the replicas, "
+                                          "awaiting canary")
+        assert canary_links[1].startswith("version 2 ROLLED_BACK: canary rolled back")
 
         # the decision is a function of the log: read again from the canary's start, the same
         with PublicationLedger(kafka_bootstrap, namespace) as ledger:
@@ -241,7 +248,9 @@ def test_a_person_approves_rejects_and_rolls_back_and_each_decision_is_an_event(
     waiting = json.loads(reef("fleet", "--json", env=cli_env).stdout)["models"][0]
     assert waiting["published"] is None
     assert waiting["staged"]["version"] == 1 and waiting["staged"]["awaiting"] == "approval"
-    assert "waiting" in reef("fleet", env=cli_env).stdout
+    assert "waiting for a decision: tiny version 1 (share 0, awaiting approval)" in \
+        reef("fleet", env=cli_env).stdout
+    assert "v1 approval" in reef("top", "--once", env=cli_env).stdout
     refused = reef("approve", "tiny", "2", "--by", "ann", env=cli_env, check=False)
     assert refused.returncode == 2 and "version 2 of model 'tiny' is not waiting" in \
         refused.stderr
