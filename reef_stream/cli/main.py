@@ -16,6 +16,8 @@
     reef evaluate --recipe X        candidate evaluation: one Publication per checkpoint
     reef follow --model M           a serving replica: newest promoted version, verified
     reef fleet [--rebuild]          published/serving versions and replicas (Redis, rebuildable)
+    reef approve|reject MODEL VERSION   a person's decision on a staged (canary) version
+    reef rollback MODEL [--to V]    serve an earlier promoted version again (a decision event)
     reef demo                       the whole loop on a toy task, every stage a process
     reef trace GENERATION_ID        a generation's lineage: feedback, unit, step, publication, replicas
     reef top [--once]               live view: topic rates, group lag, versions, replicas, dead letters
@@ -36,6 +38,7 @@ import sys
 
 import click
 
+from reef_stream.cli import decide  # noqa: I001 - reef approve / reject / rollback
 from reef_stream.cli import (check, cursors, dashboard, demo, engine, evaluate, fleet, follow,
                              intake, process, produce, rescore, reward, scorecard, servers, sink,
                              top, topics, trace, train)
@@ -66,7 +69,8 @@ def main(ctx: click.Context, verbose: bool) -> None:
 
 
 for module in (servers, topics, produce, intake, cursors, check, reward, rescore, process, train,
-               evaluate, follow, fleet, demo, trace, top, scorecard, sink, dashboard, engine):
+               evaluate, follow, fleet, demo, trace, top, scorecard, sink, dashboard, engine,
+               decide):
     for command in module.COMMANDS:
         main.add_command(command)
 
