@@ -6,9 +6,19 @@ trainer of a group starts from the same weights), prepares them with
 
     for epoch in range(epochs):                 # units reshuffled per epoch, seeded by
         for optimizer batch in the step:        #   (schedule.seed, step, epoch)
-            for micro batch in the batch:       # forward, the family's loss, backward
-                ...                             #   (gradients scaled by micro/optimizer units)
+            totals = the batch's loss tokens and sequences, summed over its micro batches
+                     and all-reduced over data-parallel ranks, before any forward pass
+            for micro batch in the batch:       # forward, the family's loss divided by
+                ...                             #   totals, backward (x ranks: DDP averages)
             optimizer.step()
+
+So the micro-batch size and the number of ranks change memory and speed only, not the loss
+or its gradient (``reef_stream.api.variants.BatchTotals``; tests/unit/test_loss_invariance.py).
+A sample the objective does not keep (``PerSampleAdvantages.keep``: dynamic sampling) has no
+loss token. A loss asking for more inputs (its ``extra_inputs``) gets them: a frozen copy of
+the initial policy's logprobs (``KLPenalty``), the entropy (``EntropyBonus``), the logprobs of
+the weights at the start of the step (``DecoupledProximal``, one more forward pass over the
+step's samples, without gradient).
 
 Nothing in a step depends on time or on the order data arrived in, so the
 same units from the same checkpoint give bitwise the same weights (on the
@@ -630,8 +640,10 @@ class TorchBackend:
                    ) -> dict[str, float]:
         """Train on ``units`` (exactly ``schedule.units_per_step``) with ``result``'s advantages.
 
-        Returns the step's metrics: mean loss, the loss's own metrics
-        (averaged over micro batches), the objective's (prefixed
+        Returns the step's metrics: the loss (each optimizer batch's, its micro
+        batches and ranks normalised by the batch's ``BatchTotals``; mean over
+        batches), the loss's own metrics (averaged over micro batches, then
+        ranks), the objective's (prefixed
         ``objective.``), the policy's health against the behaviour policies
         before the first update (``_gap_metrics``: a policy-gradient family's
         only) and the update's relative size (``_update_ratio``).
@@ -730,9 +742,13 @@ class TorchBackend:
                 updates += 1
                 self.optimizer.step()
         grad_norm = totals.pop(TRAINER_GRAD_NORM, 0.0) / max(updates, 1)
-        metrics = {name: value / micro_batches for name, value in totals.items()}
-        # The optimizer batches' losses (their micro batches' and ranks' shares summed), mean.
-        metrics["loss"] = self._sum_over_ranks([batch_losses])[0] / max(updates, 1)
+        # The loss's metrics: the mean over micro batches, then over ranks; the step's loss: its
+        # optimizer batches' (their micro batches' and ranks' shares summed), mean. One
+        # all-reduce (every rank has the same loss, so the same metric names).
+        names = sorted(totals)
+        summed = self._sum_over_ranks([totals[n] / micro_batches for n in names] + [batch_losses])
+        metrics = {name: value / self.ranks for name, value in zip(names, summed)}
+        metrics["loss"] = summed[-1] / max(updates, 1)
         metrics[TRAINER_GRAD_NORM] = grad_norm
         metrics.update(self._gap_metrics(gap))
         metrics.update(self._update_ratio(before))
