@@ -69,8 +69,9 @@ from reef_stream.errors import ConfigurationError
 @click.option("--canary-share", type=click.FloatRange(min=0, max=1), default=None,
               metavar="SHARE",
               help="Publish what the offline evaluator promotes as a CANARY on this share of "
-                   "the replicas, judged by the recipe's canary evaluator on live feedback; 0 "
-                   "turns the canary off [default: the recipe's].")
+                   "the replicas, judged by the recipe's canary evaluator on live feedback (a "
+                   "recipe without one: MeanDifference's defaults); 0 turns the canary off "
+                   "[default: the recipe's].")
 @click.option("--require-approval/--no-require-approval", default=None,
               help="Whether a version that passed waits for `reef approve` [default: the "
                    "recipe's].")

@@ -39,7 +39,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from reef_stream.api.canary import Action, Arm, CanaryEvaluator, Verdict
+from reef_stream.api.canary import Action, Arm, CanaryEvaluator, MeanDifference, Verdict
 from reef_stream.errors import ConfigurationError, InvalidRecord
 from reef_stream.topics import declarations
 from reef_stream.topics.connect import ask_broker, new_consumer
@@ -81,15 +81,14 @@ class Release:
            publish_every_s: float | None = None) -> Release:
         """The release policy of a recipe's evaluator, with the evaluator options that override
         it (None: the recipe's). ``canary_share`` changes the canary's share (0 turns the
-        canary off; a share without a canary in the recipe is a ``ConfigurationError``)."""
+        canary off; for a recipe without a canary, it is ``MeanDifference(share=...)`` with
+        its defaults, on every feedback source)."""
         canary = getattr(evaluator, "canary", None)
         if canary_share is not None:
             if canary_share == 0:
                 canary = None
             elif canary is None:
-                raise ConfigurationError(
-                    f"a canary share ({canary_share}) was given, but the recipe's evaluator has "
-                    "no canary: give it one (reef_stream.api.canary.Staged(canary=...))")
+                canary = MeanDifference(share=canary_share)
             elif dataclasses.is_dataclass(canary):
                 canary = dataclasses.replace(canary, share=canary_share)
             else:

@@ -108,6 +108,8 @@ log = logging.getLogger(__name__)
 
 #: ``Follower(fleet=AUTO)``: the Redis that the settings name, or none (logged) if they name none.
 AUTO = "auto"
+#: The environment variable that gives a replica's canary slot (``Follower``).
+CANARY_SLOT_ENV = "REEF_CANARY_SLOT"
 #: Seconds between two tries of a refused version that is still the newest.
 DEFAULT_RETRY_S = 30.0
 
@@ -147,7 +149,9 @@ class Follower:
     ``loads``: ``WEIGHTS`` (the checkpoint's state dict, for serving code that swaps it into
     its model) or ``ARTIFACT`` (the publication's serving artifact verified against its
     sha256 and handed over by URI, for an engine adapter, ``reef_stream.consumers.engines``; a
-    version published without one is refused). Constructing connects to nothing; raises
+    version published without one is refused). ``canary_slot``: the replica's place in [0, 1)
+    for canary cohorts (replica i of n: i / n, so a share takes exactly its part; default
+    ``$REEF_CANARY_SLOT``, else derived from the replica id). Constructing connects to nothing; raises
     ``ConfigurationError`` for bad arguments.
     """
 
@@ -185,9 +189,10 @@ class Follower:
         self.namespace = namespace or self._settings.namespace
         self.bootstrap = bootstrap or bootstrap_servers(self._settings)
         self.replica_id = replica_id or default_replica_id()
-        #: Where this replica stands for canary cohorts (``publications.takes_canary``).
-        self.canary_slot = canary_slot_of(self.replica_id) if canary_slot is None \
-            else canary_slot
+        #: Where this replica stands for canary cohorts (``publications.takes_canary``): the
+        #: argument, else ``$REEF_CANARY_SLOT`` (replica i of n: i / n), else from the id.
+        self.canary_slot = canary_slot if canary_slot is not None else _slot_from_env() \
+            if os.environ.get(CANARY_SLOT_ENV) else canary_slot_of(self.replica_id)
         self.host = socket.gethostname()
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s if ttl_s is not None else max(DEFAULT_TTL_S, 3 * heartbeat_s)
@@ -616,6 +621,19 @@ class _Following:
 
     def close(self) -> None:
         """The ledger and the producer are the follower's."""
+
+
+def _slot_from_env() -> float:
+    """``$REEF_CANARY_SLOT`` as a slot in [0, 1); ``ConfigurationError`` naming it otherwise."""
+    text = os.environ[CANARY_SLOT_ENV]
+    try:
+        slot = float(text)
+    except ValueError:
+        slot = -1.0
+    if not 0 <= slot < 1:
+        raise ConfigurationError(f"{CANARY_SLOT_ENV} must be a number in [0, 1) (replica i of n: "
+                                 f"i / n), not {text!r}")
+    return slot
 
 
 def _verified_artifact(publication: Publication) -> str:

@@ -236,8 +236,7 @@ def test_the_release_policy_stages_what_the_offline_gate_promoted():
         (0.25, False, 3.0)
     assert Release.of(evaluator, canary_share=0.5).canary.share == 0.5
     assert Release.of(evaluator, canary_share=0).canary is None
-    with pytest.raises(ConfigurationError, match="no canary"):
-        Release.of(HeldOutScore(), canary_share=0.5)
+    assert Release.of(HeldOutScore(), canary_share=0.5).canary == MeanDifference(share=0.5)
     promoted = pub(2)
     staged = stage(promoted, release, has_incumbent=True)
     assert (staged.decision, staged.share, staged.awaiting) == (Decision.CANARY, 0.25, "canary")
