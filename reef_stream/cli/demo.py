@@ -3,6 +3,7 @@
     reef demo                                   SAO on the toy task, until 0.9 held-out accuracy
     reef demo --recipe methods.grpo --chaos     GRPO, with the trainer and processor SIGKILLed
     reef demo --engine vllm                     a Hugging Face policy served by a real vLLM
+    reef demo --task tool                       multi-turn: a tool call, its output, the answer
 
 Brings up the local broker and Redis if they are not running (or uses
 REEF_BOOTSTRAP_SERVERS / REEF_REDIS_URL), then runs every stage as a separate
@@ -34,6 +35,11 @@ from reef_stream.cli.recipe_options import set_option
                    "$REEF_HOME/models) served by a real vLLM server that the demo starts (its "
                    "environment installed once if missing) and stops, reloaded with every "
                    "promoted version by the one replica process that samples it.")
+@click.option("--task", type=click.Choice(["arithmetic", "tool"]), default="arithmetic",
+              show_default=True,
+              help="The toy task: one-token answers to a+b=, or a multi-turn one (the policy "
+                   "calls a tool, add, gets its output as environment tokens, which are never "
+                   "trained, then answers; reef_stream.demo.tool_task). With the toy engine.")
 @click.option("--replicas", type=click.IntRange(1, 8), default=None,
               help="Serving replicas sampling from the newest promoted version [default: 2; "
                    "with --engine vllm 1, the only choice: one process drives the server's "
@@ -62,7 +68,7 @@ from reef_stream.cli.recipe_options import set_option
 @click.pass_context
 def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate: float | None,
          partitions: int, target: float, time_limit: float, chaos: bool, run_dir: Path | None,
-         seed: int, overrides: tuple[str, ...] = ()) -> None:
+         seed: int, overrides: tuple[str, ...] = (), task: str = "arithmetic") -> None:
     """Run the whole loop until the policy learns the toy task from reward alone.
 
     Replicas sample answers to "a+b=" (the last digit of the sum) from the
@@ -97,6 +103,8 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
     from reef_stream.demo.run import Demo, DemoOptions
     from reef_stream.ops.processes import interrupt_on_sigterm
 
+    if task == "tool" and engine != "toy":
+        raise click.UsageError("--task tool runs on the toy engine: leave --engine out")
     if engine == "vllm" and replicas not in (None, 1):
         raise click.UsageError("--engine vllm runs one replica process (it drives the one vLLM "
                                "server's reloads and orders its requests against them): leave "
@@ -110,11 +118,12 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
         ctx.invoke(redis_up)
     options = DemoOptions(recipe=path, replicas=replicas, rate=rate, partitions=partitions,
                           target=target, time_limit=time_limit, chaos=chaos, run_dir=run_dir,
-                          seed=seed, overrides=overrides, engine=engine)
+                          seed=seed, overrides=overrides, engine=engine, task=task)
     runner = Demo(options, settings=settings, bootstrap=bootstrap_servers(settings),
                   redis_url=redis_url(settings), show=DemoProgress())
     click.echo(f"demo {runner.ns}: {path}, {replicas} replicas"
                + (" on vLLM" if engine == "vllm" else "")
+               + (", the tool task" if task == "tool" else "")
                + f", target {target:.2f}, logs in {runner.run_dir / 'logs'}")
     interrupt_on_sigterm()    # SIGTERM stops the stages (and nothing else) as Ctrl-C does
     result = runner.run()

@@ -26,7 +26,8 @@ def trace(ctx: click.Context, generation_id: str | None, unit_id: str | None,
     topics of the namespace.
 
     For a generation: when and by which replica and version it was produced,
-    its feedback, the unit that holds it (or the dead letter that ended it),
+    for a multi-turn trajectory its turns (policy turns trained, environment
+    and tool turns masked) and how many tokens its unit masks, its feedback, the unit that holds it (or the dead letter that ended it),
     the trainer step and checkpoint that consumed the unit and whether it
     trained it, the first promoted publication that includes its effect, and
     the replicas that served that version. Each link names the topic,

@@ -62,12 +62,18 @@ from reef_stream.consumers.follower import AUTO, Follower, LoadedVersion, defaul
 from reef_stream.demo.task import (
     DEMO_SEED, ProblemStream, make_generation, policy_model, prompt_tensor, sample,
 )
+from reef_stream.demo.tool_task import TOOL_GENERATION, sample_tool
 from reef_stream.errors import ConfigurationError
 from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandle, SpoolFull
 
 __all__ = ["ReplicaReport", "main", "replica_spool_dir", "run_replica"]
 
 log = logging.getLogger("reef_stream.demo.replica")  # also under python -m
+
+#: What a replica samples for each task: the sampler, and make_generation's extra arguments
+#: (the tool task's rollouts call the tool: ``reef_stream.demo.tool_task``).
+TASKS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
+    "arithmetic": (sample, {}), "tool": (sample_tool, TOOL_GENERATION)}
 
 #: Seconds a replica pauses after the producer pushed back.
 BACKPRESSURE_PAUSE_S = 1.0
@@ -241,7 +247,8 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
                 stop_event: threading.Event | None = None, max_generations: int | None = None,
                 ready_timeout: float = 60.0, heartbeat_s: float = 2.0,
                 fleet: Any = AUTO, spool_dir: Path | None = None,
-                flush_timeout: float = 30.0, acked_log: Path | None = None) -> ReplicaReport:
+                flush_timeout: float = 30.0, acked_log: Path | None = None,
+                task: str = "arithmetic") -> ReplicaReport:
     """Serve ``model_name`` until ``stop_event`` is set or ``max_generations`` were sent
     (grouped: whole groups, so up to a group more); see the module docstring. Returns what it
     did. Blocks; call from one thread (the signal handlers of the command set ``stop_event``).
@@ -252,7 +259,9 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
     ``model_factory()`` built under it, as the trainer builds it). ``sampling_seed``: seeds the
     prompts and the samples (default: derived from the replica id). ``fleet``: as for
     ``Follower``. ``acked_log``: at the end, the ids of the generations the broker acknowledged
-    are written there, one a line (fault runs check that each one is in the topic). Raises ``ConfigurationError`` for bad arguments or a missing publications
+    are written there, one a line (fault runs check that each one is in the topic). ``task``:
+    what to sample (``TASKS``): the arithmetic task's one-token answers, or the tool task's
+    trajectories (call, the tool's output as environment tokens, answer). Raises ``ConfigurationError`` for bad arguments or a missing publications
     topic, ``TimeoutError`` when the publications could not be read within
     ``ready_timeout``, and whatever stopped the follower.
     """
@@ -265,6 +274,8 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
         problems.append(f"rate must be more than 0 generations per second, not {rate}")
     if not temperature > 0:
         problems.append(f"temperature must be more than 0, not {temperature}")
+    if task not in TASKS:
+        problems.append(f"task must be one of {', '.join(TASKS)}, not {task!r}")
     if problems:
         raise ConfigurationError(problems)
     settings = settings or load_settings()
@@ -273,6 +284,7 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
     stop_event = stop_event or threading.Event()
     per_prompt = group_size if grouped else 1
     sampling_seed = _seed_of(replica_id) if sampling_seed is None else sampling_seed
+    sampler, turns = TASKS[task]
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -307,7 +319,8 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
             if max_generations is not None:
                 batch = batch[:max(1, -(-(max_generations - sender.sent) // per_prompt))]
             prompts_ids = prompt_tensor([p for p in batch for _ in range(per_prompt)])
-            completions = sample(model, prompts_ids, temperature=temperature, generator=generator)
+            completions = sampler(model, prompts_ids, temperature=temperature,
+                                  generator=generator)
 
             def generations(batch=batch, version=version, completions=completions):
                 for i, problem in enumerate(batch):
@@ -317,7 +330,7 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
                             model=model_name, policy_version=version, replica_id=replica_id,
                             problem=problem, token_ids=completions.token_ids[row],
                             logprobs=completions.logprobs[row], temperature=temperature,
-                            group_id=group_id, group_size=per_prompt)
+                            group_id=group_id, group_size=per_prompt, **turns)
 
             sender.send_round(version, generations(), len(batch) * per_prompt)
     finally:
@@ -371,10 +384,15 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
 @click.option("--acked-log", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="At the end, write the ids of the generations the broker acknowledged to this "
                    "file, one a line (fault runs check each one is in the topic).")
+@click.option("--task", type=click.Choice(sorted(TASKS)), default="arithmetic",
+              show_default=True,
+              help="What to sample: one-token answers to a+b=, or the tool task's trajectories "
+                   "(a call, the tool's output as environment tokens, the answer).")
 def main(model_name: str, grouped: bool, group_size: int, prompts: int, rate: float | None,
          temperature: float, seed: int | None, recipe: str | None, sampling_seed: int | None,
          replica_id: str | None, max_generations: int | None, threads: int,
-         heartbeat: float, acked_log: Path | None, overrides: tuple[str, ...] = ()) -> None:
+         heartbeat: float, acked_log: Path | None, overrides: tuple[str, ...] = (),
+         task: str = "arithmetic") -> None:
     """A demo serving replica: sample the toy task from the newest promoted version of MODEL and
     send every completion as a Generation (REEF_* variables name the cluster and namespace).
 
@@ -397,7 +415,7 @@ def main(model_name: str, grouped: bool, group_size: int, prompts: int, rate: fl
                              seed=DEMO_SEED if seed is None else seed, sampling_seed=sampling_seed,
                              model_factory=factory, replica_id=replica_id, stop_event=stop,
                              max_generations=max_generations, heartbeat_s=heartbeat,
-                             acked_log=acked_log)
+                             acked_log=acked_log, task=task)
     click.echo(report.to_json())
 
 

@@ -124,10 +124,16 @@ class DemoOptions:
     engine: str = "toy"
     #: Prompts per request to the engine (``engine="vllm"``).
     engine_prompts: int = 32
+    #: The toy task: ``"arithmetic"`` (one-token answers to ``a+b=``) or ``"tool"``
+    #: (``reef_stream.demo.tool_task``: a tool call, the tool's output as environment tokens,
+    #: the answer; an example method is bound by ``reef_stream.demo.tool_recipes``).
+    task: str = "arithmetic"
 
 
 #: The engines ``DemoOptions.engine`` may name.
 ENGINES = ("toy", "vllm")
+#: The tasks ``DemoOptions.task`` may name.
+TASKS = ("arithmetic", "tool")
 
 
 @dataclass
@@ -265,8 +271,16 @@ class Demo:
                 "with the vllm engine the demo runs one replica process, which drives the one "
                 "vLLM server's reloads and orders its requests against them (--replicas 1), "
                 "and no drain check")
+        if options.task not in TASKS or (options.task == "tool" and options.engine != "toy"):
+            raise ConfigurationError(f"the demo's task is one of {', '.join(TASKS)} (tool: with "
+                                     f"the toy engine), not {options.task!r} on "
+                                     f"{options.engine!r}")
         #: What every stage loads: the demo's binding of an example method, or the path given.
         self.recipe_path = stage_recipe(options.recipe, options.engine)
+        if options.task == "tool":
+            from reef_stream.demo.tool_recipes import stage_recipe as tool_stage_recipe
+
+            self.recipe_path = tool_stage_recipe(options.recipe)
         if options.engine == "vllm":   # the engine's model, built before the recipe loads it
             from reef_stream.demo.vllm_model import demo_model_dir, ensure_demo_model
 
@@ -352,6 +366,8 @@ class Demo:
                 argv += ["--acked-log", str(self._acked_log(i))]
             if self.recipe.group_size > 1:
                 argv += ["--grouped", "--group-size", str(self.recipe.group_size)]
+            if self.options.task != "arithmetic":
+                argv += ["--task", self.options.task]
             stages[f"replica-{i}"] = Stage(f"replica-{i}", argv, self.env,
                                            logs / f"replica-{i}.log")
         return stages

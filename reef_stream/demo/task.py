@@ -47,7 +47,7 @@ from reef_stream.engine.checkpoints import load_weights
 from reef_stream.errors import ConfigurationError, FatalError
 from reef_stream.api.evaluator import Incumbent, Measurement, Selection
 from reef_stream.topics.events import (
-    Checkpoint, Decision, EpochMillis, FinishReason, Generation, SamplingParams, now_ms,
+    Checkpoint, Decision, EpochMillis, FinishReason, Generation, SamplingParams, Segment, now_ms,
 )
 from reef_stream.api.recipe import Reward
 
@@ -345,14 +345,18 @@ def make_generation(*, model: str, policy_version: int, replica_id: str, problem
                     token_ids: np.ndarray, logprobs: np.ndarray, temperature: float,
                     group_id: str | None = None, group_size: int = 1,
                     generation_id: str | None = None, request_id: str | None = None,
-                    created_at: EpochMillis | None = None) -> Generation:
+                    created_at: EpochMillis | None = None,
+                    segments: tuple[Segment, ...] = (), max_tokens: int = ANSWER_TOKENS,
+                    finish_reason: FinishReason = FinishReason.LENGTH) -> Generation:
     """The ``Generation`` event of one completion (``token_ids: int32[ANSWER_TOKENS]``,
     ``logprobs: float32[ANSWER_TOKENS]``, one row of ``Completions``) of ``problem``.
 
     Ungrouped sampling: ``group_id=None``, ``group_size=1``; grouped: the id and size the
     group's generations share. ``generation_id`` defaults to a fresh random id (unique across
     restarts); ``request_id`` to the generation id; ``prompt_id`` is the prompt's text. The
-    finish reason is LENGTH: every completion uses the whole one-token budget.
+    finish reason is LENGTH: every completion uses the whole one-token budget. A multi-turn
+    trajectory (``reef_stream.demo.tool_task``) gives its ``segments``, its token budget
+    ``max_tokens`` and its ``finish_reason``.
     """
     generation_id = generation_id or uuid.uuid4().hex
     return Generation(
@@ -362,10 +366,10 @@ def make_generation(*, model: str, policy_version: int, replica_id: str, problem
         prompt_token_ids=problem.token_ids,
         completion_token_ids=np.asarray(token_ids, dtype=np.int32).reshape(-1),
         completion_logprobs=np.asarray(logprobs, dtype=np.float32).reshape(-1),
-        finish_reason=FinishReason.LENGTH,
+        finish_reason=finish_reason,
         sampling=SamplingParams(temperature=float(temperature), top_p=1.0, top_k=-1,
-                                max_tokens=ANSWER_TOKENS),
-        created_at=created_at if created_at is not None else now_ms())
+                                max_tokens=max_tokens),
+        created_at=created_at if created_at is not None else now_ms(), segments=segments)
 
 
 # --------------------------------------------------------------------------- reward
@@ -403,11 +407,13 @@ class HeldOutAccuracy:
 
     ``measure`` builds ``model()`` (the recipe's model factory; default ``policy_model``),
     loads the candidate's weights verified against its sha256, and returns
-    ``{"accuracy": a}`` on ``held_out_problems()``.
+    ``{"accuracy": measure_with(model)}`` (default ``accuracy``: on ``held_out_problems()``;
+    the tool task's ``tool_accuracy`` rolls out the tool call).
     """
 
     tolerance: float = 0.02
     model: Callable[[], nn.Module] = policy_model
+    measure_with: Callable[[nn.Module], float] = accuracy
     name: str = "held-out-accuracy"
     evaluates: bool = True
     warning: str | None = None
@@ -424,7 +430,7 @@ class HeldOutAccuracy:
         with torch.random.fork_rng(devices=[]):  # building it draws from the global RNG
             model = self.model()
         model.load_state_dict(load_weights(candidate.uri, candidate.sha256))
-        return Measurement({"accuracy": accuracy(model)})
+        return Measurement({"accuracy": self.measure_with(model)})
 
     def select(self, measurement: Measurement, incumbent: Incumbent | None) -> Selection:
         """PROMOTED unless the accuracy is more than ``tolerance`` below the incumbent's;

@@ -8,6 +8,8 @@ Every record is an event with an id and a policy version, so the path of a
 generation through the pipeline can be rebuilt from the topics alone:
 
 1. the ``Generation`` (``<ns>.generations``): when, by which replica, from which version;
+   for a multi-turn trajectory, one ``turn`` link per segment (who produced it, trained or
+   masked, its token ids and the policy's mean logprob);
 2. its ``Feedback`` records (``<ns>.feedback``), by source;
 3. the unit that holds it (``<ns>.units.<recipe>``, every recipe's topic), or the dead letter
    that ended it (``<ns>.dead-letters``: invalid, too stale, expired, failed reward);
@@ -44,7 +46,8 @@ from reef_stream.topics import declarations
 from reef_stream.topics.reading import read_to_end
 from reef_stream.topics.serde import SchemaRegistry
 
-__all__ = ["Lineage", "Link", "trace_checkpoint", "trace_generation", "trace_unit"]
+__all__ = ["Lineage", "Link", "trace_checkpoint", "trace_generation", "trace_unit",
+           "turn_links"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,8 @@ def trace_generation(bootstrap: str, namespace: str, generation_id: str) -> Line
                                     f"{generation.model} version {generation.policy_version}, "
                                     f"at {generation.created_at} ms", generations, partition,
                       offset))
+    if generation.segments:
+        links += turn_links(generation, generations, partition, offset)
 
     feedback_topic = declarations.feedback(namespace)
     for feedback, p, o in _records(bootstrap, feedback_topic, registry, Feedback):
@@ -118,12 +123,48 @@ def trace_generation(bootstrap: str, namespace: str, generation_id: str) -> Line
 
     unit = _find_unit(bootstrap, namespace, registry,
                       lambda u: any(m.generation_id == generation_id for m in u.members))
+    if unit is not None and generation.segments:
+        sample = next(m for m in unit[0].members if m.generation_id == generation_id)
+        masked = int((sample.policy_mask == 0).sum()) if sample.policy_mask.size else 0
+        links.append(Link("mask", f"its sample in unit {unit[0].unit_id} trains "
+                                  f"{len(sample.completion_token_ids) - masked} policy tokens; "
+                                  f"{masked} environment tokens masked", *unit[1:]))
     if unit is None:
         links += _dead_letters(bootstrap, namespace, registry, generations, partition, offset)
         links.append(Link("missing", "in no unit (yet): still waiting, or ended by a dead letter"))
         return Lineage(generation_id, tuple(links))
     links += _from_unit(bootstrap, namespace, registry, unit)
     return Lineage(generation_id, tuple(links))
+
+
+#: Token ids a turn link shows before eliding the rest.
+TURN_TOKENS_SHOWN = 12
+
+
+def turn_links(generation: Generation, topic: str | None = None, partition: int | None = None,
+               offset: int | None = None) -> list[Link]:
+    """One ``turn`` link per segment of a multi-turn generation: its number, role, source
+    (policy: trained; environment: masked), token ids and, for a policy turn, its mean
+    behaviour logprob. A generation whose segments do not split its completion gets one
+    ``missing`` link saying so."""
+    from reef_stream.errors import InvalidRecord
+    from reef_stream.topics.events import SegmentSource
+
+    try:
+        turns = generation.turns()
+    except InvalidRecord as error:
+        return [Link("missing", f"its turns cannot be shown: {error}")]
+    links = []
+    for number, turn in enumerate(turns, 1):
+        ids = turn.token_ids.tolist()
+        shown = " ".join(map(str, ids[:TURN_TOKENS_SHOWN])) + (
+            f" ... (+{len(ids) - TURN_TOKENS_SHOWN})" if len(ids) > TURN_TOKENS_SHOWN else "")
+        policy = turn.source is SegmentSource.POLICY
+        what = (f"policy, trained, mean logprob {float(turn.logprobs.mean()):.3f}" if policy
+                else "environment, masked")
+        links.append(Link("turn", f"{number}/{len(turns)} {turn.role or '-'} ({what}): "
+                                  f"{len(ids)} tokens [{shown}]", topic, partition, offset))
+    return links
 
 
 def trace_unit(bootstrap: str, namespace: str, unit_id: str) -> Lineage:
