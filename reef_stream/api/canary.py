@@ -118,7 +118,7 @@ class MeanDifference:
     min_samples: int = 100
     z: float = 1.96
     margin: float = 0.0
-    max_samples: int | None = 2000
+    max_samples: int | None = 500
     source: str | None = None
     name: str = "canary mean difference"
 

@@ -256,3 +256,19 @@ def _verdict(action: Action):
     from reef_stream.api.canary import Verdict
 
     return Verdict(action, f"{action.value} by the test", {"canary_mean": 0.5})
+
+
+def test_the_dashboard_shows_the_version_waiting_for_a_decision():
+    from reef_stream.ops.dashboard.card import first_row
+
+    def measurement_tile(*publications):
+        return {t["id"]: t for t in first_row([], publications)}["measurement"]
+
+    canary = pub(2, Decision.CANARY, share=0.5, awaiting="canary", measurement={"accuracy": 0.7})
+    tile = measurement_tile(pub(1, measurement={"accuracy": 0.6}), canary)
+    assert "waiting for a decision: m v2 (canary, canary 50%)" in tile["value"]
+    assert tile["figures"]["waiting"] == [["m", 2, 0.5, "canary"]]
+    ended = dataclasses.replace(canary, decision=Decision.ROLLED_BACK, rolled_back_to=1)
+    assert "waiting" not in measurement_tile(pub(1), canary, ended)["value"]
+    held = pub(3, Decision.CANARY, share=0.0, awaiting="approval")
+    assert "m v3 (approval)" in measurement_tile(pub(1), held)["value"]

@@ -112,8 +112,29 @@ def _measurement(publications: Iterable[Publication]) -> dict[str, Any]:
             f"{k} {_num(v)}" for k, v in sorted(newest.measurement.items())))
     figures = {"published": [[model, version, decision, dict(p.measurement)]
                              for (model, version, decision), p in sorted(latest.items())]}
+    waiting = _waiting(latest)
+    if waiting:  # versions waiting for a decision (reef_stream.consumers.canary)
+        figures["waiting"] = [[p.model, p.policy_version, p.share, p.awaiting] for p in waiting]
+        value += " · waiting for a decision: " + ", ".join(
+            f"{p.model} v{p.policy_version} ({p.awaiting}"
+            + (f", canary {p.share:.0%})" if p.share else ")") for p in waiting)
     return _tile("measurement", "held-out measurement per published version", value,
                  [{"label": k, "points": v} for k, v in lines.items()], figures, x="version")
+
+
+def _waiting(latest: dict[tuple[str, int, str], Publication]) -> list[Publication]:
+    """The CANARY publications no later decision ended: each model's version waiting for a
+    decision (a canary's live measurement, or a person's approval)."""
+    decided = {(model, version) for model, version, decision in latest
+               if decision != "CANARY"}
+    promoted: dict[str, int] = {}
+    for model, version, decision in latest:
+        if decision == "PROMOTED":
+            promoted[model] = max(promoted.get(model, -1), version)
+    return sorted((p for (model, version, decision), p in latest.items()
+                   if decision == "CANARY" and (model, version) not in decided
+                   and version > promoted.get(model, -1)),
+                  key=lambda p: (p.model, p.policy_version))
 
 
 def _gauge_lines(charted: list[dict], stage: str, name: str) -> list[dict[str, Any]]:
