@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,14 @@ class Ranks:
         of processes launched is not the recipe's ``data_parallel_size``."""
         from accelerate import PartialState
 
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1"):
+            raise ConfigurationError(
+                "ACCELERATE_USE_FSDP is set (accelerate launch with an FSDP configuration), and "
+                "the trainer does not shard: its backend prepares the model for DDP, and under "
+                "FSDP its checkpoint would hold rank 0's shard of the optimizer alone (on CPUs "
+                "accelerate ignores FSDP and trains DDP). Launch the ranks without FSDP "
+                "(torchrun, or an accelerate configuration with distributed_type MULTI_GPU or "
+                "MULTI_CPU); docs/deployment.md says what FSDP would take")
         state = PartialState(cpu=not torch.cuda.is_available())
         rank, ranks = state.process_index, state.num_processes
         declared = recipe.backend.data_parallel_size

@@ -249,12 +249,12 @@ def load(uri: str, sha256: str | None = None) -> CheckpointContents:
     files = verify(uri, sha256)
     try:
         meta = json.loads(files["meta.json"])
-        trainer = st_load(files["trainer.safetensors"])
-        optimizer_tensors = st_load(files["optimizer.safetensors"])
+        trainer = _tensors(files["trainer.safetensors"])
+        optimizer_tensors = _tensors(files["optimizer.safetensors"])
         return CheckpointContents(
             step=meta["step"], policy_version=meta["policy_version"], model=meta["model"],
             recipe=meta["recipe"], trainer_group=meta["trainer_group"],
-            weights=st_load(files["model.safetensors"]),
+            weights=_tensors(files["model.safetensors"]),
             optimizer=_optimizer_from(meta["optimizer"], optimizer_tensors),
             rng={name[len("rng."):]: t for name, t in trainer.items() if name.startswith("rng.")},
             algorithm_state=meta["algorithm_state"],
@@ -274,9 +274,16 @@ def load_weights(uri: str, sha256: str) -> dict[str, torch.Tensor]:
     """
     files = verify(uri, sha256)
     try:
-        return st_load(files["model.safetensors"])
+        return _tensors(files["model.safetensors"])
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
         raise CheckpointError(f"checkpoint {uri}: model.safetensors is unreadable: {exc}") from exc
+
+
+def _tensors(data: bytes) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, by name in sorted order: safetensors hands them over in
+    an order that changes from process to process, and ranks that load a checkpoint and
+    then shard it (one collective per tensor) must go through it in the same order."""
+    return dict(sorted(st_load(data).items()))
 
 
 # --------------------------------------------------------------------------- serialisation
@@ -397,25 +404,41 @@ def safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> Iterator[Any]:
 
 
 def _optimizer_to(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A torch optimizer state dict as JSON (param groups, scalars) + named tensors."""
+    """A torch optimizer state dict as JSON (param groups, scalars) + named tensors.
+
+    ``optimizer.state_dict()`` keys its state by parameter index; a full state dict gathered
+    from sharded ranks (``torch.distributed.checkpoint.state_dict.get_state_dict``, as FSDP
+    needs) keys it by parameter name, dots and all: those names are kept in order in
+    ``param_keys`` and the tensors named by their position (``state.<i>.<name>``)."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
-    for param, values in state_dict.get("state", {}).items():
+    state = state_dict.get("state", {})
+    by_name = not all(isinstance(param, int) for param in state)
+    keys = list(state)
+    for index, (param, values) in enumerate(state.items()):
+        slot = index if by_name else param
         for name, value in values.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state.{param}.{name}"] = value.detach().cpu().contiguous()
+            if isinstance(value, torch.Tensor):  # written from its own memory, no copy
+                tensors[f"state.{slot}.{name}"] = value.detach()
             else:
-                scalars.setdefault(str(param), {})[name] = value
-    return {"param_groups": _jsonable(state_dict.get("param_groups", [])), "scalars": scalars}, tensors
+                scalars.setdefault(str(slot), {})[name] = value
+    meta = {"param_groups": _jsonable(state_dict.get("param_groups", [])), "scalars": scalars}
+    if by_name:
+        meta["param_keys"] = [str(key) for key in keys]
+    return meta, tensors
 
 
 def _optimizer_from(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
-    for key, tensor in tensors.items():
-        _, param, name = key.split(".", 2)
-        state.setdefault(int(param), {})[name] = tensor
-    for param, values in meta["scalars"].items():
-        state.setdefault(int(param), {}).update(values)
+    names = meta.get("param_keys")
+    key = (lambda slot: names[int(slot)]) if names is not None else int
+    state: dict[Any, dict[str, Any]] = {}
+    for name, tensor in tensors.items():
+        _, slot, entry = name.split(".", 2)
+        state.setdefault(key(slot), {})[entry] = tensor
+    for slot, values in meta["scalars"].items():
+        state.setdefault(key(slot), {}).update(values)
+    if names is not None:  # the state in the order it was given
+        state = {name: state[name] for name in names if name in state}
     return {"state": state, "param_groups": meta["param_groups"]}
 
 

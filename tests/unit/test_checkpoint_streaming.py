@@ -97,8 +97,8 @@ def test_a_tensor_safetensors_cannot_name_is_refused_naming_it(tmp_path):
                           {"sparse": torch.eye(3).to_sparse()}, local=True)
 
 
-# Run in a fresh process so that its peak RSS (ru_maxrss) is this measurement's: 3 x 16 MiB of
-# weights and two AdamW moments per weight, 144 MiB written in all; the streamed write's peak
+# Run in a fresh process so that its peak RSS (ru_maxrss) is this measurement's: 3 x 8 MiB of
+# weights and two AdamW moments per weight, 72 MiB written in all; the streamed write's peak
 # over the RSS before it, then (as a check that the measurement sees a copy) the in-memory
 # serialisation's.
 _MEASURE = textwrap.dedent("""
@@ -115,7 +115,7 @@ _MEASURE = textwrap.dedent("""
     def peak():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    n = 4 << 20  # float32 elements: 16 MiB a tensor
+    n = 2 << 20  # float32 elements: 8 MiB a tensor
     weights = {f"layer{i}.weight": torch.full((n,), float(i) + 0.5) for i in range(3)}
     state = {i: {"step": torch.tensor(1.0), "exp_avg": torch.full((n,), 0.25 * i),
                  "exp_avg_sq": torch.full((n,), 0.125 * i)} for i in range(3)}
@@ -145,14 +145,14 @@ _MEASURE = textwrap.dedent("""
 
 def test_a_streamed_write_takes_no_more_extra_memory_than_about_one_tensor(tmp_path):
     done = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "ckpt")],
-                          capture_output=True, text=True, timeout=120, check=False)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     mib = 1 << 20
     assert figures["same"]
-    assert figures["written"] > 144 * mib
-    # One tensor is 16 MiB, the largest file 96 MiB: the streamed write stays under a tensor.
-    assert figures["streamed"] < 16 * mib, figures
+    assert figures["written"] > 72 * mib
+    # One tensor is 8 MiB, the largest file 48 MiB: the streamed write stays under a tensor.
+    assert figures["streamed"] < 8 * mib, figures
     # The measurement does see a serialisation in memory (the old write's way): at least the
     # bytes of every file.
-    assert figures["in_memory"] > 144 * mib, figures
+    assert figures["in_memory"] > 72 * mib, figures
