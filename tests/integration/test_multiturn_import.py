@@ -18,6 +18,7 @@ from reef_stream.api.schedule import Schedule
 from reef_stream.config import load_settings
 from reef_stream.consumers.processor import ProcessorRuntime
 from reef_stream.engine.training import collate
+from reef_stream.ops.trace import trace_generation
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
@@ -119,6 +120,15 @@ def test_imported_chat_logs_become_units_that_mask_their_tool_tokens(
     batch = collate([multi, samples["single"]])
     assert batch.completion_mask.tolist() == [[True, True, False, False, False, True],
                                               [True, True, False, False, False, False]]
+
+    # reef trace shows the turns and what the unit masks
+    lines = [link.line() for link in trace_generation(kafka_bootstrap, namespace, "multi").links]
+    turns = [line for line in lines if line.startswith("turn")]
+    assert [t.split(":")[0].split()[1:3] for t in turns] == [
+        ["1/3", "assistant"], ["2/3", "tool"], ["3/3", "assistant"]]
+    assert "(environment, masked): 3 tokens [300 301 302]" in turns[1]
+    assert any(line.startswith("mask") and "trains 3 policy tokens; 3 environment tokens masked"
+               in line for line in lines), lines
 
     letters = consume_events(kafka_bootstrap, declarations.dead_letters(namespace), 1, DeadLetter)
     assert [(d.stage, d.source_offset) for d in letters] == [("import", 3)]
