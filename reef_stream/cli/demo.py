@@ -65,10 +65,17 @@ from reef_stream.cli.recipe_options import set_option
               help="Where logs, checkpoints and report.html go "
                    "[default: $REEF_HOME/demo/<namespace>].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chaos.")
+@click.option("--canary", type=click.FloatRange(0, 1, min_open=True), default=None,
+              metavar="SHARE",
+              help="Canary publication: each version the evaluator promotes is first served by "
+                   "this share of the replicas (replica i of n has the canary slot i/n), and "
+                   "live feedback promotes or rolls it back (reef evaluate --canary-share); "
+                   "report.html plots the online reward of canary vs incumbent per decision.")
 @click.pass_context
 def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate: float | None,
          partitions: int, target: float, time_limit: float, chaos: bool, run_dir: Path | None,
-         seed: int, overrides: tuple[str, ...] = (), task: str = "arithmetic") -> None:
+         seed: int, overrides: tuple[str, ...] = (), task: str = "arithmetic",
+         canary: float | None = None) -> None:
     """Run the whole loop until the policy learns the toy task from reward alone.
 
     Replicas sample answers to "a+b=" (the last digit of the sum) from the
@@ -118,12 +125,14 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
         ctx.invoke(redis_up)
     options = DemoOptions(recipe=path, replicas=replicas, rate=rate, partitions=partitions,
                           target=target, time_limit=time_limit, chaos=chaos, run_dir=run_dir,
-                          seed=seed, overrides=overrides, engine=engine, task=task)
+                          seed=seed, overrides=overrides, engine=engine, task=task,
+                          canary=canary)
     runner = Demo(options, settings=settings, bootstrap=bootstrap_servers(settings),
                   redis_url=redis_url(settings), show=DemoProgress())
     click.echo(f"demo {runner.ns}: {path}, {replicas} replicas"
                + (" on vLLM" if engine == "vllm" else "")
                + (", the tool task" if task == "tool" else "")
+               + (f", canary share {canary:g}" if canary else "")
                + f", target {target:.2f}, logs in {runner.run_dir / 'logs'}")
     interrupt_on_sigterm()    # SIGTERM stops the stages (and nothing else) as Ctrl-C does
     result = runner.run()

@@ -61,6 +61,20 @@ def write_report(demo: Demo, seconds: float, ledger: dict[str, int],
     axis.legend()
     save("accuracy.png", figure)
 
+    canaries = canary_decisions(demo.publications)
+    if canaries:
+        figure, axis = plt.subplots(figsize=(6, 3.5))
+        for x, (_, canary, incumbent, decision) in enumerate(canaries):
+            color = "green" if decision is Decision.PROMOTED else "red"
+            axis.plot([x, x], [incumbent, canary], "-", color=color, alpha=0.5)
+            axis.plot(x, incumbent, "o", color="grey")
+            axis.plot(x, canary, "^" if decision is Decision.PROMOTED else "v", color=color)
+        axis.set_xticks(range(len(canaries)), [f"v{c[0]}" for c in canaries], rotation=90,
+                        fontsize=7)
+        axis.set(xlabel="canary version (grey: incumbent; green: promoted, red: rolled back)",
+                 ylabel="online mean reward", title="canary vs incumbent on live feedback")
+        save("canary.png", figure)
+
     figure, axis = plt.subplots(figsize=(6, 3.5))
     if demo.rewards:
         axis.plot(*zip(*demo.rewards))
@@ -99,6 +113,16 @@ def write_report(demo: Demo, seconds: float, ledger: dict[str, int],
                       f"<table>{rows}</table>{images}"
                       f"<pre>{html.escape(json.dumps(demo.last_status, default=str, indent=1))}</pre>")
     return report
+
+
+def canary_decisions(publications: list[tuple[float, Publication]]
+                     ) -> list[tuple[int, float, float, Decision]]:
+    """(version, canary mean, incumbent mean, decision) of every canary decided on live
+    feedback (``reef_stream.consumers.canary``), in log order."""
+    return [(p.policy_version, p.measurement["canary_mean"], p.measurement["incumbent_mean"],
+             p.decision) for _, p in publications
+            if p.decision in (Decision.PROMOTED, Decision.ROLLED_BACK)
+            and "canary_mean" in p.measurement and "incumbent_mean" in p.measurement]
 
 
 def scorecard_table(scorecard: Any) -> str:

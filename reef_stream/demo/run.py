@@ -128,6 +128,10 @@ class DemoOptions:
     #: (``reef_stream.demo.tool_task``: a tool call, the tool's output as environment tokens,
     #: the answer; an example method is bound by ``reef_stream.demo.tool_recipes``).
     task: str = "arithmetic"
+    #: Canary publication (``reef demo --canary SHARE``): the evaluator publishes what it
+    #: promotes as a CANARY on this share of the replicas (``reef evaluate --canary-share``;
+    #: replica i of n has the canary slot i / n) and live feedback decides. None: no canary.
+    canary: float | None = None
 
 
 #: The engines ``DemoOptions.engine`` may name.
@@ -275,6 +279,10 @@ class Demo:
             raise ConfigurationError(f"the demo's task is one of {', '.join(TASKS)} (tool: with "
                                      f"the toy engine), not {options.task!r} on "
                                      f"{options.engine!r}")
+        if options.canary is not None and (not 0 < options.canary <= 1
+                                           or options.engine != "toy"):
+            raise ConfigurationError(f"the demo's canary share is in (0, 1] on the toy engine, "
+                                     f"not {options.canary} on {options.engine!r}")
         #: What every stage loads: the demo's binding of an example method, or the path given.
         self.recipe_path = stage_recipe(options.recipe, options.engine)
         if options.task == "tool":
@@ -354,8 +362,9 @@ class Demo:
             "trainer": Stage("trainer", [*reef, "train", *recipe, "--group", GROUP, "--model",
                                          MODEL, "--checkpoints", str(self.store), "--keep", "0"],
                              self.env, logs / "trainer.log"),
-            "evaluator": Stage("evaluator", [*reef, "evaluate", *recipe], self.env,
-                               logs / "evaluator.log"),
+            "evaluator": Stage("evaluator", [*reef, "evaluate", *recipe, *(
+                ("--canary-share", str(self.options.canary)) if self.options.canary else ())],
+                self.env, logs / "evaluator.log"),
         }
         for i in range(self.options.replicas if self.engine is None else 0):
             argv = [sys.executable, "-m", "reef_stream.demo.replica", "--model", MODEL,
@@ -368,7 +377,9 @@ class Demo:
                 argv += ["--grouped", "--group-size", str(self.recipe.group_size)]
             if self.options.task != "arithmetic":
                 argv += ["--task", self.options.task]
-            stages[f"replica-{i}"] = Stage(f"replica-{i}", argv, self.env,
+            env = self.env if not self.options.canary else {
+                **self.env, "REEF_CANARY_SLOT": str(i / self.options.replicas)}
+            stages[f"replica-{i}"] = Stage(f"replica-{i}", argv, env,
                                            logs / f"replica-{i}.log")
         return stages
 

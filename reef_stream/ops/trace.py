@@ -53,8 +53,8 @@ __all__ = ["Lineage", "Link", "trace_checkpoint", "trace_generation", "trace_uni
 @dataclass(frozen=True)
 class Link:
     """One link of a lineage: ``kind`` (generation, feedback, unit, dead-letter, step,
-    publication, replica, rollback, missing), what it says, and where it was read (``topic``,
-    ``partition``, ``offset``; None for what is not a record, e.g. a missing link)."""
+    publication, replica, rollback, canary, missing), what it says, and where it was read
+    (``topic``, ``partition``, ``offset``; None for what is not a record, e.g. a missing link)."""
 
     kind: str
     text: str
@@ -114,6 +114,7 @@ def trace_generation(bootstrap: str, namespace: str, generation_id: str) -> Line
                       offset))
     if generation.segments:
         links += turn_links(generation, generations, partition, offset)
+    links += _canary_links(bootstrap, namespace, registry, generation)
 
     feedback_topic = declarations.feedback(namespace)
     for feedback, p, o in _records(bootstrap, feedback_topic, registry, Feedback):
@@ -316,3 +317,24 @@ def _consuming_step(bootstrap: str, namespace: str, units_topic: str, partition:
     except (CheckpointError, OSError):
         return checkpoint, "checkpoint pruned: not verifiable", p, o
     return checkpoint, "trained" if unit_id in units else "not trained (dropped)", p, o
+
+
+def _canary_links(bootstrap: str, namespace: str, registry: SchemaRegistry,
+                  generation: Generation) -> list[Link]:
+    """The canary stage of the version that made ``generation``, if it had one
+    (``reef_stream.consumers.canary``): its CANARY publication (or, compacted, the decision
+    that ended it, which keeps the share) and the decisions on that version after it."""
+    topic = declarations.publications(namespace)
+    links: list[Link] = []
+    for p, part, off in _records(bootstrap, topic, registry, Publication):
+        if p.model != generation.model or p.policy_version != generation.policy_version:
+            continue
+        who = "" if p.decided_by is None else f" by {p.decided_by}"
+        if p.decision is Decision.CANARY:
+            links.append(Link("canary", f"version {p.policy_version} staged on a share of "
+                                        f"{p.share or 0:g} of the replicas, awaiting "
+                                        f"{p.awaiting}: {p.reason}", topic, part, off))
+        elif links or p.share is not None:
+            links.append(Link("canary", f"version {p.policy_version} {p.decision.value}{who}: "
+                                        f"{p.reason}", topic, part, off))
+    return links

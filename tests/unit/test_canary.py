@@ -272,3 +272,15 @@ def test_the_dashboard_shows_the_version_waiting_for_a_decision():
     assert "waiting" not in measurement_tile(pub(1), canary, ended)["value"]
     held = pub(3, Decision.CANARY, share=0.0, awaiting="approval")
     assert "m v3 (approval)" in measurement_tile(pub(1), held)["value"]
+
+
+def test_the_demo_report_plots_each_canary_decided_on_live_feedback():
+    from reef_stream.demo.report import canary_decisions
+
+    live = {"canary_mean": 0.4, "incumbent_mean": 0.5, "score": 1.0}
+    publications = [(0.0, pub(1)), (1.0, pub(2, Decision.CANARY, share=0.5, measurement=live)),
+                    (2.0, pub(2, Decision.ROLLED_BACK, share=0.5, rolled_back_to=1,
+                              measurement=live)),
+                    (3.0, pub(3, measurement={**live, "canary_mean": 0.6}))]
+    assert canary_decisions(publications) == [(2, 0.4, 0.5, Decision.ROLLED_BACK),
+                                              (3, 0.6, 0.5, Decision.PROMOTED)]
