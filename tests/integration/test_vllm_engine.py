@@ -297,6 +297,52 @@ def test_artifacts_the_trainer_side_writes_load_and_are_checked_against_their_sh
     assert _fingerprint(url, name) == before
 
 
+def test_a_trained_lora_adapter_serves_the_trainers_own_logprobs(server, models, tmp_path):
+    """A LoRA version the trainer's model holds (adapters on every linear layer, alpha twice
+    the rank), written as its serving artifact and loaded through /v1/load_lora_adapter, gives
+    the prompt's tokens the logprobs the trainer's model gives them: vLLM applies the adapter
+    the trainer trained (its targets and its alpha / rank scaling), not merely some adapter."""
+    import torch
+
+    from reef_stream.engine.artifacts import write_serving_artifact
+    from reef_stream.engine.hf import HuggingFace, Lora
+
+    _, url = server
+    name = str(models / "base")
+    torch.manual_seed(5)
+    adapted = HuggingFace(name, lora=Lora(rank=LORA_RANK, alpha=2.0 * LORA_RANK,
+                                          target_modules=("all-linear",)))()
+    with torch.no_grad():  # peft starts B at zero: give every adapter something to do
+        for parameter_name, parameter in adapted.named_parameters():
+            if "lora_" in parameter_name:
+                parameter.copy_(torch.randn_like(parameter) * 0.05)
+    artifact = write_serving_artifact(adapted, tmp_path / "adapter")
+    loaded = VllmEngine(url, lora_name="logprob-lora").reload(tmp_path / "adapter", 30,
+                                                              sha256=artifact.sha256)
+    assert loaded.kind == "lora"
+
+    def served(model: str) -> tuple[list[int], list[float]]:
+        choice = _complete(url, model, max_tokens=1)["choices"][0]
+        ids = choice["prompt_token_ids"]
+        return ids, [entry[str(token)]["logprob"]
+                     for token, entry in zip(ids[1:], choice["prompt_logprobs"][1:])]
+
+    ids, engine = served("logprob-lora")
+    _, base = served(name)
+    adapted.eval()
+    with torch.no_grad():
+        tokens = torch.tensor([ids])
+        logits = adapted(tokens, torch.ones_like(tokens, dtype=torch.bool))
+        trainer = torch.log_softmax(logits[0, :-1].double(), -1).gather(
+            -1, tokens[0, 1:, None]).squeeze(-1).tolist()
+    gap = max(abs(a - b) for a, b in zip(engine, trainer))
+    moved = max(abs(a - b) for a, b in zip(base, trainer))
+    print(f"LoRA logprob gap vLLM vs trainer: {gap:.2e} (the adapter moves them by {moved:.2f})")
+    assert len(engine) == len(trainer) == len(ids) - 1 > 5
+    assert moved > 0.05, "the adapter changes the logprobs, or the check proves nothing"
+    assert gap < 1e-3, (engine, trainer)
+
+
 def test_up_refuses_a_taken_port_and_a_second_model(server, engine_env, models, tmp_path):
     local, url = server
     with pytest.raises(ConfigurationError, match="already in use"):
