@@ -5,8 +5,9 @@
                                source="import:logs.jsonl")
 
 Each non-blank line is one JSON object in a form of
-``reef_stream.intake.formats`` (a native generation or feedback, or an
-OpenAI-style response that yields one generation per choice). Valid events
+``reef_stream.intake.formats`` (a native generation or feedback, an
+OpenAI-style response that yields one generation per choice, or a multi-turn
+chat log with tool calls that yields one generation with its segments). Valid events
 are sent with ``RecordProducer.send``. A line that is not JSON, or not a
 valid record, becomes a ``DeadLetter`` in ``<ns>.dead-letters``:
 
