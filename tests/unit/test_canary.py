@@ -284,3 +284,30 @@ def test_the_demo_report_plots_each_canary_decided_on_live_feedback():
                     (3.0, pub(3, measurement={**live, "canary_mean": 0.6}))]
     assert canary_decisions(publications) == [(2, 0.4, 0.5, Decision.ROLLED_BACK),
                                               (3, 0.6, 0.5, Decision.PROMOTED)]
+
+
+def test_after_a_persons_rollback_the_trainer_rolls_back_to_that_version_and_not_while_staged():
+    """Versions stay monotonic: the rolled-back-to version is the incumbent, a trainer too far
+    past it stalls and rolls back to its weights as its next version, which the evaluator's
+    check promotes; a staged version is no stall."""
+    import logging
+
+    import torch
+
+    from reef_stream.consumers.rollback import StallWatch, check_rollback, stall_reason
+
+    ledger = ledger_of(pub(1), pub(5), pub(5, Decision.ROLLED_BACK, rolled_back_to=1,
+                                           uri="/pub/v1", sha256="sha1"))
+    incumbent = ledger.incumbent("m")
+    reason = stall_reason(9, 2, incumbent, decided_version=9)
+    assert reason is not None and "replicas serve version 1" in reason
+    weights = {"w": torch.ones(2)}
+    assert check_rollback(1, incumbent, weights, weights)[0] is Decision.PROMOTED
+
+    watch = StallWatch("unused:9092", "ns", model="m", max_staleness=2,
+                       log=logging.getLogger("test"))
+    watch.ledger = ledger_of(pub(1), pub(9, Decision.REJECTED))
+    watch.ledger.poll = lambda timeout: []  # a fold-only ledger: nothing more arrives
+    assert watch.target(9, None)[0].policy_version == 1
+    watch.ledger.record(pub(10, Decision.CANARY, share=0.5, awaiting="canary"))
+    assert watch.target(10, None) is None
