@@ -24,6 +24,7 @@ from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.events import DeadLetter, Generation, RolloutUnit, SegmentSource
 from tests.helpers import consume_events
+from tests.integration.test_http_intake import request, serve  # noqa: F401 - serve: a fixture
 from tests.integration.test_jsonl_import import (
     reef_produce,
     summary_counts,
@@ -133,3 +134,23 @@ def test_imported_chat_logs_become_units_that_mask_their_tool_tokens(
     letters = consume_events(kafka_bootstrap, declarations.dead_letters(namespace), 1, DeadLetter)
     assert [(d.stage, d.source_offset) for d in letters] == [("import", 3)]
     assert "messages[3].token_ids" in letters[0].reason
+
+
+def test_the_http_intake_takes_chat_logs_and_names_the_field_of_a_bad_one(serve,
+                                                                          kafka_bootstrap,
+                                                                          namespace):
+    server = serve()
+    bad = chat_log("bad-http")
+    bad["messages"][2]["logprobs"]["content"][0]["logprob"] = 0.5
+    reply = request(f"{server.url}/v1/generations",
+                    json.dumps([chat_log("multi-http"), bad]).encode())
+
+    assert reply.status == 200, reply.body
+    by_index = {r["index"]: r for r in reply.body["results"]}
+    assert by_index[0]["status"] == "acknowledged"
+    assert by_index[1]["status"] == "rejected"
+    assert by_index[1]["field"] == "messages[2].logprobs" and "positive" in by_index[1]["error"]
+    (stored,) = consume_events(kafka_bootstrap, declarations.generations(namespace), 1,
+                               Generation)
+    assert stored.generation_id == "multi-http"
+    assert stored.policy_mask().tolist() == [1, 1, 0, 0, 0, 1]
