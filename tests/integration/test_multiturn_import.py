@@ -24,7 +24,7 @@ from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.events import DeadLetter, Generation, RolloutUnit, SegmentSource
 from tests.helpers import consume_events
-from tests.integration.test_http_intake import request, serve  # noqa: F401 - serve: a fixture
+from tests.integration.test_http_intake import request, serve  # noqa: F401, F811 - a fixture
 from tests.integration.test_jsonl_import import (
     reef_produce,
     summary_counts,
@@ -136,7 +136,7 @@ def test_imported_chat_logs_become_units_that_mask_their_tool_tokens(
     assert "messages[3].token_ids" in letters[0].reason
 
 
-def test_the_http_intake_takes_chat_logs_and_names_the_field_of_a_bad_one(serve,
+def test_the_http_intake_takes_chat_logs_and_names_the_field_of_a_bad_one(serve,  # noqa: F811
                                                                           kafka_bootstrap,
                                                                           namespace):
     server = serve()
