@@ -47,7 +47,7 @@ __all__ = ["FAST", "MAX_BACKOFF_S", "SLOW", "CallSlots", "RewardOptions", "Slot"
 MAX_BACKOFF_S = 30.0
 FAST, SLOW = "fast", "slow"
 #: A fast-lane try leaves the fast lane after this many times the observed p99 ...
-ADAPT_FACTOR = 3.0
+ADAPT_FACTOR = 2.0
 #: ... but never before this many seconds, and only once this many calls succeeded.
 ADAPT_FLOOR_S = 0.1
 ADAPT_MIN_SAMPLES = 32
@@ -163,8 +163,8 @@ class Slot:
     this call) or ``abandoned`` (in-thread: its thread finishes alone), and the sandbox's
     ``ticket`` (None in-thread)."""
 
-    __slots__ = ("abandoned", "deadline", "demoted", "fast_deadline", "lane", "started",
-                 "ticket", "work")
+    __slots__ = ("abandoned", "deadline", "demoted", "fast_deadline", "fast_done", "lane",
+                 "started", "ticket", "work")
 
     def __init__(self, lane: str = FAST, ticket: Any = None) -> None:
         self.work: Work | None = None
@@ -172,7 +172,7 @@ class Slot:
         self.deadline: float | None = None
         self.fast_deadline: float | None = None
         self.lane, self.ticket = lane, ticket
-        self.abandoned = self.demoted = False
+        self.abandoned = self.demoted = self.fast_done = False
 
 
 class CallSlots:
@@ -251,6 +251,7 @@ class CallSlots:
                 slot.work, slot.started = work, started
                 slot.deadline = started + options.timeout
                 slot.fast_deadline = self._fast_deadline(started) if slot.lane == FAST else None
+                slot.fast_done = slot.lane != FAST or slot.demoted
             try:
                 if slot.ticket is not None:
                     result, error = self._pool.call(work.generation, options.timeout,
@@ -339,9 +340,11 @@ class CallSlots:
                 for slot in self._slots:
                     if slot.work is None or slot.abandoned:
                         continue
+                    if slot.fast_deadline is None and not slot.fast_done:  # p99 known since
+                        slot.fast_deadline = self._fast_deadline(slot.started)
                     fast = slot.fast_deadline
                     if fast is not None and fast <= now:
-                        slot.fast_deadline = None
+                        slot.fast_deadline, slot.fast_done = None, True
                         if self._demoted < self._slow_lanes:
                             slot.demoted, self._demoted = True, self._demoted + 1
                             demoted += 1
@@ -351,7 +354,7 @@ class CallSlots:
                         wake = min(wake, fast)
                     if slot.deadline is not None and slot.deadline <= now:
                         if slot.ticket is not None:
-                            killed.append((slot, now - slot.started))
+                            killed.append((slot, now - slot.started, slot.ticket.calls))
                             slot.deadline = None
                         else:
                             expired.append((slot, slot.work))
@@ -364,9 +367,9 @@ class CallSlots:
                         self._demoted -= 1
             for _ in range(demoted):
                 self._start_runner(None, FAST)
-            for slot, seconds in killed:
+            for slot, seconds, call in killed:  # that call only: the slot may be in the next
                 slot.ticket.kill(f"no result within {seconds:.3g} s (wall clock): the call's "
-                                 "process group was killed and its worker replaced")
+                                 "process group was killed", call)
             for slot, work in expired:
                 work.timeouts += 1
                 work.error = TimeoutError(f"no result within {now - slot.started:.3g} s")

@@ -18,6 +18,9 @@ Sources, all Kafka (nothing else needs to run):
   the weights of version I again), and what each replica reported serving (its latest
   follower heartbeat ``Metric``);
 - dead letters by stage, and the trainer's latest step staleness (``staleness_mean``).
+- per reward worker: its saturation (call slots busy past the observed p99), call latency
+  (p50, p99), slow lane, and its sandbox pool (``reef reward --sandbox process``: live / size,
+  restarts, failures by category, whether the calls' network is isolated).
 
 ``refresh`` follows ``<ns>.checkpoints``, ``<ns>.publications``, ``<ns>.metrics`` and
 ``<ns>.dead-letters`` from their beginning with one consumer of its own (it commits nothing),
@@ -38,13 +41,21 @@ from reef_stream.topics.connect import new_consumer
 from reef_stream.topics.cursors import lag
 from reef_stream.topics.events import Checkpoint, DeadLetter, Decision, Metric, Publication
 from reef_stream.ops.metrics import (
-    FOLLOWER_POLICY_VERSION, STAGE_FOLLOWER, STAGE_TRAINER, TRAINER_STALENESS_MEAN,
+    FOLLOWER_POLICY_VERSION, REWARD_CALL_P50, REWARD_CALL_P99, REWARD_SATURATED_SLOTS,
+    REWARD_SATURATION, REWARD_SLOW_LANE, SANDBOX_FAILURES, SANDBOX_LIVE, SANDBOX_NETWORK_ISOLATED,
+    SANDBOX_POOL_SIZE, SANDBOX_RESTARTS, STAGE_FOLLOWER, STAGE_REWARD, STAGE_TRAINER,
+    TRAINER_STALENESS_MEAN,
 )
 from reef_stream.topics import declarations
 from reef_stream.topics.kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 from reef_stream.topics.serde import SchemaRegistry
 
 __all__ = ["TopView"]
+
+#: The reward workers' metrics ``reef top`` shows (their latest value per worker).
+REWARD_SHOWN = frozenset({REWARD_SATURATED_SLOTS, REWARD_SATURATION, REWARD_CALL_P50,
+                          REWARD_CALL_P99, REWARD_SLOW_LANE, SANDBOX_POOL_SIZE, SANDBOX_LIVE,
+                          SANDBOX_RESTARTS, SANDBOX_NETWORK_ISOLATED})
 
 
 @dataclass
@@ -62,6 +73,10 @@ class _State:
     replicas: dict[str, tuple[str, int]] = field(default_factory=dict)  # id -> (model, version)
     dead_letters: Counter = field(default_factory=Counter)               # stage -> count
     staleness: float | None = None
+    #: Per reward worker (its ``instance`` label): its latest call-slot and sandbox metrics
+    #: (``REWARD_SHOWN``), and its sandbox failures by category.
+    rewards: dict[str, dict[str, float]] = field(default_factory=dict)
+    sandbox_failures: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def model(self, name: str) -> _Model:
         return self.models.setdefault(name, _Model())
@@ -166,6 +181,13 @@ class TopView:
                     state.replicas[replica] = (model, int(event.value))
             elif event.stage == STAGE_TRAINER and event.name == TRAINER_STALENESS_MEAN:
                 state.staleness = event.value
+            elif event.stage == STAGE_REWARD and event.name in REWARD_SHOWN:
+                instance = event.labels.get("instance", "?")
+                state.rewards.setdefault(instance, {})[event.name] = event.value
+            elif event.stage == STAGE_REWARD and event.name == SANDBOX_FAILURES:
+                instance = event.labels.get("instance", "?")
+                failures = state.sandbox_failures.setdefault(instance, {})
+                failures[event.labels.get("category", "?")] = event.value
 
     # ----------------------------------------------------------------- showing
 
@@ -217,7 +239,34 @@ class TopView:
         staleness = self.state.staleness
         footer = ("trainer staleness (last step, mean): "
                   + ("-" if staleness is None else f"{staleness:.1f} versions"))
-        return Group(topics, groups, versions, replicas, letters, footer)
+        if not self.state.rewards:
+            return Group(topics, groups, versions, replicas, letters, footer)
+        return Group(topics, groups, versions, replicas, letters, self._rewards(), footer)
+
+    def _rewards(self) -> Table:
+        """The reward workers: saturation (slots busy past the p99), call latency, the slow
+        lane, and their sandbox pool (live / size, restarts, failures by category, network)."""
+        table = Table(title="reward workers", title_justify="left")
+        for column in ("worker", "saturated", "call p50", "call p99", "slow lane", "sandbox",
+                       "restarts", "sandbox failures", "network"):
+            table.add_column(column, justify="left" if column in (
+                "worker", "sandbox failures", "network") else "right")
+        for instance, got in sorted(self.state.rewards.items()):
+            def shown(name: str, form: str = "{:.0f}") -> str:
+                return "-" if name not in got else form.format(got[name])
+            failures = self.state.sandbox_failures.get(instance, {})
+            isolated = got.get(SANDBOX_NETWORK_ISOLATED)
+            table.add_row(
+                instance,
+                f"{shown(REWARD_SATURATED_SLOTS)} ({shown(REWARD_SATURATION, '{:.0%}')})",
+                shown(REWARD_CALL_P50, "{:.3f} s"), shown(REWARD_CALL_P99, "{:.3f} s"),
+                shown(REWARD_SLOW_LANE),
+                "-" if SANDBOX_POOL_SIZE not in got
+                else f"{shown(SANDBOX_LIVE)}/{shown(SANDBOX_POOL_SIZE)}",
+                shown(SANDBOX_RESTARTS),
+                " ".join(f"{k}={v:.0f}" for k, v in sorted(failures.items()) if v) or "-",
+                "-" if isolated is None else ("isolated" if isolated else "NOT isolated"))
+        return table
 
 
 def _or_dash(value: int | None) -> str:

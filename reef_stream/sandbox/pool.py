@@ -10,9 +10,12 @@ a fresh Python started with ``subprocess`` in a session of its own, which import
 function once and forks one process per call under the ``Limits``. A call takes an idle
 worker (a *warm* start; a *cold* start when it had to wait for one to be started), sends the
 generation's Avro record and waits for the answer until ``timeout`` (wall clock). Past it
-the call's process group and the worker's are killed (SIGKILL) and the worker replaced on a
-thread of the pool's, so the calling slot is free at once. ``Ticket.kill`` does the same from
-another thread (the reward worker's watchdog).
+the call's process group is killed (SIGKILL: the forked call and whatever it started) and the
+calling slot is free at once; on a thread of the pool's, the worker, which never ran the
+reward's code itself, answers for the killed call and goes back to the idle ones
+(``recycled``), or, silent for ``RECYCLE_S``, is killed too (its own process group) and
+replaced (``restarts``). ``Ticket.kill`` kills a call from another thread (the reward
+worker's watchdog). A worker that dies is replaced the same way.
 
 ``call`` returns a ``Reward`` or raises ``RaisedInSandbox`` (the function raised) or
 ``SandboxFailure`` (``reef_stream.sandbox.categories``). It never returns a reward for a
@@ -61,6 +64,8 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 #: The first user id of the calls of a pool run as root (one per worker).
 DEFAULT_UID_BASE = 61000
+#: Seconds a worker has to answer for a call killed at its deadline before it is replaced.
+RECYCLE_S = 10.0
 #: Seconds between two tries to start a worker after one failed to.
 RESTART_DELAY_S = 1.0
 
@@ -107,31 +112,40 @@ class Ticket:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pool: SandboxPool | None = None
         self._worker: _Worker | None = None
         self._call_pid = 0
         self.killed: str | None = None
+        #: Calls made with this ticket so far: ``kill(call=...)`` kills only that one.
+        self.calls = 0
 
-    def _attach(self, pool: SandboxPool, worker: _Worker) -> None:
+    def _attach(self, worker: _Worker) -> None:
         with self._lock:
-            self._pool, self._worker, self._call_pid, self.killed = pool, worker, 0, None
+            self._worker, self._call_pid, self.killed = worker, 0, None
+            self.calls += 1
 
     def _started(self, pid: int) -> None:
         with self._lock:
             self._call_pid = pid
+            killed = self.killed is not None
+        if killed and pid:
+            _killpg(pid)
 
     def _detach(self) -> None:
         with self._lock:
             self._worker = None
 
-    def kill(self, reason: str) -> bool:
-        """Kill the running call (its process group and its worker); False if none runs."""
+    def kill(self, reason: str, call: int | None = None) -> bool:
+        """Kill the running call's process group (SIGKILL); False if none runs (or, with
+        ``call``, if the running one is not the ticket's ``call``-th). Its worker answers for
+        it at once, and the call raises ``SandboxFailure`` ``timeout``."""
         with self._lock:
-            if self._worker is None or self.killed is not None:
+            if self._worker is None or self.killed is not None \
+                    or call is not None and call != self.calls:
                 return False
             self.killed = reason
-            pool, worker, pid = self._pool, self._worker, self._call_pid
-        pool._kill(worker, pid)
+            pid = self._call_pid
+        if pid:
+            _killpg(pid)
         return True
 
 
@@ -168,7 +182,7 @@ class SandboxPool:
         #: The Python installation's directory, when the calls' users cannot read it.
         self.unreadable = ""
         self.last_start_error = ""
-        self.warm_starts = self.cold_starts = self.restarts = self.started = 0
+        self.warm_starts = self.cold_starts = self.restarts = self.started = self.recycled = 0
         self.failures: Counter[str] = Counter()
         self.start_latency = LatencyWindow(256)
         self.call_latency = LatencyWindow(1024)
@@ -219,33 +233,33 @@ class SandboxPool:
                 + (f" (the last start failed: {self.last_start_error})"
                    if self.last_start_error else "")))
         ticket = ticket or Ticket()
-        ticket._attach(self, worker)
+        ticket._attach(worker)
+        pid_read = False
         try:
             write_frame(worker.into, request)
             started = worker.read_frame(deadline)
+            pid_read = True
             worker.call_dir = str(started.get("dir", ""))
             ticket._started(int(started.get("pid", 0)))
-            if ticket.killed:
-                raise EOFError("killed")
             answer = worker.read_frame(deadline)
         except _Deadline:
             ticket._detach()
-            self._kill(worker, ticket._call_pid)
+            if ticket._call_pid:
+                _killpg(ticket._call_pid)
+            self._recycle_later(worker, pid_read)
             raise self._failed(SandboxFailure(
                 TIMEOUT, f"no result within {timeout:g} s (wall clock): the call's process "
-                         "group was killed and its worker replaced", wall=True)) from None
+                         "group was killed", wall=True)) from None
         except (OSError, EOFError, ValueError) as error:
             ticket._detach()
-            if ticket.killed is not None:
-                raise self._failed(SandboxFailure(TIMEOUT, ticket.killed, wall=True)) from None
             self._kill(worker, ticket._call_pid)
             raise self._failed(SandboxFailure(
                 SANDBOX_UNAVAILABLE, f"the sandbox worker died during the call ({error}); "
                                      "it was replaced")) from None
         ticket._detach()
-        if ticket.killed is not None:  # killed just as it answered: the worker is gone
-            raise self._failed(SandboxFailure(TIMEOUT, ticket.killed, wall=True))
         self._give_back(worker)
+        if ticket.killed is not None:  # its answer is the SIGKILL's: a timeout
+            raise self._failed(SandboxFailure(TIMEOUT, ticket.killed, wall=True))
         self.call_latency.add(time.monotonic() - began)
         if "ok" in answer:
             ok = answer["ok"]
@@ -263,6 +277,7 @@ class SandboxPool:
             idle, live = len(self._idle), len(self._live)
         stats = {"size": self.size, "live": live, "idle": idle, "warm_starts": self.warm_starts,
                  "cold_starts": self.cold_starts, "restarts": self.restarts,
+                 "recycled": self.recycled,
                  "network_isolated": 1.0 if self.network == "isolated" else 0.0}
         for name, window in (("start", self.start_latency), ("call", self.call_latency)):
             for q in (50, 99):
@@ -315,6 +330,29 @@ class SandboxPool:
                 return
             self._idle.append(worker)
             self._lock.notify()
+
+    def _recycle_later(self, worker: _Worker, pid_read: bool) -> None:
+        """After a call killed at its deadline, on a thread of the pool's: read what its
+        worker still says about it (the pid, when it was not read yet: that group is killed
+        too; then the answer) within ``RECYCLE_S`` and give the worker back to the idle ones
+        (``recycled``), or else kill it and start another (``restarts``)."""
+        def recycle() -> None:
+            deadline = time.monotonic() + RECYCLE_S
+            pid = 0
+            try:
+                if not pid_read:
+                    pid = int(worker.read_frame(deadline).get("pid", 0))
+                    if pid:
+                        _killpg(pid)
+                worker.read_frame(deadline)
+            except (_Deadline, OSError, EOFError, ValueError):
+                self._kill(worker, pid)
+                return
+            with self._lock:
+                self.recycled += 1
+            self._give_back(worker)
+
+        threading.Thread(target=recycle, name="reef-sandbox-recycle", daemon=True).start()
 
     def _kill(self, worker: _Worker, call_pid: int) -> None:
         """Kill a call's process group and its worker's; a thread replaces the worker."""

@@ -348,6 +348,10 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
             finally:
                 os._exit(70)
         os.close(write_fd)
+        try:  # as the child does: its group exists before anyone is told to kill it
+            os.setpgid(pid, pid)
+        except OSError:
+            pass
         write_frame(out_fd, {"pid": pid, "dir": workdir})
         try:
             data, status, cpu, too_big = _collect(read_fd, pid)
@@ -455,4 +459,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BrokenPipeError:  # the pool closed (or killed the reward worker): nothing to say
+        os._exit(0)

@@ -21,10 +21,12 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import AdminClient
+from rich.console import Console
 
 from reef_stream.config import load_settings
 from reef_stream.intake.producer import RecordProducer
 from reef_stream.ops.metrics import SANDBOX_FAILURES, SANDBOX_NETWORK_ISOLATED, STAGE_REWARD
+from reef_stream.ops.top import TopView
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import dead_letters, declare_topics, feedback
@@ -135,6 +137,17 @@ def test_hostile_rewards_end_in_their_category_and_the_healthy_ones_flow(
         assert values and values[-1] == expected, (category, values)
     assert metric_values(kafka_bootstrap, namespace, STAGE_REWARD,
                          SANDBOX_NETWORK_ISOLATED)[-1] == 1.0
+    # reef top shows the worker's sandbox: its failures by category and its network.
+    view = TopView(kafka_bootstrap, namespace)
+    try:
+        view.refresh()
+        console = Console(width=250, record=True)
+        console.print(view.render())
+        shown = console.export_text()
+    finally:
+        view.close()
+    assert "reward workers" in shown and "crashed=1" in shown and "timeout=3" in shown
+    assert "isolated" in shown and "NOT isolated" not in shown
 
 
 def test_the_code_reward_scores_model_code_in_the_sandbox(kafka_bootstrap, namespace, topics,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import pytest
 from reef_stream.errors import ConfigurationError
 from reef_stream.sandbox.categories import Limits, RaisedInSandbox, SandboxFailure
 from reef_stream.sandbox.code_reward import CodeExecutionReward, CodeTest
-from reef_stream.sandbox.pool import SandboxPool
+from reef_stream.sandbox.pool import SandboxPool, Ticket
 from tests.faults.records import generation
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -85,16 +87,20 @@ def test_hostile_calls_end_in_their_category_and_the_next_call_succeeds(pool, do
                                                                        words):
     _healthy(pool)
     fds = len(os.listdir("/proc/self/fd"))
-    restarts = pool.restarts
+    restarts, recycled = pool.restarts, pool.recycled
     with pytest.raises(SandboxFailure) as failure:
-        pool.call(_gen(do), timeout=4)
+        pool.call(_gen(do), timeout=3 if do == "sleep" else 30)
     assert failure.value.category == category and words in str(failure.value)
     assert failure.value.error_type == f"sandbox.{category}"
-    if do == "sleep":  # killed at the wall-clock timeout: its worker was replaced
+    if do == "sleep":  # killed at the wall-clock timeout; its worker answered and serves on
         assert failure.value.wall and failure.value.retryable
-        assert pool.restarts == restarts + 1
+        deadline = time.monotonic() + 10
+        while pool.recycled == recycled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pool.recycled == recycled + 1
     else:
-        assert not failure.value.retryable and pool.restarts == restarts
+        assert not failure.value.retryable and pool.recycled == recycled
+    assert pool.restarts == restarts
     _healthy(pool)
     _no_leaks(pool, fds)
 
@@ -130,9 +136,31 @@ def test_a_killed_call_frees_its_caller_at_once_and_counts(pool):
         pool.call(_gen("sleep"), timeout=0.5)
     assert time.monotonic() - started < 2.0
     stats = pool.stats()
-    assert stats["restarts"] >= 1 and stats["network_isolated"] == 1.0
+    assert stats["recycled"] >= 1 and stats["network_isolated"] == 1.0
     assert stats["warm_starts"] > 0 and stats["size"] == 2
     assert pool.failures["timeout"] >= 1
+    _healthy(pool)
+
+
+def test_a_kill_from_another_thread_frees_the_caller_and_a_dead_worker_is_replaced(pool):
+    ticket = Ticket()
+    threading.Timer(0.5, lambda: ticket.kill("killed by the test")).start()
+    started = time.monotonic()
+    with pytest.raises(SandboxFailure, match="killed by the test") as failure:
+        pool.call(_gen("sleep"), timeout=30, ticket=ticket)
+    assert failure.value.category == "timeout" and time.monotonic() - started < 5
+    _healthy(pool)
+    restarts = pool.restarts
+    for worker in list(pool._live.values()):  # a worker killed outside any call
+        os.killpg(worker.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            _healthy(pool)
+            break
+        except SandboxFailure as error:
+            assert error.category == "sandbox_unavailable"
+    assert pool.restarts >= restarts + 1
     _healthy(pool)
 
 
