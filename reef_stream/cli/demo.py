@@ -71,11 +71,15 @@ from reef_stream.cli.recipe_options import set_option
                    "this share of the replicas (replica i of n has the canary slot i/n), and "
                    "live feedback promotes or rolls it back (reef evaluate --canary-share); "
                    "report.html plots the online reward of canary vs incumbent per decision.")
+@click.option("--sandbox", type=click.Choice(["thread", "process"]), default="thread",
+              show_default=True,
+              help="Where the reward worker runs the reward function: on a thread, or in a pool "
+                   "of sandbox processes (reef reward --sandbox process).")
 @click.pass_context
 def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate: float | None,
          partitions: int, target: float, time_limit: float, chaos: bool, run_dir: Path | None,
          seed: int, overrides: tuple[str, ...] = (), task: str = "arithmetic",
-         canary: float | None = None) -> None:
+         canary: float | None = None, sandbox: str = "thread") -> None:
     """Run the whole loop until the policy learns the toy task from reward alone.
 
     Replicas sample answers to "a+b=" (the last digit of the sum) from the
@@ -126,13 +130,14 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
     options = DemoOptions(recipe=path, replicas=replicas, rate=rate, partitions=partitions,
                           target=target, time_limit=time_limit, chaos=chaos, run_dir=run_dir,
                           seed=seed, overrides=overrides, engine=engine, task=task,
-                          canary=canary)
+                          canary=canary, sandbox=sandbox)
     runner = Demo(options, settings=settings, bootstrap=bootstrap_servers(settings),
                   redis_url=redis_url(settings), show=DemoProgress())
     click.echo(f"demo {runner.ns}: {path}, {replicas} replicas"
                + (" on vLLM" if engine == "vllm" else "")
                + (", the tool task" if task == "tool" else "")
                + (f", canary share {canary:g}" if canary else "")
+               + (", rewards in sandbox processes" if sandbox == "process" else "")
                + f", target {target:.2f}, logs in {runner.run_dir / 'logs'}")
     interrupt_on_sigterm()    # SIGTERM stops the stages (and nothing else) as Ctrl-C does
     result = runner.run()
@@ -183,6 +188,8 @@ class DemoProgress:
                 f"staleness {'-' if staleness is None else f'{staleness:.1f}':>4}  "
                 f"gen/s {rates.get('generations', 0):6.0f}  units/s {rates.get('units', 0):5.0f}"
                 + (f"  kills {status['kills']}" if status["kills"] else "")
+                + ("" if status.get("saturated") is None
+                   else f"  reward slots past p99 {status['saturated']:.0f}")
                 + (f"\n  {status['stalled']}" if status.get("stalled") else "")
                 + (f"\n  {status['overloaded']}" if status.get("overloaded") else ""))
         if self.tty:

@@ -60,8 +60,8 @@ from reef_stream.demo.report import measured_accuracy, write_report
 from reef_stream.demo.verify import GenerationOutcomes, ledger_counts, letter_unit
 from reef_stream.topics.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
 from reef_stream.ops.metrics import (
-    CONSUMER_LAG, PROCESS_CPU_SECONDS, PROCESSOR_UNITS, STAGE_PROCESSOR, TRAINER_STALENESS_MEAN,
-    TRAINER_STEPS,
+    CONSUMER_LAG, PROCESS_CPU_SECONDS, PROCESSOR_UNITS, REWARD_SATURATED_SLOTS, STAGE_PROCESSOR,
+    STAGE_REWARD, TRAINER_STALENESS_MEAN, TRAINER_STEPS,
 )
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
@@ -132,6 +132,9 @@ class DemoOptions:
     #: promotes as a CANARY on this share of the replicas (``reef evaluate --canary-share``;
     #: replica i of n has the canary slot i / n) and live feedback decides. None: no canary.
     canary: float | None = None
+    #: Where the reward worker runs the reward function (``reef reward --sandbox``):
+    #: ``"thread"`` or ``"process"`` (a pool of sandbox processes, ``reef_stream.sandbox``).
+    sandbox: str = "thread"
 
 
 #: The engines ``DemoOptions.engine`` may name.
@@ -325,6 +328,8 @@ class Demo:
         #: The metric stages that reported running (``_await_pipeline``).
         self.running: set[str] = set()
         self.rewards: list[tuple[float, float]] = []
+        #: The reward workers' call slots busy past their p99 (``saturated_slots``), by instance.
+        self.saturated: dict[str, float] = {}
         self.steps = 0
         self.staleness: float | None = None  # mean over the newest step's samples
         self.samples: list[Sample] = []
@@ -356,7 +361,9 @@ class Demo:
                   *(arg for item in self.options.overrides for arg in ("--set", item))]
         logs = self.run_dir / "logs"
         stages = {
-            "reward": Stage("reward", [*reef, "reward", *recipe], self.env, logs / "reward.log"),
+            "reward": Stage("reward", [*reef, "reward", *recipe, *(
+                ("--sandbox", self.options.sandbox) if self.options.sandbox != "thread" else ())],
+                self.env, logs / "reward.log"),
             "processor": Stage("processor", [*reef, "process", *recipe], self.env,
                                logs / "processor.log"),
             "trainer": Stage("trainer", [*reef, "train", *recipe, "--group", GROUP, "--model",
@@ -582,6 +589,9 @@ class Demo:
             elif isinstance(event, Metric) and event.stage == STAGE_PROCESSOR:
                 if event.name == PROCESSOR_UNITS:
                     self.count_units(event.labels.get("instance", ""), int(event.value))
+            elif isinstance(event, Metric) and event.stage == STAGE_REWARD:
+                if event.name == REWARD_SATURATED_SLOTS:
+                    self.saturated[event.labels.get("instance", "")] = event.value
             elif isinstance(event, Metric) and event.stage == "trainer":
                 if event.name == "objective.reward_mean":
                     self.rewards.append((now, event.value))
@@ -633,6 +643,7 @@ class Demo:
                 "reward": self.rewards[-1][1] if self.rewards else None, "steps": self.steps,
                 "rejected": sum(p.decision is Decision.REJECTED for _, p in self.publications),
                 "staleness": self.staleness, "rates": rates, "kills": dict(self.kills),
+                "saturated": sum(self.saturated.values()) if self.saturated else None,
                 "stalled": self.stalled(), "overloaded": self.overloaded()}
 
     def overloaded(self) -> str | None:
