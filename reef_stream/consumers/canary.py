@@ -139,6 +139,26 @@ def stage(publication: Publication, release: Release, has_incumbent: bool) -> Pu
     return publication
 
 
+def prune_copies(store, publication: Publication, keep: int) -> None:
+    """After a decision is committed: a PROMOTED one prunes the model's copies to the newest
+    ``keep`` (``PublicationStore.prune``); a canary that ended without promotion (REJECTED or
+    ROLLED_BACK, ``share`` set) has its own copy deleted at once, so rolled-back canaries do
+    not push the earlier promoted versions (``reef rollback`` targets) out of the retention.
+    Best effort: a failure is logged (the copies are redone from the log or pruned later)."""
+    model, version = publication.model, publication.policy_version
+    try:
+        if publication.decision is Decision.PROMOTED:
+            pruned = store.prune(model, keep)
+            if pruned:
+                log.info("pruned published copies of %s: versions %s", model, pruned)
+        elif publication.share is not None and publication.decision in (
+                Decision.REJECTED, Decision.ROLLED_BACK) and store.remove(model, version):
+            log.info("deleted the published copy of %s version %d: its canary ended %s", model,
+                     version, publication.decision.value)
+    except OSError as error:
+        log.warning("could not prune old copies of %s: %s", model, error)
+
+
 def verdict_publication(canary: Publication, incumbent: Publication, verdict: Verdict,
                         release: Release, name: str) -> Publication:
     """The decision a PROMOTE or ROLL_BACK ``verdict`` on ``canary`` publishes."""

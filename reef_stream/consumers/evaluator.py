@@ -116,6 +116,7 @@ from reef_stream.consumers.canary import (
     CanaryRunner,
     Release,
     cadence_reason,
+    prune_copies,
     stage,
     waiting_reason,
 )
@@ -439,15 +440,7 @@ class EvaluatorWorker:
                  publication.policy_version, publication.model, publication.checkpoint_id,
                  publication.reason)
         self._project(publication)
-        if publication.decision is Decision.PROMOTED:
-            try:
-                pruned = self.store.prune(publication.model, self.options.keep_published)
-            except OSError as error:
-                log.warning("could not prune old copies of %s: %s", publication.model, error)
-            else:
-                if pruned:
-                    log.info("pruned published copies of %s: versions %s", publication.model,
-                             pruned)
+        prune_copies(self.store, publication, self.options.keep_published)
         if self._on_decision is not None:
             self._on_decision(publication)
 

@@ -449,6 +449,16 @@ class PublicationStore:
                 found.append(int(name[1:]))
         return sorted(found)
 
+    def remove(self, model: str, version: int) -> bool:
+        """Delete the copy of ``version`` (and its serving artifact); False when there was
+        none. Idempotent."""
+        path = self._path(model, version)
+        found = self.fs.exists(path)
+        for doomed in (path, f"{path}-serving"):
+            if self.fs.exists(doomed):
+                self.fs.rm(doomed, recursive=True)
+        return found
+
     def prune(self, model: str, keep: int) -> list[int]:
         """Delete all but the newest ``keep`` copies of ``model`` (0 keeps all) and leftover
         staging directories; returns the versions deleted. Idempotent."""

@@ -183,6 +183,9 @@ def test_a_worse_candidate_is_rolled_back_by_its_canary_and_a_better_one_promote
         assert [lv.versions for lv in loads if 2 in lv.versions] and \
             all(lv.versions[-1] == 1 for lv in loads)
         eventually(lambda: fleet.snapshot().model("tiny").staged is None, 10, "nothing staged")
+        published = settings.home / "published" / namespace / "tiny"
+        eventually(lambda: not (published / "v2").exists(), 10, "the canary's copy deleted")
+        assert (published / "v1").exists()
         canary_links = [link.text for link in trace_generation(
             kafka_bootstrap, namespace, "gen-2-1-1").links if link.kind == "canary"]
         assert len(canary_links) == 2
