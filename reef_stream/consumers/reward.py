@@ -19,8 +19,12 @@ partitions. For each generation the worker:
    watchdog thread abandons it (its thread finishes alone, its result
    ignored) and a new call thread goes on with the generation. A try that
    raises or times out is retried up to ``retries`` times, after
-   ``backoff * 2**k`` seconds (capped at ``MAX_BACKOFF_S``), holding its slot
-   (the call slots are ``reef_stream.consumers.reward_calls``);
+   ``backoff * 2**k`` seconds (capped at ``MAX_BACKOFF_S``), holding its slot;
+   a sync function's timed-out try only in the slow lane, and a fast call
+   past 2 x the observed p99 moves there (the call slots and lanes are
+   ``reef_stream.consumers.reward_calls``). With ``sandbox="process"`` each try
+   runs in a ``reef_stream.sandbox`` process, killed at the timeout; a sandbox
+   failure is dead-lettered as ``sandbox.<category>``;
 3. emits the outcome through a ``RecordProducer``: ``Feedback`` built with
    ``recipe.feedback_for`` (id ``<generation id>:<source>``, keyed like its
    generation, so co-partitioned with it) when a try returned a ``Reward``

@@ -10,6 +10,17 @@ dead letter) or dropped:
 - a coroutine function (``is_coroutine_function``): tasks on the worker's asyncio loop
   (``_arunner``), each try under ``asyncio.timeout``.
 
+Lanes (sync and sandboxed calls): ``concurrency`` fast slots take the queued generations;
+``slow_lanes()`` slow slots take only generations whose try timed out (a timed-out try is
+never tried again in the fast lane; with the slow lane's queue full it is dead-lettered at
+once). Once ``ADAPT_MIN_SAMPLES`` tries returned, a fast try running past ``ADAPT_FACTOR``
+times their p99 (at least ``ADAPT_FLOOR_S``) is demoted: it goes on, counted in the slow
+lane, and a new thread takes its place in the fast lane; with no room in the slow lane it
+times out there and then. So a few hanging calls hold the fast lane for a fraction of a
+second each, not for ``timeout`` x tries. A sandboxed try is killed (``Ticket.kill``), which
+frees its slot at once. ``_write_call_metrics``: saturation (slots busy past the p99), call
+latency, the slow lane and the sandbox pool.
+
 ``CallSlots`` is a mixin of ``RewardWorker``: it uses the worker's queue, lock and conditions
 (``_queue``, ``_lock``, ``_ready``, ``_work_ready``, ``_idle``, ``_slots``, ``_closing``,
 ``_stop``, ``_watch_stop``, ``_loop``), its ``options``, ``summary`` and ``reward``, and
