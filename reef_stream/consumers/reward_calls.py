@@ -306,8 +306,9 @@ class CallSlots:
                     self._slow_queue.append(work)
                     self._slow_ready.notify()
             if not room:
-                work.error = TimeoutError(f"{error}; the slow lane was full, so it was not "
-                                          "tried again")
+                full = "; the slow lane was full, so it was not tried again"
+                work.error = SandboxFailure(TIMEOUT, error.detail + full, wall=True) \
+                    if isinstance(error, SandboxFailure) else TimeoutError(f"{error}{full}")
                 self._failed(work)
             return False
         self.summary.add(retried=1)
