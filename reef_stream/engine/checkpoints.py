@@ -20,6 +20,12 @@ manifest's bytes; the manifest in turn pins every file, so checking the
 manifest against the event and each file against the manifest verifies
 everything (``verify``).
 
+Files are written as they are serialised, tensor by tensor from the tensors' own memory
+(``write_safetensors``), and a local checkpoint is loaded from its files without their
+bytes in memory (``_Files``): writing takes no more memory than about one tensor beyond
+the tensors themselves, loading the tensors alone (reading every file as bytes first took
+two to three times the checkpoint's size).
+
 Nothing here unpickles: tensors are safetensors, everything else JSON.
 """
 
@@ -40,6 +46,7 @@ import fsspec
 import numpy as np
 import torch
 from safetensors.torch import load as st_load
+from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save as st_save
 
 from reef_stream.errors import FatalError, ReefError
@@ -213,7 +220,25 @@ class CheckpointStore:
 
 def verify(uri: str, sha256: str | None = None) -> dict[str, bytes]:
     """Every file of the checkpoint at ``uri``, checked against its manifest, and the
-    manifest against ``sha256`` when given. Raises ``CheckpointError`` naming what is wrong."""
+    manifest against ``sha256`` when given. Raises ``CheckpointError`` naming what is wrong.
+    Holds every file's bytes in memory (``load`` does not, on a local disk)."""
+    fs, path, entries = _manifest(uri, sha256)
+    files = {}
+    for name, entry in entries.items():
+        try:
+            data = fs.cat_file(f"{path}/{name}")
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {uri}: {name} cannot be read: {exc}") from exc
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"checkpoint {uri}: {name} does not match its sha256 in the "
+                                  "manifest (tampered with or corrupted)")
+        files[name] = data
+    return files
+
+
+def _manifest(uri: str, sha256: str | None) -> tuple[Any, str, dict[str, Any]]:
+    """The filesystem, path and manifest entries of the checkpoint at ``uri``, its manifest
+    checked against ``sha256`` when given."""
     try:
         fs, path = fsspec.core.url_to_fs(uri)
         manifest_bytes = fs.cat_file(f"{path}/{MANIFEST}")
@@ -229,32 +254,74 @@ def verify(uri: str, sha256: str | None = None) -> dict[str, bytes]:
     try:
         manifest = json.loads(manifest_bytes)
         entries = manifest["files"]
+        if not isinstance(entries, dict):
+            raise TypeError("files is not an object")
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {uri}: unreadable manifest: {exc}") from exc
-    files = {}
-    for name, entry in entries.items():
-        try:
-            data = fs.cat_file(f"{path}/{name}")
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint {uri}: {name} cannot be read: {exc}") from exc
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"checkpoint {uri}: {name} does not match its sha256 in the "
-                                  "manifest (tampered with or corrupted)")
-        files[name] = data
-    return files
+    return fs, path, entries
+
+
+class _Files:
+    """The verified files of a checkpoint, read as they are needed.
+
+    On a local disk every file is first hashed in chunks against the manifest, then each
+    safetensors file is loaded from its path (``safetensors.torch.load_file``): the tensors,
+    never their bytes beside them (``verify`` would hold both). ``load_file`` maps the file
+    copy-on-write: the tensors may be changed in place (an optimizer's moments are), the
+    file never is, and pages are read as they are touched. A file changed between the two
+    reads is not caught, and one truncated in place while its tensors live would fault: the
+    store never rewrites a file in place (a step is renamed into place whole; pruning
+    unlinks). Elsewhere (an object store) each file is read once, as bytes, by ``verify``."""
+
+    def __init__(self, uri: str, sha256: str | None) -> None:
+        self.uri = uri
+        fs, self.path, entries = _manifest(uri, sha256)
+        self.local = "file" in _protocols(fs)
+        if not self.local:
+            self.data = verify(uri, sha256)
+            return
+        for name, entry in entries.items():
+            digest = hashlib.sha256()
+            try:
+                with open(f"{self.path}/{name}", "rb") as file:
+                    while chunk := file.read(_WRITE_CHUNK):
+                        digest.update(chunk)
+            except OSError as exc:
+                raise CheckpointError(f"checkpoint {uri}: {name} cannot be read: {exc}") from exc
+            if digest.hexdigest() != entry["sha256"]:
+                raise CheckpointError(f"checkpoint {uri}: {name} does not match its sha256 in "
+                                      "the manifest (tampered with or corrupted)")
+        self.names = set(entries)
+
+    def bytes(self, name: str) -> bytes:
+        if not self.local:
+            return self.data[name]
+        if name not in self.names:
+            raise KeyError(name)
+        with open(f"{self.path}/{name}", "rb") as file:
+            return file.read()
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """The file's tensors by name, in sorted order (``_tensors``)."""
+        if not self.local:
+            return _tensors(self.data[name])
+        if name not in self.names:
+            raise KeyError(name)
+        return dict(sorted(st_load_file(f"{self.path}/{name}").items()))
 
 
 def load(uri: str, sha256: str | None = None) -> CheckpointContents:
-    """The verified contents of the checkpoint at ``uri`` (see ``verify``)."""
-    files = verify(uri, sha256)
+    """The verified contents of the checkpoint at ``uri`` (see ``verify``; on a local disk
+    without holding the files' bytes beside the tensors, ``_Files``)."""
+    files = _Files(uri, sha256)
     try:
-        meta = json.loads(files["meta.json"])
-        trainer = _tensors(files["trainer.safetensors"])
-        optimizer_tensors = _tensors(files["optimizer.safetensors"])
+        meta = json.loads(files.bytes("meta.json"))
+        trainer = files.tensors("trainer.safetensors")
+        optimizer_tensors = files.tensors("optimizer.safetensors")
         return CheckpointContents(
             step=meta["step"], policy_version=meta["policy_version"], model=meta["model"],
             recipe=meta["recipe"], trainer_group=meta["trainer_group"],
-            weights=_tensors(files["model.safetensors"]),
+            weights=files.tensors("model.safetensors"),
             optimizer=_optimizer_from(meta["optimizer"], optimizer_tensors),
             rng={name[len("rng."):]: t for name, t in trainer.items() if name.startswith("rng.")},
             algorithm_state=meta["algorithm_state"],
@@ -264,6 +331,8 @@ def load(uri: str, sha256: str | None = None) -> CheckpointContents:
             created_at=meta["created_at"], rolled_back_to=meta.get("rolled_back_to"))
     except (KeyError, ValueError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {uri} is not a reef-stream checkpoint: {exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {uri} cannot be read: {exc}") from exc
 
 
 def load_weights(uri: str, sha256: str) -> dict[str, torch.Tensor]:
@@ -272,9 +341,9 @@ def load_weights(uri: str, sha256: str) -> dict[str, torch.Tensor]:
     What a serving replica calls before swapping weights in; raises
     ``CheckpointError`` on any mismatch, so the caller keeps what it serves.
     """
-    files = verify(uri, sha256)
+    files = _Files(uri, sha256)
     try:
-        return _tensors(files["model.safetensors"])
+        return files.tensors("model.safetensors")
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
         raise CheckpointError(f"checkpoint {uri}: model.safetensors is unreadable: {exc}") from exc
 
