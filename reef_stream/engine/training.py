@@ -73,7 +73,7 @@ from reef_stream.engine.loss_inputs import (
 from reef_stream.ops.metrics import (
     TRAINER_GRAD_NORM, TRAINER_KL_BEHAVIOUR, TRAINER_LOGPROB_GAP_OLDER,
     TRAINER_LOGPROB_GAP_OLDER_TOKENS, TRAINER_LOGPROB_GAP_SAME_VERSION,
-    TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS, TRAINER_UPDATE_RATIO,
+    TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS, TRAINER_SKIPPED_UPDATES, TRAINER_UPDATE_RATIO,
 )
 from reef_stream.api.objective import (
     Advantages, ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages, kept_rows,
@@ -689,7 +689,7 @@ class TorchBackend:
                 for chunk in (range(f, min(f + size, len(members)))
                               for f in range(0, len(members), size))])
         totals: dict[str, float] = {}
-        micro_batches = updates = 0
+        micro_batches = updates = skipped = 0
         batch_losses = 0.0
         for epoch in range(schedule.epochs):
             order = np.arange(len(units))
@@ -711,6 +711,9 @@ class TorchBackend:
                 batch_totals = BatchTotals(*self._sum_over_ranks(local_totals(
                     [(batch.completion_mask, keep) for _, _, _, batch, keep in micros],
                     per_sample=self.family.inputs is ValueRegressionInputs)))
+                if batch_totals.tokens == 0:  # every sample dropped (dynamic sampling), on
+                    skipped += 1              # every rank: no update, or AdamW's momentum and
+                    continue                  # weight decay would move the weights on nothing
                 for chosen, rows, samples, batch, keep in micros:
                     inputs = self._inputs(batch, rows, result.advantages, proximal)
                     if epoch == 0 and first == 0:  # no update yet: the weights of step - 1
@@ -746,10 +749,13 @@ class TorchBackend:
         # optimizer batches' (their micro batches' and ranks' shares summed), mean. One
         # all-reduce (every rank has the same loss, so the same metric names).
         names = sorted(totals)
-        summed = self._sum_over_ranks([totals[n] / micro_batches for n in names] + [batch_losses])
+        summed = self._sum_over_ranks([totals[n] / max(micro_batches, 1) for n in names]
+                                      + [batch_losses])
         metrics = {name: value / self.ranks for name, value in zip(names, summed)}
         metrics["loss"] = summed[-1] / max(updates, 1)
         metrics[TRAINER_GRAD_NORM] = grad_norm
+        if skipped:
+            metrics[TRAINER_SKIPPED_UPDATES] = float(skipped)
         metrics.update(self._gap_metrics(gap))
         metrics.update(self._update_ratio(before))
         metrics.update({f"objective.{k}": v for k, v in result.metrics.items()})

@@ -153,6 +153,9 @@ TRAINER_LOGPROB_GAP_OLDER_TOKENS = "logprob_gap.older_tokens"
 #: The gradient's global norm before clipping (``Backend.max_grad_norm``), mean over a step's
 #: updates.
 TRAINER_GRAD_NORM = "grad_norm"
+#: Optimizer batches of a step with no sample to learn from (dynamic sampling dropped them all,
+#: on every rank): no update was made for them. Reported only when there were some.
+TRAINER_SKIPPED_UPDATES = "skipped_updates"
 #: KL(behaviour || current) per completion token, before the step's first update (k3 estimator).
 TRAINER_KL_BEHAVIOUR = "kl_behaviour"
 #: ||weights after the step - weights before|| / ||weights before||, over every parameter.

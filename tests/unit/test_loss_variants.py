@@ -26,7 +26,7 @@ from reef_stream.errors import ConfigurationError
 from reef_stream.ops.metrics import (
     LOSS_BEHAVIOUR_WEIGHT_MEAN, LOSS_CLIP_FRACTION_HIGH, LOSS_CLIP_FRACTION_LOW,
     LOSS_DUAL_CLIP_FRACTION, LOSS_ENTROPY, LOSS_KL_REFERENCE, LOSS_RATIO_MEAN,
-    OBJECTIVE_DYNAMIC_SAMPLING_DROPPED,
+    OBJECTIVE_DYNAMIC_SAMPLING_DROPPED, TRAINER_SKIPPED_UPDATES,
 )
 from tests.recipes.trainable import recipe
 from tests.unit_log import rollout_unit
@@ -377,6 +377,28 @@ def test_a_step_with_a_behaviour_logprob_of_minus_100_trains():
     metrics = _step(backend, configured, [unit, rollout_unit(1)], 1)
     assert math.isfinite(metrics["loss"])
     assert all(torch.isfinite(v).all() for v in backend.state()[0].values())
+
+
+def test_an_optimizer_batch_with_every_sample_dropped_makes_no_update():
+    """DAPO's dynamic sampling can drop every group of an optimizer batch: then there is nothing
+    to learn from, and an AdamW step on zero gradients would still move the weights (momentum,
+    weight decay). The batch is skipped, counted; the weights and the optimizer stay as they were."""
+    units = [dataclasses.replace(u, members=tuple(dataclasses.replace(m, reward=1.0)
+                                                  for m in u.members))
+             for u in (rollout_unit(0), rollout_unit(1))]
+    backend, configured = _backend(ClippedPolicyGradient())
+    objective = GroupNormalisedAdvantage(dynamic_sampling=True)
+    before = {k: v.clone() for k, v in backend.state()[0].items()}
+    metrics = backend.train_step(units, objective.compute(units, objective.initial_state()), 1)
+    assert metrics[TRAINER_SKIPPED_UPDATES] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in backend.state()[0].items())
+    assert not backend.optimizer.state          # AdamW never stepped
+    kept = [dataclasses.replace(units[0], members=tuple(
+        dataclasses.replace(m, reward=float(i % 2)) for i, m in enumerate(units[0].members))),
+        units[1]]
+    metrics = backend.train_step(kept, objective.compute(kept, objective.initial_state()), 1)
+    assert TRAINER_SKIPPED_UPDATES not in metrics
+    assert any(not torch.equal(before[k], v) for k, v in backend.state()[0].items())
 
 
 # --------------------------------------------------------------------------- the recipe
