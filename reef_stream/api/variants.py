@@ -211,19 +211,28 @@ class KLEstimator(enum.Enum):
 class KLPenalty:
     """Add ``coefficient * aggregate(k(current, reference))`` to the loss: a penalty to a
     reference policy (GRPO, Shao et al. 2024, with ``K3``). The reference logprobs come from the
-    backend's frozen copy of the initial policy (``reef_stream.engine.training``)."""
+    backend's frozen reference model (``reef_stream.engine.training``): a copy of the initial
+    policy, or with ``reference`` the weights of that checkpoint (the URI of a checkpoint a
+    trainer stored, e.g. ``/ckpt/step-000120-...``; verified against its manifest; its tensors
+    must be the model's, a LoRA checkpoint's adapter alone included)."""
 
     coefficient: float
     estimator: KLEstimator = KLEstimator.K3
+    reference: str | None = None
 
     def __post_init__(self) -> None:
         _positive("KLPenalty", "coefficient", self.coefficient, allow_zero=True)
         if not isinstance(self.estimator, KLEstimator):
             raise ConfigurationError(f"KLPenalty.estimator must be a KLEstimator (K1, K2, K3), "
                                      f"got {self.estimator!r}")
+        if self.reference is not None and (not isinstance(self.reference, str)
+                                           or not self.reference.strip()):
+            raise ConfigurationError(f"KLPenalty.reference must be a checkpoint URI or None, "
+                                     f"got {self.reference!r}")
 
     def describe(self) -> str:
-        return (f"KL to the initial policy, {self.estimator.value} estimator, coefficient "
+        to = "the initial policy" if self.reference is None else f"checkpoint {self.reference}"
+        return (f"KL to {to}, {self.estimator.value} estimator, coefficient "
                 f"{self.coefficient:g}")
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from reef_stream.api.variants import BatchTotals
+from reef_stream.errors import ConfigurationError
 
 
 def completion_logprobs(logits: torch.Tensor, batch: Any) -> torch.Tensor:
@@ -100,3 +101,23 @@ def proximal_rows(proximal: Mapping[int, torch.Tensor], rows: np.ndarray, batch:
 def _last_true(mask: torch.Tensor) -> int:
     """One past the last True of a 1-d bool mask."""
     return int(torch.nonzero(mask).max()) + 1
+
+
+def load_reference(reference: torch.nn.Module, uri: str) -> None:
+    """Load the weights of the checkpoint at ``uri`` (``KLPenalty.reference``), verified
+    against its manifest, into the frozen ``reference`` model. Every tensor of the checkpoint
+    must be one of the model's with its shape (a LoRA checkpoint holds the adapter alone: the
+    base stays the initial one); ``ConfigurationError`` naming those that are not. Blocks on
+    reading the checkpoint."""
+    from reef_stream.engine.checkpoints import load_weights
+
+    weights = load_weights(uri, None)
+    own = reference.state_dict()
+    wrong = sorted(name for name, tensor in weights.items()
+                   if name not in own or own[name].shape != tensor.shape)
+    if wrong:
+        raise ConfigurationError(
+            f"KLPenalty.reference {uri} does not fit the recipe's model: "
+            f"{len(wrong)} of its tensors are not the model's, or differ in shape "
+            f"({', '.join(wrong[:5])}{', ...' if len(wrong) > 5 else ''})")
+    reference.load_state_dict(weights, strict=False)

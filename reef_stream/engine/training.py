@@ -67,8 +67,8 @@ from reef_stream.api.losses import (
 )
 from reef_stream.api.variants import BatchTotals, ExtraInput
 from reef_stream.engine.loss_inputs import (
-    completion_entropy, completion_logprobs, local_totals, proximal_logprobs, proximal_rows,
-    restricted,
+    completion_entropy, completion_logprobs, load_reference, local_totals, proximal_logprobs,
+    proximal_rows, restricted,
 )
 from reef_stream.ops.metrics import (
     TRAINER_GRAD_NORM, TRAINER_KL_BEHAVIOUR, TRAINER_LOGPROB_GAP_OLDER,
@@ -445,6 +445,8 @@ class TorchBackend:
         self.reference: Any = None
         if ExtraInput.REFERENCE_LOGPROBS in self.extras:
             self.reference = copy.deepcopy(model).requires_grad_(False)
+            if (chosen := getattr(getattr(self.loss, "kl", None), "reference", None)) is not None:
+                load_reference(self.reference, chosen)
         # Only what requires a gradient is trained (a LoRA model's base is frozen): the
         # optimizer, the update ratio and its copy of the weights see nothing else.
         trained = _trained(model)

@@ -295,6 +295,7 @@ def test_dynamic_sampling_drops_groups_with_all_equal_rewards():
     (lambda: ClippedWeightPolicyGradient(epsilon_low=1.5), "epsilon_low must be"),
     (lambda: KLPenalty(-1.0), "KLPenalty.coefficient must be"),
     (lambda: KLPenalty(0.1, "k3"), "estimator must be a KLEstimator"),
+    (lambda: KLPenalty(0.1, reference=""), "reference must be a checkpoint URI"),
     (lambda: ConstantNormaliser(0), "tokens_per_sequence must be"),
     (lambda: DecoupledProximal(weight_cap=0.0), "weight_cap must be"),
     (lambda: GroupNormalisedAdvantage(normalisation="none"), "must be an AdvantageNormalisation"),
@@ -341,6 +342,42 @@ def test_the_kl_reference_is_a_frozen_copy_of_the_initial_policy():
     assert all(torch.equal(frozen[k], v) for k, v in backend.reference.state_dict().items())
     assert metrics[LOSS_ENTROPY] > 0
     assert {LOSS_CLIP_FRACTION_LOW, LOSS_CLIP_FRACTION_HIGH} <= set(metrics)
+
+
+def _stored(tmp_path, weights):
+    """A checkpoint holding ``weights``, as a trainer stores one; its URI."""
+    from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
+    from reef_stream.topics.events import TopicOffset
+
+    return CheckpointStore(str(tmp_path / "ckpt")).write(CheckpointContents(
+        step=1, policy_version=1, model="policy", recipe="trainable", trainer_group="g",
+        weights=weights, optimizer={"state": {}, "param_groups": []}, rng={},
+        algorithm_state={}, offsets=(TopicOffset(topic="t", partition=0, offset=1),),
+        trained_units=np.zeros(0, dtype=np.uint64))).uri
+
+
+def test_the_kl_reference_can_be_a_checkpoint_the_recipe_chooses(tmp_path):
+    """GRPO's KL penalty to a chosen checkpoint instead of the initial policy: the backend's
+    reference holds that checkpoint's weights, so the KL is already above 0 before the first
+    update; a checkpoint of another model is refused, naming its tensors."""
+    schedule = Schedule(units_per_step=2, optimizer_batch_size=2, micro_batch_size=2, epochs=1,
+                        seed=3, max_staleness=3)
+    trained, configured = _backend(ClippedPolicyGradient(), schedule)
+    for step in range(1, 4):
+        _step(trained, configured, [rollout_unit(2 * step), rollout_unit(2 * step + 1)], step)
+    chosen = {k: v.clone() for k, v in trained.state()[0].items()}
+    uri = _stored(tmp_path, chosen)
+    backend, configured = _backend(ClippedPolicyGradient(kl=KLPenalty(0.05, reference=uri)),
+                                   schedule)
+    assert all(torch.equal(chosen[k], v) for k, v in backend.reference.state_dict().items())
+    assert any(not torch.equal(chosen[k], v) for k, v in backend.state()[0].items())
+    metrics = _step(backend, configured, [rollout_unit(0), rollout_unit(1)], 1)
+    assert metrics[LOSS_KL_REFERENCE] > 1e-6
+    assert "KL to checkpoint" in KLPenalty(0.05, reference=uri).describe()
+
+    other = _stored(tmp_path / "other", {"head.weight": torch.zeros(3, 3)})
+    with pytest.raises(ConfigurationError, match="does not fit the recipe's model.*head.weight"):
+        _backend(ClippedPolicyGradient(kl=KLPenalty(0.05, reference=other)), schedule)
 
 
 def test_the_proximal_policy_is_the_weights_at_the_start_of_the_step():
