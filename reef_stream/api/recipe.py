@@ -276,6 +276,9 @@ def recipe_problems(recipe: Any, *, registry: SchemaRegistry | None = None, trai
     problems += _evaluator_problems(recipe.evaluator)
     reward_ok = not (found := _reward_problems(recipe.reward))
     problems += found
+    if getattr(recipe, "reward_sandbox", "thread") not in ("thread", "process"):
+        problems.append(f"reward_sandbox must be 'thread' or 'process', not "
+                        f"{recipe.reward_sandbox!r}")
     problems += _sampling_problems(recipe)
     if processor_ok and reward_ok:
         problems += _source_problems(recipe, complete=complete)

@@ -182,3 +182,14 @@ def test_the_code_reward_scores_the_pass_fraction_with_a_component_per_test():
     assert broken.reward == 0.0 and broken.components["passed"] == 0.0
     with pytest.raises(RuntimeError, match="only in a sandbox"):
         dataclasses.replace(reward, unsafe=False)(generation(1))
+
+
+def test_a_recipe_names_where_its_reward_may_run():
+    from reef_stream.api.recipe import recipe_problems
+    from tests.recipes.sandbox_rewards import code, hostile
+
+    assert code.reward_sandbox == "process" and hostile.reward_sandbox == "thread"
+    assert not any("reward_sandbox" in p for p in recipe_problems(code))
+    wrong = dataclasses.replace(code, reward_sandbox="container")
+    assert any("reward_sandbox must be 'thread' or 'process', not 'container'" in p
+               for p in recipe_problems(wrong))
