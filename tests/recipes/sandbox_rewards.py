@@ -23,6 +23,7 @@ function) against four tests; the recipe requires the sandbox.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import dataclasses
 import os
@@ -114,3 +115,12 @@ code = dataclasses.replace(
     _recipe("sandbox-code", CodeExecutionReward(source="unit_tests", tests=lambda g: ADD_TESTS,
                                                 text=_program, test_timeout_s=0.5)),
     reward_sandbox="process")
+
+
+async def _async_score(generation: Generation) -> Reward:
+    await asyncio.sleep(0.01)
+    return _score(generation)
+
+
+#: A coroutine reward function: in the sandbox it runs on a fresh event loop in the call.
+async_score = NamedReward("async_judge", _async_score)

@@ -164,6 +164,15 @@ def test_a_kill_from_another_thread_frees_the_caller_and_a_dead_worker_is_replac
     _healthy(pool)
 
 
+def test_a_coroutine_reward_function_runs_in_the_sandbox():
+    pool = SandboxPool("tests.recipes.sandbox_rewards:async_score", size=1, limits=LIMITS)
+    pool.start()
+    try:
+        assert pool.call(generation(3), timeout=30).components == {"length": 100.0}
+    finally:
+        pool.close()
+
+
 def test_a_target_that_does_not_import_fails_at_start():
     with pytest.raises(ConfigurationError, match="no sandbox worker started.*ModuleNotFound"):
         SandboxPool("tests.recipes.no_such_module:recipe", size=1, start_timeout=60).start()
