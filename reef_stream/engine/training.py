@@ -332,7 +332,9 @@ def _fits(members: Sequence[Sample], limits: UnitLimits) -> bool:
         if (len(sample.completion_logprobs) != completion
                 or not 0 < len(sample.prompt_token_ids) + completion <= longest
                 or not math.isfinite(sample.reward)
-                or not all(map(math.isfinite, sample.reward_components.values()))):
+                or not all(map(math.isfinite, sample.reward_components.values()))
+                or (sample.policy_mask.size
+                    and mask_problem(sample.policy_mask, completion) is not None)):
             return False
     ids = np.concatenate([a for s in members for a in (s.prompt_token_ids,
                                                        s.completion_token_ids)])
@@ -351,6 +353,8 @@ def _sample_problem(sample: Sample, limits: UnitLimits) -> str | None:
     if len(logprobs) != len(completion):
         return (f"generation {generation} has {len(completion)} completion tokens but "
                 f"{len(logprobs)} completion logprobs (the loss needs one per token)")
+    if (problem := mask_problem(sample.policy_mask, len(completion))) is not None:
+        return f"generation {generation}: {problem}"
     length = len(prompt) + len(completion)
     if length == 0:
         return f"generation {generation} has no tokens (its prompt and completion are empty)"

@@ -122,7 +122,23 @@ BAD = {
     "infinite reward component": (
         lambda: spoiled(11, reward_components={"format": 1.0, "length": float("-inf")}),
         f"{name(11)}: reward component 'length' of generation g11-1 is -inf"),
+    "a policy_mask shorter than the completion": (
+        lambda: spoiled(21, policy_mask=np.ones(9, np.uint8)),
+        f"{name(21)}: generation g21-1: its policy_mask has 9 values for 10 completion tokens "
+        "(one per token, or none)"),
+    "a policy_mask that is not 0/1": (
+        lambda: spoiled(22, policy_mask=np.full(10, 2, np.uint8)),
+        f"{name(22)}: generation g22-1: its policy_mask holds values other than 0 and 1"),
+    "a policy_mask with no policy token": (
+        lambda: spoiled(23, policy_mask=np.zeros(10, np.uint8)),
+        f"{name(23)}: generation g23-1: its policy_mask marks no completion token as the "
+        "policy's: nothing to train"),
 }
+
+
+def test_a_multi_turn_mask_that_fits_its_tokens_is_trainable():
+    mask = np.array([1, 0, 0, 1, 1, 1, 1, 1, 1, 1], np.uint8)
+    assert untrainable(spoiled(24, policy_mask=mask), LIMITS) is None
 
 
 @pytest.mark.parametrize("kind", BAD)
