@@ -208,8 +208,7 @@ class TopView:
             groups.add_row(group, state, f"{total:,}")
 
         versions = Table(title="versions", title_justify="left")
-        for column in ("model", "trained", "published", "rejected", "rollbacks", "serving",
-                       "waiting for a decision"):
+        for column in ("model", "trained", "published", "rejected", "rollbacks", "serving"):
             versions.add_column(column, justify="left" if column == "model" else "right")
         for name, model in sorted(self.state.models.items()):
             serving = sorted(v for m, v in self.state.replicas.values() if m == name)
@@ -218,12 +217,12 @@ class TopView:
             newest = max(model.rollbacks, default=None)
             rollbacks = "0" if newest is None else (
                 f"{len(model.rollbacks)}, v{newest} = v{model.rollbacks[newest]}")
-            staged = model.staged
-            waiting = "-" if staged is None else (
-                f"v{staged.policy_version} {staged.awaiting or '?'}"
-                + (f" (canary {staged.share:.0%})" if staged.share else ""))
             versions.add_row(name, _or_dash(model.trained), _or_dash(model.published),
-                             str(model.rejected), rollbacks, shown, waiting)
+                             str(model.rejected), rollbacks, shown)
+        waiting = [f"waiting for a decision: {name} v{m.staged.policy_version} awaiting "
+                   f"{m.staged.awaiting or '?'}"
+                   + (f" (canary on {m.staged.share:.0%} of the replicas)" if m.staged.share
+                      else "") for name, m in sorted(self.state.models.items()) if m.staged]
 
         replicas = Table(title="replicas", title_justify="left")
         for column in ("replica", "model", "version"):
@@ -240,7 +239,7 @@ class TopView:
         footer = ("trainer staleness (last step, mean): "
                   + ("-" if staleness is None else f"{staleness:.1f} versions"))
         if not self.state.rewards:
-            return Group(topics, groups, versions, replicas, letters, footer)
+            return Group(topics, groups, versions, *waiting, replicas, letters, footer)
         return Group(topics, groups, versions, replicas, letters, self._rewards(), footer)
 
     def _rewards(self) -> Table:

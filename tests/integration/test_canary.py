@@ -253,7 +253,8 @@ def test_a_person_approves_rejects_and_rolls_back_and_each_decision_is_an_event(
     assert waiting["staged"]["version"] == 1 and waiting["staged"]["awaiting"] == "approval"
     assert "waiting for a decision: tiny version 1 (share 0, awaiting approval)" in \
         reef("fleet", env=cli_env).stdout
-    assert "v1 approval" in reef("top", "--once", env=cli_env).stdout
+    assert "waiting for a decision: tiny v1 awaiting approval" in \
+        reef("top", "--once", env=cli_env).stdout
     fleet.client.delete(f"reef:{namespace}:staged:tiny")  # Redis lost it: rebuilt from Kafka
     rebuilt = json.loads(reef("fleet", "--rebuild", "--json", env=cli_env).stdout)["models"][0]
     assert rebuilt["staged"]["version"] == 1 and rebuilt["staged"]["awaiting"] == "approval"
