@@ -85,7 +85,8 @@ def test_the_main_job_command_runs_the_demo_on_the_embedded_default(cli_env, tmp
     ["topics", "verify"], ["replay"], ["tail"], ["lag"],
     ["produce"], ["intake"], ["intake", "serve"], ["reward"], ["process"], ["train"],
     ["evaluate"], ["follow"], ["fleet"], ["demo"], ["check"], ["trace"], ["top"], ["dashboard"],
-    ["sink"], ["sink", "tensorboard"], ["sink", "wandb"],
+    ["sink"], ["sink", "tensorboard"], ["sink", "wandb"], ["rescore"], ["approve"], ["reject"],
+    ["rollback"], ["engine"], ["scorecard"],
 ])
 def test_every_command_explains_itself(command, cli_env):
     result = reef(*command, "--help", env=cli_env)
