@@ -127,6 +127,8 @@ def _project(schema, value):
         return [_project(schema["items"], item) for item in value]
     if isinstance(schema, list) and value is not None:
         return _project(schema[1], value)
+    if isinstance(schema, dict) and schema.get("type") == "enum" and value not in schema["symbols"]:
+        return schema.get("default", schema["symbols"][0])  # a symbol added later (CANARY)
     return value
 
 
