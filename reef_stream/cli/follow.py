@@ -57,12 +57,18 @@ from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
                    "artifact directory, the version and full|lora. Exit status 0: served.")
 @click.option("--lora-name", default="reef-lora", show_default=True,
               help="With --engine vllm and LoRA artifacts: the adapter name requests use.")
+@click.option("--canary-slot", type=click.FloatRange(0, 1, max_open=True), default=None,
+              metavar="SLOT",
+              help="This replica's place in [0, 1) for canary cohorts: a canary of share s "
+                   "is taken by the replicas whose slot falls in an arc of length s that each "
+                   "version places anew (replica i of n at i/n: each canary takes an exact "
+                   "share) [default: $REEF_CANARY_SLOT, else derived from the replica id].")
 @metrics_port_option
 @click.pass_context
 def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
            until_version: int | None, timeout: float | None, heartbeat: float,
            retry: float, engine: str, url: str | None, command: str | None, lora_name: str,
-           metrics_port: int | None) -> None:
+           canary_slot: float | None, metrics_port: int | None) -> None:
     """Follow a model's publications: load and verify the newest promoted version.
 
     Reads <namespace>.publications from the start, loads the newest PROMOTED
@@ -109,7 +115,7 @@ def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
     # keeps serving).
     follower = Follower(model, on_version=report, settings=settings, replica_id=replica_id,
                         heartbeat_s=heartbeat, retry_s=retry,
-                        loads=WEIGHTS if adapter is None else ARTIFACT)
+                        loads=WEIGHTS if adapter is None else ARTIFACT, canary_slot=canary_slot)
     click.echo(f"replica {follower.replica_id} following {model} in "
                f"{follower.namespace}.publications")
     serve_metrics(metrics_port)
