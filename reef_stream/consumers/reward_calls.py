@@ -380,11 +380,12 @@ class CallSlots:
             for _ in range(demoted):
                 self._start_runner(None, FAST)
             for slot, seconds, call in killed:  # that call only: the slot may be in the next
-                slot.ticket.kill(f"no result within {seconds:.3g} s (wall clock): the call's "
-                                 "process group was killed", call)
+                slot.ticket.kill(f"no result within {_within(seconds, timeout)} (wall clock): "
+                                 "the call's process group was killed", call)
             for slot, work in expired:
                 work.timeouts += 1
-                work.error = TimeoutError(f"no result within {now - slot.started:.3g} s")
+                work.error = TimeoutError(f"no result within "
+                                          f"{_within(now - slot.started, timeout)}")
                 self.summary.add(timed_out=1)
                 if slot.demoted:  # its fast-lane place was taken: to the slow lane's queue
                     self._again(work, FAST)  # (no backoff: demoted only when slow lanes exist)
@@ -478,6 +479,15 @@ class CallSlots:
                 continue
             self._succeeded(work, result)
             return
+
+
+def _within(seconds: float, timeout: float) -> str:
+    """How long a timed-out try had: ``timeout`` (``"30 s"``), or, cut short at the fast
+    lane's adaptive deadline, the seconds it ran."""
+    if seconds >= timeout:
+        return f"{timeout:g} s"
+    return (f"{seconds:.3g} s (the fast lane's deadline, {ADAPT_FACTOR:g} x the observed p99, "
+            "with no room in the slow lane)")
 
 
 async def _awaited(awaitable: Any) -> Any:
