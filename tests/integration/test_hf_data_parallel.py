@@ -20,10 +20,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from reef_stream.engine.checkpoints import MANIFEST, CheckpointStore, load
 from reef_stream.topics.connect import client_config
-from reef_stream.topics.declarations import units
-from tests.helpers import consume_all
-from tests.integration.test_trainer_data_parallel import STEPS, _torchrun
-from tests.unit_log import create_topics, produce_units, rollout_unit
+from tests.integration.test_trainer_data_parallel import STEPS, _torchrun, spread_units
 
 DIGEST = re.compile(r"rank (\d) of 2 holds the weights of every rank \(sha256 ([0-9a-f]{64})\)")
 
@@ -47,12 +44,7 @@ def _weights_sha256(stored) -> str:
 @pytest.mark.parametrize("lora", [None, 4], ids=["full", "lora"])
 def test_two_ranks_train_a_hugging_face_model_to_the_same_weights(
         llama_dir, lora, kafka_bootstrap, cli_env, namespace, tmp_path):
-    create_topics(kafka_bootstrap, namespace)
-    log = [rollout_unit(i, policy_version=i // 4) for i in range(STEPS * 4 + 2)]
-    produce_units(kafka_bootstrap, namespace, log, spread=True)
-    topic = units(namespace, "trainable")
-    partition_of = {m.key().decode(): m.partition()
-                    for m in consume_all(kafka_bootstrap, topic, len(log))}
+    log, topic, partition_of = spread_units(kafka_bootstrap, namespace)
     env = {**cli_env, "REEF_TEST_HF_MODEL": str(llama_dir)}
     if lora:
         env["REEF_TEST_HF_LORA"] = str(lora)

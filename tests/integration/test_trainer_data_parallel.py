@@ -11,8 +11,8 @@ import torch
 from confluent_kafka import Consumer, TopicPartition
 
 from reef_stream.engine.checkpoints import CheckpointStore, load
-from reef_stream.topics.connect import client_config
 from reef_stream.ops.processes import free_ports
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import units
 from tests.helpers import consume_all, reef
 from tests.unit_log import create_topics, produce_units, rollout_unit
@@ -30,16 +30,22 @@ def _torchrun(cli_env, group: str, store, recipe: str = "tests.recipes.trainable
         env=cli_env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_two_ranks_own_disjoint_partitions_and_commit_together(kafka_bootstrap, cli_env,
-                                                               namespace, tmp_path):
+def spread_units(kafka_bootstrap: str, namespace: str) -> tuple[list, str, dict[str, int]]:
+    """The topics, and STEPS * 4 + 2 units in the units topic: the units, the topic and each
+    unit's partition. Spread evenly (unit i to partition i % 6), so neither rank waits for
+    data; keyed by hash, a small log can leave a rank's partitions short, and the group
+    waits for them."""
     create_topics(kafka_bootstrap, namespace)
-    # Spread evenly (unit i to partition i % 6), so neither rank waits for data; keyed by
-    # hash, a small log can leave a rank's partitions short, and the group waits for them.
     log = [rollout_unit(i, policy_version=i // 4) for i in range(STEPS * 4 + 2)]
     produce_units(kafka_bootstrap, namespace, log, spread=True)
     topic = units(namespace, "trainable")
-    partition_of = {m.key().decode(): m.partition()
-                    for m in consume_all(kafka_bootstrap, topic, len(log))}
+    return log, topic, {m.key().decode(): m.partition()
+                        for m in consume_all(kafka_bootstrap, topic, len(log))}
+
+
+def test_two_ranks_own_disjoint_partitions_and_commit_together(kafka_bootstrap, cli_env,
+                                                               namespace, tmp_path):
+    log, topic, partition_of = spread_units(kafka_bootstrap, namespace)
 
     runs = {group: _torchrun(cli_env, group, tmp_path / group) for group in ("dp1", "dp2")}
     for group, result in runs.items():
