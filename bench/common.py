@@ -50,6 +50,17 @@ class Servers(NamedTuple):
     broker_pids: list[int] | None
 
 
+def time_to_target(result: DemoResult) -> float | None:
+    """A demo run's time to target: the scorecard's (first generation -> first promoted version
+    at the target) where it has one, else the run's seconds; None when it did not reach it."""
+    if not result.reached:
+        return None
+    card = result.scorecard
+    if card is not None and card.time_to_target_s is not None:
+        return card.time_to_target_s
+    return result.seconds
+
+
 @contextmanager
 def servers(settings: Settings, home: Path) -> Iterator[Servers]:
     """The configured Kafka cluster and Redis (REEF_BOOTSTRAP_SERVERS / REEF_REDIS_URL), or a

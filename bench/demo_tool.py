@@ -29,7 +29,8 @@ METHODS = ("sao", "grpo")
 
 
 def main() -> int:
-    from common import demo_arguments, figure, runs_per_variant  # bench/ is on sys.path
+    from common import (demo_arguments, figure, runs_per_variant,  # bench/ is on sys.path
+                        time_to_target)
 
     from reef_stream.demo.run import DemoOptions, DemoResult
 
@@ -50,11 +51,7 @@ def main() -> int:
                            run_dir=run_dir, namespace=namespace)
 
     def line_of(name: str, result: DemoResult) -> str:
-        seconds = None
-        if result.reached:
-            card = result.scorecard
-            seconds = (card.time_to_target_s if card is not None
-                       and card.time_to_target_s is not None else result.seconds)
+        seconds = time_to_target(result)
         return (f"DEMO_TOOL method={name} reached={result.reached} "
                 f"time_to_target_s={figure(seconds)} accuracy={figure(result.accuracy)} "
                 f"versions={result.version} trained={result.ledger.get('trained')}")

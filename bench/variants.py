@@ -52,7 +52,8 @@ VARIANTS = {
 
 
 def main() -> int:
-    from common import demo_arguments, figure, runs_per_variant  # bench/ is on sys.path
+    from common import (demo_arguments, figure, runs_per_variant,  # bench/ is on sys.path
+                        time_to_target)
 
     from reef_stream.demo.run import DemoOptions, DemoResult
 
@@ -74,11 +75,7 @@ def main() -> int:
                            namespace=namespace)
 
     def line_of(name: str, result: DemoResult) -> str:
-        seconds = None
-        if result.reached:
-            card = result.scorecard
-            seconds = (card.time_to_target_s if card is not None
-                       and card.time_to_target_s is not None else result.seconds)
+        seconds = time_to_target(result)
         return (f"VARIANT name={name} reached={result.reached} "
                 f"time_to_target_s={figure(seconds)} accuracy={figure(result.accuracy)} "
                 f"versions={result.version}")
