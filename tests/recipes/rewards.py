@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from reef_stream.topics.events import Generation
 from reef_stream.api.losses import POLICY_GRADIENT
@@ -73,7 +74,9 @@ def _not_finite(generation: Generation) -> Reward:
     return Reward(reward=float("nan"))
 
 
-def _recipe(name: str, reward: NamedReward) -> Recipe:
+def reward_recipe(name: str, reward: Any) -> Recipe:
+    """A small trainable recipe around ``reward`` (any reward function with a ``source``), its
+    processor waiting for that source: the reward-worker and sandbox tests' recipes."""
     return Recipe(
         name=name,
         processor=ComposedProcessor(grouping=ByGroupId(),
@@ -86,10 +89,10 @@ def _recipe(name: str, reward: NamedReward) -> Recipe:
     )
 
 
-quick = _recipe("rewards-quick", NamedReward("length", _score))
-slow = _recipe("rewards-slow", NamedReward("slow_judge", _slow))
-raising = _recipe("rewards-raising", NamedReward("refusing_judge", _raising))
-flaky = _recipe("rewards-flaky", NamedReward("flaky_sandbox", _flaky))
-not_finite = _recipe("rewards-not-finite", NamedReward("nan_judge", _not_finite))
-paced = _recipe("rewards-paced", NamedReward("paced_judge", _paced))
+quick = reward_recipe("rewards-quick", NamedReward("length", _score))
+slow = reward_recipe("rewards-slow", NamedReward("slow_judge", _slow))
+raising = reward_recipe("rewards-raising", NamedReward("refusing_judge", _raising))
+flaky = reward_recipe("rewards-flaky", NamedReward("flaky_sandbox", _flaky))
+not_finite = reward_recipe("rewards-not-finite", NamedReward("nan_judge", _not_finite))
+paced = reward_recipe("rewards-paced", NamedReward("paced_judge", _paced))
 recipe = quick

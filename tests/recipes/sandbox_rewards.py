@@ -30,15 +30,11 @@ import os
 import socket
 import sys
 import time
-from typing import Any
 
-from reef_stream.api.losses import POLICY_GRADIENT
-from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources
-from reef_stream.api.recipe import Backend, NamedReward, Recipe, Reward
-from reef_stream.api.schedule import Schedule
+from reef_stream.api.recipe import NamedReward, Reward
 from reef_stream.sandbox.code_reward import CodeExecutionReward, CodeTest
 from reef_stream.topics.events import Generation
-from tests.recipes.parts import GroupBaseline
+from tests.recipes.rewards import reward_recipe
 
 
 def _score(generation: Generation) -> Reward:
@@ -85,20 +81,7 @@ def _hostile(generation: Generation) -> Reward:
     return _score(generation)
 
 
-def _recipe(name: str, reward: Any) -> Recipe:
-    return Recipe(
-        name=name,
-        processor=ComposedProcessor(grouping=ByGroupId(),
-                                    feedback=RequireSources((reward.source,), timeout_ms=60_000)),
-        objective=GroupBaseline(),
-        schedule=Schedule(units_per_step=8, optimizer_batch_size=4, micro_batch_size=2,
-                          max_staleness=2),
-        backend=Backend(name="torch-test", loss_families=(POLICY_GRADIENT,)),
-        reward=reward,
-    )
-
-
-hostile = _recipe("sandbox-hostile", NamedReward("hostile_judge", _hostile))
+hostile = reward_recipe("sandbox-hostile", NamedReward("hostile_judge", _hostile))
 recipe = hostile
 
 
@@ -112,8 +95,8 @@ def _program(generation: Generation) -> str:
 
 
 code = dataclasses.replace(
-    _recipe("sandbox-code", CodeExecutionReward(source="unit_tests", tests=lambda g: ADD_TESTS,
-                                                text=_program, test_timeout_s=0.5)),
+    reward_recipe("sandbox-code", CodeExecutionReward(
+        source="unit_tests", tests=lambda g: ADD_TESTS, text=_program, test_timeout_s=0.5)),
     reward_sandbox="process")
 
 
