@@ -118,6 +118,22 @@ def test_chart_series_combines_gauges_and_counts_a_moved_partition_once():
     assert "instance" in INSTANCE_LABELS and "process" in INSTANCE_LABELS
 
 
+def test_the_sandbox_counters_are_rates_and_its_pool_adds_up_over_reward_workers():
+    """reef reward --sandbox process: kills by category and restarts are running totals (a
+    rate, per second); two workers' pools are one fleet of sandboxes (summed, not averaged)."""
+    assert all(is_counter("reward", n) for n in (
+        "sandbox_failures", "sandbox_restarts", "sandbox_warm_starts", "sandbox_cold_starts"))
+    assert not is_counter("reward", "sandbox_live")
+    failures = _series("reward", "sandbox_failures", {"category": "timeout", "instance": "a"},
+                       [(t, 2.0 * t) for t in range(0, 31)])
+    [rate] = chart_series([failures])
+    assert rate["kind"] == "rate" and rate["points"][-1] == [30.0, pytest.approx(2.0)]
+    live = [_series("reward", "sandbox_live", {"instance": i}, [(0, v), (1, v)])
+            for i, v in (("a", 4.0), ("b", 3.0))]
+    [summed] = chart_series(live)
+    assert summed["points"] == [[0.0, 7.0], [1.0, 7.0]]
+
+
 def test_the_goodput_tile_divides_the_samples_trained_by_then_by_each_count_of_generations():
     from reef_stream.ops.dashboard.card import first_row
 

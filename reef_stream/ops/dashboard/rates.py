@@ -62,7 +62,8 @@ COUNTERS: Mapping[str, frozenset[str]] = {
                                m.INTAKE_REJECTED}),
     m.STAGE_REWARD: frozenset({m.REWARD_RECORDS, m.REWARD_REWARDED, m.REWARD_FAILED,
                                m.REWARD_INVALID, m.REWARD_UNDECODABLE, m.REWARD_RETRIED,
-                               m.REWARD_TIMED_OUT, m.REWARD_DROPPED}),
+                               m.REWARD_TIMED_OUT, m.REWARD_DROPPED, m.SANDBOX_WARM_STARTS,
+                               m.SANDBOX_COLD_STARTS, m.SANDBOX_RESTARTS, m.SANDBOX_FAILURES}),
     m.STAGE_PROCESSOR: frozenset({
         m.PROCESSOR_GENERATIONS, m.PROCESSOR_FEEDBACK, m.PROCESSOR_DUPLICATE_GENERATIONS,
         m.PROCESSOR_UNITS, m.PROCESSOR_TRANSACTIONS, m.PROCESSOR_ABORTED_TRANSACTIONS,
@@ -85,7 +86,11 @@ SUMMED_OVER: Mapping[tuple[str, str], frozenset[str]] = {
     for name in (m.PROCESSOR_REWARD, m.PROCESSOR_RESPONSE_TOKENS, m.PROCESSOR_TRUNCATION_RATE)}
 #: Gauges whose instances add up rather than average: (stage, name).
 SUMMED_GAUGES = frozenset({(m.STAGE_INTAKE, m.INTAKE_SPOOLED),
-                           (m.STAGE_PROCESSOR, m.PROCESSOR_TRAINER_BACKLOG)})
+                           (m.STAGE_PROCESSOR, m.PROCESSOR_TRAINER_BACKLOG),
+                           (m.STAGE_REWARD, m.REWARD_SATURATED_SLOTS),
+                           (m.STAGE_REWARD, m.REWARD_SLOW_LANE),
+                           (m.STAGE_REWARD, m.SANDBOX_POOL_SIZE),
+                           (m.STAGE_REWARD, m.SANDBOX_LIVE)})
 #: Seconds a rate is taken over (at least the grid's step): several writes of the slowest
 #: writer (the intake's, every 10 s), so the rate is not a saw of 0s and spikes.
 RATE_WINDOW_S = 30.0
