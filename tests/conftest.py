@@ -104,6 +104,15 @@ def _kafka_answers(bootstrap: str) -> bool:
 
 #: The fixtures that reach a real broker or Redis: a test using one is an integration test.
 SERVICE_FIXTURES = frozenset({"kafka_bootstrap", "redis_url", "cli_env"})
+#: Tests that keep both cores busy for a minute or more (a whole demo loop, a vLLM server, a
+#: fault run): under `pytest -n 2 --dist loadgroup` (scripts/test.sh) they form one xdist
+#: group, run one after another on one worker beside the other worker's lighter tests, so two
+#: of them never share the cores (a demo's time to target must not measure another demo).
+HEAVY_FILES = frozenset({
+    "test_demo.py", "test_demo_tool.py", "test_demo_vllm.py", "test_demo_replica.py",
+    "test_vllm_engine.py", "test_trainer_kills.py", "test_broker_faults.py",
+    "test_processor_kill.py"})
+HEAVY_TESTS = frozenset({"test_the_main_job_command_runs_the_demo_on_the_embedded_default"})
 
 
 def pytest_collection_modifyitems(items):
@@ -116,3 +125,5 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
         if "faults" in path.parts:
             item.add_marker(pytest.mark.faults)
+        if path.name in HEAVY_FILES or item.name in HEAVY_TESTS:
+            item.add_marker(pytest.mark.xdist_group("heavy"))
