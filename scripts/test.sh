@@ -14,11 +14,14 @@ if [ ! -x /usr/bin/chromium ]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >/dev/null
 fi
-# The whole suite on two workers (pytest-xdist): tests that keep both cores busy for minutes
-# (tests/conftest.py: HEAVY_FILES) run one after another on one worker, beside the other's
-# lighter tests; each worker starts its own broker and Redis. With arguments (a test file, -k),
+# The whole suite: first every test but the heavy ones on two pytest-xdist workers (each starts
+# its own broker and Redis), then the heavy ones (tests/conftest.py: HEAVY_FILES; whole demo
+# loops, vLLM, long fault runs) alone, one after another. With arguments (a test file, -k):
 # one process, as pytest runs them.
 if [ "$#" -eq 0 ]; then
-  exec .venv/bin/pytest -p no:cacheprovider -ra --durations=25 -n 2 --dist loadgroup
+  status=0
+  .venv/bin/pytest -p no:cacheprovider -ra --durations=20 -n 2 -m "not heavy" || status=$?
+  .venv/bin/pytest -p no:cacheprovider -ra --durations=15 -m heavy || status=$?
+  exit "$status"
 fi
 exec .venv/bin/pytest -p no:cacheprovider -ra --durations=15 "$@"

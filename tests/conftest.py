@@ -105,9 +105,9 @@ def _kafka_answers(bootstrap: str) -> bool:
 #: The fixtures that reach a real broker or Redis: a test using one is an integration test.
 SERVICE_FIXTURES = frozenset({"kafka_bootstrap", "redis_url", "cli_env"})
 #: Tests that keep both cores busy for a minute or more (a whole demo loop, a vLLM server, a
-#: fault run): under `pytest -n 2 --dist loadgroup` (scripts/test.sh) they form one xdist
-#: group, run one after another on one worker beside the other worker's lighter tests, so two
-#: of them never share the cores (a demo's time to target must not measure another demo).
+#: fault run): marked ``heavy``. scripts/test.sh runs the others on two pytest-xdist workers,
+#: then these alone, one after another, so that none shares the cores with another test (a
+#: demo's time to target, a fault run's timeline, must not measure a neighbour).
 HEAVY_FILES = frozenset({
     "test_demo.py", "test_demo_tool.py", "test_demo_vllm.py", "test_demo_replica.py",
     "test_vllm_engine.py", "test_trainer_kills.py", "test_broker_faults.py",
@@ -126,4 +126,4 @@ def pytest_collection_modifyitems(items):
         if "faults" in path.parts:
             item.add_marker(pytest.mark.faults)
         if path.name in HEAVY_FILES or item.name in HEAVY_TESTS:
-            item.add_marker(pytest.mark.xdist_group("heavy"))
+            item.add_marker(pytest.mark.heavy)
