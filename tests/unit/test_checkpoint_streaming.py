@@ -97,12 +97,12 @@ def test_a_tensor_safetensors_cannot_name_is_refused_naming_it(tmp_path):
                           {"sparse": torch.eye(3).to_sparse()}, local=True)
 
 
-# Run in a fresh process so that its peak RSS (ru_maxrss) is this measurement's: 3 x 8 MiB of
+# Run in a fresh process so that its peak RSS (VmHWM) is this measurement's: 3 x 8 MiB of
 # weights and two AdamW moments per weight, 72 MiB written in all; the streamed write's peak
 # over the RSS before it, then (as a check that the measurement sees a copy) the in-memory
 # serialisation's.
 _MEASURE = textwrap.dedent("""
-    import json, os, resource, sys
+    import json, os, sys
     import numpy as np, torch
     from reef_stream.engine import checkpoints
     from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore, load
@@ -112,8 +112,9 @@ _MEASURE = textwrap.dedent("""
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    def peak():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    def peak():  # this process's own high-water mark: ru_maxrss keeps the parent's across
+        with open("/proc/self/status") as f:  # fork + exec (a pytest-xdist worker's 500 MB)
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
     n = 2 << 20  # float32 elements: 8 MiB a tensor
     weights = {f"layer{i}.weight": torch.full((n,), float(i) + 0.5) for i in range(3)}
