@@ -19,6 +19,7 @@ import logging
 
 import click
 
+from reef_stream.cli.common import run_standalone
 from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
 from reef_stream.cli.recipe_options import set_option
 
@@ -65,4 +66,4 @@ COMMANDS = [process]
 
 
 if __name__ == "__main__":
-    process()
+    run_standalone(process, "reef process", "reef_stream.consumers.processor")

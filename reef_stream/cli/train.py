@@ -21,7 +21,7 @@ import os
 
 import click
 
-from reef_stream.cli.common import run_stage
+from reef_stream.cli.common import run_stage, run_standalone
 from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
 from reef_stream.cli.recipe_options import set_option
 
@@ -86,4 +86,4 @@ COMMANDS = [train]
 
 
 if __name__ == "__main__":
-    train()
+    run_standalone(train, "reef train", "reef_stream.consumers.trainer")
