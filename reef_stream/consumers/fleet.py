@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import redis
 
 from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import ask_broker, new_consumer, redis_url
+from reef_stream.topics.connect import ask_broker, new_consumer, redis_url, watermarks
 from reef_stream.consumers.publications import READ_TIMEOUT_S, PublicationLedger
 from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
 from reef_stream.topics.events import Decision, Metric, Publication, now_ms
@@ -460,10 +460,7 @@ def _read_heartbeats(bootstrap: str, namespace: str, since_ms: int,
                             lambda: consumer.offsets_for_times(
                                 [TopicPartition(topic, p, since_ms) for p in partitions],
                                 timeout=10), timeout)
-        ends = {p: ask_broker(f"reading the offsets of {topic}[{p}]",
-                              lambda p=p: consumer.get_watermark_offsets(
-                                  TopicPartition(topic, p), timeout=10)[1], timeout)
-                for p in partitions}
+        ends = {p: watermarks(consumer, topic, p, timeout)[1] for p in partitions}
         pending = {tp.partition: ends[tp.partition] for tp in starts
                    if 0 <= tp.offset < ends[tp.partition]}
         latest: dict[str, ReplicaStatus] = {}

@@ -84,7 +84,7 @@ import torch
 
 from reef_stream.engine.checkpoints import CheckpointError, load_weights
 from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import ask_broker, bootstrap_servers, new_producer
+from reef_stream.topics.connect import bootstrap_servers, new_producer, watermarks
 from reef_stream.consumers.publications import READ_TIMEOUT_S, PublicationLedger
 from reef_stream.consumers.publications import canary_slot as canary_slot_of
 from reef_stream.consumers.stage import StageLoop
@@ -572,10 +572,7 @@ class _Following:
 
     def on_assign(self, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
-            low, high = ask_broker(
-                f"reading the offsets of {tp.topic}[{tp.partition}]",
-                lambda tp=tp: self.loop.consumer.get_watermark_offsets(
-                    TopicPartition(tp.topic, tp.partition), timeout=10))
+            low, high = watermarks(self.loop.consumer, tp.topic, tp.partition)
             self._positions[tp.partition] = max(low, 0)
             self._ends[tp.partition] = high
 

@@ -34,7 +34,6 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Callable
-from contextlib import suppress
 from typing import Any
 
 import fsspec
@@ -43,10 +42,10 @@ from reef_stream.config import Settings
 from reef_stream.engine.checkpoints import MANIFEST, CheckpointError, fsync_dir, verify, write_durably
 from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord, RetryableError
 from reef_stream.topics import declarations
-from reef_stream.topics.connect import ask_broker, new_consumer
+from reef_stream.topics.connect import new_consumer, watermarks
 from reef_stream.topics.events import Checkpoint, Decision, Publication
 from reef_stream.topics.kafka import (
-    OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition,
+    OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition,
 )
 from reef_stream.topics.serde import SchemaRegistry
 
@@ -267,23 +266,7 @@ class PublicationLedger:
         self.close()
 
     def _watermarks(self, partition: int) -> tuple[int, int]:
-        tp = TopicPartition(self.topic, partition)
-
-        def ask() -> tuple[int, int]:
-            try:
-                return self._ends.get_watermark_offsets(tp, timeout=10)
-            except KafkaException as exc:
-                # ``_ends`` is assigned nothing, so nothing refreshes its metadata: once the
-                # partition's leader was killed it no longer knows the partition, and asking
-                # again alone would fail until ask_broker gives up (a broker fault test saw
-                # it). Refresh the topic's metadata, then ask_broker asks again.
-                if exc.args and isinstance(exc.args[0], KafkaError) \
-                        and exc.args[0].code() == KafkaError._UNKNOWN_PARTITION:
-                    with suppress(KafkaException):
-                        self._ends.list_topics(self.topic, timeout=10)
-                raise
-
-        return ask_broker(f"reading the offsets of {self.topic}[{partition}]", ask)
+        return watermarks(self._ends, self.topic, partition)
 
     def take(self, messages: list[Message]) -> list[Publication]:
         """Fold in ``messages`` read from the topic (records, end-of-partition events); the

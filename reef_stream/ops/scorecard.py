@@ -478,17 +478,14 @@ def _span(bootstrap: str, topic: str) -> GenerationsSpan:
     The count is the sum over partitions of high minus low watermark: every offset is a record
     because the generations' producer (the SDK's) is not transactional, so no offset holds a
     transaction marker. Records removed by retention are not counted."""
-    from reef_stream.topics.connect import ask_broker, new_consumer
-    from reef_stream.topics.kafka import TIMESTAMP_NOT_AVAILABLE, TopicPartition
+    from reef_stream.topics.connect import new_consumer, watermarks
+    from reef_stream.topics.kafka import TIMESTAMP_NOT_AVAILABLE
     from reef_stream.topics.reading import TopicReader
 
     consumer = new_consumer(bootstrap, "reef-scorecard")
     try:
         partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-        marks = {p: ask_broker(f"reading the watermarks of {topic}[{p}]",
-                               lambda p=p: consumer.get_watermark_offsets(
-                                   TopicPartition(topic, p), timeout=30))
-                 for p in partitions}
+        marks = {p: watermarks(consumer, topic, p) for p in partitions}
     finally:
         consumer.close()
     marks = {p: (low, high) for p, (low, high) in marks.items() if high > max(low, 0)}

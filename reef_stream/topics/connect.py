@@ -237,6 +237,31 @@ def refusal_message(bootstrap: str, settings: Settings, code: int, detail: str) 
     return f"{what}. The client said: {detail}"
 
 
+def watermarks(consumer: Consumer, topic: str, partition: int,
+               timeout: float = 60.0) -> tuple[int, int]:
+    """The (low, high) offsets of ``topic[partition]``, asked of the broker through
+    ``ask_broker``. A consumer that is assigned nothing (or not that partition) never
+    refreshes its metadata by itself: once a partition's leader was killed it no longer knows
+    the partition (``_UNKNOWN_PARTITION``) and asking again alone fails until ``ask_broker``
+    gives up (a broker fault test saw it). So the topic's metadata is refreshed before it
+    asks again."""
+    from confluent_kafka import TopicPartition
+
+    def ask() -> tuple[int, int]:
+        try:
+            return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+        except KafkaException as exc:
+            if exc.args and isinstance(exc.args[0], KafkaError) \
+                    and exc.args[0].code() == KafkaError._UNKNOWN_PARTITION:
+                try:
+                    consumer.list_topics(topic, timeout=10)
+                except KafkaException:
+                    pass  # ask_broker asks again, and names the failure if it lasts
+            raise
+
+    return ask_broker(f"reading the offsets of {topic}[{partition}]", ask, timeout)
+
+
 def ask_broker(what: str, call: Callable[[], T], timeout: float = 60.0) -> T:
     """``call()``, asked again while the broker answers with a retriable error (a partition
     whose leader is being elected, a coordinator that is loading). Blocks up to ``timeout``
