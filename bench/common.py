@@ -99,6 +99,21 @@ def demo_arguments(parser: argparse.ArgumentParser, *, rate: float | None = None
                         help=f"seconds each run gets (default {time_limit:g})")
 
 
+def chosen(parser: argparse.ArgumentParser, names: Sequence[str],
+           what: str) -> tuple[argparse.Namespace, list[str]]:
+    """Add ``--only`` (comma-separated ``what`` to run, default all of ``names``), parse the
+    arguments, and return them with the chosen names in order; an unknown name is the
+    parser's usage error. Call last, after every other option is added."""
+    parser.add_argument("--only", default=",".join(names),
+                        help=f"comma-separated {what} to run (default all: {','.join(names)})")
+    args = parser.parse_args()
+    picked = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = [name for name in picked if name not in names]
+    if unknown:
+        parser.error(f"unknown {what} {unknown}; known: {', '.join(names)}")
+    return args, picked
+
+
 def live_run(options: DemoOptions, settings: Settings, at: Servers, label: str) -> DemoResult:
     """One ``reef demo`` run on ``at``: its progress every 15 s, then its result line and its
     scorecard, each said under ``label``."""

@@ -29,21 +29,15 @@ METHODS = ("sao", "grpo")
 
 
 def main() -> int:
-    from common import (demo_arguments, figure, runs_per_variant,  # bench/ is on sys.path
-                        time_to_target)
+    from common import (chosen, demo_arguments, figure,  # bench/ is on sys.path
+                        runs_per_variant, time_to_target)
 
     from reef_stream.demo.run import DemoOptions, DemoResult
 
     parser = argparse.ArgumentParser(prog="python bench/demo_tool.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     demo_arguments(parser, time_limit=600.0)
-    parser.add_argument("--only", default=",".join(METHODS),
-                        help=f"comma-separated methods to run (default all: {','.join(METHODS)})")
-    args = parser.parse_args()
-    chosen = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in METHODS]
-    if unknown:
-        parser.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+    args, picked = chosen(parser, list(METHODS), "methods")
 
     def options_of(name: str, run_dir: Path, namespace: str) -> DemoOptions:
         return DemoOptions(recipe=f"methods.{name}", task="tool", replicas=args.replicas,
@@ -56,7 +50,7 @@ def main() -> int:
                 f"time_to_target_s={figure(seconds)} accuracy={figure(result.accuracy)} "
                 f"versions={result.version} trained={result.ledger.get('trained')}")
 
-    runs_per_variant("demo-tool", chosen, options_of, lambda name: f"{name}, the tool task",
+    runs_per_variant("demo-tool", picked, options_of, lambda name: f"{name}, the tool task",
                      line_of)
     return 0
 

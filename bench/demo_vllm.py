@@ -38,11 +38,12 @@ from common import (  # first: it puts the project on sys.path
     run,
     say,
     servers,
+    time_to_target,
 )
 
 from reef_stream.cli.demo import VLLM_RATE
 from reef_stream.config import load_settings
-from reef_stream.demo.run import DemoOptions, DemoResult
+from reef_stream.demo.run import DemoOptions
 from reef_stream.ops.metrics import (
     TRAINER_LOGPROB_GAP_OLDER,
     TRAINER_LOGPROB_GAP_SAME_VERSION,
@@ -51,13 +52,6 @@ from reef_stream.topics.declarations import metrics
 from reef_stream.topics.events import Metric
 from reef_stream.topics.reading import read_to_end
 from reef_stream.topics.serde import SchemaRegistry
-
-
-def time_to_target(result: DemoResult) -> float | None:
-    if not result.reached:
-        return None
-    seconds = result.scorecard.time_to_target_s if result.scorecard is not None else None
-    return seconds if seconds is not None else result.seconds
 
 
 def gaps(bootstrap: str, namespace: str) -> tuple[list[float], list[float]]:

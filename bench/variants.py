@@ -52,22 +52,15 @@ VARIANTS = {
 
 
 def main() -> int:
-    from common import (demo_arguments, figure, runs_per_variant,  # bench/ is on sys.path
-                        time_to_target)
+    from common import (chosen, demo_arguments, figure,  # bench/ is on sys.path
+                        runs_per_variant, time_to_target)
 
     from reef_stream.demo.run import DemoOptions, DemoResult
 
     parser = argparse.ArgumentParser(prog="python bench/variants.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     demo_arguments(parser, time_limit=600.0)
-    parser.add_argument("--only", default=",".join(VARIANTS),
-                        help=f"comma-separated variants to run (default all: "
-                             f"{','.join(VARIANTS)})")
-    args = parser.parse_args()
-    chosen = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in VARIANTS]
-    if unknown:
-        parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    args, picked = chosen(parser, list(VARIANTS), "variants")
 
     def options_of(name: str, run_dir: Path, namespace: str) -> DemoOptions:
         return DemoOptions(recipe=VARIANTS[name], replicas=args.replicas, rate=args.rate,
@@ -80,7 +73,7 @@ def main() -> int:
                 f"time_to_target_s={figure(seconds)} accuracy={figure(result.accuracy)} "
                 f"versions={result.version}")
 
-    runs_per_variant("variants", chosen, options_of, lambda name: f"{name} ({VARIANTS[name]})",
+    runs_per_variant("variants", picked, options_of, lambda name: f"{name} ({VARIANTS[name]})",
                      line_of)
     return 0
 
