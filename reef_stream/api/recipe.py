@@ -53,9 +53,9 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Union, runtime_checkable
+from typing import Any, Union
 
 from reef_stream.errors import ConfigurationError
 from reef_stream.api.evaluator import AcceptEverything, CandidateEvaluator
@@ -63,6 +63,9 @@ from reef_stream.topics.events import EpochMillis, Feedback, Generation
 from reef_stream.api.losses import LossFamily, is_registered
 from reef_stream.api.objective import Objective
 from reef_stream.api.processor import Processor, processor_problems
+# The reward-facing types live in a module without torch (the sandbox workers import it
+# alone); re-exported here: ``from reef_stream.api.recipe import Reward`` keeps working.
+from reef_stream.api.rewards import NamedReward, Reward, RewardFunction  # noqa: F401
 from reef_stream.api.schedule import Schedule
 from reef_stream.topics.serde import SchemaRegistry
 
@@ -138,41 +141,6 @@ class Backend:
     def supports(self, family: LossFamily[Any]) -> bool:
         """Whether it has a loss for this very family."""
         return any(known is family for known in self.loss_families)
-
-
-@dataclass(frozen=True, slots=True)
-class Reward:
-    """What a reward function returns for one generation: a finite reward and its named parts."""
-
-    reward: float
-    components: Mapping[str, float] = field(default_factory=dict)
-
-
-@runtime_checkable
-class RewardFunction(Protocol):
-    """Scores one generation; ``reef reward`` workers turn the result into ``Feedback`` from
-    ``source``.
-
-    Calling it may block or be a coroutine (``async def``); the worker applies a
-    timeout and bounded retries, so it should be idempotent. Raise to signal a
-    failure: the worker dead-letters the generation with the exception and never
-    records a reward for it.
-    """
-
-    source: str
-
-    def __call__(self, generation: Generation) -> Reward | Awaitable[Reward]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class NamedReward:
-    """A plain function (sync or async) as a ``RewardFunction`` of ``source``."""
-
-    source: str
-    function: Callable[[Generation], Reward | Awaitable[Reward]]
-
-    def __call__(self, generation: Generation) -> Reward | Awaitable[Reward]:
-        return self.function(generation)
 
 
 def feedback_for(generation: Generation, reward: Reward, *, source: str,

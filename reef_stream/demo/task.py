@@ -49,7 +49,10 @@ from reef_stream.api.evaluator import Incumbent, Measurement, Selection
 from reef_stream.topics.events import (
     Checkpoint, Decision, EpochMillis, FinishReason, Generation, SamplingParams, Segment, now_ms,
 )
-from reef_stream.api.recipe import Reward
+from reef_stream.demo.arithmetic import (  # noqa: F401 - exported here too (__all__)
+    BOS, DIGIT_TOKENS, EOS, PAD, PROMPT_LEN, VOCAB_SIZE, VOCABULARY, ExactMatch, Problem, decode,
+    encode, exact_match, parse_prompt,
+)
 
 __all__ = [
     "ALL_PROBLEMS", "ANSWER_TOKENS", "BOS", "DEMO_SEED", "DIGIT_TOKENS", "EOS", "PAD",
@@ -61,88 +64,15 @@ __all__ = [
 
 # --------------------------------------------------------------------------- vocabulary
 
-#: Token id -> text. Ids 0-2 are special; the digits are ids 3-12.
-VOCABULARY: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", *"0123456789", "+", "=")
-VOCAB_SIZE = len(VOCABULARY)
-PAD, BOS, EOS = 0, 1, 2
-_IDS = {text: i for i, text in enumerate(VOCABULARY)}
-#: The token id of each digit 0-9, in order.
-DIGIT_TOKENS: tuple[int, ...] = tuple(_IDS[d] for d in "0123456789")
+# The vocabulary, the problems and the reward are in reef_stream.demo.arithmetic (no torch: a
+# sandbox worker imports the reward alone); imported above, still importable from here.
 
-#: ``<bos>a+b=``.
-PROMPT_LEN = 5
 #: Tokens in an answer (and in every completion: the sampling budget).
 ANSWER_TOKENS = 1
 #: A seed whose untrained policy is below chance (``initial_policy(DEMO_SEED)`` scores 0.04):
 #: the default of the replica and of the learning check. In a run, the recipe's
 #: ``schedule.seed`` decides the weights of version 0, and replicas must be given it.
 DEMO_SEED = 7
-
-
-def encode(text: str) -> np.ndarray:
-    """``int32[len(text)]``: the token ids of ``text`` (digits, ``+``, ``=``; no special
-    tokens). Raises ``ValueError`` naming a character outside the vocabulary."""
-    try:
-        return np.array([_IDS[ch] for ch in text], dtype=np.int32)
-    except KeyError as error:
-        raise ValueError(f"{error.args[0]!r} is not in the demo vocabulary") from None
-
-
-def decode(token_ids: Sequence[int] | np.ndarray) -> str:
-    """The text of ``token_ids`` (special tokens appear as ``<pad>``, ``<bos>``, ``<eos>``; an
-    id outside the vocabulary as ``<unk>``)."""
-    return "".join(VOCABULARY[i] if 0 <= i < VOCAB_SIZE else "<unk>"
-                   for i in (int(t) for t in token_ids))
-
-
-# --------------------------------------------------------------------------- problems
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """One prompt ``a+b=`` (``a``, ``b``: digits 0-9) and its answer, the last digit of
-    ``a + b``."""
-
-    a: int
-    b: int
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.a <= 9 and 0 <= self.b <= 9):
-            raise ValueError(f"operands are digits 0-9, not {self.a} and {self.b}")
-
-    @property
-    def text(self) -> str:
-        """``"3+9="``: the prompt without ``<bos>``; also its ``prompt_id``."""
-        return f"{self.a}+{self.b}="
-
-    @property
-    def prompt_id(self) -> str:
-        return self.text
-
-    @property
-    def answer(self) -> str:
-        """The expected completion text: one digit (``"2"`` for ``3+9=``)."""
-        return str((self.a + self.b) % 10)
-
-    @property
-    def answer_token(self) -> int:
-        return DIGIT_TOKENS[(self.a + self.b) % 10]
-
-    @property
-    def token_ids(self) -> np.ndarray:
-        """``int32[PROMPT_LEN]``: ``<bos>`` then the prompt."""
-        return np.concatenate([np.array([BOS], dtype=np.int32), encode(self.text)])
-
-
-def parse_prompt(token_ids: Sequence[int] | np.ndarray) -> Problem:
-    """The ``Problem`` whose ``token_ids`` these are; ``ValueError`` saying what is wrong when
-    they are not a prompt of this task."""
-    ids = [int(t) for t in token_ids]
-    text = decode(ids[1:])
-    if (len(ids) != PROMPT_LEN or ids[0] != BOS or len(text) != 4 or not text[0].isdigit()
-            or text[1] != "+" or not text[2].isdigit() or text[3] != "="):
-        raise ValueError(f"{decode(ids)!r} is not a demo prompt (<bos>a+b= with digits a, b)")
-    return Problem(int(text[0]), int(text[2]))
 
 
 #: Every problem, in a fixed order: ``a`` major, ``b`` minor.
@@ -370,31 +300,6 @@ def make_generation(*, model: str, policy_version: int, replica_id: str, problem
         sampling=SamplingParams(temperature=float(temperature), top_p=1.0, top_k=-1,
                                 max_tokens=max_tokens),
         created_at=created_at if created_at is not None else now_ms(), segments=segments)
-
-
-# --------------------------------------------------------------------------- reward
-
-
-@dataclass(frozen=True, slots=True)
-class ExactMatch:
-    """The task's ``RewardFunction``: 1.0 when the completion is exactly the answer to the
-    prompt (read back from the prompt's tokens), else 0.0; component ``exact_match`` the same.
-
-    Pure, quick, idempotent; does not block. Raises ``ValueError`` for a generation whose
-    prompt is not a prompt of this task (the reward worker dead-letters it).
-    """
-
-    source: str = "exact_match"
-
-    def __call__(self, generation: Generation) -> Reward:
-        problem = parse_prompt(generation.prompt_token_ids)
-        completion = decode(generation.completion_token_ids).removesuffix(VOCABULARY[EOS])
-        reward = 1.0 if completion == problem.answer else 0.0
-        return Reward(reward=reward, components={"exact_match": reward})
-
-
-#: The reward function to give a recipe: ``Recipe(..., reward=exact_match)``.
-exact_match = ExactMatch()
 
 
 # --------------------------------------------------------------------------- evaluator

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from reef_stream.api.recipe import Reward
+from reef_stream.api.rewards import Reward
 from reef_stream.topics.events import Generation
 
 __all__ = ["SANDBOXED_ENV", "CodeExecutionReward", "CodeTest", "byte_text"]

@@ -7,7 +7,9 @@
 
 Each worker is ``python -m reef_stream.sandbox.worker`` (``reef_stream.sandbox.worker``):
 a fresh Python started with ``subprocess`` in a session of its own, which imports the reward
-function once and forks one process per call under the ``Limits``. A call takes an idle
+function once (only it, where the parent can name it: ``reef_stream.sandbox.reference``, so a
+worker need not import the recipe and torch) and forks one process per call under the
+``Limits``. A call takes an idle
 worker (a *warm* start; a *cold* start when it had to wait for one to be started), sends the
 generation's Avro record and waits for the answer until ``timeout`` (wall clock). Past it
 the call's process group is killed (SIGKILL: the forked call and whatever it started) and the
@@ -48,12 +50,13 @@ import time
 from collections import Counter, deque
 from typing import Any
 
-from reef_stream.api.recipe import Reward
+from reef_stream.api.rewards import Reward
 from reef_stream.errors import ConfigurationError
 from reef_stream.sandbox.categories import (
     SANDBOX_UNAVAILABLE, TIMEOUT, Limits, RaisedInSandbox, SandboxFailure,
 )
 from reef_stream.sandbox.latency import LatencyWindow
+from reef_stream.sandbox.reference import worker_target
 from reef_stream.sandbox.worker import write_frame
 from reef_stream.topics.serde import encode
 
@@ -182,6 +185,10 @@ class SandboxPool:
         #: The Python installation's directory, when the calls' users cannot read it.
         self.unreadable = ""
         self.last_start_error = ""
+        #: What the workers import (``reef_stream.sandbox.reference``), set by ``start``.
+        self.worker_target: dict[str, Any] = {"target": target, "overrides": list(overrides)}
+        #: Whether the last worker started had torch imported (its ready frame says).
+        self.worker_torch = False
         self.warm_starts = self.cold_starts = self.restarts = self.started = self.recycled = 0
         self.failures: Counter[str] = Counter()
         self.start_latency = LatencyWindow(256)
@@ -192,6 +199,7 @@ class SandboxPool:
     def start(self) -> None:
         """Start ``size`` workers and wait until they are ready (up to ``start_timeout``).
         Raises ``ConfigurationError`` when none could start (naming why)."""
+        self.worker_target = worker_target(self.target, self.overrides)
         self._tmp = tempfile.mkdtemp(prefix="reef-sandbox-")
         if self.uid_base is not None:
             os.chmod(self._tmp, 0o711)  # the calls' users reach their own directories
@@ -215,9 +223,10 @@ class SandboxPool:
         if self.network != "isolated":
             log.warning("sandbox: the network of reward calls is NOT isolated (%s)", self.network)
         else:
-            log.info("sandbox: %d workers ready for %s; network isolated; calls run as %s",
-                     ready, self.target, "uid %d+" % self.uid_base if self.uid_base is not None
-                     else "this user")
+            log.info("sandbox: %d workers ready for %s (they import %s%s); network isolated; "
+                     "calls run as %s", ready, self.target, self.worker_target["target"],
+                     ", torch too" if self.worker_torch else "",
+                     "uid %d+" % self.uid_base if self.uid_base is not None else "this user")
 
     def call(self, generation: Any, timeout: float, ticket: Ticket | None = None) -> Reward:
         """Run the reward function on ``generation`` in a worker; see the module docstring."""
@@ -403,7 +412,7 @@ class SandboxPool:
             time.sleep(RESTART_DELAY_S)
 
     def _spawn(self, index: int) -> tuple[_Worker | None, str]:
-        config = {"target": self.target, "overrides": list(self.overrides),
+        config = {**self.worker_target,
                   "limits": vars(self.limits), "isolate_network": self.isolate_network,
                   "uid": None if self.uid_base is None else self.uid_base + index,
                   "tmp": self._tmp or None}
@@ -430,6 +439,7 @@ class SandboxPool:
             return None, str(ready.get("error"))
         self.start_latency.add(time.monotonic() - spawned)
         worker.network = self.network = str(ready.get("network"))
+        self.worker_torch = bool(ready.get("torch"))
         self.unreadable = str(ready.get("unreadable") or "")
         return worker, ""
 

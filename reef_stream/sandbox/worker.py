@@ -9,9 +9,12 @@ fork of the reward worker and its Kafka clients). At start it:
    down), or, unprivileged, ``CLONE_NEWUSER | CLONE_NEWNET``; when neither is allowed it says
    why in its ready frame (``network``) and the pool logs it and reports it in the metrics;
 3. becomes a child subreaper (orphans of a call are reparented to it and reaped);
-4. imports the reward function (``target``: ``module:attribute`` naming a ``Recipe``, whose
-   ``reward`` it takes after the ``overrides``, or a reward function);
-5. writes its ready frame, then serves calls one at a time until its stdin closes.
+4. imports the reward function (``target``: ``module:attribute`` naming a reward function, or
+   a class to call with the fields ``build``, or a ``Recipe``, whose ``reward`` it takes after
+   the ``overrides``; the pool names the smallest of these it can:
+   ``reef_stream.sandbox.reference``);
+5. writes its ready frame (with ``torch``: whether torch was imported, and ``modules``: how
+   many modules were), then serves calls one at a time until its stdin closes.
 
 Each call: the request frame carries the generation as its Avro record (value and headers,
 base64 in JSON); the worker decodes it, makes a fresh temporary directory and forks the call's
@@ -124,15 +127,21 @@ def isolate_network() -> str:
             f"unshare(CLONE_NEWUSER|CLONE_NEWNET) ({os.strerror(ctypes.get_errno())})")
 
 
-def resolve(target: str, overrides: list[str]) -> Any:
+def resolve(target: str, overrides: list[str], build: dict | None = None) -> Any:
     """The reward function ``target`` names: ``module:attribute`` (default attribute
-    ``recipe``), a ``Recipe`` (its ``reward``, after ``overrides``) or a reward function."""
+    ``recipe``; dotted for a class's attribute), a ``Recipe`` (its ``reward``, after
+    ``overrides``) or a reward function; with ``build``, a class called with these fields
+    (``reef_stream.sandbox.reference``)."""
     module_name, _, attribute = target.partition(":")
     module = importlib.import_module(module_name)
     if attribute:
-        value = getattr(module, attribute)
+        value = module
+        for part in attribute.split("."):
+            value = getattr(value, part)
     else:
         value = getattr(module, "recipe", None) or getattr(module, "RECIPE")
+    if build is not None:
+        value = value(**build)
     if hasattr(value, "processor") and hasattr(value, "reward"):  # a Recipe
         if overrides:
             from reef_stream.api.recipe import apply_overrides
@@ -438,12 +447,13 @@ def main() -> None:
     for name in PRELOADED:  # the calls' user may not be able to read the installation
         importlib.import_module(name)
     try:
-        reward = resolve(config["target"], config.get("overrides", []))
+        reward = resolve(config["target"], config.get("overrides", []), config.get("build"))
     except BaseException as error:  # noqa: BLE001 - said in the ready frame
         write_frame(out_fd, {"ready": False, "error": f"{type(error).__name__}: {error}"})
         return
     write_frame(out_fd, {"ready": True, "network": network, "pid": os.getpid(), "uid": uid,
-                         "unreadable": _unreadable(uid)})
+                         "unreadable": _unreadable(uid), "torch": "torch" in sys.modules,
+                         "modules": len(sys.modules)})
     while (request := read_frame(0)) is not None:
         _reap()
         try:

@@ -1,0 +1,61 @@
+"""What a reward function is and returns: ``Reward``, ``RewardFunction``, ``NamedReward``.
+
+A module of their own that imports nothing beyond the standard library (no torch, no numpy),
+so reward code, and the sandbox worker that runs it (``reef_stream.sandbox.worker``), can
+import it without the recipe machinery: ``reef_stream.api.recipe`` imports the objectives and
+losses, and with them torch (about 0.5 GB in every sandbox worker, and a slower fork per
+call). ``reef_stream.api.recipe`` and ``reef_stream`` re-export the three names.
+
+    from reef_stream.api.rewards import NamedReward, Reward
+
+    def _judge(generation) -> Reward:
+        return Reward(reward=1.0, components={"format": 1.0})
+
+    judge = NamedReward("judge", _judge)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from reef_stream.topics.events import Generation
+
+__all__ = ["NamedReward", "Reward", "RewardFunction"]
+
+
+@dataclass(frozen=True, slots=True)
+class Reward:
+    """What a reward function returns for one generation: a finite reward and its named parts."""
+
+    reward: float
+    components: Mapping[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RewardFunction(Protocol):
+    """Scores one generation; ``reef reward`` workers turn the result into ``Feedback`` from
+    ``source``.
+
+    Calling it may block or be a coroutine (``async def``); the worker applies a
+    timeout and bounded retries, so it should be idempotent. Raise to signal a
+    failure: the worker dead-letters the generation with the exception and never
+    records a reward for it.
+    """
+
+    source: str
+
+    def __call__(self, generation: Generation) -> Reward | Awaitable[Reward]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NamedReward:
+    """A plain function (sync or async) as a ``RewardFunction`` of ``source``."""
+
+    source: str
+    function: Callable[[Generation], Reward | Awaitable[Reward]]
+
+    def __call__(self, generation: Generation) -> Reward | Awaitable[Reward]:
+        return self.function(generation)
