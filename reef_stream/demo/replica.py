@@ -79,6 +79,9 @@ TASKS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
 BACKPRESSURE_PAUSE_S = 1.0
 #: Seconds of generations a replica that fell behind its rate makes up (see the docstring).
 CATCH_UP_S = 1.0
+#: Completions a sampling round draws at least (by default): sampling the toy policy costs
+#: 0.20 ms of CPU per completion in rounds of 8, 0.08 ms in rounds of 32 (one torch thread).
+ROUND_COMPLETIONS = 32
 
 
 class Pacer:
@@ -238,7 +241,8 @@ def _seed_of(replica_id: str) -> int:
     return int.from_bytes(hashlib.sha256(replica_id.encode()).digest()[:4], "little")
 
 
-def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts: int = 8,
+def run_replica(model_name: str, *, grouped: bool, group_size: int = 16,
+                prompts: int | None = None,
                 rate: float | None = None, temperature: float = 1.0, seed: int = DEMO_SEED,
                 sampling_seed: int | None = None,
                 model_factory: Callable[[], nn.Module] = policy_model,
@@ -254,7 +258,8 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
     did. Blocks; call from one thread (the signal handlers of the command set ``stop_event``).
 
     ``grouped``: ``group_size`` completions per prompt sharing a group id (``group_size`` is
-    ignored when ungrouped). ``prompts``: prompts per sampling round. ``rate``: generations per
+    ignored when ungrouped). ``prompts``: prompts per sampling round (default: enough for
+    ``ROUND_COMPLETIONS`` completions, at least 8). ``rate``: generations per
     second at most. ``seed``: the trainer's ``schedule.seed`` (version 0 is
     ``model_factory()`` built under it, as the trainer builds it). ``sampling_seed``: seeds the
     prompts and the samples (default: derived from the replica id). ``fleet``: as for
@@ -283,6 +288,8 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
     replica_id = replica_id or default_replica_id()
     stop_event = stop_event or threading.Event()
     per_prompt = group_size if grouped else 1
+    if prompts is None:
+        prompts = max(8, -(-ROUND_COMPLETIONS // per_prompt))
     sampling_seed = _seed_of(replica_id) if sampling_seed is None else sampling_seed
     sampler, turns = TASKS[task]
 
@@ -355,8 +362,9 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
               help="Grouped: --group-size completions per prompt sharing a group id; "
                    "ungrouped: one completion per prompt.")
 @click.option("--group-size", type=click.IntRange(min=2), default=16, show_default=True)
-@click.option("--prompts", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Prompts per sampling round.")
+@click.option("--prompts", type=click.IntRange(min=1), default=None,
+              help="Prompts per sampling round [default: enough for 32 completions, at "
+                   "least 8].")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
               metavar="PER_SECOND", help="Generations per second at most [default: no cap].")
 @click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0,
@@ -388,10 +396,10 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16, prompts
               show_default=True,
               help="What to sample: one-token answers to a+b=, or the tool task's trajectories "
                    "(a call, the tool's output as environment tokens, the answer).")
-def main(model_name: str, grouped: bool, group_size: int, prompts: int, rate: float | None,
-         temperature: float, seed: int | None, recipe: str | None, sampling_seed: int | None,
-         replica_id: str | None, max_generations: int | None, threads: int,
-         heartbeat: float, acked_log: Path | None, overrides: tuple[str, ...] = (),
+def main(model_name: str, grouped: bool, group_size: int, prompts: int | None,
+         rate: float | None, temperature: float, seed: int | None, recipe: str | None,
+         sampling_seed: int | None, replica_id: str | None, max_generations: int | None,
+         threads: int, heartbeat: float, acked_log: Path | None, overrides: tuple[str, ...] = (),
          task: str = "arithmetic") -> None:
     """A demo serving replica: sample the toy task from the newest promoted version of MODEL and
     send every completion as a Generation (REEF_* variables name the cluster and namespace).
