@@ -7,7 +7,9 @@ One invocation, two parts, each printed beside its baseline:
 1. Calls (no broker): calls/s with ``--concurrency`` threads, and the per-call overhead (the
    mean latency of one call at a time, minus the in-thread one), through a ``SandboxPool``
    against calling the function on a thread, for a trivial reward and for one that sleeps
-   50 ms (``tests.recipes.sandbox_rewards:hostile``, ``score`` and ``slow``).
+   50 ms (``tests.recipes.sandbox_rewards:hostile``, ``score`` and ``slow``); what the
+   workers import and their size; the CPU one trivial call costs (the pool's process, its
+   worker, the call's process) and the calls/s two cores would allow at that cost.
 2. The pipe (a broker: REEF_BOOTSTRAP_SERVERS, or a throw-away one): a ``RewardWorker`` over
    ``--generations`` generations whose reward takes 50 ms, of which a fraction ``--hang``
    sleeps 60 s (past the 5-s timeout), in-thread and ``--sandbox process``: the healthy
@@ -77,19 +79,49 @@ def part_calls(calls: int, concurrency: int) -> None:
     print(f"pool of {concurrency} sandbox workers started in {time.perf_counter() - began:.1f} s "
           f"(network {pool.network}); worker start p50 "
           f"{pool.stats().get('start_p50', float('nan')):.2f} s")
+    pids = [worker.pid for worker in pool._live.values()]
+    print(f"the workers import {pool.worker_target['target']}: RSS "
+          f"{statistics.mean(_rss_mb(pid) for pid in pids):.0f} MB each, torch "
+          f"{'imported' if pool.worker_torch else 'not imported'}")
     try:
         for label, do, extra in (("trivial", "score", {}),
                                  ("50 ms", "slow", {"seconds": "0.05"})):
             generations = [_gen(i, do, **extra) for i in range(calls)]
             thread_rate, thread_s = _calls(hostile.reward, generations, concurrency)
+            cpu_before = _cpu(pids)
             pool_rate, pool_s = _calls(lambda g: pool.call(g, timeout=30), generations,
                                        concurrency)
+            if label == "trivial":
+                spent = [(after - before) * 1000 / (calls + max(20, calls // 10))
+                         for before, after in zip(cpu_before, _cpu(pids))]
+                print(f"CPU per sandboxed call: the pool's process {spent[0]:.2f} ms, its worker "
+                      f"{spent[1]:.2f} ms, the call's process {spent[2]:.2f} ms: "
+                      f"{sum(spent):.2f} ms, at most {2000 / sum(spent):.0f} calls/s on two cores")
             print(f"{label:8s} reward, {concurrency} threads: in-thread {thread_rate:8.0f} calls/s "
                   f"({1000 * thread_s:7.2f} ms/call) | sandbox {pool_rate:6.0f} calls/s "
                   f"({1000 * pool_s:7.2f} ms/call) | overhead {1000 * (pool_s - thread_s):6.2f} "
                   f"ms/call, throughput ratio {pool_rate / thread_rate:.2f}")
     finally:
         pool.close()
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) / 1024
+
+
+def _cpu(pids: list[int]) -> tuple[float, float, float]:
+    """CPU seconds so far of this process, of the workers ``pids`` themselves, and of the
+    calls' processes they reaped."""
+    tick = os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    workers = calls = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        workers += (int(fields[11]) + int(fields[12])) / tick
+        calls += (int(fields[13]) + int(fields[14])) / tick
+    return own.user + own.system, workers, calls
 
 
 # --------------------------------------------------------------------------- 2. the pipe
