@@ -266,11 +266,14 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16,
     ``Follower``. ``acked_log``: at the end, the ids of the generations the broker acknowledged
     are written there, one a line (fault runs check that each one is in the topic). ``task``:
     what to sample (``TASKS``): the arithmetic task's one-token answers, or the tool task's
-    trajectories (call, the tool's output as environment tokens, answer). Raises ``ConfigurationError`` for bad arguments or a missing publications
-    topic, ``TimeoutError`` when the publications could not be read within
-    ``ready_timeout``, and whatever stopped the follower.
+    trajectories (call, the tool's output as environment tokens, answer). Raises
+    ``ConfigurationError`` for bad arguments or a missing publications topic, ``TimeoutError``
+    when the publications could not be read within ``ready_timeout``, and whatever stopped
+    the follower.
     """
     problems = []
+    if prompts is None:
+        prompts = max(8, -(-ROUND_COMPLETIONS // (group_size if grouped else 1)))
     if group_size < 1 or (grouped and group_size < 2):
         problems.append(f"group_size must be at least 2 for grouped sampling, not {group_size}")
     if prompts < 1:
@@ -288,8 +291,6 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16,
     replica_id = replica_id or default_replica_id()
     stop_event = stop_event or threading.Event()
     per_prompt = group_size if grouped else 1
-    if prompts is None:
-        prompts = max(8, -(-ROUND_COMPLETIONS // per_prompt))
     sampling_seed = _seed_of(replica_id) if sampling_seed is None else sampling_seed
     sampler, turns = TASKS[task]
 
