@@ -39,12 +39,13 @@ class Ranks:
 
         if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1"):
             raise ConfigurationError(
-                "ACCELERATE_USE_FSDP is set (accelerate launch with an FSDP configuration), and "
-                "the trainer does not shard: its backend prepares the model for DDP, and under "
-                "FSDP its checkpoint would hold rank 0's shard of the optimizer alone (on CPUs "
-                "accelerate ignores FSDP and trains DDP). Launch the ranks without FSDP "
-                "(torchrun, or an accelerate configuration with distributed_type MULTI_GPU or "
-                "MULTI_CPU); docs/deployment.md says what FSDP would take")
+                "ACCELERATE_USE_FSDP is set (accelerate launch with an FSDP configuration), but "
+                "the trainer does not shard through accelerate: on CPUs accelerate ignores FSDP "
+                "and trains DDP, and on GPUs its FSDP checkpoint would hold rank 0's shard of "
+                "the optimizer alone. Ask the model for it instead: "
+                "HuggingFace(path, sharding='fsdp') (--set backend.model.sharding=fsdp), and "
+                "launch the ranks without accelerate's FSDP (torchrun, or distributed_type "
+                "MULTI_GPU or MULTI_CPU); docs/deployment.md, 'The trainer across hosts'")
         state = PartialState(cpu=not torch.cuda.is_available())
         rank, ranks = state.process_index, state.num_processes
         declared = recipe.backend.data_parallel_size
@@ -90,7 +91,8 @@ class Ranks:
         dist.broadcast(buffer, src=0)
         return bytes(buffer.cpu().numpy())
 
-    def weights_differ(self, weights: Mapping[str, torch.Tensor]) -> str | None:
+    def weights_differ(self, weights: Mapping[str, torch.Tensor],
+                       held: Mapping[str, torch.Tensor] | None = None) -> str | None:
         """None when every rank holds these very ``weights``, bitwise; else what differs.
 
         Under data parallelism every rank applies the same averaged gradients to the same
@@ -99,9 +101,18 @@ class Ranks:
         it. Each rank hashes the safetensors bytes of its weights (``safetensors_sha256``: the
         sha256 a checkpoint's ``model.safetensors`` gets, streamed, never all in memory) and
         the digests are compared. Every rank gets the same answer. One rank: None, at once.
+
+        Sharded (FSDP: ``held`` is this rank's shards, ``TorchBackend.held``; ``weights`` the
+        full weights gathered on rank 0, empty elsewhere), no two ranks hold the same bytes:
+        each rank hashes its own pieces (``reef_stream.engine.sharding.local_pieces``), rank 0
+        hashes the piece of what it writes that each rank should hold (``expected_pieces``),
+        and each rank's digest is compared with rank 0's expectation of it. A rank whose
+        shard is not the checkpoint's (or whose replicated tensors drifted) fails the check.
         """
         if self.ranks == 1:
             return None
+        if held is not None:
+            return self._shards_differ(weights, held)
         from reef_stream.engine.checkpoints import safetensors_sha256
 
         digests = [d.decode() for d in self.gather_bytes(safetensors_sha256(weights).encode())]
@@ -112,6 +123,28 @@ class Ranks:
         return ("the data-parallel ranks hold different weights after this step (sha256 of "
                 "their safetensors bytes by rank: "
                 + ", ".join(f"rank {r}: {d[:16]}" for r, d in enumerate(digests)) + ")")
+
+    def _shards_differ(self, weights: Mapping[str, torch.Tensor],
+                       held: Mapping[str, torch.Tensor]) -> str | None:
+        """``weights_differ`` for sharded ranks (see there)."""
+        from reef_stream.engine.checkpoints import safetensors_sha256
+        from reef_stream.engine.sharding import expected_pieces, local_pieces
+
+        mine = safetensors_sha256(local_pieces(held))
+        actual = [d.decode() for d in self.gather_bytes(mine.encode())]
+        expected: list[str] = []
+        if self.rank == 0:
+            expected = [safetensors_sha256(expected_pieces(weights, held, r, self.ranks))
+                        for r in range(self.ranks)]
+        expected = json.loads(self.broadcast_bytes(json.dumps(expected).encode()))
+        if actual == expected:
+            log.info("rank %d of %d holds its shard of the weights rank 0 writes (sha256 %s)",
+                     self.rank, self.ranks, mine)
+            return None
+        return ("the sharded ranks do not hold the weights rank 0 gathered for the checkpoint "
+                "(sha256 of each rank's shard, held / expected: "
+                + ", ".join(f"rank {r}: {a[:16]} / {e[:16]}"
+                            for r, (a, e) in enumerate(zip(actual, expected))) + ")")
 
     def gather_shares(self, mine: list[Any], offsets: dict[int, int], registry: Any,
                       unit_type: type) -> list[tuple[list[Any], dict[int, int]]]:

@@ -439,7 +439,7 @@ class Trainer:
             rng = {k: v for blob in self.world.gather_bytes(safetensors.torch.save(rng))
                    for k, v in safetensors.torch.load(blob).items()}
         # Every rank's weights are the ones rank 0 writes, bitwise, or the step is not acknowledged.
-        error, offsets = self.world.weights_differ(weights), ()
+        error, offsets = self.world.weights_differ(weights, held=self.backend.held()), ()
         if self.rank == 0 and error is None:
             offsets = tuple(TopicOffset(topic=self.topic, partition=p, offset=o)
                             for p, o in sorted(self.step_offsets.items()))

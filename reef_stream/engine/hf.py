@@ -29,6 +29,12 @@ so a trainer checkpoint carries a few MB of adapter and the base comes from ``pa
 restart. Without ``lora`` every parameter is trained and checkpointed (each tied tensor once:
 a checkpoint's safetensors file cannot hold one tensor under two names).
 
+With ``sharding="fsdp"`` and more than one trainer rank, the backend shards the model with
+torch's FSDP (``reef_stream.engine.sharding``): each decoder layer (``HuggingFaceLM.blocks``:
+the modules of the classes the model's ``_no_split_modules`` names), then the whole model.
+Each rank holds 1/N of the weights, gradients and optimizer state; checkpoints stay full (the
+same a single process writes). ``"none"`` (the default) trains each rank's whole copy (DDP).
+
 What serving loads is a separate artifact (``reef_stream.engine.artifacts``): a Hugging Face
 directory in the serving dtype, or the adapter alone in peft's format.
 
@@ -102,7 +108,9 @@ class HuggingFace:
     ``"bfloat16"`` (bfloat16 weights are updated in bfloat16, with no float32 master copy;
     LoRA adapters stay float32, as peft makes them). ``gradient_checkpointing``: recompute activations in the backward pass
     (less memory, about a third more compute; the same loss and gradients). ``lora``: train
-    LoRA adapters only (``Lora``); None trains every parameter.
+    LoRA adapters only (``Lora``); None trains every parameter. ``sharding``: ``"fsdp"`` shards
+    the model, its gradients and optimizer state over the trainer's ranks (torch FSDP2);
+    ``"none"``: every rank holds all of them.
 
     Calling it loads the model (blocks while the weights are read) and returns a
     ``HuggingFaceLM``; each call loads a fresh copy.
@@ -112,6 +120,7 @@ class HuggingFace:
     dtype: str = "float32"
     gradient_checkpointing: bool = False
     lora: Lora | None = None
+    sharding: str = "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.path, os.PathLike):
@@ -125,6 +134,10 @@ class HuggingFace:
         if not isinstance(self.gradient_checkpointing, bool):
             problems.append("HuggingFace.gradient_checkpointing must be True or False, got "
                             f"{self.gradient_checkpointing!r}")
+        if self.sharding not in ("none", "fsdp"):
+            problems.append("HuggingFace.sharding must be 'none' (each data-parallel rank holds "
+                            "the whole model) or 'fsdp' (sharded over the ranks), got "
+                            f"{self.sharding!r}")
         if self.lora is not None and not isinstance(self.lora, Lora):
             problems.append(f"HuggingFace.lora must be a Lora(...) or None, got {self.lora!r}")
         if problems:
@@ -247,6 +260,12 @@ class HuggingFaceLM(nn.Module):
         return self.hf(input_ids=input_ids.to(device),
                        attention_mask=attention_mask.to(device=device, dtype=torch.long),
                        use_cache=False).logits
+
+    def blocks(self) -> list[nn.Module]:
+        """The model's repeated blocks (its decoder layers: the modules of the classes its
+        ``_no_split_modules`` names), each sharded on its own under FSDP."""
+        kinds = set(getattr(self.base, "_no_split_modules", None) or ())
+        return [module for module in self.hf.modules() if type(module).__name__ in kinds]
 
     @property
     def base(self) -> Any:

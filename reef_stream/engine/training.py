@@ -45,8 +45,9 @@ norm still be non-finite, ``train_step`` raises ``NonFiniteStep`` before that
 update reaches the weights, on every data-parallel rank (the ranks agree at
 each check, so none is left waiting in a collective).
 
-This module and ``reef_stream.api.losses`` / ``models`` / ``checkpoints`` are the
-only ones that import torch.
+Under ``sharding="fsdp"`` the model is sharded over the ranks instead
+(``reef_stream.engine.sharding``). This module and ``reef_stream.api.losses`` / ``models`` /
+``checkpoints`` / ``sharding`` are the only ones that import torch.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from reef_stream.api.losses import (
     LossFamily, PolicyGradientInputs, ValueRegressionInputs,
 )
 from reef_stream.api.variants import BatchTotals, ExtraInput
+from reef_stream.engine.sharding import FullySharded, trained_copy, update_ratio
 from reef_stream.engine.loss_inputs import (
     completion_entropy, completion_logprobs, load_reference, local_totals, proximal_logprobs,
     proximal_rows, restricted,
@@ -73,7 +75,7 @@ from reef_stream.engine.loss_inputs import (
 from reef_stream.ops.metrics import (
     TRAINER_GRAD_NORM, TRAINER_KL_BEHAVIOUR, TRAINER_LOGPROB_GAP_OLDER,
     TRAINER_LOGPROB_GAP_OLDER_TOKENS, TRAINER_LOGPROB_GAP_SAME_VERSION,
-    TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS, TRAINER_SKIPPED_UPDATES, TRAINER_UPDATE_RATIO,
+    TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS, TRAINER_SKIPPED_UPDATES,
 )
 from reef_stream.api.objective import (
     Advantages, ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages, kept_rows,
@@ -451,17 +453,21 @@ class TorchBackend:
             self.reference = copy.deepcopy(model).requires_grad_(False)
             if (chosen := getattr(getattr(self.loss, "kl", None), "reference", None)) is not None:
                 load_reference(self.reference, chosen)
-        # Only what requires a gradient is trained (a LoRA model's base is frozen): the
-        # optimizer, the update ratio and its copy of the weights see nothing else.
-        trained = _trained(model)
-        optimizer = (backend.optimizer(trained) if backend.optimizer
-                     else torch.optim.AdamW(trained, lr=1e-3))
         # A model may have parameters a family does not use (a value head under
         # policy_gradient): DDP must not wait for their gradients.
         self.accelerator = Accelerator(
             cpu=not torch.cuda.is_available(),
             kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        #: The model sharded in place with FSDP when it asks for it (``sharding``), else None.
+        self.sharded = FullySharded.of(model, backend.model, device=self.accelerator.device,
+                                       rank=rank, ranks=ranks)
+        # Only what requires a gradient is trained (a LoRA model's base is frozen): the
+        # optimizer, the update ratio and its copy of the weights see nothing else.
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = (backend.optimizer(trained) if backend.optimizer
+                     else torch.optim.AdamW(trained, lr=1e-3))
+        self.model, self.optimizer = ((model, self.sharded.bind(optimizer)) if self.sharded
+                                      else self.accelerator.prepare(model, optimizer))
         if self.reference is not None:
             self.reference = self.reference.to(self.accelerator.device).eval()
         self.max_grad_norm = backend.max_grad_norm
@@ -503,6 +509,8 @@ class TorchBackend:
         parameters = [p for p in self.model.parameters() if p.grad is not None]
         if not parameters:
             return 0.0
+        if self.sharded:
+            return self.sharded.clip_gradients(parameters, self.max_grad_norm)
         if self.max_grad_norm is not None:
             return float(self.accelerator.clip_grad_norm_(parameters, self.max_grad_norm))
         with torch.no_grad():
@@ -595,50 +603,51 @@ class TorchBackend:
         return metrics
 
     def _parameters(self) -> list[torch.Tensor]:
-        """A copy of every trained parameter (one more copy of them, on their device), for
+        """A copy of every trained parameter (this rank's shard of it, when sharded), for
         ``_update_ratio``. Called by ``train_step`` before its first update."""
-        return [p.detach().clone() for p in _trained(self.model)]
+        return trained_copy(self.model)
 
     def _update_ratio(self, before: Sequence[torch.Tensor]) -> dict[str, float]:
-        """``update_ratio``: ``||theta_after - theta_before|| / ||theta_before||`` over every
-        trained parameter (a LoRA model's adapters alone; one global L2 norm each), with
-        ``before`` from ``_parameters``; left out when ``||theta_before||`` is 0. Called by
-        ``train_step`` after its last update. Under data parallelism every rank holds the
-        same weights, so it needs no reduction."""
-        if not before:
-            return {}
-        with torch.no_grad():
-            norm = torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(b, dtype=torch.float64) for b in before]))
-            delta = torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(p.detach() - b, dtype=torch.float64)
-                 for p, b in zip(_trained(self.model), before, strict=True)]))
-        if float(norm) == 0.0:
-            return {}
-        return {TRAINER_UPDATE_RATIO: float(delta / norm)}
+        """``update_ratio`` (``reef_stream.engine.sharding.update_ratio``: the relative size
+        of the step's update over every trained parameter; a collective when sharded). Called
+        by ``train_step`` after its last update."""
+        return update_ratio(self.model, before)
 
     # ----------------------------------------------------------------- state
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
         """Weights, optimizer state and this rank's RNG states (named ``rank<r>.<generator>``),
-        as a checkpoint stores them."""
-        weights = self.accelerator.unwrap_model(self.model).state_dict()
+        as a checkpoint stores them. Sharded, a collective: rank 0 gets the full weights and
+        optimizer state, gathered, and the other ranks empty ones (``FullySharded.state``)."""
+        if self.sharded:
+            weights, optimizer = self.sharded.state()
+        else:
+            weights = self.accelerator.unwrap_model(self.model).state_dict()
+            optimizer = self.optimizer.state_dict()
         rng = {f"rank{self.rank}.torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng.update({f"rank{self.rank}.cuda.{i}": s
                         for i, s in enumerate(torch.cuda.get_rng_state_all())})
-        return weights, self.optimizer.state_dict(), rng
+        return weights, optimizer, rng
 
     def restore(self, weights: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any],
                 rng: Mapping[str, torch.Tensor]) -> None:
-        """Put a checkpoint's weights, optimizer state and this rank's RNG states back."""
-        self.accelerator.unwrap_model(self.model).load_state_dict(dict(weights))
-        self.optimizer.load_state_dict(dict(optimizer))
+        """Put a checkpoint's weights, optimizer state and this rank's RNG states back (sharded:
+        every rank gives the whole checkpoint, and keeps its shard)."""
+        if self.sharded:
+            self.sharded.restore(weights, optimizer)
+        else:
+            self.accelerator.unwrap_model(self.model).load_state_dict(dict(weights))
+            self.optimizer.load_state_dict(dict(optimizer))
         prefix = f"rank{self.rank}."
         torch.set_rng_state(rng[prefix + "torch"])
         cuda = [rng[k] for k in sorted(rng) if k.startswith(prefix + "cuda.")]
         if cuda and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda)
+
+    def held(self) -> dict[str, torch.Tensor] | None:
+        """This rank's shards of the weights (``FullySharded.held``); None: unsharded."""
+        return self.sharded.held() if self.sharded else None
 
     # ----------------------------------------------------------------- one step
 
@@ -766,11 +775,6 @@ class TorchBackend:
         metrics.update(self._update_ratio(before))
         metrics.update({f"objective.{k}": v for k, v in result.metrics.items()})
         return metrics
-
-
-def _trained(model: Any) -> list[torch.Tensor]:
-    """The parameters of ``model`` that training changes: those that require a gradient."""
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _non_finite_rows(advantages: Advantages) -> np.ndarray:

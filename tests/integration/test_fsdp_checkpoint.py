@@ -9,13 +9,15 @@ collective every rank calls), through ``CheckpointStore.write``. Restored into a
 model and optimizer (``set_state_dict``) on both ranks, training goes on bitwise as if it had
 never stopped.
 
-This tests the checkpoint side of FSDP with torch's FSDP directly; the trainer's backend does
-not shard (docs/deployment.md says why, and what it would take).
+This tests the checkpoint side of FSDP with torch's FSDP directly, and the ranks' weight check
+(``Ranks.weights_differ`` with each rank's shards) against a rank whose shard or replicated
+buffer drifted; the trainer itself sharded: test_trainer_fsdp.py.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -84,11 +86,32 @@ WORKER = textwrap.dedent('''
     for n in range(2, 4):
         step(fresh, fresh_optimizer, n)
     resumed, _ = get_state_dict(fresh, fresh_optimizer, options=FULL)
+
+    # The ranks' weight check (the trainer's, at each checkpoint): each rank's shard against
+    # rank 0's expectation of it from the gathered weights.
+    from reef_stream.consumers.ranks import Ranks
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    ranks = Ranks(rank, world)
+    agreed = ranks.weights_differ(resumed, held=dict(fresh.state_dict()))
+    with torch.no_grad():   # rank 1's shard is no longer what rank 0 gathered
+        if rank == 1:
+            fresh.hf.model.norm.weight.to_local().add_(1.0)
+    drifted = ranks.weights_differ(resumed, held=dict(fresh.state_dict()))
+    # A replicated tensor (a persistent buffer: FSDP does not shard buffers) that drifted on
+    # rank 1: the gathered state holds rank 0's.
+    counted = torch.nn.Linear(4, 4)
+    counted.register_buffer("seen", torch.zeros(3))
+    fully_shard(counted, mesh=mesh)
+    if rank == 1:
+        counted.seen.add_(1)
+    buffer = ranks.weights_differ(get_model_state_dict(counted, options=FULL),
+                                  held=dict(counted.state_dict()))
+    print(json.dumps({"rank": rank, "agreed": agreed, "drifted": drifted, "buffer": buffer}))
     if rank == 0:
         full = sum(t.numel() for k, v in back.optimizer["state"].items()
                    for name, t in v.items() if name == "exp_avg")
         print(json.dumps({
-            "params": sum(t.numel() for t in weights.values()),
+            "rank": "figures", "params": sum(t.numel() for t in weights.values()),
             "local_exp_avg": local, "checkpoint_exp_avg": full,
             "checkpoint_keys": sorted(back.optimizer["state"])[:3],
             "bitwise": all(torch.equal(straight[k], resumed[k]) for k in straight),
@@ -110,8 +133,19 @@ def test_an_fsdp_checkpoint_holds_every_ranks_optimizer_shard_and_resumes_bitwis
          str(tmp_path / "llama"), str(tmp_path / "ckpt")],
         capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    figures = next(line for line in lines if line["rank"] == "figures")
     assert figures["local_exp_avg"] * 2 == figures["params"], figures   # a rank holds half
     assert figures["checkpoint_exp_avg"] == figures["params"], figures  # the checkpoint, all
     assert all("." in key for key in figures["checkpoint_keys"]), figures  # by parameter name
     assert figures["moved"] and figures["bitwise"], figures
+    # The weight check: the ranks agree, then a drifted shard and a drifted replicated buffer
+    # on rank 1 are found, by both ranks alike.
+    checks = {line["rank"]: line for line in lines if line["rank"] in (0, 1)}
+    assert checks[0]["agreed"] is None and checks[1]["agreed"] is None, checks
+    for what in ("drifted", "buffer"):
+        assert checks[0][what] == checks[1][what], checks
+        assert checks[0][what].startswith("the sharded ranks do not hold the weights rank 0 "
+                                          "gathered for the checkpoint"), checks
+        mismatched = re.findall(r"rank (\d): ([0-9a-f]{16}) / ([0-9a-f]{16})", checks[0][what])
+        assert [(r, a == e) for r, a, e in mismatched] == [("0", True), ("1", False)], checks
