@@ -11,21 +11,35 @@ never stopped.
 
 This tests the checkpoint side of FSDP with torch's FSDP directly, and the ranks' weight check
 (``Ranks.weights_differ`` with each rank's shards) against a rank whose shard or replicated
-buffer drifted; the trainer itself sharded: test_trainer_fsdp.py.
+buffer drifted. Then the trainer's own backend, sharded (``HuggingFace(path, sharding="fsdp")``),
+restores a checkpoint one process wrote to the same tensors, and its next step, each rank on
+half the units, has one process's loss, gradient norm and (to float tolerance) weights. The
+trainer itself sharded, against the broker: test_trainer_fsdp.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 import transformers  # noqa: E402 - a dependency: missing, the test fails rather than skips
+from safetensors.torch import load_file
 
+from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
+from reef_stream.engine.hf import HuggingFace
+from reef_stream.engine.training import TorchBackend
 from reef_stream.ops.processes import free_ports
+from tests.recipes.trainable import recipe as single
+from tests.unit_log import rollout_unit
 
 WORKER = textwrap.dedent('''
     import json, sys
@@ -116,8 +130,66 @@ WORKER = textwrap.dedent('''
             "checkpoint_keys": sorted(back.optimizer["state"])[:3],
             "bitwise": all(torch.equal(straight[k], resumed[k]) for k in straight),
             "moved": any(not torch.equal(weights[k], straight[k]) for k in straight)}))
+
+    # The trainer's backend, sharded: it restores the checkpoint one process wrote (every rank
+    # gives the whole of it), gathers it back unchanged, and trains the next step with each
+    # rank on its half of the units, as the trainer does.
+    import dataclasses
+    from safetensors.torch import save_file
+    from reef_stream.engine.training import TorchBackend, select_rows
+    from tests.recipes.trainable_dp import recipe as dp
+    from tests.unit_log import rollout_unit
+    solo = load(sys.argv[3], sys.argv[4])
+    configured = dataclasses.replace(dp, schedule=dataclasses.replace(
+        dp.schedule, optimizer_batch_size=4, micro_batch_size=1, epochs=1),
+        backend=dataclasses.replace(dp.backend, model=HuggingFace(model_dir, sharding="fsdp")))
+    backend = TorchBackend(configured, rank=rank, ranks=world)
+    backend.restore(solo.weights, solo.optimizer, {"rank1.torch": solo.rng["rank0.torch"],
+                                                   **solo.rng})
+    restored, restored_optimizer, _ = backend.state()
+    units = [rollout_unit(i) for i in range(4, 8)]
+    result = configured.objective.compute(units, configured.objective.initial_state())
+    sizes = [len(u.members) for u in units]
+    first = sum(sizes[:2 * rank])
+    rows = np.arange(first, first + sum(sizes[2 * rank:2 * rank + 2]))
+    metrics = backend.train_step(units[2 * rank:2 * rank + 2], dataclasses.replace(
+        result, advantages=select_rows(result.advantages, rows)), 2)
+    trained, _, _ = backend.state()
+    if rank == 0:
+        save_file(trained, sys.argv[5])
+        print(json.dumps({
+            "rank": "backend", "sharded": backend.sharded is not None,
+            "restored": all(torch.equal(restored[k], solo.weights[k]) for k in solo.weights)
+            and restored.keys() == solo.weights.keys(),
+            "restored_optimizer": all(
+                torch.equal(restored_optimizer["state"][i][n], t)
+                for i, values in solo.optimizer["state"].items() for n, t in values.items())
+            and restored_optimizer["param_groups"] == solo.optimizer["param_groups"],
+            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}))
     dist.destroy_process_group()
 ''')
+
+
+def _one_process(model_dir, store):
+    """One process's backend on the model: a step on units 0-3, checkpointed to ``store``, then
+    a step on units 4-7. Returns the stored checkpoint, the weights and the second step's
+    metrics."""
+    configured = dataclasses.replace(single, schedule=dataclasses.replace(
+        single.schedule, optimizer_batch_size=4, micro_batch_size=1, epochs=1),
+        backend=dataclasses.replace(single.backend, model=HuggingFace(str(model_dir))))
+    backend = TorchBackend(configured)
+    metrics = {}
+    for step, first in ((1, 0), (2, 4)):
+        units = [rollout_unit(i) for i in range(first, first + 4)]
+        metrics = backend.train_step(units, configured.objective.compute(
+            units, configured.objective.initial_state()), step)
+        if step == 1:
+            weights, optimizer, rng = backend.state()
+            stored = CheckpointStore(store).write(CheckpointContents(
+                step=1, policy_version=1, model="m", recipe=configured.name,
+                trainer_group="solo", weights=weights, optimizer=optimizer, rng=rng,
+                algorithm_state={}, offsets=(), trained_units=np.zeros(0, dtype=np.uint64)))
+    return stored, backend.state()[0], metrics
 
 
 def test_an_fsdp_checkpoint_holds_every_ranks_optimizer_shard_and_resumes_bitwise(tmp_path):
@@ -126,12 +198,17 @@ def test_an_fsdp_checkpoint_holds_every_ranks_optimizer_shard_and_resumes_bitwis
                                       num_attention_heads=4, num_key_value_heads=2,
                                       vocab_size=96, max_position_embeddings=64)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    solo, solo_weights, solo_metrics = _one_process(tmp_path / "llama", tmp_path / "solo")
     (tmp_path / "worker.py").write_text(WORKER)
+    root = Path(__file__).parents[2]
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_ports(1)[0]), str(tmp_path / "worker.py"),
-         str(tmp_path / "llama"), str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=300, check=False)
+         str(tmp_path / "llama"), str(tmp_path / "ckpt"), solo.uri, solo.sha256,
+         str(tmp_path / "fsdp_step2.safetensors")],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(root), os.environ.get("PYTHONPATH", "")])},
+        capture_output=True, text=True, timeout=300, check=False, cwd=root)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     figures = next(line for line in lines if line["rank"] == "figures")
@@ -149,3 +226,15 @@ def test_an_fsdp_checkpoint_holds_every_ranks_optimizer_shard_and_resumes_bitwis
                                           "gathered for the checkpoint"), checks
         mismatched = re.findall(r"rank (\d): ([0-9a-f]{16}) / ([0-9a-f]{16})", checks[0][what])
         assert [(r, a == e) for r, a, e in mismatched] == [("0", True), ("1", False)], checks
+
+    # The trainer's sharded backend restored one process's checkpoint to the same tensors, and
+    # its next step, each rank on half the units, is one process's step on all of them: the
+    # same loss and gradient norm (the ranks' gradients averaged, as DDP's), and weights.
+    backend = next(line for line in lines if line["rank"] == "backend")
+    assert backend["sharded"] and backend["restored"] and backend["restored_optimizer"], backend
+    assert backend["loss"] == pytest.approx(solo_metrics["loss"], rel=1e-5)
+    assert backend["grad_norm"] == pytest.approx(solo_metrics["grad_norm"], rel=1e-5)
+    trained = load_file(str(tmp_path / "fsdp_step2.safetensors"))
+    assert trained.keys() == solo_weights.keys()
+    for name, tensor in trained.items():
+        torch.testing.assert_close(tensor, solo_weights[name], rtol=1e-4, atol=1e-5)

@@ -47,16 +47,20 @@ def llama_dir(tmp_path_factory):
     return directory
 
 
-def _killed_before_checkpoint(env, group: str, store, step: int) -> str:
-    """Start the ranks with a failpoint before the checkpoint of ``step``; once they hang
-    there, SIGKILL torchrun and every rank. Returns their stderr."""
-    trainer = subprocess.Popen(
+def _start(env, group: str, store, **streams) -> subprocess.Popen:
+    """Two trainer ranks under torchrun, ``STEPS`` steps, a checkpoint each."""
+    return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_ports(1)[0]), "-m", "reef_stream.cli", "train",
          "--recipe", RECIPE, "--group", group, "--checkpoints", str(store), "--keep", "0",
-         "--max-steps", str(STEPS)],
-        env={**env, "REEF_FAILPOINTS": f"trainer.before-checkpoint@{step}"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+         "--max-steps", str(STEPS)], env=env, text=True, **streams)
+
+
+def _killed_before_checkpoint(env, group: str, store, step: int) -> str:
+    """Start the ranks with a failpoint before the checkpoint of ``step``; once they hang
+    there, SIGKILL torchrun and every rank. Returns their stderr."""
+    trainer = _start({**env, "REEF_FAILPOINTS": f"trainer.before-checkpoint@{step}"}, group,
+                     store, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120
