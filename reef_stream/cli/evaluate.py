@@ -76,7 +76,8 @@ from reef_stream.errors import ConfigurationError
               help="Whether a version that passed waits for `reef approve` [default: the "
                    "recipe's].")
 @click.option("--max-candidates", type=click.IntRange(min=1), default=None,
-              help="Stop after this many decisions (for tests and batch runs).")
+              help="Stop after this many decisions, superseded rejections included (each "
+                   "is a candidate's one decision; for tests and batch runs).")
 @click.option("--idle-exit", type=click.FloatRange(min=0, min_open=True), default=None,
               metavar="SECONDS",
               help="Stop after this many seconds without a new checkpoint event "

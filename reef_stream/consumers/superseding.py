@@ -23,7 +23,10 @@ from collections.abc import Sequence
 
 from reef_stream.topics.events import Checkpoint
 
-__all__ = ["superseded_reason", "superseding"]
+__all__ = ["SUPERSEDED", "superseded_reason", "superseding"]
+
+#: How the reason of a superseded candidate's rejection begins.
+SUPERSEDED = "superseded: "
 
 
 def superseding(waiting: Sequence[Checkpoint]) -> list[int | None]:
@@ -49,5 +52,5 @@ def superseding(waiting: Sequence[Checkpoint]) -> list[int | None]:
 
 def superseded_reason(version: int) -> str:
     """The reason of a candidate's rejection when version ``version`` superseded it."""
-    return (f"superseded: version {version} was waiting when this one's turn came; only the "
+    return (f"{SUPERSEDED}version {version} was waiting when this one's turn came; only the "
             "newest waiting candidate is measured")

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from rich.console import Group
 from rich.table import Table
 
+from reef_stream.consumers.superseding import SUPERSEDED
 from reef_stream.topics.connect import new_consumer
 from reef_stream.topics.cursors import lag
 from reef_stream.topics.events import Checkpoint, DeadLetter, Decision, Metric, Publication
@@ -63,6 +64,7 @@ class _Model:
     trained: int | None = None
     published: int | None = None
     rejected: int = 0
+    superseded: int = 0  # of the rejected: unmeasured, a newer candidate was waiting
     rollbacks: dict[int, int] = field(default_factory=dict)  # version -> the version it holds
     staged: Publication | None = None  # the version waiting for a decision (a CANARY)
 
@@ -172,6 +174,7 @@ class TopView:
                 model.published = max(model.published or 0, event.policy_version)
             else:
                 model.rejected += 1
+                model.superseded += event.reason.startswith(SUPERSEDED)
         elif isinstance(event, DeadLetter):
             state.dead_letters[event.stage] += 1
         elif isinstance(event, Metric):
@@ -217,8 +220,10 @@ class TopView:
             newest = max(model.rollbacks, default=None)
             rollbacks = "0" if newest is None else (
                 f"{len(model.rollbacks)}, v{newest} = v{model.rollbacks[newest]}")
+            rejected = str(model.rejected) + (f" ({model.superseded} superseded)"
+                                              if model.superseded else "")
             versions.add_row(name, _or_dash(model.trained), _or_dash(model.published),
-                             str(model.rejected), rollbacks, shown)
+                             rejected, rollbacks, shown)
         waiting = [f"waiting for a decision: {name} v{m.staged.policy_version} awaiting "
                    f"{m.staged.awaiting or '?'}"
                    + (f" (canary on {m.staged.share:.0%} of the replicas)" if m.staged.share

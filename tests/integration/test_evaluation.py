@@ -234,7 +234,7 @@ def counting_worker(settings, evaluator: CountingScore, **options) -> EvaluatorW
 
 
 def test_of_the_candidates_waiting_together_only_the_newest_is_measured(
-        setup, kafka_bootstrap, namespace, tmp_path):
+        setup, kafka_bootstrap, namespace, tmp_path, cli_env):
     settings, _ = setup
     evaluator = CountingScore()
     # With no incumbent yet, a candidate is measured whatever waits after it (v1); once there is
@@ -260,6 +260,9 @@ def test_of_the_candidates_waiting_together_only_the_newest_is_measured(
     superseded = [m.value for m in consume_events(kafka_bootstrap, metrics(namespace), 1, Metric)
                   if m.stage == STAGE_EVALUATOR and m.name == EVALUATOR_CANDIDATES_SUPERSEDED]
     assert superseded == [1, 1, 2, 3, 4]
+    # The operator sees them apart from the candidates measured and found worse.
+    top = reef("top", "--once", env=cli_env).stdout
+    assert "5 (5 superseded)" in top, top
 
     # An evaluator that crashed before committing reads all eight again (a new group has no
     # committed offsets): each is found decided, superseded ones included; nothing is measured.
