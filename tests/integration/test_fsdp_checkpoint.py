@@ -35,14 +35,14 @@ import transformers  # noqa: E402 - a dependency: missing, the test fails rather
 from safetensors.torch import load_file
 
 from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
-from reef_stream.engine.hf import HuggingFace
+from reef_stream.engine.hf import HuggingFace, Lora
 from reef_stream.engine.training import TorchBackend
 from reef_stream.ops.processes import free_ports
 from tests.recipes.trainable import recipe as single
 from tests.unit_log import rollout_unit
 
 WORKER = textwrap.dedent('''
-    import json, sys
+    import json, os, sys
     import numpy as np, torch, torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                          set_state_dict)
@@ -52,6 +52,10 @@ WORKER = textwrap.dedent('''
     from reef_stream.engine.hf import HuggingFace
 
     model_dir, store_url = sys.argv[1], sys.argv[2]
+
+    def report(name, figures):   # a file each: the ranks' stdout lines may interleave
+        with open(os.path.join(os.path.dirname(sys.argv[5]), f"{name}.json"), "w") as out:
+            json.dump(figures, out)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -120,16 +124,16 @@ WORKER = textwrap.dedent('''
         counted.seen.add_(1)
     buffer = ranks.weights_differ(get_model_state_dict(counted, options=FULL),
                                   held=dict(counted.state_dict()))
-    print(json.dumps({"rank": rank, "agreed": agreed, "drifted": drifted, "buffer": buffer}))
+    report(f"rank{rank}", {"agreed": agreed, "drifted": drifted, "buffer": buffer})
     if rank == 0:
         full = sum(t.numel() for k, v in back.optimizer["state"].items()
                    for name, t in v.items() if name == "exp_avg")
-        print(json.dumps({
-            "rank": "figures", "params": sum(t.numel() for t in weights.values()),
+        report("figures", {
+            "params": sum(t.numel() for t in weights.values()),
             "local_exp_avg": local, "checkpoint_exp_avg": full,
             "checkpoint_keys": sorted(back.optimizer["state"])[:3],
             "bitwise": all(torch.equal(straight[k], resumed[k]) for k in straight),
-            "moved": any(not torch.equal(weights[k], straight[k]) for k in straight)}))
+            "moved": any(not torch.equal(weights[k], straight[k]) for k in straight)})
 
     # The trainer's backend, sharded: it restores the checkpoint one process wrote (every rank
     # gives the whole of it), gathers it back unchanged, and trains the next step with each
@@ -157,33 +161,52 @@ WORKER = textwrap.dedent('''
     trained, _, _ = backend.state()
     if rank == 0:
         save_file(trained, sys.argv[5])
-        print(json.dumps({
-            "rank": "backend", "sharded": backend.sharded is not None,
+        report("backend", {
+            "sharded": backend.sharded is not None,
             "restored": all(torch.equal(restored[k], solo.weights[k]) for k in solo.weights)
             and restored.keys() == solo.weights.keys(),
             "restored_optimizer": all(
                 torch.equal(restored_optimizer["state"][i][n], t)
                 for i, values in solo.optimizer["state"].items() for n, t in values.items())
             and restored_optimizer["param_groups"] == solo.optimizer["param_groups"],
-            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}))
+            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]})
+
+    # LoRA under FSDP: the frozen base and the adapters sharded together, the adapters alone
+    # trained and gathered; a first step from the same seeded adapters as one process's.
+    from reef_stream.engine.hf import Lora
+    lora = dataclasses.replace(configured, backend=dataclasses.replace(
+        configured.backend, model=HuggingFace(model_dir, sharding="fsdp", lora=Lora(rank=2))))
+    adapters = TorchBackend(lora, rank=rank, ranks=world)
+    units = [rollout_unit(i) for i in range(4)]
+    result = lora.objective.compute(units, lora.objective.initial_state())
+    rows = np.arange(first, first + sum(sizes[2 * rank:2 * rank + 2]))
+    metrics = adapters.train_step(units[2 * rank:2 * rank + 2], dataclasses.replace(
+        result, advantages=select_rows(result.advantages, rows)), 1)
+    weights, optimizer, _ = adapters.state()
+    check = ranks.weights_differ(weights, held=adapters.held())
+    if rank == 0:
+        save_file(weights, sys.argv[6])
+        report("lora", {"check": check, "loss": metrics["loss"],
+                        "grad_norm": metrics["grad_norm"],
+                        "optimizer_entries": len(optimizer["state"])})
     dist.destroy_process_group()
 ''')
 
 
-def _one_process(model_dir, store):
-    """One process's backend on the model: a step on units 0-3, checkpointed to ``store``, then
-    a step on units 4-7. Returns the stored checkpoint, the weights and the second step's
+def _one_process(model, store=None, steps=2):
+    """One process's backend on ``model``: a step on units 0-3 (checkpointed to ``store``),
+    then one on units 4-7. Returns the stored checkpoint, the weights and the last step's
     metrics."""
     configured = dataclasses.replace(single, schedule=dataclasses.replace(
         single.schedule, optimizer_batch_size=4, micro_batch_size=1, epochs=1),
-        backend=dataclasses.replace(single.backend, model=HuggingFace(str(model_dir))))
+        backend=dataclasses.replace(single.backend, model=model))
     backend = TorchBackend(configured)
-    metrics = {}
-    for step, first in ((1, 0), (2, 4)):
+    metrics, stored = {}, None
+    for step, first in ((1, 0), (2, 4))[:steps]:
         units = [rollout_unit(i) for i in range(first, first + 4)]
         metrics = backend.train_step(units, configured.objective.compute(
             units, configured.objective.initial_state()), step)
-        if step == 1:
+        if step == 1 and store is not None:
             weights, optimizer, rng = backend.state()
             stored = CheckpointStore(store).write(CheckpointContents(
                 step=1, policy_version=1, model="m", recipe=configured.name,
@@ -198,27 +221,31 @@ def test_an_fsdp_checkpoint_holds_every_ranks_optimizer_shard_and_resumes_bitwis
                                       num_attention_heads=4, num_key_value_heads=2,
                                       vocab_size=96, max_position_embeddings=64)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-    solo, solo_weights, solo_metrics = _one_process(tmp_path / "llama", tmp_path / "solo")
+    solo, solo_weights, solo_metrics = _one_process(HuggingFace(str(tmp_path / "llama")),
+                                                    tmp_path / "solo")
+    _, lora_weights, lora_metrics = _one_process(
+        HuggingFace(str(tmp_path / "llama"), lora=Lora(rank=2)), steps=1)
     (tmp_path / "worker.py").write_text(WORKER)
     root = Path(__file__).parents[2]
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_ports(1)[0]), str(tmp_path / "worker.py"),
          str(tmp_path / "llama"), str(tmp_path / "ckpt"), solo.uri, solo.sha256,
-         str(tmp_path / "fsdp_step2.safetensors")],
+         str(tmp_path / "fsdp_step2.safetensors"), str(tmp_path / "lora.safetensors")],
         env={**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(root), os.environ.get("PYTHONPATH", "")])},
         capture_output=True, text=True, timeout=300, check=False, cwd=root)
     assert done.returncode == 0, done.stderr[-4000:]
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    figures = next(line for line in lines if line["rank"] == "figures")
+    def reported(name):
+        return json.loads((tmp_path / f"{name}.json").read_text())
+    figures = reported("figures")
     assert figures["local_exp_avg"] * 2 == figures["params"], figures   # a rank holds half
     assert figures["checkpoint_exp_avg"] == figures["params"], figures  # the checkpoint, all
     assert all("." in key for key in figures["checkpoint_keys"]), figures  # by parameter name
     assert figures["moved"] and figures["bitwise"], figures
     # The weight check: the ranks agree, then a drifted shard and a drifted replicated buffer
     # on rank 1 are found, by both ranks alike.
-    checks = {line["rank"]: line for line in lines if line["rank"] in (0, 1)}
+    checks = {rank: reported(f"rank{rank}") for rank in (0, 1)}
     assert checks[0]["agreed"] is None and checks[1]["agreed"] is None, checks
     for what in ("drifted", "buffer"):
         assert checks[0][what] == checks[1][what], checks
@@ -230,7 +257,7 @@ def test_an_fsdp_checkpoint_holds_every_ranks_optimizer_shard_and_resumes_bitwis
     # The trainer's sharded backend restored one process's checkpoint to the same tensors, and
     # its next step, each rank on half the units, is one process's step on all of them: the
     # same loss and gradient norm (the ranks' gradients averaged, as DDP's), and weights.
-    backend = next(line for line in lines if line["rank"] == "backend")
+    backend = reported("backend")
     assert backend["sharded"] and backend["restored"] and backend["restored_optimizer"], backend
     assert backend["loss"] == pytest.approx(solo_metrics["loss"], rel=1e-5)
     assert backend["grad_norm"] == pytest.approx(solo_metrics["grad_norm"], rel=1e-5)
@@ -238,3 +265,14 @@ def test_an_fsdp_checkpoint_holds_every_ranks_optimizer_shard_and_resumes_bitwis
     assert trained.keys() == solo_weights.keys()
     for name, tensor in trained.items():
         torch.testing.assert_close(tensor, solo_weights[name], rtol=1e-4, atol=1e-5)
+
+    # LoRA sharded: the adapters alone gathered, every rank's shard checked, one process's step.
+    lora = reported("lora")
+    assert lora["check"] is None, lora
+    assert lora["loss"] == pytest.approx(lora_metrics["loss"], rel=1e-5)
+    assert lora["grad_norm"] == pytest.approx(lora_metrics["grad_norm"], rel=1e-5)
+    adapters = load_file(str(tmp_path / "lora.safetensors"))
+    assert adapters.keys() == lora_weights.keys() and all("lora_" in n for n in adapters)
+    assert lora["optimizer_entries"] == len(adapters)
+    for name, tensor in adapters.items():
+        torch.testing.assert_close(tensor, lora_weights[name], rtol=1e-4, atol=1e-5)
