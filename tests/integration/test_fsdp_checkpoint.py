@@ -146,7 +146,8 @@ WORKER = textwrap.dedent('''
     solo = load(sys.argv[3], sys.argv[4])
     configured = dataclasses.replace(dp, schedule=dataclasses.replace(
         dp.schedule, optimizer_batch_size=4, micro_batch_size=1, epochs=1),
-        backend=dataclasses.replace(dp.backend, model=HuggingFace(model_dir, sharding="fsdp")))
+        backend=dataclasses.replace(dp.backend, model=HuggingFace(model_dir, sharding="fsdp"),
+                                    max_grad_norm=0.05))   # clipped: the norm is ~0.1
     backend = TorchBackend(configured, rank=rank, ranks=world)
     backend.restore(solo.weights, solo.optimizer, {"rank1.torch": solo.rng["rank0.torch"],
                                                    **solo.rng})
@@ -195,11 +196,11 @@ WORKER = textwrap.dedent('''
 
 def _one_process(model, store=None, steps=2):
     """One process's backend on ``model``: a step on units 0-3 (checkpointed to ``store``),
-    then one on units 4-7. Returns the stored checkpoint, the weights and the last step's
+    then one on units 4-7, gradients clipped to norm 0.05. Returns the stored checkpoint, the weights and the last step's
     metrics."""
     configured = dataclasses.replace(single, schedule=dataclasses.replace(
         single.schedule, optimizer_batch_size=4, micro_batch_size=1, epochs=1),
-        backend=dataclasses.replace(single.backend, model=model))
+        backend=dataclasses.replace(single.backend, model=model, max_grad_norm=0.05))
     backend = TorchBackend(configured)
     metrics, stored = {}, None
     for step, first in ((1, 0), (2, 4))[:steps]:
