@@ -82,6 +82,10 @@ class Lineage:
         return {"step", "publication", "replica"} <= kinds and "missing" not in kinds
 
 
+#: A record found: the event, its partition and its offset.
+Found = tuple[Any, int, int]
+
+
 def _records(bootstrap: str, topic: str, registry: SchemaRegistry,
              reader: type | None = None) -> Iterator[tuple[Any, int, int]]:
     """``(event, partition, offset)`` for every record of ``topic`` up to its current end;
@@ -184,8 +188,8 @@ def trace_checkpoint(bootstrap: str, namespace: str, checkpoint_id: str) -> Line
     publication that includes it and the replicas that served it."""
     registry = SchemaRegistry.default()
     topic = declarations.checkpoints(namespace)
-    found = _first(bootstrap, topic, registry, Checkpoint,
-                   lambda c: c.checkpoint_id == checkpoint_id)
+    checkpoints = _checkpoints(bootstrap, namespace, registry)
+    found = next(((c, p, o) for c, p, o in checkpoints if c.checkpoint_id == checkpoint_id), None)
     if found is None:
         return Lineage(checkpoint_id, (Link("missing", f"no checkpoint {checkpoint_id} in "
                                                        f"{topic}"),))
@@ -195,7 +199,7 @@ def trace_checkpoint(bootstrap: str, namespace: str, checkpoint_id: str) -> Line
     links = [Link("step", f"step {checkpoint.step} of trainer group {checkpoint.trainer_group}, "
                           f"checkpoint {checkpoint.checkpoint_id}, version "
                           f"{checkpoint.policy_version}{what}", topic, p, o)]
-    links += _from_checkpoint(bootstrap, namespace, registry, checkpoint)
+    links += _from_checkpoint(bootstrap, namespace, registry, checkpoint, checkpoints)
     return Lineage(checkpoint_id, tuple(links))
 
 
@@ -207,8 +211,9 @@ def _from_unit(bootstrap: str, namespace: str, registry: SchemaRegistry,
                           f"samples)", units_topic, unit_partition, unit_offset)]
     links += _dead_letters(bootstrap, namespace, registry, units_topic, unit_partition,
                            unit_offset)
-    step = _consuming_step(bootstrap, namespace, units_topic, unit_partition, unit_offset,
-                           rolled.unit_id, registry)
+    checkpoints = _checkpoints(bootstrap, namespace, registry)
+    step = _consuming_step(checkpoints, units_topic, unit_partition, unit_offset,
+                           rolled.unit_id)
     if step is None:
         links.append(Link("missing", "no trainer has acknowledged a step past this unit yet"))
         return links
@@ -217,17 +222,17 @@ def _from_unit(bootstrap: str, namespace: str, registry: SchemaRegistry,
                               f"{checkpoint.trainer_group} ({trained}), checkpoint "
                               f"{checkpoint.checkpoint_id}, version {checkpoint.policy_version}",
                       declarations.checkpoints(namespace), p, o))
-    return links + _from_checkpoint(bootstrap, namespace, registry, checkpoint)
+    return links + _from_checkpoint(bootstrap, namespace, registry, checkpoint, checkpoints)
 
 
 def _from_checkpoint(bootstrap: str, namespace: str, registry: SchemaRegistry,
-                     checkpoint: Checkpoint) -> list[Link]:
+                     checkpoint: Checkpoint, checkpoints: list[Found]) -> list[Link]:
     """The first promoted publication at or after ``checkpoint``'s version, and the replicas
-    that reported serving that version or a later one; or the rollback that discarded it."""
+    that reported serving that version or a later one; or the rollback that discarded it
+    (``checkpoints``: the namespace's, as ``_checkpoints`` read them)."""
     publications = declarations.publications(namespace)
     rollbacks = {c.checkpoint_id: c.rolled_back_to
-                 for c, _, _ in _records(bootstrap, declarations.checkpoints(namespace), registry,
-                                         Checkpoint) if c.rolled_back_to is not None}
+                 for c, _, _ in checkpoints if c.rolled_back_to is not None}
     promoted = sorted(((e, p, o) for e, p, o in _records(bootstrap, publications, registry,
                                                          Publication)
                        if e.model == checkpoint.model and e.decision is Decision.PROMOTED
@@ -297,16 +302,20 @@ def _find_unit(bootstrap: str, namespace: str, registry: SchemaRegistry,
     return None
 
 
-def _consuming_step(bootstrap: str, namespace: str, units_topic: str, partition: int,
-                    offset: int, unit_id: str, registry: SchemaRegistry
-                    ) -> tuple[Checkpoint, str, int, int] | None:
+def _checkpoints(bootstrap: str, namespace: str, registry: SchemaRegistry) -> list[Found]:
+    """Every checkpoint event of the namespace, with its partition and offset (read once per
+    trace: a trace asks several questions of them)."""
+    return list(_records(bootstrap, declarations.checkpoints(namespace), registry, Checkpoint))
+
+
+def _consuming_step(checkpoints: list[Found], units_topic: str, partition: int,
+                    offset: int, unit_id: str) -> tuple[Checkpoint, str, int, int] | None:
     """The earliest acknowledged step (of any trainer group) whose
     committed offset of ``units_topic``/``partition`` is past ``offset``, with whether it
     trained the unit: ``trained``, ``not trained (dropped)`` or ``checkpoint pruned``."""
     from reef_stream.engine.checkpoints import CheckpointError, load
 
-    past = [(c, p, o) for c, p, o in _records(bootstrap, declarations.checkpoints(namespace),
-                                              registry, Checkpoint)
+    past = [(c, p, o) for c, p, o in checkpoints
             if any(t.topic == units_topic and t.partition == partition and t.offset > offset
                    for t in c.offsets)]
     if not past:
