@@ -261,6 +261,11 @@ class SandboxPool:
                          "group was killed", wall=True)) from None
         except (OSError, EOFError, ValueError) as error:
             ticket._detach()
+            if self._closed:  # close() killed it: neither a restart nor a failure of its own
+                if ticket._call_pid:
+                    _killpg(ticket._call_pid)
+                raise SandboxFailure(SANDBOX_UNAVAILABLE, "the sandbox pool was closed during "
+                                                          "the call") from None
             self._kill(worker, ticket._call_pid)
             raise self._failed(SandboxFailure(
                 SANDBOX_UNAVAILABLE, f"the sandbox worker died during the call ({error}); "
@@ -372,10 +377,10 @@ class SandboxPool:
             if worker.dead:
                 return
             worker.dead = True
-            self.restarts += 1
+            closed = self._closed
+            self.restarts += 0 if closed else 1
             if self._live.get(worker.index) is worker:
                 del self._live[worker.index]
-            closed = self._closed
         if call_pid:  # the call's processes run as another user: not ours to reap
             _killpg(call_pid)
         if not closed:

@@ -140,3 +140,52 @@ def test_a_reward_the_parent_cannot_name_makes_the_worker_import_the_recipe_and_
         pool.close()
     assert worker_target("tests.recipes.no_such_module:recipe") == \
         {"target": "tests.recipes.no_such_module:recipe", "overrides": []}
+
+
+
+def test_a_call_in_flight_when_the_pool_closes_is_neither_a_restart_nor_a_failure():
+    import threading
+    import time
+
+    from reef_stream.sandbox.categories import SandboxFailure
+
+    pool = _started("tests.recipes.sandbox_rewards:hostile")
+    outcome: list[BaseException] = []
+
+    def hang() -> None:
+        try:
+            pool.call(dataclasses.replace(generation(1), metadata={"do": "sleep"}), timeout=30)
+        except SandboxFailure as error:
+            outcome.append(error)
+
+    caller = threading.Thread(target=hang)
+    caller.start()
+    deadline = time.monotonic() + 10
+    while pool.warm_starts < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # the call is sleeping in its process
+    pool.close()
+    caller.join(10)
+    assert not caller.is_alive() and len(outcome) == 1
+    assert "closed during the call" in str(outcome[0])
+    assert pool.restarts == 0 and dict(pool.failures) == {}
+    if pool.uid_base is not None:  # as root the call ran as a user of its own: it was killed
+        deadline = time.monotonic() + 5
+        while (alive := _alive(range(pool.uid_base, pool.uid_base + pool.size))) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive == []
+
+
+def _alive(uids: range) -> list[str]:
+    """The processes of ``uids`` that are not dead (a zombie waits for init to reap it)."""
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid in uids:
+                with open(f"/proc/{pid}/stat") as stat:
+                    if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        alive.append(pid)
+        except OSError:
+            pass
+    return alive
