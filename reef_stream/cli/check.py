@@ -74,7 +74,9 @@ def contract_lines(recipe: Recipe, path: str, registry: SchemaRegistry) -> list[
         f"{objective.loss_family.name} ({objective.loss_family.description})",
         *_variant_lines(recipe),
         f"backend:   {recipe.backend.name}: supports {families}; data-parallel size "
-        f"{recipe.backend.data_parallel_size}",
+        f"{recipe.backend.data_parallel_size}"
+        + ("; sharded with FSDP" if getattr(recipe.backend.model, "sharding", "none") == "fsdp"
+           else ""),
         f"schedule:  {recipe.schedule.describe()}",
         f"evaluator: {evaluator.name}: "
         + ("evaluates candidates before promoting them" if evaluator.evaluates else

@@ -50,6 +50,7 @@ log = logging.getLogger("reef_stream.consumers.trainer.sharding")  # in the trai
 #: What a model may ask for: ``"none"`` (DDP through accelerate), ``"fsdp"`` (``fully_shard``).
 SHARDINGS = ("none", "fsdp")
 
+
 def sharding_of(spec: Any) -> str:
     """The sharding the recipe's ``Backend.model`` asks for (its ``sharding``, else
     ``"none"``); ``ConfigurationError`` for one that is not in ``SHARDINGS``."""

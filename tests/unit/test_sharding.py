@@ -112,3 +112,16 @@ def test_one_process_asked_for_fsdp_trains_unsharded_with_the_same_checkpoint(ll
     assert optimizer["param_groups"] == plain_optimizer["param_groups"]
     assert all(torch.equal(optimizer["state"][i]["exp_avg"], plain_optimizer["state"][i]["exp_avg"])
                for i in plain_optimizer["state"])
+
+
+def test_reef_check_says_the_backend_is_sharded():
+    from reef_stream.cli.check import contract_lines
+    from reef_stream.topics.serde import SchemaRegistry
+
+    def backend_line(model):
+        lines = contract_lines(_recipe(model), "r", SchemaRegistry.default())
+        return next(line for line in lines if line.startswith("backend:"))
+
+    assert backend_line(HuggingFace("/models/base", sharding="fsdp")).endswith(
+        "; sharded with FSDP")
+    assert "FSDP" not in backend_line(HuggingFace("/models/base"))
