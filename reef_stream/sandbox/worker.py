@@ -64,10 +64,15 @@ PR_SET_CHILD_SUBREAPER = 36
 #: The largest result a call may write.
 MAX_RESULT_BYTES = 1 << 20
 #: Standard modules imported lazily by common calls (``socket.create_connection`` needs
-#: ``encodings.idna``), imported by the worker before its calls: a call run as another user
-#: may not be able to read the Python installation (``SandboxPool`` says so at start-up).
+#: ``encodings.idna``) or by the programs a code reward runs, imported by the worker before
+#: its calls: a call run as another user may not be able to read the Python installation
+#: (``SandboxPool`` says so at start-up), and a worker imports only the reward's module, not
+#: the recipe and torch, which used to bring most of the standard library in.
 PRELOADED = ("encodings.idna", "encodings.punycode", "json", "asyncio", "tempfile", "ctypes",
-             "subprocess", "math", "random", "re", "fractions", "decimal", "collections")
+             "subprocess", "math", "cmath", "random", "re", "string", "fractions", "decimal",
+             "statistics", "collections", "heapq", "bisect", "itertools", "functools",
+             "operator", "copy", "typing", "dataclasses", "datetime", "calendar", "textwrap",
+             "difflib", "unicodedata", "pprint", "queue")
 #: How much of a call's stderr goes into the reason of its failure.
 STDERR_TAIL = 1500
 _MEMORY_RESULT = b'{"memory": true}'

@@ -119,6 +119,20 @@ def test_the_code_execution_reward_runs_in_a_worker_without_torch():
         pool.close()
 
 
+def test_a_model_program_may_import_the_usual_standard_modules_in_the_sandbox():
+    # As root the calls run as users who may not read the Python installation: what the
+    # program imports must be in the worker already (PRELOADED), now that torch is not.
+    pool = _started("tests.recipes.sandbox_rewards:code")
+    try:
+        program = ("import heapq, statistics, string, itertools, functools, datetime, queue\n"
+                   "def add(a, b):\n    return int(statistics.fmean([a + b, a + b]))\n")
+        result = pool.call(dataclasses.replace(generation(1), metadata={"program": program}),
+                           timeout=30)
+        assert result.reward == 1.0, result.components
+    finally:
+        pool.close()
+
+
 def test_a_call_forked_from_the_worker_has_neither_torch_nor_the_recipe_module():
     pool = _started("tests.recipes.sandbox_functions:modules")
     try:
