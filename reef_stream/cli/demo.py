@@ -48,7 +48,8 @@ from reef_stream.cli.recipe_options import set_option
               metavar="PER_SECOND", help="Generations per second per replica (2 x 300 is about "
                                          "twice what the trainer trains on two cores: the "
                                          "recipe's max_backlog_steps sheds the surplus) "
-                                         "[default: 300; with --engine vllm 100].")
+                                         "[default: 300; with --engine vllm or --sandbox "
+                                         "process 100].")
 @click.option("--partitions", type=click.IntRange(1, 64), default=2, show_default=True,
               help="Partitions of the run's generations, feedback and units topics (one "
                    "processor and one trainer need no more; each partition a replica spreads "
@@ -121,7 +122,8 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
                                "server's reloads and orders its requests against them): leave "
                                "--replicas out or give 1")
     replicas = replicas or (1 if engine == "vllm" else 2)
-    rate = rate or (VLLM_RATE if engine == "vllm" else 300.0)
+    rate = rate or (VLLM_RATE if engine == "vllm" else SANDBOX_RATE if sandbox == "process"
+                    else 300.0)
     settings = load_settings()
     if not settings.bootstrap_servers:
         ctx.invoke(kafka_up)
@@ -161,6 +163,11 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
 #: sample is of the trainer's own version, so the same-version logprob gap is measured at one
 #: step instead of sixty.
 VLLM_RATE = 100.0
+#: Generations per second per replica by default with ``--sandbox process``: a sandboxed call
+#: forks and costs 4-7 ms of CPU even for the demo's exact-match reward, so two idle cores
+#: score at most 270-480 a second (bench/sandbox.py, README "Sandboxes"); at 2 x 300/s the
+#: reward worker fell behind and what it scored late had expired in the processor.
+SANDBOX_RATE = 100.0
 
 
 class DemoProgress:
