@@ -56,6 +56,9 @@ from tests.integration.test_processor_runtime import (  # noqa: E402
     produce,
 )
 
+#: Longest the throughput run waits for every unit (a run that loses units ends, saying so).
+DEADLINE_S = 180.0
+
 
 def run_processor(bootstrap: str, ns: str, units: int) -> float:
     runtime = ProcessorRuntime(RECIPE, bootstrap=bootstrap, namespace=ns, log_every_s=3600)
@@ -65,6 +68,11 @@ def run_processor(bootstrap: str, ns: str, units: int) -> float:
     ready.wait(120)
     started = time.perf_counter()
     while runtime.counts["units"] < units:
+        if time.perf_counter() - started > DEADLINE_S:
+            runtime.stop()
+            thread.join(30)
+            raise SystemExit(f"the processor emitted {runtime.counts['units']} of {units} units "
+                             f"in {DEADLINE_S:.0f} s: {dict(runtime.counts)}")
         time.sleep(0.01)
     elapsed = time.perf_counter() - started
     runtime.stop()
@@ -117,10 +125,12 @@ def latency(bootstrap: str, ns: str, rate: float, seconds: float) -> list[float]
             "enable.auto.commit": False, "isolation.level": "read_committed"}))
         consumer.subscribe([declarations.units(ns, RECIPE.name)])
         while not stop.is_set():
-            for message in consumer.consume(1000, timeout=0.1):
-                if message.error() is None:
-                    unit = registry.decode(message.value(), message.headers(), RolloutUnit)
-                    received.setdefault(unit.unit_id, time.perf_counter())
+            # poll, not consume(n, timeout): consume waits for n records or the timeout, which
+            # put up to 0.1 s of this reader's own batching into every latency measured
+            message = consumer.poll(0.1)
+            if message is not None and message.error() is None:
+                unit = registry.decode(message.value(), message.headers(), RolloutUnit)
+                received.setdefault(unit.unit_id, time.perf_counter())
         consumer.close()
 
     stop = threading.Event()

@@ -148,18 +148,17 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from reef_stream.api.processor import Origin
 from reef_stream.consumers.backlog import UnitBacklog
 from reef_stream.consumers.changelog import changelog, changelog_topic, read_changelog
 from reef_stream.consumers.fencing import TransactionalIdentity, watch_commits
+from reef_stream.consumers.offers import decode_offers
 from reef_stream.consumers.pairs import PartitionPair
 from reef_stream.consumers.processor_metrics import ProcessorMetrics
 from reef_stream.consumers.stage import ConsumerFenced, Positions, StageLoop
 from reef_stream.consumers.step_records import Record, StepRecords
 from reef_stream.engine.join import ProcessorState, Step
-from reef_stream.engine.snapshots import Encoded, loads_snapshot
+from reef_stream.engine.snapshots import loads_snapshot
 from reef_stream.errors import FatalError, InvalidRecord
-from reef_stream.intake.validation import validate
 from reef_stream.ops import metrics
 from reef_stream.ops.processes import stop_on_signals
 from reef_stream.ops.record_stats import RecordStats
@@ -167,7 +166,7 @@ from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics, namespace_topics
 from reef_stream.topics.connect import ask_broker, new_admin, new_consumer
 from reef_stream.topics.declarations import MiB
-from reef_stream.topics.events import Checkpoint, Feedback, Generation, now_ms
+from reef_stream.topics.events import Checkpoint, now_ms
 from reef_stream.topics.kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -177,7 +176,7 @@ from reef_stream.topics.kafka import (
     Producer,
     TopicPartition,
 )
-from reef_stream.topics.serde import FINGERPRINT_HEADER, SchemaRegistry
+from reef_stream.topics.serde import SchemaRegistry
 
 log = logging.getLogger("reef_stream.engine.join")
 
@@ -491,22 +490,8 @@ class ProcessorRuntime:
                     caught.append(self._caught_up(p))
                 return caught[0]
 
-            offers = []  # decoded and valid, in the order the pair lets them through
-            for topic, message, at in part.ready(caught_up, MAX_IDLE_S):
-                offset = message.offset()
-                positions[(topic, p)] = offset + 1
-                reader = Generation if topic == self.generations else Feedback
-                value, headers = message.value(), message.headers()
-                try:
-                    record = self.registry.decode(value, headers, reader,
-                                                  topic=topic, partition=p, offset=offset)
-                    validate(record)  # written past the SDK: NaN logprobs, negative versions
-                except InvalidRecord as error:
-                    bad.append((message, error))
-                    continue
-                # the bytes read go into the record's snapshots as they are (snapshots.Encoded)
-                offers.append((record, at, Origin(topic, p, offset),
-                               Encoded(value, _fingerprint(headers))))
+            offers = decode_offers(self.registry, self.generations, p,
+                                   part.ready(caught_up, MAX_IDLE_S), positions, bad)
             if offers:
                 steps.append((p, part.state.offer_all(offers)))
             due = part.state.next_deadline()
@@ -756,14 +741,6 @@ class _Processing:
 def _key_bytes(key: str) -> bytes:
     """A state key as its changelog key (a ledger segment key's lone surrogate as one byte)."""
     return key.encode("utf-8", "surrogateescape")
-
-
-def _fingerprint(headers: list[tuple[str, bytes]]) -> bytes:
-    """The writer-schema fingerprint header of a record that decoded (so it has one)."""
-    for name, value in headers:
-        if name == FINGERPRINT_HEADER:
-            return value
-    raise FatalError(f"a record decoded without a {FINGERPRINT_HEADER} header")
 
 
 def _key_str(key: bytes) -> str:

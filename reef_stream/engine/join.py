@@ -312,7 +312,6 @@ class ProcessorState(Generic[UnitT]):
         entry = Received(feedback, at, origin, encoded=encoded)
         gid, source = feedback.generation_id, feedback.source
         self._clock = max(self._clock, at)
-        duplicate = f"feedback from {source!r} for {gid} was already received"
         if not self.processor.feedback.wants(source):
             step.fate(entry, FeedbackFate.IGNORED, f"the processor does not use {source!r}", at)
             return
@@ -320,7 +319,7 @@ class ProcessorState(Generic[UnitT]):
             bucket = self._bucket(key, step)
             member = bucket.members[gid]
             if source in member.seen:
-                step.fate(entry, FeedbackFate.DUPLICATE, duplicate, at)
+                step.fate(entry, FeedbackFate.DUPLICATE, _duplicate(source, gid), at)
             elif member.score is not None:
                 member.seen.add(source)
                 step.fate(entry, FeedbackFate.LATE, f"arrived after generation {gid} was "
@@ -333,7 +332,7 @@ class ProcessorState(Generic[UnitT]):
             return
         if (concluded := self._ledger.concluded(gid)) is not None:
             if source in concluded.sources:
-                step.fate(entry, FeedbackFate.DUPLICATE, duplicate, at)
+                step.fate(entry, FeedbackFate.DUPLICATE, _duplicate(source, gid), at)
             else:
                 sources = tuple(sorted((*concluded.sources, source)))
                 step.touched.add(self._ledger.update(gid, concluded._replace(sources=sources)))
@@ -343,7 +342,7 @@ class ProcessorState(Generic[UnitT]):
         key = self._orphan_at.get(gid) or feedback.group_id or gid
         waiting = self._bucket(key, step).orphans.setdefault(gid, {})
         if source in waiting:
-            step.fate(entry, FeedbackFate.DUPLICATE, duplicate, at)
+            step.fate(entry, FeedbackFate.DUPLICATE, _duplicate(source, gid), at)
         else:
             waiting[source] = entry
             self._orphan_at[gid] = key
@@ -461,7 +460,7 @@ class ProcessorState(Generic[UnitT]):
         if not isinstance(key, str) or not key:
             raise InvalidRecord(f"the grouping gave the key {key!r}, not a non-empty string")
         try:
-            key.encode()
+            key.isascii() or key.encode()
         except UnicodeEncodeError as error:
             raise InvalidRecord(f"the grouping gave the key {key!r}, not UTF-8: {error}") from None
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
@@ -470,8 +469,10 @@ class ProcessorState(Generic[UnitT]):
 
     def _admission(self, key: str, bucket: _Bucket, gid: str,
                    size: int) -> tuple[Outcome, str] | None:
-        """Why generation ``gid`` of declared ``size`` cannot join group ``key`` (None if it can)."""
-        if (closed := self._ledger.closure(key)) is not None:
+        """Why generation ``gid`` of declared ``size`` cannot join group ``key`` (None if it can).
+        An open group (its size known) is not closed: only a bucket without one can be (``_close``
+        clears the size as the ledger records the closure), so only then is the ledger asked."""
+        if bucket.size is None and (closed := self._ledger.closure(key)) is not None:
             how, detail = closed
             if how == "resolved":
                 return Outcome.EXPIRED, f"arrived after its group {key!r} closed: {detail}"
@@ -695,6 +696,10 @@ def _with_policy_masks(unit: RolloutUnit, generations: Mapping[str, Generation])
     return dataclasses.replace(unit, members=tuple(members)) if changed else unit
 
 
+def _duplicate(source: str, gid: str) -> str:
+    return f"feedback from {source!r} for {gid} was already received"
+
+
 def _emitted(uid: str, members: int, size: int | None, how: str) -> str:
     of = f" of {size}" if how == "resolved" else ""
     return f"emitted as unit {uid} with {members}{of} members"
@@ -722,7 +727,14 @@ def _score_problem(score: Any, received: Mapping[str, Feedback]) -> str:
     if not score.sources or not set(score.sources) <= set(received):
         raise FatalError(f"the feedback policy's score names sources {list(score.sources)}; "
                          f"they must be a non-empty subset of those received {sorted(received)}")
+    if _finite_number(score.reward) and all(map(_finite_number, score.components.values())):
+        return ""
     values = {"reward": score.reward, **{f"components.{k}": v for k, v in score.components.items()}}
     bad = [name for name, value in values.items() if isinstance(value, bool)
            or not isinstance(value, (int, float)) or not math.isfinite(value)]
     return f"its combined score is not finite: {bad}" if bad else ""
+
+
+def _finite_number(value: Any) -> bool:
+    """A finite int or float (not a bool): what a score's reward and components must be."""
+    return type(value) in (float, int) and math.isfinite(value)
