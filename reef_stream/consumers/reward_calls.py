@@ -58,7 +58,7 @@ __all__ = ["FAST", "MAX_BACKOFF_S", "SLOW", "CallSlots", "RewardOptions", "Slot"
 MAX_BACKOFF_S = 30.0
 FAST, SLOW = "fast", "slow"
 #: A fast-lane try leaves the fast lane after this many times the observed p99 ...
-ADAPT_FACTOR = 2.0
+ADAPT_FACTOR = 1.5
 #: ... but never before this many seconds, and only once this many calls succeeded.
 ADAPT_FLOOR_S = 0.1
 ADAPT_MIN_SAMPLES = 32
