@@ -15,11 +15,18 @@ keyed by group):
   transactions, offsets committed once at the end): the ceiling of the
   client on this machine.
 
+Both print this process's CPU per generation (every thread, the loop's and
+librdkafka's): on a shared machine the steadier figure, as wall time also
+waits for cores.
+
 Then, at a fixed offered rate (``--rate`` generations/s plus their
 feedback, for ``--seconds``), the latency from the moment the last record
 of a group was acknowledged by the broker to the moment its unit was read
-by a ``read_committed`` consumer: p50 / p99. Uses REEF_BOOTSTRAP_SERVERS if
-set, otherwise a throw-away single-node broker. Figures, never assertions.
+by a ``read_committed`` consumer (``poll``, one record at a time: a
+``consume(1000, timeout=0.1)`` reader, as before issue 15's second pass, added
+up to 0.1 s of its own batching to every figure): p50 / p99. Uses
+REEF_BOOTSTRAP_SERVERS if set, otherwise a throw-away single-node broker.
+Figures, never assertions.
 """
 
 from __future__ import annotations
@@ -60,13 +67,15 @@ from tests.integration.test_processor_runtime import (  # noqa: E402
 DEADLINE_S = 180.0
 
 
-def run_processor(bootstrap: str, ns: str, units: int) -> float:
+def run_processor(bootstrap: str, ns: str, units: int) -> tuple[float, float]:
+    """Seconds from the first assignment to the last unit, and this process's CPU seconds
+    (every thread: the loop's and librdkafka's) meanwhile."""
     runtime = ProcessorRuntime(RECIPE, bootstrap=bootstrap, namespace=ns, log_every_s=3600)
     ready = threading.Event()
     thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
     thread.start()
     ready.wait(120)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     while runtime.counts["units"] < units:
         if time.perf_counter() - started > DEADLINE_S:
             runtime.stop()
@@ -74,36 +83,39 @@ def run_processor(bootstrap: str, ns: str, units: int) -> float:
             raise SystemExit(f"the processor emitted {runtime.counts['units']} of {units} units "
                              f"in {DEADLINE_S:.0f} s: {dict(runtime.counts)}")
         time.sleep(0.01)
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     runtime.stop()
     thread.join(30)
-    return elapsed
+    return elapsed, cpu
 
 
-def run_raw(bootstrap: str, ns: str, records: int) -> float:
+def run_raw(bootstrap: str, ns: str, records: int) -> tuple[float, float]:
+    """Seconds from the first record read to the last one delivered, and this process's CPU
+    seconds meanwhile."""
     consumer = Consumer(client_config(bootstrap, {
         "group.id": f"raw-{uuid.uuid4().hex[:6]}", "auto.offset.reset": "earliest",
         "enable.auto.commit": False, "fetch.max.bytes": 64 << 20}))
     producer = Producer(client_config(bootstrap, {"linger.ms": 5, "compression.type": "lz4",
                                                   "acks": "all"}))
     consumer.subscribe([declarations.generations(ns), declarations.feedback(ns)])
-    out, seen, started = f"{ns}.raw-out", 0, None
+    out, seen, started, cpu = f"{ns}.raw-out", 0, None, 0.0
     ensure_topics(AdminClient(client_config(bootstrap)),
                   [Topic(out, declarations.DATA_PARTITIONS, config={"max.message.bytes": str(8 << 20)})])
     while seen < records:
         for message in consumer.consume(2000, timeout=0.2):
             if message.error() is not None:
                 continue
-            started = started or time.perf_counter()
+            if started is None:
+                started, cpu = time.perf_counter(), time.process_time()
             producer.produce(out, value=message.value(), key=message.key(),
                              headers=message.headers())
             producer.poll(0)
             seen += 1
     producer.flush(60)
     consumer.commit(asynchronous=False)
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     consumer.close()
-    return elapsed
+    return elapsed, cpu
 
 
 def latency(bootstrap: str, ns: str, rate: float, seconds: float) -> list[float]:
@@ -208,13 +220,16 @@ def throughput(bootstrap: str, ns: str, generations: int) -> None:
     gens = len(work.generations)
     records = sum(len(w) for w in work.windows)
     units = len(work.complete) // 4
-    raw_s = run_raw(bootstrap, ns, records)
-    proc_s = run_processor(bootstrap, ns, units)
+    raw_s, raw_cpu = run_raw(bootstrap, ns, records)
+    proc_s, proc_cpu = run_processor(bootstrap, ns, units)
     print(f"data: {gens} generations, {records} records (generations + feedback), {units} units")
     print(f"raw consume+produce loop: {records / raw_s:10.0f} records/s  {gens / raw_s:9.0f} generations/s")
     print(f"processor (joined, grouped, transactional): {records / proc_s:10.0f} records/s  "
           f"{gens / proc_s:9.0f} generations/s")
-    print(f"ratio processor/raw: {raw_s / proc_s:.2f}", flush=True)
+    print(f"ratio processor/raw: {raw_s / proc_s:.2f}")
+    # CPU per generation is the steadier figure on a shared machine (wall time waits for cores)
+    print(f"CPU of this process per generation: raw {raw_cpu / gens * 1e6:.0f} µs, "
+          f"processor {proc_cpu / gens * 1e6:.0f} µs", flush=True)
 
 
 if __name__ == "__main__":

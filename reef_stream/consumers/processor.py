@@ -90,6 +90,14 @@ not taken: ``reef process --help`` names 2000. Where the loop thread's time goes
 now (cProfile, 20,400 generations in batches of 2,000): the state machine with the
 recipe's parts ~38%, Avro decode ~18%, ``validate`` ~14%, the pairs' merge ~10%, the
 transaction ~19% (unit encoding 8%, changelog snapshots 5%).
+Then the pairs' merge over plain deques (``consumers.pairs``), validation per fetch
+(``consumers.offers``) and cheaper admission checks in the join: the Python work per
+generation (the bench's workload without Kafka, py-spy) from 84-95 to 73-76 µs: the state
+machine with the recipe's parts 44%, decode 23%, validate 7%, the transaction's records 17%.
+In ``bench/processor.py`` (4 alternating pairs, load 3.4-4.8) the process's CPU per generation
+went from 112-120 to 106-115 µs, against 9-19 µs for the raw loop: 0.3 of raw would need the
+whole processor within ~50-70 µs per generation on a quiet machine, less than its Python
+work alone (see the README's per-record table).
 
 Co-partitioning. A group's generations and all their feedback carry one key
 (``intake.producer.record_key``) and the two topics have equal partition
