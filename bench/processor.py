@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reef_stream.config import load_settings  # noqa: E402
 from reef_stream.topics.connect import client_config  # noqa: E402
-from reef_stream.consumers.processor import ProcessorRuntime  # noqa: E402
+from reef_stream.consumers.processor import ProcessorRuntime, tune_collector  # noqa: E402
 from reef_stream.topics.events import Feedback, Generation, RolloutUnit  # noqa: E402
 from reef_stream.ops.kafka_local import configured_or_throwaway  # noqa: E402
 from reef_stream.api.processor import unit_id  # noqa: E402
@@ -203,6 +203,7 @@ def main() -> None:
     parser.add_argument("--skip", choices=("throughput", "latency"), action="append", default=[],
                         help="leave out a part of the run (may be given twice)")
     args = parser.parse_args()
+    tune_collector()  # as `reef process` does (the raw loop hardly allocates)
     settings = load_settings()
     workdir = Path(tempfile.mkdtemp(prefix="reef-bench-"))
     with configured_or_throwaway(settings, workdir) as bootstrap:

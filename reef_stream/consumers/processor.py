@@ -93,11 +93,11 @@ transaction ~19% (unit encoding 8%, changelog snapshots 5%).
 Then the pairs' merge over plain deques (``consumers.pairs``), validation per fetch
 (``consumers.offers``) and cheaper admission checks in the join: the Python work per
 generation (the bench's workload without Kafka, py-spy) from 84-95 to 73-76 µs: the state
-machine with the recipe's parts 44%, decode 23%, validate 7%, the transaction's records 17%.
-In ``bench/processor.py`` (4 alternating pairs, load 3.4-4.8) the process's CPU per generation
-went from 112-120 to 106-115 µs, against 9-19 µs for the raw loop: 0.3 of raw would need the
-whole processor within ~50-70 µs per generation on a quiet machine, less than its Python
-work alone (see the README's per-record table).
+machine with the recipe's parts 44%, decode 23%, validate 7%, the transaction's records 17%;
+and the collector's thresholds (``GC_THRESHOLDS``) to 59-61 µs. In ``bench/processor.py``
+(3 alternating pairs, load 3.0-5.8) the process's CPU per generation went from 109-114 to
+84-89 µs, against 8-24 µs for the raw loop: 0.3 of raw would need the whole processor
+within ~50-70 µs per generation on a quiet machine, about its Python work alone.
 
 Co-partitioning. A group's generations and all their feedback carry one key
 (``intake.producer.record_key``) and the two topics have equal partition
@@ -147,6 +147,7 @@ why); the loop writes the consumer's lag with them every second.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -217,6 +218,11 @@ STALL_INTERVALS = 8
 STALL_MIN_S = 30.0
 #: `reef process`'s exit status when it stops for its supervisor to restart it (EX_TEMPFAIL).
 EXIT_RESTART = 75
+#: The cyclic collector's thresholds in a processor's own process (``tune_collector``). With
+#: the default (700, 10, 10) its collections scanned the state's live objects over and over:
+#: 17% of the Python work per generation (bench/processor.py's workload without Kafka, 72 ->
+#: 59-61 µs). Records and states are freed by reference counting; only cycles wait longer.
+GC_THRESHOLDS = (10_000, 10, 10)
 
 
 class ProcessorRuntime:
@@ -760,6 +766,7 @@ def run_processor_runtime(recipe: Any, *, bootstrap: str, namespace: str, group:
                           handle_signals: bool = True) -> ProcessorRuntime:
     """Run until SIGINT / SIGTERM (with ``handle_signals``); the runtime, for its counts. A
     stuck transaction ends the process with ``EXIT_RESTART`` (see ``fencing.watch_commits``)."""
+    tune_collector()
     runtime = ProcessorRuntime(recipe, bootstrap=bootstrap, namespace=namespace, group=group,
                                instance=instance, batch=batch, on_stuck=_exit_for_restart)
     stopping = stop_on_signals(runtime.stop) if handle_signals else contextlib.nullcontext()
@@ -769,6 +776,12 @@ def run_processor_runtime(recipe: Any, *, bootstrap: str, namespace: str, group:
     except KafkaException as exc:
         raise FatalError(f"the processor stopped: {exc.args[0]}") from exc
     return runtime
+
+
+def tune_collector() -> None:
+    """Set this process's cyclic-collector thresholds to ``GC_THRESHOLDS``: for a process that
+    runs a processor (process-wide, so not done by ``ProcessorRuntime`` itself)."""
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def _exit_for_restart(why: str) -> None:
