@@ -77,6 +77,24 @@ def redis_url(settings, tmp_path_factory, request) -> str:
     server.down()
 
 
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> Path:
+    """A tiny Llama-style Hugging Face model (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 96,
+    random weights under seed 0), saved with ``save_pretrained``: no model hub. Read-only."""
+    import torch
+    import transformers
+
+    directory = tmp_path_factory.mktemp("llama")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=96,
+                                          max_position_embeddings=64)
+        transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture
 def namespace() -> str:
     """A topic namespace of this test's own."""

@@ -25,17 +25,6 @@ from tests.integration.test_trainer_data_parallel import STEPS, _torchrun, sprea
 DIGEST = re.compile(r"rank (\d) of 2 holds the weights of every rank \(sha256 ([0-9a-f]{64})\)")
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      vocab_size=96, max_position_embeddings=64)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    return directory
-
-
 def _weights_sha256(stored) -> str:
     fs, path = fsspec.core.url_to_fs(stored.uri)
     return json.loads(fs.cat_file(f"{path}/{MANIFEST}"))["files"]["model.safetensors"]["sha256"]

@@ -19,9 +19,7 @@ import sys
 import time
 
 import psutil
-import pytest
 import torch
-import transformers  # noqa: E402 - a dependency: missing, the test fails rather than skips
 
 from reef_stream.engine.checkpoints import CheckpointStore, load, safetensors_sha256
 from reef_stream.engine.hf import HuggingFace
@@ -34,17 +32,6 @@ RECIPE = "tests.recipes.trainable_hf_fsdp"
 SHARE = re.compile(r"rank (\d) of 2 holds (\d+) of the optimizer state's (\d+) values")
 SHARD = re.compile(r"rank (\d) of 2 holds its shard of the weights rank 0 writes "
                    r"\(sha256 ([0-9a-f]{64})\)")
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      vocab_size=96, max_position_embeddings=64)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    return directory
 
 
 def _start(env, group: str, store, **streams) -> subprocess.Popen:

@@ -10,7 +10,6 @@ import dataclasses
 
 import pytest
 import torch
-import transformers  # noqa: E402 - a dependency: missing, the tests fail rather than skip
 
 from reef_stream.api.recipe import apply_overrides
 from reef_stream.engine.hf import HuggingFace, Lora
@@ -25,17 +24,6 @@ from reef_stream.engine.training import TorchBackend
 from reef_stream.errors import ConfigurationError
 from tests.recipes.trainable import recipe as trainable
 from tests.unit_log import rollout_unit
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      vocab_size=96, max_position_embeddings=64)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    return str(directory)
 
 
 def _recipe(model):
@@ -56,7 +44,8 @@ def test_sharding_is_a_field_of_the_model_checked_and_set_like_any_other():
 
 
 def test_a_hugging_face_model_is_sharded_by_its_decoder_layers(llama_dir):
-    for model in (HuggingFace(llama_dir)(), HuggingFace(llama_dir, lora=Lora(rank=2))()):
+    path = str(llama_dir)
+    for model in (HuggingFace(path)(), HuggingFace(path, lora=Lora(rank=2))()):
         blocks = model.blocks()
         assert [type(b).__name__ for b in blocks] == ["LlamaDecoderLayer"] * 2
         assert all(any(b is layer for layer in model.base.model.layers) for b in blocks)
@@ -99,8 +88,8 @@ def test_unsharded_tensors_are_expected_whole_and_the_names_must_match():
 
 
 def test_one_process_asked_for_fsdp_trains_unsharded_with_the_same_checkpoint(llama_dir):
-    sharded = TorchBackend(_recipe(HuggingFace(llama_dir, sharding="fsdp")))
-    plain = TorchBackend(_recipe(HuggingFace(llama_dir)))
+    sharded = TorchBackend(_recipe(HuggingFace(str(llama_dir), sharding="fsdp")))
+    plain = TorchBackend(_recipe(HuggingFace(str(llama_dir))))
     assert sharded.sharded is None and sharded.held() is None
     units = [rollout_unit(i) for i in range(trainable.schedule.units_per_step)]
     for backend in (sharded, plain):
