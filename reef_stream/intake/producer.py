@@ -274,6 +274,9 @@ class RecordProducer:
         self._failed = 0
         self._replaying: set[int] = set()
         self._replay_reports: list[tuple[int, KafkaError | None, object]] = []
+        #: Replayed records acknowledged in the spool but not yet counted (``_settle_replays``):
+        #: ``flush`` waits for them, or its report could count fewer than were acknowledged.
+        self._settling = 0
         self._replay_after = 0
         self._reachable = True
         self._last_probe = 0.0
@@ -490,6 +493,17 @@ class RecordProducer:
         reports, self._replay_reports = self._replay_reports, []
         if not reports:
             return
+        with self._cond:
+            self._settling += len(reports)
+        try:
+            self._settle(reports)
+        finally:
+            with self._cond:
+                self._settling -= len(reports)
+                self._cond.notify_all()
+
+    def _settle(self, reports: list[tuple[int, KafkaError | None, object]]) -> None:
+        """Drop ``reports``' records from the spool, then count each and settle its handle."""
         handles = self._spool.ack([seq for seq, _, _ in reports])
         for seq, error, message in reports:
             handle = handles.get(seq)
@@ -626,7 +640,8 @@ class RecordProducer:
         Returns what is still outstanding; ``report.complete`` is True when
         nothing is. Spooled records stay durable on disk either way.
         """
-        self._wait_for(lambda: self._in_memory == 0 and not len(self._spool), timeout)
+        self._wait_for(lambda: self._in_memory == 0 and not len(self._spool)
+                       and not self._settling, timeout)
         return self.report()
 
     def close(self, timeout: float = 30.0) -> FlushReport:

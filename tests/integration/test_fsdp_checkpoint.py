@@ -190,6 +190,7 @@ WORKER = textwrap.dedent('''
         report("lora", {"check": check, "loss": metrics["loss"],
                         "grad_norm": metrics["grad_norm"],
                         "optimizer_entries": len(optimizer["state"])})
+    dist.barrier()   # no rank tears the group down while another still writes (seen: SIGABRT)
     dist.destroy_process_group()
 ''')
 
