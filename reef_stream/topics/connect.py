@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from reef_stream.config import Settings, load_settings
 from reef_stream.errors import ConfigurationError, RetryableError
@@ -245,8 +245,6 @@ def watermarks(consumer: Consumer, topic: str, partition: int,
     the partition (``_UNKNOWN_PARTITION``) and asking again alone fails until ``ask_broker``
     gives up (a broker fault test saw it). So the topic's metadata is refreshed before it
     asks again."""
-    from confluent_kafka import TopicPartition
-
     def ask() -> tuple[int, int]:
         try:
             return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
