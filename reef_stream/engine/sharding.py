@@ -43,7 +43,8 @@ from reef_stream.errors import ConfigurationError
 from reef_stream.ops.metrics import TRAINER_UPDATE_RATIO
 
 __all__ = ["SHARDINGS", "FullySharded", "expected_pieces", "local_pieces", "optimizer_by_index",
-           "optimizer_by_name", "parameter_names", "sharding_of", "trained_copy", "update_ratio"]
+           "optimizer_by_name", "parameter_names", "sharding_of", "trained_copy",
+           "trained_parameters", "update_ratio"]
 
 log = logging.getLogger("reef_stream.consumers.trainer.sharding")  # in the trainer's log
 
@@ -268,10 +269,17 @@ def expected_pieces(weights: Mapping[str, torch.Tensor], held: Mapping[str, torc
 # --------------------------------------------------------------------------- update ratio
 
 
+def trained_parameters(model: Any) -> list[torch.nn.Parameter]:
+    """The parameters that are trained: those requiring a gradient (a LoRA model's frozen
+    base is not), in ``model.parameters()`` order. What the optimizer is given and what
+    ``trained_copy`` and ``update_ratio`` measure."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def trained_copy(model: Any) -> list[torch.Tensor]:
-    """A copy of this rank's piece of every trained parameter (those requiring a gradient;
-    the whole parameter unsharded), for ``update_ratio``."""
-    return [_local(p).detach().clone() for p in model.parameters() if p.requires_grad]
+    """A copy of this rank's piece of every trained parameter (``trained_parameters``; the
+    whole parameter unsharded), for ``update_ratio``."""
+    return [_local(p).detach().clone() for p in trained_parameters(model)]
 
 
 def update_ratio(model: Any, before: Sequence[torch.Tensor]) -> dict[str, float]:
@@ -282,7 +290,7 @@ def update_ratio(model: Any, before: Sequence[torch.Tensor]) -> dict[str, float]
     all-reduce, which every rank calls)."""
     if not before:
         return {}
-    after = [p for p in model.parameters() if p.requires_grad]
+    after = trained_parameters(model)
     sharded = any(_is_sharded(p) for p in after)
     with torch.no_grad():
         norms = torch.stack([torch.linalg.vector_norm(b, dtype=torch.float64) for b in before])

@@ -67,7 +67,7 @@ from reef_stream.api.losses import (
     LossFamily, PolicyGradientInputs, ValueRegressionInputs,
 )
 from reef_stream.api.variants import BatchTotals, ExtraInput
-from reef_stream.engine.sharding import FullySharded, trained_copy, update_ratio
+from reef_stream.engine.sharding import FullySharded, trained_copy, trained_parameters, update_ratio
 from reef_stream.engine.loss_inputs import (
     completion_entropy, completion_logprobs, load_reference, local_totals, proximal_logprobs,
     proximal_rows, restricted,
@@ -463,7 +463,7 @@ class TorchBackend:
                                        rank=rank, ranks=ranks)
         # Only what requires a gradient is trained (a LoRA model's base is frozen): the
         # optimizer, the update ratio and its copy of the weights see nothing else.
-        trained = [p for p in model.parameters() if p.requires_grad]
+        trained = trained_parameters(model)
         optimizer = (backend.optimizer(trained) if backend.optimizer
                      else torch.optim.AdamW(trained, lr=1e-3))
         self.model, self.optimizer = ((model, self.sharded.bind(optimizer)) if self.sharded
