@@ -77,3 +77,17 @@ def consume_events(bootstrap: str, topic: str, expected: int, reader: type | Non
 
     return [decode(m.value(), m.headers(), reader, topic=m.topic(), partition=m.partition(),
                    offset=m.offset()) for m in consume_all(bootstrap, topic, expected)]
+
+
+def events_to_end(bootstrap: str, topic: str, reader: type | None = None) -> list:
+    """Every committed message of ``topic`` up to its current end, decoded as ``reader``
+    events. ``read_to_end``: a consumer assigned to the partitions (no group to join) that
+    stops at their end offsets, so a call takes a round trip, not a join and idle rounds
+    (``consume_all``'s, which on a topic still being written, such as ``<ns>.metrics``, may
+    never go quiet). Records written after the call are left out: to wait for some, call it
+    again inside ``wait_until``."""
+    from reef_stream.topics.reading import read_to_end
+    from reef_stream.topics.serde import decode
+
+    return [decode(m.value(), m.headers(), reader, topic=m.topic(), partition=m.partition(),
+                   offset=m.offset()) for m in read_to_end(bootstrap, topic)]
