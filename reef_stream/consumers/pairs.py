@@ -6,12 +6,12 @@ at equal timestamps: a record waits in memory (unoffered, its offset uncommitted
 other topic has been read past its timestamp or has nothing unread, at most ``max_idle_s``
 from when it was read. The merge and why it is so: ``reef_stream.engine.log_merge``.
 
-The pair applies that rule itself, over plain deques, rather than through a ``LogMerge``: it
-is the processor's rule of ``LogMerge.pop`` (heads in ``(timestamp, index of the topic)``
-order, an empty topic settled when ``caught_up()`` names it, a record let go ``max_idle_s``
-after it was read) without its per-record objects, head list and closure calls, which
-were ~15% of the processor's CPU per record (issue 15). ``tests/unit/test_pairs.py`` checks
-that both hand the records over in the same order.
+The pair keeps its records in plain deques, one per topic, and ``ready`` hands them to
+``log_merge.in_log_order``, the one place the order is written (the rule of ``LogMerge.pop``
+with an empty topic settled when ``caught_up()`` names it), rather than going through a
+``LogMerge``: its per-record ``Ordered`` objects were ~15% of the processor's CPU per record
+(issue 15). ``tests/unit/test_pairs.py`` checks that a pair and a ``LogMerge`` hand the
+records over in the same order.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reef_stream.engine.join import ProcessorState
+from reef_stream.engine.log_merge import Entry, in_log_order
 from reef_stream.topics.events import now_ms
 from reef_stream.topics.kafka import TIMESTAMP_NOT_AVAILABLE
 
@@ -39,11 +40,13 @@ class PartitionPair:
     next: dict[str, int] = field(default_factory=dict)  # next offset to read, by topic
     #: By topic, the records read and not offered yet, in the order read: (timestamp, when
     #: read on the monotonic clock, message). CreateTime topics: timestamps may go backwards.
-    _held: dict[str, deque[tuple[int, float, Any]]] = field(init=False)
+    _held: dict[str, deque[Entry]] = field(init=False)
+    _queues: list[tuple[str, deque[Entry]]] = field(init=False)  # _held in ``topics`` order
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
         self._held = {topic: deque() for topic in self.topics}
+        self._queues = [(topic, self._held[topic]) for topic in self.topics]
 
     def queue(self, message: Any) -> None:
         """Hold a consumed record until ``ready`` offers it (its broker timestamp, or now
@@ -63,34 +66,9 @@ class PartitionPair:
         """Pop the held records in timestamp order across the topics, as (topic, message,
         timestamp), as far as the clock allows (see the module docstring). ``caught_up()``:
         the topics of the pair with nothing unread; called only when a topic's queue is
-        empty. Lazy: stop iterating and the rest stays held."""
-        held = [(topic, self._held[topic]) for topic in self.topics]
-        if len(held) == 2:  # the processor's case, without the general loop's head search
-            (first, ones), (second, twos) = held
-            while ones and twos:
-                if twos[0][0] < ones[0][0]:
-                    at, _, message = twos.popleft()
-                    yield second, message, at
-                else:
-                    at, _, message = ones.popleft()
-                    yield first, message, at
-        while True:
-            heads = [(queue[0][0], index) for index, (_, queue) in enumerate(held) if queue]
-            if not heads:
-                return
-            index = min(heads)[1]
-            topic, queue = held[index]
-            empty = [other for other, waiting in held if not waiting]
-            settled = not empty or caught_up().issuperset(empty)
-            if not settled and self.clock() - queue[0][1] < max_idle_s:
-                return
-            if settled and len(heads) == 1:  # every other topic empty and settled: in order
-                while queue:
-                    at, _, message = queue.popleft()
-                    yield topic, message, at
-                return
-            at, _, message = queue.popleft()
-            yield topic, message, at
+        empty (at most once a record). Lazy: stop iterating and the rest stays held."""
+        return in_log_order(self._queues, lambda topic, _at: topic in caught_up(),
+                            max_wait_s=max_idle_s, clock=self.clock)
 
     def held(self) -> bool:
         """True while a record read is not offered yet."""

@@ -35,8 +35,8 @@ can hold nothing earlier than the candidate (``pop``'s ``settled``). The two rul
   minus the fetch latency (``fetch.wait.max.ms`` plus a round trip), and the consumer keeps
   fetching every partition. At the end of a finite log the last records wait ``grace_ms``
   for this; while data flows on every partition they go at once.
-- The processor's (``consumers.pairs``), as Kafka Streams synchronises the partitions of a
-  task: the other topic has nothing unread (its position is at the high watermark of the
+- The processor's (``consumers.pairs``: a ``PartitionPair`` hands its two topics' queues to
+  ``in_log_order``), as Kafka Streams synchronises the partitions of a task: the other topic has nothing unread (its position is at the high watermark of the
   last fetch; asking costs a client call, so the caller asks lazily, at most once a batch).
   A record waits so, in memory (unoffered, its offset uncommitted), but at most
   ``max_wait_s`` from when it was read (``pop``'s escape, on the merge's monotonic clock):
@@ -45,6 +45,12 @@ can hold nothing earlier than the candidate (``pop``'s ``settled``). The two rul
   not one ``max_wait_s`` after the other. The escape makes the order depend on timing, so the
   trainer never uses it.
 
+The order is written once, in ``in_log_order``: over queues of ``(timestamp, when read,
+item)`` in read order, one per source, it pops heads in order while they are settled.
+``LogMerge.pop`` takes its next record from it; the processor's pairs call it on their own
+deques, without a ``LogMerge``'s per-record objects (its hot path: two sources, whose heads
+are compared directly while both hold records).
+
 Pure: no Kafka in here (the consumers feed it), so it is tested without a broker.
 """
 
@@ -52,7 +58,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -65,6 +71,58 @@ SourceT = TypeVar("SourceT", bound=Hashable)
 #: ``settled(source, timestamp_ms)``: True when ``source``, empty, can no longer yield a
 #: record that sorts before a candidate at ``timestamp_ms``.
 Settled = Callable[[SourceT, int], bool]
+
+#: A record waiting in its source's queue: its timestamp, when it was read (the merge's
+#: monotonic clock, for ``max_wait_s``) and what the caller attached.
+Entry = tuple[int, float, Any]
+
+
+def in_log_order(queues: Sequence[tuple[SourceT, deque[Entry]]], settled: Settled[SourceT], *,
+                 max_wait_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> Iterator[tuple[SourceT, Any, int]]:
+    """Pop the queues' entries in log order, as ``(source, item, timestamp)``, while the next
+    one is settled (see the module docstring); lazy: stop iterating and the rest stays queued.
+
+    ``queues``: each source with its entries in the order read, the sources in tie-break
+    order. The next entry is the head that sorts first by ``(timestamp, index of its source)``.
+    It goes when every *empty* source other than its own is settled for its timestamp
+    (``settled(source, timestamp)``, asked only of those, and only until one says False); a
+    source holding records is settled by construction (its head sorts after). Else it goes
+    only once it was read at least ``max_wait_s`` ago (``clock``); None never lets it go
+    early. Entries are added between iterations, never during one.
+    """
+    if len(queues) == 2:  # the processor's pairs: the heads compared directly
+        (first, ones), (second, twos) = queues
+        while True:
+            while ones and twos:
+                if twos[0][0] < ones[0][0]:
+                    at, _, item = twos.popleft()
+                    yield second, item, at
+                else:
+                    at, _, item = ones.popleft()
+                    yield first, item, at
+            if ones:
+                source, queue, other = first, ones, second
+            elif twos:
+                source, queue, other = second, twos, first
+            else:
+                return
+            at, read_at, item = queue[0]
+            if not settled(other, at) and (max_wait_s is None or clock() - read_at < max_wait_s):
+                return
+            queue.popleft()
+            yield source, item, at
+    while True:
+        heads = [(queue[0][0], index) for index, (_, queue) in enumerate(queues) if queue]
+        if not heads:
+            return
+        source, queue = queues[min(heads)[1]]
+        at, read_at, item = queue[0]
+        if not all(settled(other, at) for other, waiting in queues if not waiting) and (
+                max_wait_s is None or clock() - read_at < max_wait_s):
+            return
+        queue.popleft()
+        yield source, item, at
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +148,11 @@ class LogMerge(Generic[SourceT]):
 
     def __init__(self, sources: Sequence[SourceT], *, log_append_time: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._index = {source: i for i, source in enumerate(sources)}
-        #: By source: records read and not handed over yet, with when each was read (clock).
-        self._queues: dict[SourceT, deque[tuple[Ordered[SourceT], float]]] = {
-            source: deque() for source in sources}
+        #: By source: records read and not handed over yet, as ``(timestamp, when read on the
+        #: clock, Ordered)``; and the same queues in the order of ``sources``, for
+        #: ``in_log_order``.
+        self._queues: dict[SourceT, deque[Entry]] = {source: deque() for source in sources}
+        self._order = list(self._queues.items())
         self._at_end: dict[SourceT, bool] = dict.fromkeys(sources, False)
         self._log_append_time = log_append_time
         self._clock = clock
@@ -104,7 +163,7 @@ class LogMerge(Generic[SourceT]):
         source, or (``log_append_time``) a timestamp below it."""
         queue = self._queues[source]
         if queue:
-            last = queue[-1][0]
+            last = queue[-1][2]
             if offset <= last.offset or (self._log_append_time
                                          and timestamp_ms < last.timestamp_ms):
                 raise ValueError(
@@ -112,7 +171,7 @@ class LogMerge(Generic[SourceT]):
                     f"{last.offset} at {last.timestamp_ms} ms (offsets must increase"
                     + (" and timestamps must not decrease: is the topic LogAppendTime?)"
                        if self._log_append_time else ")"))
-        queue.append((Ordered(source, offset, timestamp_ms, item), self._clock()))
+        queue.append((timestamp_ms, self._clock(), Ordered(source, offset, timestamp_ms, item)))
         self._at_end[source] = False
 
     def at_end(self, source: SourceT) -> None:
@@ -140,17 +199,10 @@ class LogMerge(Generic[SourceT]):
         that long ago (``clock``) goes even if an empty source is not settled; None (the
         trainer's) never lets one go early.
         """
-        heads = [(queue[0][0].timestamp_ms, self._index[source], source)
-                 for source, queue in self._queues.items() if queue]
-        if not heads:
-            return None
-        timestamp_ms, _, source = min(heads)
-        if not all(settled(other, timestamp_ms) for other, queue in self._queues.items()
-                   if other != source and not queue):
-            if max_wait_s is None or self._clock() - self._queues[source][0][1] < max_wait_s:
-                return None
-        record, _ = self._queues[source].popleft()
-        return record
+        for _, record, _ in in_log_order(self._order, settled, max_wait_s=max_wait_s,
+                                         clock=self._clock):
+            return record
+        return None
 
     def __len__(self) -> int:
         return sum(len(queue) for queue in self._queues.values())

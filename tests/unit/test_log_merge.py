@@ -6,6 +6,7 @@ keeps its clock from running ahead on one topic."""
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass
 
 import pytest
@@ -13,7 +14,7 @@ from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_NOT_AVAILABLE
 
 from reef_stream.consumers.pairs import PartitionPair
 from reef_stream.engine.join import ProcessorState
-from reef_stream.engine.log_merge import LogMerge
+from reef_stream.engine.log_merge import LogMerge, in_log_order
 from reef_stream.topics.events import now_ms
 from tests.unit.test_processor import GROUPED
 
@@ -202,6 +203,42 @@ def test_without_max_wait_an_unsettled_source_blocks_for_ever():
     merge.add("g", 0, 1_000, "g0")
     clock.now = 1e9
     assert merge.pop(_nothing_settled) is None and len(merge) == 1
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_the_two_source_path_pops_what_the_general_path_does(seed):
+    """``in_log_order`` compares two sources' heads directly (the processor's pairs); a third
+    source, empty and always settled, changes nothing in the order but takes the general
+    path: both must agree, under a timestamp-dependent ``settled`` and ``max_wait_s``."""
+    rng, clock = random.Random(seed), FakeClock()
+    two = [("g", deque()), ("f", deque())]
+    three = [("g", deque()), ("f", deque()), ("idle", deque())]
+    out_two, out_three, read = [], [], 0
+    for _ in range(rng.randrange(1, 20)):
+        for _ in range(rng.randrange(0, 6)):
+            index, entry = rng.randrange(2), (rng.randrange(0, 20) * 10, clock.now, read)
+            two[index][1].append(entry)
+            three[index][1].append(entry)
+            read += 1
+        clock.now += rng.choice((0.0, 1.0, 3.0))
+        horizon = {"g": rng.randrange(0, 250), "f": rng.randrange(0, 250), "idle": 10**9}
+        max_wait = rng.choice((None, 2.0))
+
+        def settled(source, at, horizon=horizon):
+            return at <= horizon[source]
+
+        out_two += list(in_log_order(two, settled, max_wait_s=max_wait, clock=clock))
+        out_three += list(in_log_order(three, settled, max_wait_s=max_wait, clock=clock))
+        assert out_two == out_three
+    assert [len(queue) for _, queue in two] == [len(queue) for _, queue in three[:2]]
+
+
+def test_in_log_order_is_lazy_what_is_not_taken_stays_queued():
+    queues = [("g", deque([(10, 0.0, "g0"), (30, 0.0, "g1")])), ("f", deque([(20, 0.0, "f0")]))]
+    order = in_log_order(queues, _everything_settled)
+    assert next(order) == ("g", "g0", 10)
+    order.close()
+    assert [item for _, item, _ in in_log_order(queues, _everything_settled)] == ["f0", "g1"]
 
 
 # ----------------------------------------------------------------- PartitionPair
