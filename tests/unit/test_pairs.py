@@ -1,6 +1,7 @@
 """``PartitionPair.ready`` hands records over in the order ``LogMerge.pop`` does under the
-processor's rule (caught up, or waited ``max_idle_s``): the pair applies the rule itself for
-speed (``reef_stream.consumers.pairs``), so the two are checked against each other on random
+processor's rule (caught up, or waited ``max_idle_s``): both go through
+``log_merge.in_log_order``, the pair over its own deques and its ``caught_up()`` sets
+(``reef_stream.consumers.pairs``), so the two are checked against each other on random
 interleavings of reads, timestamps going backwards, caught-up sets and idle waits."""
 
 from __future__ import annotations
