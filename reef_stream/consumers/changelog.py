@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from reef_stream.errors import FatalError
-from reef_stream.topics.connect import ask_broker, new_consumer
+from reef_stream.topics.connect import new_consumer, watermarks
 from reef_stream.topics.declarations import MiB, Topic
 from reef_stream.topics.kafka import KafkaError, KafkaException, TopicPartition
 
@@ -51,9 +51,7 @@ def read_changelog(bootstrap: str, group: str, topic: str, partitions: list[int]
     try:
         ends = {}
         for p in partitions:
-            _, high = ask_broker(f"reading the offsets of {topic}[{p}]",
-                                 lambda p=p: reader.get_watermark_offsets(
-                                     TopicPartition(topic, p), timeout=30))
+            _, high = watermarks(reader, topic, p)  # reader assigned nothing yet: see there
             if high > 0:
                 ends[p] = high
         reader.assign([TopicPartition(topic, p, 0) for p in ends])

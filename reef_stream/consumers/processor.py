@@ -173,7 +173,7 @@ from reef_stream.ops.processes import stop_on_signals
 from reef_stream.ops.record_stats import RecordStats
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics, namespace_topics
-from reef_stream.topics.connect import ask_broker, new_admin, new_consumer
+from reef_stream.topics.connect import ask_broker, new_admin, new_consumer, watermarks
 from reef_stream.topics.declarations import MiB
 from reef_stream.topics.events import Checkpoint, now_ms
 from reef_stream.topics.kafka import (
@@ -420,9 +420,7 @@ class ProcessorRuntime:
         for tp in committed:
             offset = tp.offset
             if offset < 0:
-                offset, _ = ask_broker(f"reading the offsets of {tp.topic}[{tp.partition}]",
-                                       lambda tp=tp: self._consumer.get_watermark_offsets(
-                                           tp, timeout=30))
+                offset, _ = watermarks(self._consumer, tp.topic, tp.partition)
             self._parts[tp.partition].next[tp.topic] = offset
 
     def _rejoin(self, fenced: ConsumerFenced) -> None:
