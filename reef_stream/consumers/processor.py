@@ -51,53 +51,19 @@ next wait; at least ``STALL_MIN_S``) while the bound is full suspends the
 bound until its next checkpoint, with a warning: units it skipped (duplicates,
 too stale) count until that checkpoint, and could hold its step short of full.
 
-Why not faust-streaming (issue 4 asked for it first): its ``exactly_once``
-mode has open duplicate bugs (faust-streaming #323, #517, #177), so the
-guarantee has to come from elsewhere anyway; its tables would duplicate the
-per-key snapshots the state machine already makes; and this runtime's
-durability order is written down in one function, ``_commit``.
-The figures that decided it (``bench/faust_processor.py --generations 6000``,
-two runs, same data and broker: a faust-streaming 0.15.3 agent over both
-topics driving the same ``ProcessorState``, snapshots in a changelog-backed
-``Table``, no restore, ticks or checkpoints): raw 11,000-12,600
-generations/s, this runtime 3,000-3,500 (0.28 of raw), faust at_least_once
-490-530 (0.04 of raw, 0.15 of this runtime), faust without its table 810-1,290,
-faust exactly_once 335-410 (it did commit every unit on Kafka 3.9.2, once,
-in a run without rebalances or crashes). Measured earlier (``bench/processor.py``, 2-core machine,
-one local broker, ~1.2 KB generations in groups of 4): 2,900-3,400
-generations/s joined and grouped (6,000-6,800 records/s with feedback)
-against 20,000-25,000 generations/s for a raw confluent-kafka
-consume-and-produce loop that decodes nothing (ratio 0.13-0.15); a
-profile puts ~60% of the processing time in Avro decoding and
-``ProcessorState.offer`` (per-record Python work a faust agent would do
-too), and the transactions themselves at ~25%. Completion-to-unit latency at
-1,000 generations/s offered: p50 ~400-460 ms, p99 ~750-790 ms. On the stage
-loop (same bench and machine, a shared one, runs alternating with the runtime
-that drove its own consumer): 3,200-4,100 generations/s against 3,350-3,800
-before, p50 210-300 ms against 310-350 ms; the loop costs nothing measurable.
-Per-record cost (issue 15; same bench, runs alternating with the code before, a
-machine loaded by other work, so the ratios are the figures to read): one ``Step``
-per partition and fetch (``offer_all``), counts without a ``Counter`` per record,
-snapshots from the bytes read, ledger segments' changelog records from kept text
-and a fetch wait of ``POLL_TIMEOUT_S`` 0.05 s instead of 0.2 s (0.1 s since: see the
-constant) took the processor
-from 1,055 to 1,890 generations/s (raw 19,700 and 17,700) and completion-to-unit
-from p50 923 / p99 1,747 ms to p50 197 / p99 490 ms; on the machine quieter, three
-alternating pairs: 3,580-3,950 -> 4,860-6,060 generations/s (raw 28,000-40,500 either
-way: ratio 0.10-0.14 -> 0.12-0.19), p50 250-320 -> 64-80 ms, p99 588-625 -> 244-248 ms.
-``--batch 5000`` gave another ~12% (5,050-5,070 against 4,190-4,710 generations/s),
-not taken: ``reef process --help`` names 2000. Where the loop thread's time goes
-now (cProfile, 20,400 generations in batches of 2,000): the state machine with the
-recipe's parts ~38%, Avro decode ~18%, ``validate`` ~14%, the pairs' merge ~10%, the
-transaction ~19% (unit encoding 8%, changelog snapshots 5%).
-Then the pairs' merge over plain deques (``consumers.pairs``), validation per fetch
-(``consumers.offers``) and cheaper admission checks in the join: the Python work per
-generation (the bench's workload without Kafka, py-spy) from 84-95 to 73-76 µs: the state
-machine with the recipe's parts 44%, decode 23%, validate 7%, the transaction's records 17%;
-and the collector's thresholds (``GC_THRESHOLDS``) to 59-61 µs. In ``bench/processor.py``
-(3 alternating pairs, load 3.0-5.8) the process's CPU per generation went from 109-114 to
-84-89 µs, against 8-24 µs for the raw loop: 0.3 of raw would need the whole processor
-within ~50-70 µs per generation on a quiet machine, about its Python work alone.
+Why this and not faust-streaming, and what the processor's speed is made of (the
+figures, and what was tried): ``docs/processor.md``. In short: faust's ``exactly_once``
+has open duplicate bugs, so the guarantee has to come from here anyway, and this runtime's
+durability order is written down in one function, ``_commit``; ``bench/processor.py``
+measures it against a raw consume-and-produce loop.
+
+Where things are. This module: ``ProcessorRuntime`` (lifecycle, rebalancing, ``_process``
+for a fetch, ``_commit`` for its transaction) and ``_Processing``, its strategy on the stage
+loop. Beside it in ``reef_stream.consumers``: ``pairs`` (a partition pair's records, in log
+order), ``offers`` (decode and validate what a pair lets through), ``step_records`` (a
+step's units and dead letters as records), ``changelog`` (the state topic and its restore),
+``fencing`` (transactional identity, the commit watchdog), ``backlog`` (the trainer's
+backlog count) and ``processor_metrics`` (counts to ``<ns>.metrics``).
 
 Co-partitioning. A group's generations and all their feedback carry one key
 (``intake.producer.record_key``) and the two topics have equal partition
@@ -194,12 +160,8 @@ STAGE = metrics.STAGE_PROCESSOR
 BATCH = 2000
 #: Longest the loop waits for a fetch to fill ``batch``: a record read waits this long at most
 #: before its transaction begins, and below ``batch`` records a fetch is one transaction, so it
-#: also sets how many transactions a second cost the processor and the broker. Measured
-#: (bench/processor.py --skip throughput, 1,000 generations/s; and the demo's load, 80 s of
-#: ``reef demo``, CPU of the broker and the processor per 21,000 generations), quiet machine:
-#: 0.05 s p50 77 / p99 285 ms, broker 27.4 + processor 12.4 CPU s; 0.1 s p50 113 / p99 302
-#: ms, 19.2 + 10.3 s; 0.2 s p50 233 / p99 493 ms, 18.3 + 9.7 s. 0.1 s: nearly the latency of
-#: 0.05 s at nearly the cost of 0.2 s (0.02 s was no faster than 0.05 s).
+#: also sets how many transactions a second cost: 0.1 s, nearly the latency of 0.05 s at
+#: nearly the cost of 0.2 s (measured: ``docs/processor.md``).
 POLL_TIMEOUT_S = 0.1
 #: How long the broker keeps a transaction of a vanished producer open (a restarted
 #: instance aborts it at once; another instance's would block readers this long).
@@ -219,9 +181,9 @@ STALL_MIN_S = 30.0
 #: `reef process`'s exit status when it stops for its supervisor to restart it (EX_TEMPFAIL).
 EXIT_RESTART = 75
 #: The cyclic collector's thresholds in a processor's own process (``tune_collector``). With
-#: the default (700, 10, 10) its collections scanned the state's live objects over and over:
-#: 17% of the Python work per generation (bench/processor.py's workload without Kafka, 72 ->
-#: 59-61 µs). Records and states are freed by reference counting; only cycles wait longer.
+#: the default (700, 10, 10) its collections scanned the state's live objects over and over
+#: (17% of the Python work per generation: ``docs/processor.md``). Records and states are freed
+#: by reference counting; only cycles wait longer.
 GC_THRESHOLDS = (10_000, 10, 10)
 
 
