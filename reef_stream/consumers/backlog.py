@@ -20,7 +20,11 @@ loop below one.
 An instance knows the units it wrote itself (the offsets its producer's delivery reports
 give), not another instance's: ``estimate(mine, of)`` scales its count by the share of the
 input partitions it holds, so that the instances shed when together they hold about the
-bound, each at least its share (rounded up: never below a step in all). A restarted
+bound, each at least its share (rounded up: never below a step in all). Its partitions'
+states count its own units against that share (``share``: the same rule), each unit one as
+it is emitted: between two estimates (within a batch) a unit stands for the units the other
+instances emit meanwhile too. Counted one against the whole bound instead, each of N
+instances could emit the whole bound in one batch, N bounds together. A restarted
 instance does not know the units it wrote before: it errs low until the trainer's next
 checkpoint passes them. Pure; no clock, no client.
 """
@@ -69,9 +73,18 @@ class UnitBacklog:
         """Units this instance wrote that the newest checkpoint has not passed."""
         return sum(len(written) for written in self._written.values())
 
-    def estimate(self, mine: int, of: int) -> int:
+    def estimate(self, mine: int, of: int, emitted: int = 0) -> int:
         """The backlog of all instances as this one sees it, holding ``mine`` of ``of`` input
-        partitions: its own units scaled by ``of / mine``; 0 while it holds none."""
+        partitions: its own units (``emitted``: those of the open batch too) scaled by
+        ``of / mine``; 0 while it holds none."""
         if mine <= 0:
             return 0
-        return math.floor(self.units * of / mine) if mine < of else self.units
+        units = self.units + emitted
+        return math.floor(units * of / mine) if mine < of else units
+
+
+def share(bound: int, mine: int, of: int) -> int:
+    """The part of ``bound`` an instance holding ``mine`` of ``of`` input partitions may hold
+    itself: ``bound * mine / of``, rounded up (all of it while it holds them all). Its own
+    units reach it exactly when ``estimate(mine, of)`` reaches ``bound``."""
+    return bound if mine >= of else -(-bound * mine // of)

@@ -42,9 +42,11 @@ each batch the runtime counts the units waiting for the trainer: those it
 wrote (offsets from its delivery reports, once their transaction committed)
 that the newest checkpoint's offsets, read from the checkpoint events it
 follows for staleness, have not passed (``reef_stream.consumers.backlog``).
-Every partition's state gets the figure (``ProcessorState.observe_backlog``)
-and sheds the units that complete while it is full: their generations end
-SHED, with dead letters, in the same transaction as everything else. A
+Every partition's state counts this instance's units, those emitted in the
+batch included (``ProcessorState.observe_backlog``), against the instance's
+share of the bound (``backlog.share``: all of it when it holds every
+partition), and sheds the units that complete while it is full: their
+generations end SHED, with dead letters, in the same transaction as everything else. A
 trainer that has not checkpointed for ``STALL_STEPS`` step intervals (its
 shortest of the last ``STALL_INTERVALS``, so that a stall does not lengthen the
 next wait; at least ``STALL_MIN_S``) while the bound is full suspends the
@@ -123,7 +125,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from reef_stream.consumers.backlog import UnitBacklog
+from reef_stream.consumers.backlog import UnitBacklog, share
 from reef_stream.consumers.changelog import changelog, changelog_topic, read_changelog
 from reef_stream.consumers.fencing import TransactionalIdentity, watch_commits
 from reef_stream.consumers.offers import decode_offers
@@ -425,6 +427,11 @@ class ProcessorRuntime:
         """Each partition's state, from its changelog partition read to the end."""
         parts = {p: PartitionPair(ProcessorState.for_recipe(self.recipe), self._topics)
                  for p in partitions}
+        bound = self.recipe.schedule.max_backlog_units
+        for part in parts.values() if bound is not None else ():
+            # Its states count this instance's units: against its share (module docstring).
+            part.state.max_backlog = share(bound, len(partitions),
+                                           max(self._partitions, len(partitions)))
         tables = read_changelog(self.bootstrap, f"{self.group}.restore", self.changelog,
                                 partitions)
         for p, table in tables.items():
@@ -452,10 +459,11 @@ class ProcessorRuntime:
             steps += [(p, part.state.observe_checkpoint(self.newest_checkpoint))
                       for p, part in self._parts.items()]
             self._observed = self.newest_checkpoint
+        emitted = 0  # units of this batch, so far
         for p, part in self._parts.items():
             if self.backlog is not None:
                 # Units other partitions emitted since the measurement count for this one too.
-                part.state.observe_backlog(0 if self._suspended else self.backlog)
+                part.state.observe_backlog(0 if self._suspended else self._backlog.units + emitted)
                 first = len(steps)
             caught: list[set[str]] = []  # _caught_up(p), asked at most once per batch
 
@@ -477,7 +485,8 @@ class ProcessorRuntime:
                 if due <= now:
                     steps.append((p, part.state.tick(now)))
             if self.backlog is not None:
-                self.backlog += sum(len(step.units) for _, step in steps[first:])
+                emitted += sum(len(step.units) for _, step in steps[first:])
+                self.backlog = self._backlog.estimate(len(self._parts), self._partitions, emitted)
         if not positions and not steps:
             return
         self._commit(steps, bad, positions)
@@ -538,7 +547,7 @@ class ProcessorRuntime:
                             "came for %.0f s: admitting units until its next checkpoint (units it "
                             "skipped may be holding its step short)", self.backlog, bound, waited)
         for part in self._parts.values():
-            part.state.observe_backlog(0 if stuck else self.backlog)
+            part.state.observe_backlog(0 if stuck else self._backlog.units)
         if self._metrics is not None and time.monotonic() - self._backlog_at >= BACKLOG_EVERY_S:
             self._backlog_at = time.monotonic()
             self._metrics.writer.write(metrics.PROCESSOR_TRAINER_BACKLOG, self.backlog)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from reef_stream.api.schedule import Schedule
-from reef_stream.consumers.backlog import UnitBacklog
+from reef_stream.consumers.backlog import UnitBacklog, share
 from reef_stream.engine.join import Outcome, ProcessorState
 from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
 from reef_stream.errors import ConfigurationError
@@ -144,3 +144,41 @@ def test_an_instance_scales_its_own_units_by_its_share_of_the_partitions(mine, o
         backlog.delivered(0, offset)
     backlog.committed()
     assert backlog.estimate(mine, of) == expected   # 3 * of / mine, rounded down
+
+
+@pytest.mark.parametrize("of", [1, 2, 3, 4, 6])
+def test_an_instance_s_own_units_reach_its_share_exactly_when_its_estimate_reaches_the_bound(of):
+    for bound in range(1, 30):
+        for mine in range(1, of + 1):
+            for units in range(0, 2 * bound + 2):
+                estimate = UnitBacklog().estimate(mine, of, emitted=units)
+                assert (units >= share(bound, mine, of)) == (estimate >= bound), (
+                    bound, mine, of, units)
+
+
+def _one_batch(instances: int, partitions: int, bound: int, complete_per_partition: int) -> int:
+    """Units emitted by ``instances`` processors of one group, each holding an equal part of
+    ``partitions`` and an empty backlog, in one batch in which ``complete_per_partition``
+    single-generation units complete on every partition: their states bounded as the
+    runtime bounds them (``share``) and told the instance's units as the runtime tells them
+    (its count, plus what its other partitions emitted in the batch)."""
+    mine, emitted_by_all = partitions // instances, 0
+    for _ in range(instances):
+        backlog, emitted = UnitBacklog(), 0
+        for p in range(mine):
+            state = ProcessorState(GROUPED, recipe="test", max_staleness=8,
+                                   max_backlog=share(bound, mine, partitions))
+            state.observe_checkpoint(5)
+            state.observe_backlog(backlog.units + emitted)
+            for g in range(complete_per_partition):
+                emitted += len(_joined(state, f"p{p}-g{g}", 10 * g)[1])
+        emitted_by_all += emitted
+        assert backlog.estimate(mine, partitions, emitted) >= bound
+    return emitted_by_all
+
+
+@pytest.mark.parametrize("instances", [1, 2, 4])
+def test_instances_of_a_group_emit_the_bound_together_in_one_batch_not_each_of_them(instances):
+    # 4 partitions, a bound of 16 units, 10 units complete on every partition in one batch:
+    # each instance emits its share (16 / instances), all of them 16, not 16 each.
+    assert _one_batch(instances, partitions=4, bound=16, complete_per_partition=10) == 16
