@@ -54,7 +54,8 @@ empty). Then each waiting Checkpoint event, in log order:
 
 A rollback checkpoint (``rolled_back_to`` set: the trainer stalled after
 rejections and went back to the incumbent's weights, see
-``reef_stream.consumers.rollback``) is not measured: after step 4 it is
+``reef_stream.consumers.rollback``) is not measured: after step 4 (its files
+verified as its weights are loaded, once: ``load_weights``) it is
 promoted when version ``rolled_back_to`` is still the incumbent and the
 weights are exactly its weights (with the incumbent's measurement), rejected
 with the reason otherwise.
@@ -478,13 +479,13 @@ class EvaluatorWorker:
         if unmeasured is not None:  # never promoted, so neither verified nor measured
             return self._publication(candidate, Measurement(), incumbent, Selection(
                 Decision.REJECTED, unmeasured), candidate.uri)
+        if candidate.rolled_back_to is not None:  # verified as its weights load
+            return self._decide_rollback(candidate, current, incumbent)
         try:
             verify(candidate.uri, candidate.sha256)
         except CheckpointError as error:
             return self._publication(candidate, Measurement(), incumbent, Selection(
                 Decision.REJECTED, f"the candidate failed verification: {error}"), candidate.uri)
-        if candidate.rolled_back_to is not None:
-            return self._decide_rollback(candidate, current, incumbent)
         measurement, problem = self._measure(candidate, metrics)
         if problem is not None:
             return self._publication(candidate, Measurement(), incumbent,
@@ -527,12 +528,15 @@ class EvaluatorWorker:
                          incumbent: Incumbent | None) -> Publication:
         """The decision on a trainer's rollback checkpoint (``reef_stream.consumers.rollback``):
         promoted, without measuring, when its weights are exactly the incumbent's; the
-        incumbent's measurement goes with it."""
+        incumbent's measurement goes with it. Its files are read and hashed once, here:
+        ``load_weights`` verifies every file of the checkpoint (step 4 of the module docstring)
+        before it hands over the weights; one that does not verify is REJECTED as any
+        candidate is."""
         try:
             mine = load_weights(candidate.uri, candidate.sha256)
-        except CheckpointError as error:  # changed since verification
+        except CheckpointError as error:
             return self._publication(candidate, Measurement(), incumbent, Selection(
-                Decision.REJECTED, f"the rollback failed verification: {error}"), candidate.uri)
+                Decision.REJECTED, f"the candidate failed verification: {error}"), candidate.uri)
         try:
             theirs = None if current is None else load_weights(current.uri, current.sha256)
         except CheckpointError as error:
