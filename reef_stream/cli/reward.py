@@ -59,8 +59,10 @@ from reef_stream.cli.recipe_options import set_option
                    "after a timeout, and calls that ran past the fast lane's deadline "
                    "[default: a quarter of --concurrency, at least 1; 0: no slow lane].")
 @click.option("--adaptive-timeout/--fixed-timeout", default=True, show_default=True,
-              help="Whether a fast-lane call leaves the fast lane after 3 x the observed p99 "
-                   "(at least 0.1 s): moved to the slow lane while it has room, else timed out.")
+              help="Whether the fast lane follows the observed latency: a call past the p99 of "
+                   "the calls that returned is replaced in the fast lane at once (it goes on), "
+                   "and past 1.5 x that p99 (at least 0.1 s) it moves to the slow lane while "
+                   "it has room, else times out (see the README's sandbox section).")
 @click.option("--sandbox", type=click.Choice(["thread", "process"]), default="thread",
               show_default=True,
               help="Where the reward function runs: on a thread of the worker, or in a pool of "
@@ -101,9 +103,9 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
     feedback has the same id; the processor drops it).
 
     A try that timed out is tried again only in the slow lane (--slow-concurrency
-    slots of its own), never in the fast one; a fast-lane call past 3 x the observed
-    p99 moves there (--adaptive-timeout), so a few hanging calls cannot fill the
-    fast lane. With --sandbox process each call runs in a pre-started sandbox
+    slots of its own), never in the fast one; a fast-lane call past the observed
+    p99 is replaced in the fast lane, and past 1.5 x the p99 moves to the slow lane
+    (--adaptive-timeout), so a few hanging calls cannot fill the fast lane. With --sandbox process each call runs in a pre-started sandbox
     process and is killed (its whole process group) at --timeout; the start-up log
     says whether the calls' network is isolated.
 

@@ -13,12 +13,20 @@ dead letter) or dropped:
 Lanes (sync and sandboxed calls): ``concurrency`` fast slots take the queued generations;
 ``slow_lanes()`` slow slots take only generations whose try timed out (a timed-out try is
 never tried again in the fast lane; with the slow lane's queue full it is dead-lettered at
-once). Once ``ADAPT_MIN_SAMPLES`` tries returned, a fast try running past ``ADAPT_FACTOR``
-times their p99 (at least ``ADAPT_FLOOR_S``) is demoted: it goes on, counted in the slow
-lane, and a new thread takes its place in the fast lane; with no room in the slow lane it
-times out there and then. So a few hanging calls hold the fast lane for a fraction of a
-second each, not for ``timeout`` x tries. A sandboxed try is killed (``Ticket.kill``), which
-frees its slot at once. ``_write_call_metrics``: saturation (slots busy past the p99), call
+once). Once ``ADAPT_MIN_SAMPLES`` tries returned, a fast try is watched against their p99:
+
+1. past the p99 it is *overtime*: while fewer than ``slow_lanes()`` tries are, a new thread
+   takes its place in the fast lane at once, and the overtime try goes on (a healthy call
+   that is merely slow still returns; its thread ends after it);
+2. past ``ADAPT_FACTOR`` times the p99 (at least ``ADAPT_FLOOR_S``) it is demoted: it goes
+   on, counted in the slow lane, and (unless an overtime thread already did) a new thread
+   takes its place in the fast lane. With the slow lane full, the demoted try that has run
+   the longest, past ``EVICT_FACTOR`` times the p99, times out to make room (it is far
+   likelier to hang); with none that old, the new one times out there and then.
+
+So a hanging call holds a fast slot for about the p99 of a healthy one, not for
+``timeout`` x tries. A sandboxed try is killed (``Ticket.kill``), which frees its sandbox
+worker at once. ``_write_call_metrics``: saturation (slots busy past the p99), call
 latency, the slow lane and the sandbox pool.
 
 ``CallSlots`` is a mixin of ``RewardWorker``: it uses the worker's queue, lock and conditions
@@ -62,6 +70,9 @@ ADAPT_FACTOR = 1.5
 #: ... but never before this many seconds, and only once this many calls succeeded.
 ADAPT_FLOOR_S = 0.1
 ADAPT_MIN_SAMPLES = 32
+#: With the slow lane full, a fast try at its adaptive deadline takes the place of the demoted
+#: try that has run the longest, when that one ran past this many times the observed p99.
+EVICT_FACTOR = 10
 #: How often the p99 of the adaptive deadline is computed again.
 P99_EVERY_S = 0.5
 #: Generations waiting for the slow lane at most, per slow-lane slot; beyond, a timed-out
@@ -120,9 +131,10 @@ class RewardOptions:
             else self.slow_concurrency
 
     def pool_size(self) -> int:
-        """Every call thread may hold a sandbox worker: the fast lane's, the slow lane's and
-        the demoted calls', and 2 more that absorb the restarts after kills."""
-        return self.sandbox_size or self.concurrency + 2 * self.slow_lanes() + 2
+        """Every call thread may hold a sandbox worker: the fast lane's, the slow lane's, the
+        overtime and the demoted calls' (as many as the slow lane's slots each), and 2 more
+        that absorb the restarts after kills."""
+        return self.sandbox_size or self.concurrency + 3 * self.slow_lanes() + 2
 
     def problems(self) -> list[str]:
         found = list(self.sandbox_limits.problems())
@@ -168,22 +180,25 @@ class Work:
 
 class Slot:
     """A call thread's running try, as the watchdog sees it (under the worker's lock):
-    ``work`` (None between tries), when it ``started``, its ``deadline`` (the full timeout)
-    and ``fast_deadline`` (the adaptive one of the fast lane, None once passed or in the slow
-    lane), its ``lane``, whether it was ``demoted`` to the slow lane (its thread ends after
-    this call) or ``abandoned`` (in-thread: its thread finishes alone), and the sandbox's
-    ``ticket`` (None in-thread)."""
+    ``work`` (None between tries), when it ``started``, its ``deadline`` (the full timeout),
+    ``overtime_at`` (the observed p99) and ``fast_deadline`` (the adaptive one of the fast
+    lane; both None once passed or in the slow lane), its ``lane``, whether another thread
+    ``replaced`` it in the fast lane (it ran into overtime or was demoted: its thread ends
+    after this call), was ``demoted`` to the slow lane (and ``evicted`` from it), or
+    ``abandoned`` (in-thread: its thread finishes alone), and the sandbox's ``ticket`` (None
+    in-thread)."""
 
-    __slots__ = ("abandoned", "deadline", "demoted", "fast_deadline", "fast_done", "lane",
-                 "started", "ticket", "work")
+    __slots__ = ("abandoned", "deadline", "demoted", "evicted", "fast_deadline", "fast_done",
+                 "lane", "overtime_at", "replaced", "started", "ticket", "work")
 
     def __init__(self, lane: str = FAST, ticket: Any = None) -> None:
         self.work: Work | None = None
         self.started = 0.0
         self.deadline: float | None = None
+        self.overtime_at: float | None = None
         self.fast_deadline: float | None = None
         self.lane, self.ticket = lane, ticket
-        self.abandoned = self.demoted = self.fast_done = False
+        self.abandoned = self.demoted = self.evicted = self.fast_done = self.replaced = False
 
 
 class CallSlots:
@@ -197,6 +212,7 @@ class CallSlots:
         self._slow_queue: deque[Work] = deque()
         self._slow_ready = threading.Condition(self._lock)
         self._demoted = 0  # running calls moved to the slow lane
+        self._overtime = 0  # running fast-lane calls past the p99, replaced but not demoted
         self.call_latency = LatencyWindow()  # of the tries that returned
         self._p99: float | None = None
         self._p99_at = 0.0
@@ -206,8 +222,8 @@ class CallSlots:
     def _runner(self, work: Work | None = None, lane: str = FAST) -> None:
         """A call thread of a sync reward function (or of the sandbox): settles queued
         generations of its ``lane`` one at a time until the worker closes. ``work``: one to go
-        on with first. Ends when its own call is abandoned, or after the call it was demoted
-        in (another thread took its place in the fast lane)."""
+        on with first. Ends when its own call is abandoned, or after the call in which
+        another thread took its place in the fast lane (overtime or demoted)."""
         slot = Slot(lane, None if self._pool is None else Ticket())
         with self._lock:
             self._slots.add(slot)
@@ -249,7 +265,7 @@ class CallSlots:
         """Try the reward function on this thread until ``work`` is settled (feedback or dead
         letter), moved to the slow lane or dropped: True if this thread goes on with the next
         generation. False when the watchdog abandoned the try this thread was in (in-thread:
-        another thread goes on with ``work``) or demoted it to the slow lane."""
+        another thread goes on with ``work``) or another thread took its place."""
         options = self.options
         while True:
             if work.error is not None and not self._again(work, slot.lane):
@@ -261,8 +277,9 @@ class CallSlots:
             with self._lock:
                 slot.work, slot.started = work, started
                 slot.deadline = started + options.timeout
-                slot.fast_deadline = self._fast_deadline(started) if slot.lane == FAST else None
-                slot.fast_done = slot.lane != FAST or slot.demoted
+                slot.fast_done = slot.lane != FAST or slot.replaced
+                slot.overtime_at, slot.fast_deadline = (None, None) if slot.fast_done \
+                    else self._adaptive_marks(started)
             try:
                 if slot.ticket is not None:
                     result, error = self._pool.call(work.generation, options.timeout,
@@ -316,82 +333,134 @@ class CallSlots:
         return True
 
     def _goes_on(self, slot: Slot) -> bool:
-        """Whether the thread of ``slot`` takes another generation (not if it was demoted)."""
-        if not slot.demoted:
+        """Whether the thread of ``slot`` takes another generation (not if another thread took
+        its place)."""
+        if not slot.replaced:
             return True
         with self._lock:
-            self._demoted -= 1
+            self._left_fast_lane(slot)
             self._slots.discard(slot)
         return False
 
-    def _fast_deadline(self, started: float) -> float | None:
-        """When a fast-lane try that started at ``started`` leaves the fast lane: ``ADAPT_FACTOR``
-        times the observed p99 (at least ``ADAPT_FLOOR_S``), once ``ADAPT_MIN_SAMPLES`` calls
-        succeeded; None (only the full timeout) before, or without adaptive timeouts."""
+    def _left_fast_lane(self, slot: Slot) -> None:
+        """Under the lock: a replaced slot's call ended, so it no longer counts as overtime or
+        as demoted."""
+        if slot.evicted:  # its place in the slow lane was given up when it was evicted
+            return
+        if slot.demoted:
+            self._demoted -= 1
+        elif slot.replaced:
+            self._overtime -= 1
+
+    def _adaptive_marks(self, started: float) -> tuple[float | None, float | None]:
+        """When a fast-lane try that started at ``started`` runs into overtime (the observed
+        p99) and when it leaves the fast lane (``ADAPT_FACTOR`` times the p99, at least
+        ``ADAPT_FLOOR_S``), once ``ADAPT_MIN_SAMPLES`` calls succeeded; (None, None) (only the
+        full timeout) before, or without adaptive timeouts."""
         if not self.options.adaptive or len(self.call_latency) < ADAPT_MIN_SAMPLES:
-            return None
+            return None, None
         now = time.monotonic()
         if now - self._p99_at > P99_EVERY_S:
             self._p99 = self.call_latency.percentile(99)
             self._p99_at = now
-        seconds = max(ADAPT_FLOOR_S, ADAPT_FACTOR * (self._p99 or 0.0))
-        return started + seconds if seconds < self.options.timeout else None
+        p99 = self._p99 or 0.0
+        seconds = max(ADAPT_FLOOR_S, ADAPT_FACTOR * p99)
+        if seconds >= self.options.timeout:
+            return None, None
+        return started + p99, started + seconds
 
     def _watch(self) -> None:
-        """The sync calls' watchdog thread. At a fast-lane try's adaptive deadline the try is
-        demoted to the slow lane (it goes on; a new thread takes its place in the fast lane)
-        while the slow lane has room, or else it times out then. At the full timeout a try
-        times out: in-thread it is abandoned (its thread finishes alone, its result ignored)
-        and a new thread takes its place; in the sandbox it is killed (its process group and
-        worker; the slot is free at once). Sleeps until the earliest running deadline."""
+        """The sync calls' watchdog thread: acts on the marks of each running try
+        (``_passed_marks``: overtime, demotion). At the full timeout a try times out: in-thread
+        it is abandoned (its thread finishes alone, its result ignored) and a new thread takes
+        its place; in the sandbox it is killed (its process group; the slot is free at once).
+        Sleeps until the earliest running mark, ``WATCH_EVERY_S`` at most."""
         timeout = self.options.timeout
         while not self._closing:
             now = time.monotonic()
-            wake, expired, demoted, killed = now + timeout, [], 0, []
+            wake, stopped, replaced = now + timeout, [], 0
             with self._lock:
                 for slot in self._slots:
                     if slot.work is None or slot.abandoned:
                         continue
-                    if slot.fast_deadline is None and not slot.fast_done:  # p99 known since
-                        slot.fast_deadline = self._fast_deadline(slot.started)
-                    fast = slot.fast_deadline
-                    if fast is not None and fast <= now:
-                        slot.fast_deadline, slot.fast_done = None, True
-                        if self._demoted < self._slow_lanes:
-                            slot.demoted, self._demoted = True, self._demoted + 1
-                            demoted += 1
-                        else:
-                            slot.deadline = now  # no room in the slow lane: it times out now
-                    elif fast is not None:
-                        wake = min(wake, fast)
+                    replaced += self._passed_marks(slot, now, stopped)
                     if slot.deadline is not None and slot.deadline <= now:
-                        if slot.ticket is not None:
-                            killed.append((slot, now - slot.started, slot.ticket.calls))
-                            slot.deadline = None
-                        else:
-                            expired.append((slot, slot.work))
-                            slot.abandoned, slot.work = True, None
-                    elif slot.deadline is not None:
-                        wake = min(wake, slot.deadline)
-                for slot, _ in expired:
-                    self._slots.discard(slot)
-                    if slot.demoted:
-                        self._demoted -= 1
-            for _ in range(demoted):
+                        self._stop_try(slot, f"no result within "
+                                             f"{_within(now - slot.started, timeout)}", stopped)
+                    for mark in (slot.overtime_at, slot.fast_deadline, slot.deadline):
+                        if mark is not None and not slot.abandoned:
+                            wake = min(wake, mark)
+                for slot, work, _, _ in stopped:
+                    if work is not None:
+                        self._slots.discard(slot)
+                        self._left_fast_lane(slot)
+            for _ in range(replaced):
                 self._start_runner(None, FAST)
-            for slot, seconds, call in killed:  # that call only: the slot may be in the next
-                slot.ticket.kill(f"no result within {_within(seconds, timeout)} (wall clock): "
-                                 "the call's process group was killed", call)
-            for slot, work in expired:
+            for slot, work, why, call in stopped:
+                if work is None:  # that call only: the slot may be in the next
+                    slot.ticket.kill(f"{why} (wall clock): the call's process group was killed",
+                                     call)
+                    continue
                 work.timeouts += 1
-                work.error = TimeoutError(f"no result within "
-                                          f"{_within(now - slot.started, timeout)}")
+                work.error = TimeoutError(why)
                 self.summary.add(timed_out=1)
-                if slot.demoted:  # its fast-lane place was taken: to the slow lane's queue
-                    self._again(work, FAST)  # (no backoff: demoted only when slow lanes exist)
+                if slot.replaced:  # its fast-lane place was taken: to the slow lane's queue
+                    self._again(work, FAST)  # (no backoff: replaced only when slow lanes exist)
                 else:  # a new thread in its place goes on with it (tried again, or moved)
                     self._start_runner(work, slot.lane)
             self._watch_stop.wait(max(0.0, min(wake - now, WATCH_EVERY_S)))
+
+    def _passed_marks(self, slot: Slot, now: float, stopped: list) -> int:
+        """Under the lock: act on the adaptive marks of ``slot``'s fast-lane try that ``now``
+        passed (the module docstring); how many new fast-lane threads that takes (0 or 1)."""
+        if slot.fast_deadline is None and not slot.fast_done:  # the p99 is known since
+            slot.overtime_at, slot.fast_deadline = self._adaptive_marks(slot.started)
+        new = 0
+        if slot.overtime_at is not None and slot.overtime_at <= now:
+            slot.overtime_at = None
+            if self._overtime < self._slow_lanes:
+                slot.replaced, self._overtime, new = True, self._overtime + 1, 1
+        if slot.fast_deadline is not None and slot.fast_deadline <= now:
+            slot.fast_deadline, slot.fast_done = None, True
+            if self._demoted >= self._slow_lanes:
+                self._evict_longest_demoted(now, stopped)
+            if self._demoted < self._slow_lanes:
+                if slot.replaced:  # its place in the fast lane is taken already
+                    self._overtime -= 1
+                else:
+                    slot.replaced, new = True, 1
+                slot.demoted, self._demoted = True, self._demoted + 1
+            else:
+                slot.deadline = now  # no room in the slow lane: it times out now
+        return new
+
+    def _evict_longest_demoted(self, now: float, stopped: list) -> None:
+        """Under the lock, with the slow lane full of demoted tries: the one that has run the
+        longest times out now if it ran past ``EVICT_FACTOR`` times the observed p99 (it is
+        far likelier to hang than the try that needs its place), and its place is free."""
+        running = [slot for slot in self._slots if slot.demoted and not slot.evicted
+                   and slot.work is not None and not slot.abandoned and slot.deadline is not None]
+        if not running:
+            return
+        victim = min(running, key=lambda slot: slot.started)
+        seconds = now - victim.started
+        if seconds < EVICT_FACTOR * (self._p99 or 0.0):
+            return
+        victim.evicted, self._demoted = True, self._demoted - 1
+        self._stop_try(victim, f"no result within {seconds:.3g} s (the longest-running call in "
+                               f"the full slow lane, past {EVICT_FACTOR:g} x the observed p99, "
+                               "stopped to make room for a newer one)", stopped)
+
+    @staticmethod
+    def _stop_try(slot: Slot, why: str, stopped: list) -> None:
+        """Under the lock: end ``slot``'s running try as timed out (``why``): in the sandbox it
+        is killed once the lock is released; in-thread it is abandoned."""
+        if slot.ticket is not None:
+            stopped.append((slot, None, why, slot.ticket.calls))
+            slot.deadline = None
+        else:
+            stopped.append((slot, slot.work, why, 0))
+            slot.abandoned, slot.work = True, None
 
     def _start_runner(self, work: Work | None, lane: str) -> None:
         threading.Thread(target=self._runner, args=(work, lane), name=f"reef-reward-{lane}",

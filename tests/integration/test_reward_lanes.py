@@ -6,6 +6,10 @@ with 4 call slots: before the lanes, those hangs held every slot for 20 s per tr
 healthy generation is rewarded long before the first hang could time out (the fast lane's
 adaptive deadline moved the hangs out of it), and each hanging one ends in a dead letter as
 timed out, never in feedback; the worker reports the slow lane and the call latency.
+
+A call merely slower than the observed p99 is *overtime*: a new thread takes its place in the
+fast lane at once, the call still returns its reward, and its thread ends after it, so the
+fast lane is back to ``concurrency`` threads.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from confluent_kafka.admin import AdminClient
 
 from reef_stream.api.recipe import NamedReward, Reward
 from reef_stream.config import load_settings
+from reef_stream.consumers import reward_calls
 from reef_stream.consumers.reward import RewardOptions, RewardWorker
 from reef_stream.ops.metrics import REWARD_CALL_P99, REWARD_SATURATION, STAGE_REWARD
 from reef_stream.topics.admin import ensure_topics
@@ -83,3 +88,109 @@ def test_a_few_hanging_calls_do_not_hold_the_healthy_ones(kafka_bootstrap, names
     p99 = metric_values(kafka_bootstrap, namespace, STAGE_REWARD, REWARD_CALL_P99)
     assert p99 and 0.01 <= p99[-1] < 1.0
     assert metric_values(kafka_bootstrap, namespace, STAGE_REWARD, REWARD_SATURATION)
+
+
+SLOWISH = {100, 101, 250}
+
+
+def test_an_overtime_call_is_replaced_in_the_fast_lane_and_still_rewarded(
+        kafka_bootstrap, namespace, topics, tmp_path, monkeypatch):
+    """With the demotion deadline far away (5 s), three calls of 1 s run past the p99 of the
+    20-ms ones: while they run, ``concurrency`` other calls still run at once (before overtime,
+    a slow call held its fast slot until its demotion: ``concurrency - 1`` at most), no more
+    than ``concurrency + slow lanes`` calls ever run at once, the slow calls are rewarded (not
+    timed out), and the replaced threads end."""
+    monkeypatch.setattr(reward_calls, "ADAPT_FLOOR_S", 5.0)
+    count, concurrency, slow = 400, 4, 2
+    _produce(kafka_bootstrap, namespace, tmp_path, count)
+    lock = threading.Lock()
+    running = {"slowish": 0, "other": 0}
+    starts: list[tuple[int, int]] = []  # (slowish running, others running) as each call started
+
+    def judge(generation: Generation) -> Reward:
+        kind = "slowish" if int(generation.generation_id.removeprefix("gen-")) in SLOWISH \
+            else "other"
+        with lock:
+            running[kind] += 1
+            starts.append((running["slowish"], running["other"]))
+        try:
+            time.sleep(1.0 if kind == "slowish" else 0.02)
+        finally:
+            with lock:
+                running[kind] -= 1
+        return Reward(reward=0.5)
+
+    rewarded = threading.Semaphore(0)
+
+    def on_outcome(kind: str, event) -> None:
+        if kind == "rewarded":
+            rewarded.release()
+
+    worker = RewardWorker(dataclasses.replace(quick, reward=NamedReward("slowish", judge)),
+                          bootstrap=kafka_bootstrap, settings=load_settings(),
+                          namespace=namespace, spool_dir=tmp_path / "worker-spool",
+                          on_outcome=on_outcome,
+                          options=RewardOptions(group=f"{namespace}-overtime",
+                                                concurrency=concurrency, slow_concurrency=slow,
+                                                timeout=TIMEOUT_S, retries=0, grace=30))
+    summaries = []
+    running_worker = threading.Thread(target=lambda: summaries.append(worker.run()))
+    running_worker.start()
+    try:
+        for _ in range(count):
+            assert rewarded.acquire(timeout=60)
+        fast_threads = _fast_threads_settled(concurrency)
+    finally:
+        worker.stop()
+        running_worker.join(60)
+    summary, = summaries
+    assert summary.rewarded == count and summary.timed_out == 0 and summary.failed == 0
+    # While a slow call ran, the fast lane still ran `concurrency` others at once.
+    assert any(slowish and other == concurrency for slowish, other in starts), \
+        max((other for slowish, other in starts if slowish), default=None)
+    assert max(slowish + other for slowish, other in starts) <= concurrency + slow
+    assert fast_threads == concurrency  # the replaced threads ended
+
+
+def _fast_threads_settled(expected: int, within: float = 10.0) -> int:
+    """The fast lane's live threads, once they are ``expected`` (or after ``within`` s)."""
+    deadline = time.monotonic() + within
+    while True:
+        alive = sum(1 for t in threading.enumerate() if t.name == "reef-reward-fast")
+        if alive == expected or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def test_a_hanging_call_makes_room_in_the_full_slow_lane_for_a_slow_healthy_one(
+        kafka_bootstrap, namespace, topics, tmp_path):
+    """One slow-lane slot, held by a hanging call (demoted early in the run). Much later a
+    healthy call of 1 s passes the fast lane's deadline: the slow lane is full, and the
+    hanging call, which has run far past 10 x the p99, times out to make room (a dead letter
+    that says so) instead of the healthy call, which is rewarded."""
+    count, hangs, slow_healthy = 400, 20, 350
+    _produce(kafka_bootstrap, namespace, tmp_path, count)
+    release = threading.Event()
+
+    def judge(generation: Generation) -> Reward:
+        index = int(generation.generation_id.removeprefix("gen-"))
+        if index == hangs:
+            release.wait(60)
+        time.sleep(1.0 if index == slow_healthy else 0.02)
+        return Reward(reward=0.5)
+
+    worker = RewardWorker(dataclasses.replace(quick, reward=NamedReward("evicts", judge)),
+                          bootstrap=kafka_bootstrap, settings=load_settings(),
+                          namespace=namespace, spool_dir=tmp_path / "worker-spool",
+                          options=RewardOptions(group=f"{namespace}-evict", concurrency=4,
+                                                slow_concurrency=1, timeout=TIMEOUT_S,
+                                                retries=0, grace=30, max_records=count))
+    try:
+        summary = worker.run()
+    finally:
+        release.set()
+    assert summary.rewarded == count - 1 and summary.failed == 1 and summary.timed_out == 1
+    letter, = consume_events(kafka_bootstrap, dead_letters(namespace), 1, DeadLetter)
+    assert int(re.search(r"gen-(\d+)", letter.reason).group(1)) == hangs
+    assert letter.error_type == "TimeoutError"
+    assert "the longest-running call in the full slow lane" in letter.reason, letter.reason

@@ -1,0 +1,17 @@
+"""``reef reward --help`` states the fast lane's deadlines as the code has them (the help
+once said 3 x the p99 after the code had moved to 1.5 x)."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from reef_stream.cli.reward import reward
+from reef_stream.consumers.reward_calls import ADAPT_FACTOR, ADAPT_FLOOR_S
+
+
+def test_the_help_names_the_fast_lanes_deadline_the_code_uses():
+    result = CliRunner().invoke(reward, ["--help"], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert f"past {ADAPT_FACTOR:g} x that p99 (at least {ADAPT_FLOOR_S:g} s)" in text
+    assert f"past {ADAPT_FACTOR:g} x the p99 moves to the slow lane" in text
