@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 #: Seconds between two looks at the group's committed offsets (and progress lines).
 WATCH_EVERY_S = 1.0
 PROGRESS_EVERY_S = 10.0
+#: The session timeout of the rescorer's consumer (the processor's): a killed rescore's member
+#: holds the group's partitions until it runs out, and a restarted rescore waits that long to
+#: join (librdkafka's default, 45 s, made every resume after a kill wait 45 s).
+SESSION_TIMEOUT_MS = 10_000
 
 
 def rescore_group(namespace: str, source: str) -> str:
@@ -120,7 +124,8 @@ class Rescorer:
             return self.summary
         self._worker = RewardWorker(self.recipe, settings=self.settings, bootstrap=self.bootstrap,
                                     options=dataclasses.replace(self.options,
-                                                                until=self.range.ends))
+                                                                until=self.range.ends),
+                                    consumer_config={"session.timeout.ms": SESSION_TIMEOUT_MS})
         self.summary = self._worker.summary
         if self._stop.is_set():
             return self.summary

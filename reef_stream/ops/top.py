@@ -97,12 +97,17 @@ class TopView:
         self._last: tuple[float, dict[str, int]] | None = None
         self._consumer = new_consumer(bootstrap, f"{namespace}.top",
                                       {"enable.partition.eof": True})
+        # The topics' sizes are asked through a consumer of their own, which fetches nothing:
+        # asked through the one above, each answer waited behind its fetch, which the broker
+        # holds up to fetch.wait.max.ms (0.5 s) at the end of the log.
+        self._sizes = new_consumer(bootstrap, f"{namespace}.top")
         self._followed = [declarations.checkpoints(namespace), declarations.publications(namespace),
                           declarations.metrics(namespace), declarations.dead_letters(namespace)]
         self._assigned = False
 
     def close(self) -> None:
         self._consumer.close()
+        self._sizes.close()
 
     # ----------------------------------------------------------------- reading
 
@@ -131,7 +136,7 @@ class TopView:
     def _size(self, topic: str, metadata) -> int:
         total = 0
         for p in metadata.partitions:
-            _, high = self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            _, high = self._sizes.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
             total += max(high, 0)
         return total
 
@@ -140,7 +145,7 @@ class TopView:
         waiting = {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
         deadline = time.monotonic() + 60
         while waiting and time.monotonic() < deadline:
-            for message in self._consumer.consume(5000, timeout=0.5):
+            for message in self._consumer.consume(5000, timeout=0.1):
                 error = message.error()
                 if error is not None:
                     if error.code() == KafkaError._PARTITION_EOF:

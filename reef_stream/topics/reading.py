@@ -30,6 +30,10 @@ from reef_stream.topics.connect import new_consumer
 
 #: Seconds a whole read may take before ``TimeoutError``.
 READ_TIMEOUT_S = 120.0
+#: Seconds one ``consume`` call waits before the positions are looked at again. A batch call
+#: returns early only once it has its 5,000 records, so with a longer wait every read of a
+#: smaller topic lasted at least that long after its last record had arrived.
+POLL_S = 0.05
 
 
 class TopicReader:
@@ -60,7 +64,7 @@ class TopicReader:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{self.topic}: partitions {sorted(pending)} not read to "
                                        f"their end within {self.timeout:.0f} s")
-                for message in self._consumer.consume(5000, timeout=1.0):
+                for message in self._consumer.consume(5000, timeout=POLL_S):
                     error, p = message.error(), message.partition()
                     if error is not None:
                         if error.code() != KafkaError._PARTITION_EOF and error.fatal():
