@@ -61,8 +61,13 @@ from reef_stream.cli.recipe_options import set_option
 @click.option("--adaptive-timeout/--fixed-timeout", default=True, show_default=True,
               help="Whether the fast lane follows the observed latency: a call past the p99 of "
                    "the calls that returned is replaced in the fast lane at once (it goes on), "
-                   "and past 1.5 x that p99 (at least 0.1 s) it moves to the slow lane while "
-                   "it has room, else times out (see the README's sandbox section).")
+                   "and past 1.5 x that p99 (at least --fast-lane-floor) it moves to the slow "
+                   "lane while it has room, else times out (see the README's sandbox section).")
+# default: reward_calls.ADAPT_FLOOR_S, not imported here (--help stays light; a test checks it)
+@click.option("--fast-lane-floor", type=click.FloatRange(min=0, min_open=True), default=0.1,
+              show_default=True, metavar="SECONDS",
+              help="The shortest time a fast-lane call runs before it moves to the slow lane "
+                   "(raise it for a reward whose healthy calls are often far slower than most).")
 @click.option("--sandbox", type=click.Choice(["thread", "process"]), default="thread",
               show_default=True,
               help="Where the reward function runs: on a thread of the worker, or in a pool of "
@@ -87,7 +92,8 @@ from reef_stream.cli.recipe_options import set_option
 def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
            group: str | None, timeout: float, retries: int, backoff: float, grace: float,
            max_records: int | None, idle_exit: float | None, slow_concurrency: int | None,
-           adaptive_timeout: bool, sandbox: str, sandbox_workers: int | None, sandbox_cpu: int,
+           adaptive_timeout: bool, fast_lane_floor: float, sandbox: str,
+           sandbox_workers: int | None, sandbox_cpu: int,
            sandbox_memory: int, sandbox_file_size: int, sandbox_open_files: int,
            sandbox_processes: int, metrics_port: int | None,
            overrides: tuple[str, ...] = ()) -> None:
@@ -105,9 +111,10 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
     A try that timed out is tried again only in the slow lane (--slow-concurrency
     slots of its own), never in the fast one; a fast-lane call past the observed
     p99 is replaced in the fast lane, and past 1.5 x the p99 moves to the slow lane
-    (--adaptive-timeout), so a few hanging calls cannot fill the fast lane. With --sandbox process each call runs in a pre-started sandbox
-    process and is killed (its whole process group) at --timeout; the start-up log
-    says whether the calls' network is isolated.
+    (--adaptive-timeout), so a few hanging calls cannot fill the fast lane. With
+    --sandbox process each call runs in a pre-started sandbox process and is
+    killed (its whole process group) at --timeout; the start-up log says whether
+    the calls' network is isolated.
 
     Stops on SIGTERM or Ctrl-C (running calls finish, up to --grace), on
     --max-records or --idle-exit, and prints a one-line summary: records,
@@ -126,6 +133,7 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
                             retries=retries, backoff=backoff, grace=grace, group=group,
                             max_records=max_records, idle_exit=idle_exit,
                             slow_concurrency=slow_concurrency, adaptive=adaptive_timeout,
+                            fast_lane_floor=fast_lane_floor,
                             sandbox=sandbox, sandbox_target=path,
                             sandbox_overrides=tuple(overrides), sandbox_size=sandbox_workers,
                             sandbox_limits=Limits(cpu_s=sandbox_cpu, memory_mb=sandbox_memory,

@@ -18,7 +18,7 @@ once). Once ``ADAPT_MIN_SAMPLES`` tries returned, a fast try is watched against 
 1. past the p99 it is *overtime*: while fewer than ``slow_lanes()`` tries are, a new thread
    takes its place in the fast lane at once, and the overtime try goes on (a healthy call
    that is merely slow still returns; its thread ends after it);
-2. past ``ADAPT_FACTOR`` times the p99 (at least ``ADAPT_FLOOR_S``) it is demoted: it goes
+2. past ``ADAPT_FACTOR`` times the p99 (at least ``fast_lane_floor``) it is demoted: it goes
    on, counted in the slow lane, and (unless an overtime thread already did) a new thread
    takes its place in the fast lane. With the slow lane full, the demoted try that has run
    the longest, past ``EVICT_FACTOR`` times the p99, times out to make room (it is far
@@ -67,7 +67,8 @@ MAX_BACKOFF_S = 30.0
 FAST, SLOW = "fast", "slow"
 #: A fast-lane try leaves the fast lane after this many times the observed p99 ...
 ADAPT_FACTOR = 1.5
-#: ... but never before this many seconds, and only once this many calls succeeded.
+#: ... but never before this many seconds (``RewardOptions.fast_lane_floor``), and only once
+#: this many calls succeeded.
 ADAPT_FLOOR_S = 0.1
 ADAPT_MIN_SAMPLES = 32
 #: With the slow lane full, a fast try at its adaptive deadline takes the place of the demoted
@@ -122,9 +123,11 @@ class RewardOptions:
     sandbox_size: int | None = None
     #: Slots of the slow lane (tries again after a timeout, calls past the fast lane's
     #: deadline) [default: a quarter of ``concurrency``, at least 1]; 0: none. ``adaptive``:
-    #: the fast lane's deadline follows the observed latency (see the module docstring).
+    #: the fast lane's deadline follows the observed latency (see the module docstring), never
+    #: shorter than ``fast_lane_floor`` seconds.
     slow_concurrency: int | None = None
     adaptive: bool = True
+    fast_lane_floor: float = ADAPT_FLOOR_S
 
     def slow_lanes(self) -> int:
         return max(1, self.concurrency // 4) if self.slow_concurrency is None \
@@ -149,6 +152,8 @@ class RewardOptions:
         if self.backlog is not None and self.backlog < self.concurrency:
             found.append(f"backlog must be at least the concurrency ({self.concurrency}), "
                          f"not {self.backlog}")
+        if not self.fast_lane_floor > 0:
+            found.append(f"fast lane floor must be more than 0 seconds, not {self.fast_lane_floor}")
         if not self.timeout > 0:
             found.append(f"timeout must be more than 0 seconds, not {self.timeout}")
         if self.retries < 0:
@@ -355,7 +360,7 @@ class CallSlots:
     def _adaptive_marks(self, started: float) -> tuple[float | None, float | None]:
         """When a fast-lane try that started at ``started`` runs into overtime (the observed
         p99) and when it leaves the fast lane (``ADAPT_FACTOR`` times the p99, at least
-        ``ADAPT_FLOOR_S``), once ``ADAPT_MIN_SAMPLES`` calls succeeded; (None, None) (only the
+        ``fast_lane_floor``), once ``ADAPT_MIN_SAMPLES`` calls succeeded; (None, None) (only the
         full timeout) before, or without adaptive timeouts."""
         if not self.options.adaptive or len(self.call_latency) < ADAPT_MIN_SAMPLES:
             return None, None
@@ -364,7 +369,7 @@ class CallSlots:
             self._p99 = self.call_latency.percentile(99)
             self._p99_at = now
         p99 = self._p99 or 0.0
-        seconds = max(ADAPT_FLOOR_S, ADAPT_FACTOR * p99)
+        seconds = max(self.options.fast_lane_floor, ADAPT_FACTOR * p99)
         if seconds >= self.options.timeout:
             return None, None
         return started + p99, started + seconds

@@ -24,7 +24,6 @@ from confluent_kafka.admin import AdminClient
 
 from reef_stream.api.recipe import NamedReward, Reward
 from reef_stream.config import load_settings
-from reef_stream.consumers import reward_calls
 from reef_stream.consumers.reward import RewardOptions, RewardWorker
 from reef_stream.ops.metrics import REWARD_CALL_P99, REWARD_SATURATION, STAGE_REWARD
 from reef_stream.topics.admin import ensure_topics
@@ -94,13 +93,12 @@ SLOWISH = {100, 101, 250}
 
 
 def test_an_overtime_call_is_replaced_in_the_fast_lane_and_still_rewarded(
-        kafka_bootstrap, namespace, topics, tmp_path, monkeypatch):
+        kafka_bootstrap, namespace, topics, tmp_path):
     """With the demotion deadline far away (5 s), three calls of 1 s run past the p99 of the
     20-ms ones: while they run, ``concurrency`` other calls still run at once (before overtime,
     a slow call held its fast slot until its demotion: ``concurrency - 1`` at most), no more
     than ``concurrency + slow lanes`` calls ever run at once, the slow calls are rewarded (not
     timed out), and the replaced threads end."""
-    monkeypatch.setattr(reward_calls, "ADAPT_FLOOR_S", 5.0)
     count, concurrency, slow = 400, 4, 2
     _produce(kafka_bootstrap, namespace, tmp_path, count)
     lock = threading.Lock()
@@ -132,6 +130,7 @@ def test_an_overtime_call_is_replaced_in_the_fast_lane_and_still_rewarded(
                           on_outcome=on_outcome,
                           options=RewardOptions(group=f"{namespace}-overtime",
                                                 concurrency=concurrency, slow_concurrency=slow,
+                                                fast_lane_floor=5.0,
                                                 timeout=TIMEOUT_S, retries=0, grace=30))
     summaries = []
     running_worker = threading.Thread(target=lambda: summaries.append(worker.run()))

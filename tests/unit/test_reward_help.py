@@ -6,12 +6,14 @@ from __future__ import annotations
 from click.testing import CliRunner
 
 from reef_stream.cli.reward import reward
-from reef_stream.consumers.reward_calls import ADAPT_FACTOR, ADAPT_FLOOR_S
+from reef_stream.consumers.reward_calls import ADAPT_FACTOR, ADAPT_FLOOR_S, RewardOptions
 
 
 def test_the_help_names_the_fast_lanes_deadline_the_code_uses():
     result = CliRunner().invoke(reward, ["--help"], terminal_width=400)
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
-    assert f"past {ADAPT_FACTOR:g} x that p99 (at least {ADAPT_FLOOR_S:g} s)" in text
+    assert f"past {ADAPT_FACTOR:g} x that p99 (at least --fast-lane-floor)" in text
+    assert f"[default: {ADAPT_FLOOR_S:g};" in text.split("--fast-lane-floor SECONDS", 1)[1]
+    assert RewardOptions().fast_lane_floor == ADAPT_FLOOR_S
     assert f"past {ADAPT_FACTOR:g} x the p99 moves to the slow lane" in text
