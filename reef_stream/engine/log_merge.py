@@ -36,8 +36,8 @@ can hold nothing earlier than the candidate (``pop``'s ``settled``). The two rul
   fetching every partition. At the end of a finite log the last records wait ``grace_ms``
   for this; while data flows on every partition they go at once.
 - The processor's (``consumers.pairs``: a ``PartitionPair`` hands its two topics' queues to
-  ``in_log_order``), as Kafka Streams synchronises the partitions of a task: the other topic has nothing unread (its position is at the high watermark of the
-  last fetch; asking costs a client call, so the caller asks lazily, at most once a batch).
+  ``in_log_order``), as Kafka Streams synchronises the partitions of a task: the other
+  topic has nothing unread (its position is at the high watermark of the last fetch; asking costs a client call, so the caller asks lazily, at most once a batch).
   A record waits so, in memory (unoffered, its offset uncommitted), but at most
   ``max_wait_s`` from when it was read (``pop``'s escape, on the merge's monotonic clock):
   the other topic may lag rather than stop, e.g. its records sit behind a producer's open

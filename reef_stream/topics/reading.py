@@ -14,9 +14,10 @@ transactional topic yields only committed records. "The end" is each partition's
 ``to_end`` is called, as a read_committed consumer is told it (its last stable offset), or an
 offset the caller gives (``until``): records produced after that are left for the next call,
 and so are those of a transaction whose commit marker the coordinator has not yet written to
-that partition (it writes the markers just after the commit is decided). The end of a transactional partition may be a
-commit marker that is never delivered, so a partition is done when the consumer's *position*
-reaches its end, not when a record at ``end - 1`` arrives.
+that partition (it writes the markers just after the commit is decided). The end of a
+transactional partition may be a commit marker that is never delivered, so a partition is
+done when the consumer's *position* reaches its end, not when a record at ``end - 1``
+arrives.
 """
 
 from __future__ import annotations
