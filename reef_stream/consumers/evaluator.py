@@ -528,10 +528,10 @@ class EvaluatorWorker:
                          incumbent: Incumbent | None) -> Publication:
         """The decision on a trainer's rollback checkpoint (``reef_stream.consumers.rollback``):
         promoted, without measuring, when its weights are exactly the incumbent's; the
-        incumbent's measurement goes with it. Its files are read and hashed once, here:
-        ``load_weights`` verifies every file of the checkpoint (step 4 of the module docstring)
-        before it hands over the weights; one that does not verify is REJECTED as any
-        candidate is."""
+        incumbent's measurement goes with it. Its files are verified once before the decision,
+        here: ``load_weights`` checks every file of the checkpoint (step 4 of the module
+        docstring) before it hands over the weights (a promoted one's copy for publication
+        reads them again); one that does not verify is REJECTED as any candidate is."""
         try:
             mine = load_weights(candidate.uri, candidate.sha256)
         except CheckpointError as error:

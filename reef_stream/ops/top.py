@@ -38,7 +38,7 @@ from rich.console import Group
 from rich.table import Table
 
 from reef_stream.consumers.superseding import SUPERSEDED
-from reef_stream.topics.connect import new_consumer
+from reef_stream.topics.connect import new_consumer, watermarks
 from reef_stream.topics.cursors import lag
 from reef_stream.topics.events import Checkpoint, DeadLetter, Decision, Metric, Publication
 from reef_stream.ops.metrics import (
@@ -136,7 +136,7 @@ class TopView:
     def _size(self, topic: str, metadata) -> int:
         total = 0
         for p in metadata.partitions:
-            _, high = self._sizes.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            _, high = watermarks(self._sizes, topic, p, timeout=10)  # assigned nothing
             total += max(high, 0)
         return total
 
