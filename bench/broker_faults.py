@@ -30,7 +30,7 @@ from pathlib import Path
 from common import run  # first: it puts the project on sys.path
 
 from reef_stream.cli.demo import DemoProgress
-from reef_stream.config import load_settings
+from reef_stream.core.settings import load_settings
 from reef_stream.demo.faults import Timeline, run_broker_faults
 from reef_stream.demo.run import DemoOptions
 from reef_stream.topics.connect import KAFKA_LOGGER

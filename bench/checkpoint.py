@@ -102,7 +102,7 @@ from reef_stream.engine.checkpoints import (  # noqa: E402
 )
 from reef_stream.engine.hf import TRAIN_DTYPES, HuggingFace, Lora  # noqa: E402
 from reef_stream.engine.training import TorchBackend  # noqa: E402
-from reef_stream.topics.events import RolloutUnit, Sample, TopicOffset  # noqa: E402
+from reef_stream.core.events import RolloutUnit, Sample, TopicOffset  # noqa: E402
 from tests.recipes.trainable import recipe as trainable  # noqa: E402
 
 MODES = ("full", "lora")

@@ -23,11 +23,11 @@ from typing import NamedTuple, NoReturn, TypeVar
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reef_stream.cli.demo import DemoProgress  # noqa: E402
-from reef_stream.config import Settings, load_settings  # noqa: E402
+from reef_stream.core.settings import Settings, load_settings  # noqa: E402
 from reef_stream.demo.run import Demo, DemoOptions, DemoResult  # noqa: E402
-from reef_stream.ops.kafka_local import LocalCluster  # noqa: E402
-from reef_stream.ops.processes import free_ports, interrupt_on_sigterm  # noqa: E402
-from reef_stream.ops.redis_local import LocalRedis  # noqa: E402
+from reef_stream.servers.kafka_local import LocalCluster  # noqa: E402
+from reef_stream.core.processes import free_ports, interrupt_on_sigterm  # noqa: E402
+from reef_stream.servers.redis_local import LocalRedis  # noqa: E402
 
 V = TypeVar("V")
 

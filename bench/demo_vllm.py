@@ -42,16 +42,15 @@ from common import (  # first: it puts the project on sys.path
 )
 
 from reef_stream.cli.demo import VLLM_RATE
-from reef_stream.config import load_settings
+from reef_stream.core.settings import load_settings
 from reef_stream.demo.run import DemoOptions
-from reef_stream.ops.metrics import (
-    TRAINER_LOGPROB_GAP_OLDER,
-    TRAINER_LOGPROB_GAP_SAME_VERSION,
+from reef_stream.core.metric_names import (
+    TRAINER_LOGPROB_GAP_OLDER, TRAINER_LOGPROB_GAP_SAME_VERSION,
 )
 from reef_stream.topics.declarations import metrics
-from reef_stream.topics.events import Metric
+from reef_stream.core.events import Metric
 from reef_stream.topics.reading import read_to_end
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.core.serde import SchemaRegistry
 
 
 def gaps(bootstrap: str, namespace: str) -> tuple[list[float], list[float]]:

@@ -71,13 +71,13 @@ def worker(bootstrap: str, ns: str, units: int, guarantee: str, result: Path, *,
 
     import faust
 
-    from reef_stream.errors import InvalidRecord
-    from reef_stream.topics.events import Feedback, Generation
+    from reef_stream.core.errors import InvalidRecord
+    from reef_stream.core.events import Feedback, Generation
     from reef_stream.api.processor import Origin
     from reef_stream.engine.join import ProcessorState
     from reef_stream.engine.snapshots import dumps_snapshot
     from reef_stream.topics import declarations
-    from reef_stream.topics.serde import SchemaRegistry
+    from reef_stream.core.serde import SchemaRegistry
     from tests.integration.test_processor_runtime import RECIPE
 
     tag = _tag(guarantee, with_table)
@@ -243,8 +243,8 @@ def main() -> None:
                       with_table=not args.no_table)
 
     bench = _bench_processor()
-    from reef_stream.config import load_settings
-    from reef_stream.ops.kafka_local import configured_or_throwaway
+    from reef_stream.core.settings import load_settings
+    from reef_stream.servers.kafka_local import configured_or_throwaway
 
     settings = load_settings()
     workdir = Path(tempfile.mkdtemp(prefix="reef-bench-"))

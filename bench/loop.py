@@ -42,7 +42,7 @@ from pathlib import Path
 
 from common import demo_arguments, figure, live_run, run, say, servers  # first: it puts the project on sys.path
 
-from reef_stream.config import load_settings
+from reef_stream.core.settings import load_settings
 from reef_stream.demo.recipes import stage_recipe
 from reef_stream.demo.run import DemoOptions, DemoResult
 from reef_stream.demo.sync import SyncResult, run_synchronous

@@ -47,16 +47,16 @@ from confluent_kafka.admin import AdminClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reef_stream.config import load_settings  # noqa: E402
+from reef_stream.core.settings import load_settings  # noqa: E402
 from reef_stream.topics.connect import client_config  # noqa: E402
-from reef_stream.consumers.processor import ProcessorRuntime, tune_collector  # noqa: E402
-from reef_stream.topics.events import Feedback, Generation, RolloutUnit  # noqa: E402
-from reef_stream.ops.kafka_local import configured_or_throwaway  # noqa: E402
+from reef_stream.consumers.processor.runtime import ProcessorRuntime, tune_collector  # noqa: E402
+from reef_stream.core.events import Feedback, Generation, RolloutUnit  # noqa: E402
+from reef_stream.servers.kafka_local import configured_or_throwaway  # noqa: E402
 from reef_stream.api.processor import unit_id  # noqa: E402
 from reef_stream.topics import declarations  # noqa: E402
 from reef_stream.topics.admin import ensure_topics  # noqa: E402
 from reef_stream.topics.declarations import Topic  # noqa: E402
-from reef_stream.topics.serde import SchemaRegistry  # noqa: E402
+from reef_stream.core.serde import SchemaRegistry  # noqa: E402
 from tests.integration.test_processor_runtime import (  # noqa: E402
     RECIPE,
     create_topics,

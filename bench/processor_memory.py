@@ -8,7 +8,7 @@ source, so every generation is a group of its own) ``--generations``
 demo-sized generations (~8 prompt tokens, one completion token, random
 32-hex ids) at ``--rate`` per second of record time, each one's feedback
 ``--lag-ms`` later, along the runtime's code path
-(``reef_stream.consumers.processor``): every record encoded and decoded by
+(``reef_stream.consumers.processor.runtime``): every record encoded and decoded by
 the schema registry (decoded arrays are views of the message bytes, as in
 the runtime), ``ProcessorState.offer`` in batches of 2,000 records, then
 ``next_deadline`` / ``tick`` with the newest record time, then ``snapshot``
@@ -54,13 +54,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reef_stream.demo.recipes import sao as _sao  # noqa: E402
 
 REWARD_SOURCE, processor = _sao.reward.source, _sao.processor
-from reef_stream.topics.events import Feedback, FinishReason, Generation, SamplingParams  # noqa: E402
+from reef_stream.core.events import Feedback, FinishReason, Generation, SamplingParams  # noqa: E402
 from reef_stream.api.processor import Origin  # noqa: E402
 from reef_stream.engine.join import ProcessorState  # noqa: E402
 from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot  # noqa: E402
-from reef_stream.topics.serde import SchemaRegistry  # noqa: E402
+from reef_stream.core.serde import SchemaRegistry  # noqa: E402
 
-BATCH = 2000  # records per transaction, as reef_stream.consumers.processor.BATCH
+BATCH = 2000  # records per transaction, as reef_stream.consumers.processor.runtime.BATCH
 START_MS = 1_700_000_000_000
 MiB = 1 << 20
 

@@ -34,16 +34,16 @@ from confluent_kafka import Consumer, Producer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reef_stream.config import load_settings  # noqa: E402
+from reef_stream.core.settings import load_settings  # noqa: E402
 from reef_stream.topics.connect import client_config  # noqa: E402
-from reef_stream.consumers.reward import RewardOptions, RewardWorker  # noqa: E402
+from reef_stream.consumers.reward.worker import RewardOptions, RewardWorker  # noqa: E402
 from reef_stream.demo.task import ProblemStream, exact_match, make_generation  # noqa: E402
-from reef_stream.ops.kafka_local import configured_or_throwaway  # noqa: E402
+from reef_stream.servers.kafka_local import configured_or_throwaway  # noqa: E402
 from reef_stream.demo.recipes import sao as sao_recipe  # noqa: E402
 from reef_stream.api.recipe import NamedReward  # noqa: E402
 from reef_stream.topics.declarations import feedback as feedback_topic  # noqa: E402
 from reef_stream.topics.declarations import generations as generations_topic  # noqa: E402
-from reef_stream.topics.serde import SchemaRegistry  # noqa: E402
+from reef_stream.core.serde import SchemaRegistry  # noqa: E402
 from tests.unit_log import create_topics  # noqa: E402
 
 

@@ -10,7 +10,7 @@ REEF_REDIS_URL are set), ``reef demo`` runs twice:
    versions 2 to 21, twenty candidates in a row, more than SAO's ``max_staleness`` of 16.
    Replicas keep serving version 1; once the trainer is more than 16 versions past it, every
    sample is too stale and the loop has stalled for good. The trainer must roll back by
-   itself (``reef_stream.consumers.rollback``): a checkpoint holding version 1's weights as
+   itself (``reef_stream.publishing.rollback``): a checkpoint holding version 1's weights as
    its next version, which the evaluator promotes, and the loop learns on from there.
 
 Each run's scorecard is printed when it ends; the last lines are one per run:
@@ -31,12 +31,12 @@ from pathlib import Path
 
 from common import demo_arguments, figure, live_run, run, servers  # first: it puts the project on sys.path
 
-from reef_stream.config import load_settings
+from reef_stream.core.settings import load_settings
 from reef_stream.demo.run import DemoOptions, DemoResult
 from reef_stream.topics.declarations import checkpoints, publications
-from reef_stream.topics.events import Checkpoint, Decision, Publication
+from reef_stream.core.events import Checkpoint, Decision, Publication
 from reef_stream.topics.reading import read_to_end
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.core.serde import SchemaRegistry
 
 RECIPES = ("methods.sao", "tests.recipes.demo_rejects_in_a_row")
 

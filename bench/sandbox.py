@@ -39,12 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.chdir(ROOT)  # the sandbox workers import tests.recipes.* as a fresh Python would
 
-from reef_stream.config import load_settings  # noqa: E402
-from reef_stream.consumers.reward import RewardOptions, RewardWorker  # noqa: E402
+from reef_stream.core.settings import load_settings  # noqa: E402
+from reef_stream.consumers.reward.worker import RewardOptions, RewardWorker  # noqa: E402
 from reef_stream.intake.producer import RecordProducer  # noqa: E402
-from reef_stream.ops.kafka_local import configured_or_throwaway  # noqa: E402
-from reef_stream.sandbox.categories import Limits  # noqa: E402
-from reef_stream.sandbox.pool import SandboxPool  # noqa: E402
+from reef_stream.servers.kafka_local import configured_or_throwaway  # noqa: E402
+from reef_stream.consumers.reward.sandbox.categories import Limits  # noqa: E402
+from reef_stream.consumers.reward.sandbox.pool import SandboxPool  # noqa: E402
 from tests.faults.records import generation  # noqa: E402
 from tests.recipes.sandbox_rewards import hostile  # noqa: E402
 from tests.unit_log import create_topics  # noqa: E402

@@ -20,8 +20,8 @@ from io import BytesIO
 import numpy as np
 from fastavro import schemaless_reader, schemaless_writer
 
-from reef_stream.topics.events import FinishReason, Generation, SamplingParams, now_ms, to_avro
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.core.events import FinishReason, Generation, SamplingParams, now_ms, to_avro
+from reef_stream.core.serde import SchemaRegistry
 
 PROMPT_LEN = 64
 TARGET_SIZES = {"~1 KB": 1024, "~16 KB": 16 * 1024}

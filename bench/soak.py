@@ -26,7 +26,7 @@ import psutil
 
 from common import run, servers  # first: it puts the project on sys.path
 
-from reef_stream.config import load_settings
+from reef_stream.core.settings import load_settings
 from reef_stream.demo.run import Demo, DemoOptions
 from reef_stream.topics.cursors import lag
 

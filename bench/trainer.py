@@ -38,18 +38,18 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reef_stream.config import load_settings  # noqa: E402
+from reef_stream.core.settings import load_settings  # noqa: E402
 from reef_stream.topics.connect import client_config  # noqa: E402
-from reef_stream.consumers.trainer import Trainer  # noqa: E402
-from reef_stream.topics.events import RolloutUnit, Sample  # noqa: E402
-from reef_stream.ops.kafka_local import configured_or_throwaway  # noqa: E402
+from reef_stream.consumers.trainer.trainer import Trainer  # noqa: E402
+from reef_stream.core.events import RolloutUnit, Sample  # noqa: E402
+from reef_stream.servers.kafka_local import configured_or_throwaway  # noqa: E402
 from reef_stream.api.losses import POLICY_GRADIENT  # noqa: E402
 from reef_stream.engine.models import TinyCausalLM  # noqa: E402
 from reef_stream.api.processor import unit_id  # noqa: E402
 from reef_stream.api.recipe import Backend, Recipe  # noqa: E402
 from reef_stream.api.schedule import Schedule  # noqa: E402
 from reef_stream.topics.declarations import units as units_topic  # noqa: E402
-from reef_stream.topics.serde import SchemaRegistry  # noqa: E402
+from reef_stream.core.serde import SchemaRegistry  # noqa: E402
 from reef_stream.engine.training import TorchBackend, collate  # noqa: E402
 from tests.recipes.trainable import recipe as small_recipe  # noqa: E402
 from tests.unit_log import create_topics  # noqa: E402

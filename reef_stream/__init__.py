@@ -45,11 +45,11 @@ _MODULES: dict[str, tuple[str, ...]] = {
                                   "AcceptEverything"),
     "reef_stream.intake.producer": ("RecordProducer", "SendHandle", "DeliveryState"),
     "reef_stream.intake.aio": ("AsyncRecordProducer",),
-    "reef_stream.consumers.follower": ("Follower", "LoadedVersion"),
-    "reef_stream.topics.events": ("Event", "Generation", "Feedback", "Sample", "SamplingParams",
+    "reef_stream.serving.follower": ("Follower", "LoadedVersion"),
+    "reef_stream.core.events": ("Event", "Generation", "Feedback", "Sample", "SamplingParams",
                                   "FinishReason", "RolloutUnit", "TopicOffset", "Checkpoint",
                                   "Publication", "Decision", "Metric", "DeadLetter"),
-    "reef_stream.errors": ("ReefError",),
+    "reef_stream.core.errors": ("ReefError",),
 }
 _WHERE = {name: module for module, names in _MODULES.items() for name in names}
 

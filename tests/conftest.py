@@ -1,7 +1,7 @@
 """Fixtures: a real Kafka broker and a real Redis server, once per test session.
 
 By default the session starts its own single-node KRaft broker (jars from
-Maven Central, see reef_stream.ops.kafka_local) and its own redis-server, each in
+Maven Central, see reef_stream.servers.kafka_local) and its own redis-server, each in
 a temporary directory on free ports, and stops them at the end. Where
 ``REEF_BOOTSTRAP_SERVERS`` / ``REEF_REDIS_URL`` name existing servers, those
 are used instead. With ``REEF_TEST_DOCKER=1``, pytest-docker starts
@@ -23,9 +23,9 @@ import pytest
 # directory. Set before anything imports huggingface_hub, which reads it once.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from reef_stream.config import KAFKA_INFRA_DIR, load_settings
-from reef_stream.ops.kafka_local import LocalCluster
-from reef_stream.ops.redis_local import LocalRedis
+from reef_stream.core.settings import KAFKA_INFRA_DIR, load_settings
+from reef_stream.servers.kafka_local import LocalCluster
+from reef_stream.servers.redis_local import LocalRedis
 
 USE_DOCKER = os.environ.get("REEF_TEST_DOCKER") == "1"
 
@@ -69,7 +69,7 @@ def redis_url(settings, tmp_path_factory, request) -> str:
         request.getfixturevalue("docker_services")
         yield "redis://127.0.0.1:16379/0"
         return
-    from reef_stream.ops.processes import free_ports
+    from reef_stream.core.processes import free_ports
 
     server = LocalRedis(tmp_path_factory.mktemp("redis"))
     url = server.up(port=free_ports(1)[0])

@@ -73,7 +73,7 @@ def consume_all(bootstrap: str, topic: str, expected: int, idle_rounds: int = 5)
 
 def consume_events(bootstrap: str, topic: str, expected: int, reader: type | None = None) -> list:
     """Every message of ``topic``, decoded as ``reader`` events (see ``consume_all``)."""
-    from reef_stream.topics.serde import decode
+    from reef_stream.core.serde import decode
 
     return [decode(m.value(), m.headers(), reader, topic=m.topic(), partition=m.partition(),
                    offset=m.offset()) for m in consume_all(bootstrap, topic, expected)]
@@ -86,8 +86,8 @@ def events_to_end(bootstrap: str, topic: str, reader: type | None = None) -> lis
     (``consume_all``'s, which on a topic still being written, such as ``<ns>.metrics``, may
     never go quiet). Records written after the call are left out: to wait for some, call it
     again inside ``wait_until``."""
+    from reef_stream.core.serde import decode
     from reef_stream.topics.reading import read_to_end
-    from reef_stream.topics.serde import decode
 
     return [decode(m.value(), m.headers(), reader, topic=m.topic(), partition=m.partition(),
                    offset=m.offset()) for m in read_to_end(bootstrap, topic)]

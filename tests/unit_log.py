@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from reef_stream.topics.events import RolloutUnit, Sample
 from reef_stream.api.processor import unit_id
+from reef_stream.core.events import RolloutUnit, Sample
 
 
 def rollout_unit(i: int, *, recipe: str = "trainable", policy_version: int = 0, group_size: int = 4,
@@ -29,8 +29,8 @@ def create_topics(bootstrap: str, namespace: str, recipe: str = "trainable") -> 
     """Every topic of ``namespace``, with the units topic of ``recipe``."""
     from confluent_kafka.admin import AdminClient
 
-    from reef_stream.topics.connect import client_config
     from reef_stream.topics.admin import ensure_topics
+    from reef_stream.topics.connect import client_config
     from reef_stream.topics.declarations import declare_topics
 
     ensure_topics(AdminClient(client_config(bootstrap)), declare_topics(namespace, (recipe,)))
@@ -47,9 +47,9 @@ def produce_units(bootstrap: str, namespace: str, records, *, recipe: str = "tra
 
     from confluent_kafka import Producer
 
+    from reef_stream.core.serde import SchemaRegistry
     from reef_stream.topics.connect import client_config
     from reef_stream.topics.declarations import units as units_topic
-    from reef_stream.topics.serde import SchemaRegistry
 
     registry, topic = SchemaRegistry.default(), units_topic(namespace, recipe)
     producer = Producer(client_config(bootstrap, {"acks": "all", "enable.idempotence": True}))

@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from reef_stream.errors import ConfigurationError
-from reef_stream.topics.events import RolloutUnit
 from reef_stream.api.losses import POLICY_GRADIENT, LossFamily
 from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages
 from reef_stream.api.variants import AdvantageNormalisation, equal_reward_groups
-from reef_stream.ops.metrics import OBJECTIVE_DYNAMIC_SAMPLING_DROPPED
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import RolloutUnit
+from reef_stream.core.metric_names import OBJECTIVE_DYNAMIC_SAMPLING_DROPPED
 
 #: Metric names (the trainer reports them as ``objective.<name>``).
 METRIC_REWARD_MEAN = "reward_mean"

@@ -17,7 +17,7 @@ each generation declaring that ``group_size``. Built-in parts (``reef_stream.api
 from __future__ import annotations
 
 from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources
-from reef_stream.topics.events import RolloutUnit
+from reef_stream.core.events import RolloutUnit
 
 #: How long a generation waits for its reward before it expires.
 FEEDBACK_TIMEOUT_MS = 60_000

@@ -31,13 +31,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .objective import GroupNormalisedAdvantage
-from .processor import processor
 from reef_stream.api.evaluator import CandidateEvaluator
 from reef_stream.api.losses import POLICY_GRADIENT, ClippedPolicyGradient, PolicyGradientLoss
 from reef_stream.api.recipe import AdamW, Backend, Recipe, RewardFunction, awaited_sources
 from reef_stream.api.schedule import Schedule
 from reef_stream.api.variants import AdvantageNormalisation
+
+from .objective import GroupNormalisedAdvantage
+from .processor import processor
 
 #: Completions sampled per prompt by default (each generation's declared group_size).
 GROUP_SIZE = 16

@@ -33,15 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from reef_stream.errors import ConfigurationError
 from reef_stream.api.losses import (
-    LossFamily,
-    LossOutput,
-    PolicyGradientInputs,
-    PolicyGradientLoss,
-    register_loss_family,
+    LossFamily, LossOutput, PolicyGradientInputs, PolicyGradientLoss, register_loss_family,
 )
 from reef_stream.api.variants import LOG_RATIO_BOUND, BatchTotals, RatioLevel, log_ratio
+from reef_stream.core.errors import ConfigurationError
 
 #: Metric names of the loss (the trainer prefixes nothing; they sit next to ``loss``).
 METRIC_RATIO_MEAN = "ratio_mean"

@@ -40,11 +40,12 @@ from typing import Any
 
 import numpy as np
 
-from .loss import SAO_TRUNCATED_PG
-from reef_stream.errors import ConfigurationError
-from reef_stream.topics.events import RolloutUnit
 from reef_stream.api.losses import LossFamily
 from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages, rollout_samples
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import RolloutUnit
+
+from .loss import SAO_TRUNCATED_PG
 
 #: Metric names (the trainer reports them as ``objective.<name>``).
 METRIC_BASELINE = "baseline"                # mean of the baselines the step's samples used

@@ -15,13 +15,13 @@ SAO needs no groups (its baseline is the running per-prompt statistics of
   ``Sample``.
 
 The processor is pure (no Kafka); ``reef process`` runs it, and
-``reef_stream.api.testing.run_processor`` runs the same state machine in tests.
+``reef_stream.engine.testing.run_processor`` runs the same state machine in tests.
 """
 
 from __future__ import annotations
 
 from reef_stream.api.parts import ComposedProcessor, RequireSources, Ungrouped
-from reef_stream.topics.events import RolloutUnit
+from reef_stream.core.events import RolloutUnit
 
 #: How long a generation waits for its reward before it expires.
 FEEDBACK_TIMEOUT_MS = 60_000

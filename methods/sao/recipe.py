@@ -20,12 +20,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .loss import SAO_TRUNCATED_PG, TruncatedPolicyGradient
-from .objective import StreamingAdvantage
-from .processor import processor
 from reef_stream.api.evaluator import CandidateEvaluator
 from reef_stream.api.recipe import AdamW, Backend, Recipe, RewardFunction, awaited_sources
 from reef_stream.api.schedule import Schedule
+
+from .loss import SAO_TRUNCATED_PG, TruncatedPolicyGradient
+from .objective import StreamingAdvantage
+from .processor import processor
 
 #: The importance-weight bound of the loss (V-trace's rho-bar).
 TRUNCATION = 1.0

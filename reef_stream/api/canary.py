@@ -20,7 +20,7 @@ wraps) that also says how a version the offline gate promoted is released:
   (a candidate whose checkpoint is younger than that after the incumbent's is REJECTED
   unmeasured, reason ``publication cadence: ...``); None promotes every candidate that passes.
 
-Pure: no Kafka, no Redis here (``reef_stream.consumers.canary`` runs it). ``judge`` must be a
+Pure: no Kafka, no Redis here (``reef_stream.consumers.evaluator.canary`` runs it). ``judge`` must be a
 function of the two arms only, so a restarted evaluator that read the same log decides the same.
 """
 
@@ -33,14 +33,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from reef_stream.api.evaluator import (
-    AcceptEverything,
-    CandidateEvaluator,
-    Incumbent,
-    Measurement,
-    Selection,
+    AcceptEverything, CandidateEvaluator, Incumbent, Measurement, Selection,
 )
-from reef_stream.errors import ConfigurationError
-from reef_stream.topics.events import Checkpoint
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import Checkpoint
 
 __all__ = ["Arm", "CanaryEvaluator", "MeanDifference", "Staged", "Verdict", "Action"]
 

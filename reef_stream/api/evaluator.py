@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from reef_stream.errors import FatalError
-from reef_stream.topics.events import Checkpoint, Decision, Publication
+from reef_stream.core.errors import FatalError
+from reef_stream.core.events import Checkpoint, Decision, Publication
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,15 +33,14 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
-from reef_stream.errors import ConfigurationError, FatalError
-from reef_stream.ops.metrics import (
-    LOSS_BEHAVIOUR_WEIGHT_MEAN, LOSS_CLIP_FRACTION, LOSS_CLIP_FRACTION_HIGH,
-    LOSS_CLIP_FRACTION_LOW, LOSS_DUAL_CLIP_FRACTION, LOSS_ENTROPY, LOSS_KL_REFERENCE,
-    LOSS_RATIO_MEAN,
-)
 from reef_stream.api.variants import (
     LOG_RATIO_BOUND, Aggregation, BatchTotals, DecoupledProximal, EntropyBonus, ExtraInput,
     KLPenalty, RatioLevel, TokenMean, check_aggregation, log_ratio,
+)
+from reef_stream.core.errors import ConfigurationError, FatalError
+from reef_stream.core.metric_names import (
+    LOSS_BEHAVIOUR_WEIGHT_MEAN, LOSS_CLIP_FRACTION, LOSS_CLIP_FRACTION_HIGH, LOSS_CLIP_FRACTION_LOW,
+    LOSS_DUAL_CLIP_FRACTION, LOSS_ENTROPY, LOSS_KL_REFERENCE, LOSS_RATIO_MEAN,
 )
 
 InputsT = TypeVar("InputsT")

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, Union, runtim
 
 import numpy as np
 
-from reef_stream.errors import FatalError
-from reef_stream.topics.events import RolloutUnit, Sample
 from reef_stream.api.losses import LossFamily
+from reef_stream.core.errors import FatalError
+from reef_stream.core.events import RolloutUnit, Sample
 
 if TYPE_CHECKING:
     import torch

@@ -24,17 +24,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Generic, TypeVar
 
-from reef_stream.errors import ConfigurationError, InvalidRecord
-from reef_stream.topics.events import EpochMillis, Feedback, Generation, RolloutUnit, Sample
 from reef_stream.api.processor import (
-    DEFAULT_RETENTION_MS,
-    FeedbackPolicy,
-    Grouping,
-    MissingFeedback,
-    Score,
-    Scored,
-    UnitBuilder,
+    DEFAULT_RETENTION_MS, FeedbackPolicy, Grouping, MissingFeedback, Score, Scored, UnitBuilder,
 )
+from reef_stream.core.errors import ConfigurationError, InvalidRecord
+from reef_stream.core.events import EpochMillis, Feedback, Generation, RolloutUnit, Sample
 
 UnitT = TypeVar("UnitT")
 

@@ -6,7 +6,7 @@ wants, when it is complete, how it combines into a ``Score``, how long to
 wait, what to do when it is missing) and ``UnitBuilder`` (the unit event type
 and how to build one). Built-in parts are in ``reef_stream.api.parts``. The
 state machine that drives a processor (``reef_stream.engine.join``) is the
-same in the runtime and in ``reef_stream.api.testing.run_processor``. Pure:
+same in the runtime and in ``reef_stream.engine.testing.run_processor``. Pure:
 nothing here touches Kafka.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from reef_stream.topics.events import EpochMillis, Feedback, Generation
+from reef_stream.core.events import EpochMillis, Feedback, Generation
 
 UnitT_co = TypeVar("UnitT_co", covariant=True)
 
@@ -131,7 +131,7 @@ class FeedbackPolicy(Protocol):
 class UnitBuilder(Protocol[UnitT_co]):
     """The unit type a processor emits and how to build one. Pure.
 
-    ``unit_type`` is an event class of ``reef_stream.topics.events`` style (a frozen
+    ``unit_type`` is an event class of ``reef_stream.core.events`` style (a frozen
     dataclass naming its Avro schema in ``SCHEMA``).
     """
 

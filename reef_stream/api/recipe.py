@@ -57,17 +57,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from reef_stream.errors import ConfigurationError
 from reef_stream.api.evaluator import AcceptEverything, CandidateEvaluator
-from reef_stream.topics.events import EpochMillis, Feedback, Generation
 from reef_stream.api.losses import LossFamily, is_registered
 from reef_stream.api.objective import Objective
 from reef_stream.api.processor import Processor, processor_problems
+
 # The reward-facing types live in a module without torch (the sandbox workers import it
 # alone); re-exported here: ``from reef_stream.api.recipe import Reward`` keeps working.
 from reef_stream.api.rewards import NamedReward, Reward, RewardFunction  # noqa: F401
 from reef_stream.api.schedule import Schedule
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import EpochMillis, Feedback, Generation
+from reef_stream.core.serde import SchemaRegistry
 
 #: Recipe names end up in topic names (``<ns>.units.<recipe>``): Kafka's legal characters.
 _RECIPE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}\Z")

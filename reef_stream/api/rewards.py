@@ -1,7 +1,7 @@
 """What a reward function is and returns: ``Reward``, ``RewardFunction``, ``NamedReward``.
 
 A module of their own that imports nothing beyond the standard library (no torch, no numpy),
-so reward code, and the sandbox worker that runs it (``reef_stream.sandbox.worker``), can
+so reward code, and the sandbox worker that runs it (``reef_stream.consumers.reward.sandbox.worker``), can
 import it without the recipe machinery: ``reef_stream.api.recipe`` imports the objectives and
 losses, and with them torch (about 0.5 GB in every sandbox worker, and a slower fork per
 call). ``reef_stream.api.recipe`` and ``reef_stream`` re-export the three names.
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from reef_stream.topics.events import Generation
+    from reef_stream.core.events import Generation
 
 __all__ = ["NamedReward", "Reward", "RewardFunction"]
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reef_stream.errors import ConfigurationError
+from reef_stream.core.errors import ConfigurationError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -41,7 +41,7 @@ from typing import Union
 import numpy as np
 import torch
 
-from reef_stream.errors import ConfigurationError
+from reef_stream.core.errors import ConfigurationError
 
 #: The default bound on a log-ratio before ``exp``: ratios stay in ``[e^-20, e^20]`` (about
 #: ``[2e-9, 4.9e8]``), finite in float32 (whose ``exp`` overflows past 88.7). A token whose

@@ -23,7 +23,7 @@ from reef_stream.cli.recipe_options import set_option
 
 if TYPE_CHECKING:  # imported when the command runs: they bring torch, which every reef command
     from reef_stream.api.recipe import Recipe  # would otherwise pay for at start
-    from reef_stream.topics.serde import SchemaRegistry
+    from reef_stream.core.serde import SchemaRegistry
 
 
 @click.command()
@@ -45,7 +45,7 @@ def check(path: str, overrides: tuple[str, ...]) -> None:
     per prompt). Prints the contract, or every problem at once (exit status 2).
     """
     from reef_stream.api.recipe import load_recipe
-    from reef_stream.topics.serde import SchemaRegistry
+    from reef_stream.core.serde import SchemaRegistry
 
     registry = SchemaRegistry.default()
     recipe = load_recipe(path, registry=registry, overrides=overrides, complete=True)

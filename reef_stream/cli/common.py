@@ -1,7 +1,7 @@
 """What every ``reef`` command shares: the console, the one mapping from an error to a
 message and an exit status, the one runner for a command outside the ``reef`` group, and
 the one signal handler that turns SIGTERM/SIGINT into a graceful stop
-(``reef_stream.ops.processes.stop_on_signals``, which the stages' own entry points use too).
+(``reef_stream.core.processes.stop_on_signals``, which the stages' own entry points use too).
 
 Exit statuses: 0 done; 2 a configuration problem (the message says what to set or run);
 1 any other ``ReefError``; 130 interrupted.
@@ -18,9 +18,9 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from reef_stream.config import Settings, load_settings
-from reef_stream.errors import ConfigurationError, ReefError
-from reef_stream.ops.processes import stop_on_signals
+from reef_stream.core.errors import ConfigurationError, ReefError
+from reef_stream.core.processes import stop_on_signals
+from reef_stream.core.settings import Settings, load_settings
 
 __all__ = ["ReefGroup", "console", "err_console", "exit_status", "fail", "print_error", "progress",
            "run_stage", "run_standalone", "settings_of", "stop_on_signals"]
@@ -74,7 +74,7 @@ class ReefGroup(click.Group):
 
 
 def run_standalone(command: click.Command, prog_name: str, logger: str) -> None:
-    """Run ``command`` outside the ``reef`` group (``python -m reef_stream.consumers.X``)
+    """Run ``command`` outside the ``reef`` group (``python -m reef_stream.cli.X``)
     with the group's error handling. ``logger`` logs at INFO."""
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("reef_stream.kafka").setLevel(logging.CRITICAL)

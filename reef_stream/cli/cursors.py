@@ -6,7 +6,7 @@
 
 The logic lives in ``reef_stream.topics.cursors``; these commands parse options,
 call it, and print: rich tables for people, JSON lines (``tail``) for
-programs. They raise ``reef_stream.errors`` exceptions, which the ``reef``
+programs. They raise ``reef_stream.core.errors`` exceptions, which the ``reef``
 group turns into one-line errors. ``COMMANDS`` lists them for
 ``main.add_command``.
 """
@@ -20,11 +20,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.settings import Settings
 from reef_stream.topics import cursors
-from reef_stream.config import Settings
 from reef_stream.topics.connect import bootstrap_servers
 from reef_stream.topics.cursors import GroupLag, Position, ReplayResult, describe_position
-from reef_stream.errors import ConfigurationError
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)

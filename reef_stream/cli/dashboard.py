@@ -45,9 +45,9 @@ def dashboard(ctx: click.Context, port: int, host: str, from_beginning: bool) ->
     from rich.console import Console
     from rich.markup import escape
 
-    from reef_stream.config import load_settings
-    from reef_stream.topics.connect import bootstrap_servers
+    from reef_stream.core.settings import load_settings
     from reef_stream.ops.dashboard.server import serve
+    from reef_stream.topics.connect import bootstrap_servers
 
     settings = ctx.obj if ctx.obj is not None else load_settings()
     bootstrap = bootstrap_servers(settings)

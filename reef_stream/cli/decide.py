@@ -4,7 +4,7 @@
     reef reject sao-small 12 --reason "answers got longer and worse"
     reef rollback sao-small --to 9 --reason "users report regressions"
 
-The decisions are ``reef_stream.consumers.decisions``; each is one Publication on
+The decisions are ``reef_stream.publishing.decisions``; each is one Publication on
 ``<namespace>.publications`` naming who (``--by``, default the login name), when and why.
 ``COMMANDS`` lists the commands for ``main.add_command``.
 """
@@ -24,10 +24,10 @@ def _by_option(function):
 
 
 def _decide(ctx: click.Context, build) -> None:
-    from reef_stream.consumers.decisions import record
-    from reef_stream.consumers.fleet import Fleet
-    from reef_stream.consumers.publications import PublicationLedger
-    from reef_stream.errors import ConfigurationError
+    from reef_stream.core.errors import ConfigurationError
+    from reef_stream.publishing.decisions import record
+    from reef_stream.publishing.fleet import Fleet
+    from reef_stream.publishing.publications import PublicationLedger
     from reef_stream.topics.connect import bootstrap_servers
 
     settings = settings_of(ctx)
@@ -61,7 +61,7 @@ def approve(ctx: click.Context, model: str, version: int, reason: str | None,
             by: str | None) -> None:
     """Promote VERSION of MODEL, waiting for a decision (a canary, or a recipe that requires
     approval): every replica serves it. Recorded as a PROMOTED publication naming who."""
-    from reef_stream.consumers.decisions import approval
+    from reef_stream.publishing.decisions import approval
 
     _decide(ctx, lambda ledger: approval(ledger, model, version, by=_who(by), reason=reason))
 
@@ -75,7 +75,7 @@ def approve(ctx: click.Context, model: str, version: int, reason: str | None,
 def reject(ctx: click.Context, model: str, version: int, reason: str, by: str | None) -> None:
     """Reject VERSION of MODEL, waiting for a decision: replicas that took it as a canary go
     back to the incumbent. Recorded as a REJECTED publication naming who and why."""
-    from reef_stream.consumers.decisions import rejection
+    from reef_stream.publishing.decisions import rejection
 
     _decide(ctx, lambda ledger: rejection(ledger, model, version, by=_who(by), reason=reason))
 
@@ -95,7 +95,7 @@ def rollback(ctx: click.Context, model: str, to: int | None, reason: str | None,
     publication. With a canary open, rolls the canary back (its replicas go back to the
     incumbent). Versions stay monotonic: a trainer too far past the version served rolls back
     to its weights as its next version."""
-    from reef_stream.consumers.decisions import rollback as build
+    from reef_stream.publishing.decisions import rollback as build
 
     _decide(ctx, lambda ledger: build(ledger, model, by=_who(by), to=to, reason=reason))
 

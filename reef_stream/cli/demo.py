@@ -110,10 +110,10 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
     and reloads it with every promoted version's serving artifact.
     """
     from reef_stream.cli.servers import kafka_up, redis_up
-    from reef_stream.config import load_settings
-    from reef_stream.topics.connect import bootstrap_servers, redis_url
+    from reef_stream.core.processes import interrupt_on_sigterm
+    from reef_stream.core.settings import load_settings
     from reef_stream.demo.run import Demo, DemoOptions
-    from reef_stream.ops.processes import interrupt_on_sigterm
+    from reef_stream.topics.connect import bootstrap_servers, redis_url
 
     if task == "tool" and engine != "toy":
         raise click.UsageError("--task tool runs on the toy engine: leave --engine out")

@@ -2,9 +2,9 @@
 
     reef evaluate --recipe reef_stream.demo.recipes:sao
     reef evaluate --recipe reef_stream.demo.recipes:sao --model sao-small --publish-to s3://b/pub
-    python -m reef_stream.consumers.evaluator --recipe reef_stream.demo.recipes:sao  # without reef
+    python -m reef_stream.cli evaluate --recipe reef_stream.demo.recipes:sao  # without the reef script
 
-The worker is ``reef_stream.consumers.evaluator.EvaluatorWorker``; this
+The worker is ``reef_stream.consumers.evaluator.evaluator.EvaluatorWorker``; this
 command loads and checks the recipe, prints the evaluator's warning (the
 default AcceptEverything promotes every checkpoint unevaluated), connects the
 Redis fleet projection when Redis is configured, installs SIGTERM/SIGINT
@@ -18,10 +18,10 @@ import logging
 
 import click
 
-from reef_stream.cli.common import run_stage, run_standalone
+from reef_stream.cli.common import run_stage
 from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
 from reef_stream.cli.recipe_options import set_option
-from reef_stream.errors import ConfigurationError
+from reef_stream.core.errors import ConfigurationError
 
 
 @click.command()
@@ -125,9 +125,9 @@ def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None
     --idle-exit, and prints a one-line summary.
     """
     from reef_stream.api.recipe import load_recipe
-    from reef_stream.config import load_settings
-    from reef_stream.consumers.evaluator import EvaluateOptions, EvaluatorWorker
-    from reef_stream.consumers.fleet import Fleet
+    from reef_stream.consumers.evaluator.evaluator import EvaluateOptions, EvaluatorWorker
+    from reef_stream.core.settings import load_settings
+    from reef_stream.publishing.fleet import Fleet
 
     settings = ctx.obj if ctx.obj is not None else load_settings()
     logging.getLogger("reef_stream.consumers.evaluator").setLevel(logging.INFO)
@@ -150,10 +150,6 @@ def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None
     serve_metrics(metrics_port)
     run_stage(worker)    # a signal stops it after the current candidate
 
-
-def main() -> None:
-    """Run ``evaluate`` on its own (``python -m reef_stream.consumers.evaluator``)."""
-    run_standalone(evaluate, "reef evaluate", "reef_stream.consumers.evaluator")
 
 
 COMMANDS = [evaluate]

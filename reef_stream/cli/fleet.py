@@ -5,7 +5,7 @@
     reef fleet --rebuild            rebuild the projection from Kafka first
     reef fleet --json               the same data as JSON (for scripts)
 
-The projection is ``reef_stream.consumers.fleet``; ``COMMANDS`` lists the command for
+The projection is ``reef_stream.publishing.fleet``; ``COMMANDS`` lists the command for
 ``main.add_command``.
 """
 
@@ -48,9 +48,9 @@ def fleet(ctx: click.Context, model: str | None, rebuild: bool, ttl: float | Non
     up`), which holds projections only; --rebuild restores them from Kafka
     after Redis lost them.
     """
-    from reef_stream.config import load_settings
+    from reef_stream.core.settings import load_settings
+    from reef_stream.publishing.fleet import DEFAULT_TTL_S, Fleet
     from reef_stream.topics.connect import bootstrap_servers
-    from reef_stream.consumers.fleet import DEFAULT_TTL_S, Fleet
 
     settings = ctx.obj if ctx.obj is not None else load_settings()
     projection = Fleet.from_settings(settings, ttl_s=ttl or DEFAULT_TTL_S)
@@ -137,4 +137,4 @@ COMMANDS = [fleet]
 if __name__ == "__main__":
     from reef_stream.cli.common import run_standalone
 
-    run_standalone(fleet, "reef fleet", "reef_stream.consumers.fleet")
+    run_standalone(fleet, "reef fleet", "reef_stream.publishing.fleet")

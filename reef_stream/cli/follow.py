@@ -6,11 +6,11 @@
     reef follow --model llm --engine vllm --url http://127.0.0.1:18000
     reef follow --model llm --engine command --exec 'my-reload --dir {path} --version {version}'
 
-It runs ``reef_stream.consumers.follower.Follower`` with a callback that only
+It runs ``reef_stream.serving.follower.Follower`` with a callback that only
 reports each verified version (tensor count and size); serving code uses the
 Python API and swaps the weights into its model instead. With ``--engine`` the
 follower loads serving artifacts (a Hugging Face model's, written by the
-evaluator) and an engine adapter (``reef_stream.consumers.engines``) makes a
+evaluator) and an engine adapter (``reef_stream.serving.adapters``) makes a
 running engine serve each one. While it runs, the
 replica heartbeats into the Redis fleet projection (when Redis is
 configured) and into ``<ns>.metrics``, so ``reef fleet`` lists it.
@@ -90,8 +90,8 @@ def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
     version the engine does not load is refused and the engine keeps serving
     the previous one. A version published without an artifact is refused.
     """
-    from reef_stream.config import load_settings
-    from reef_stream.consumers.follower import ARTIFACT, WEIGHTS, Follower
+    from reef_stream.core.settings import load_settings
+    from reef_stream.serving.follower import ARTIFACT, WEIGHTS, Follower
 
     settings = ctx.obj if ctx.obj is not None else load_settings()
     adapter = _adapter(engine, url, command, lora_name)
@@ -154,7 +154,7 @@ def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
 def _adapter(engine: str, url: str | None, command: str | None, lora_name: str):
     """The engine adapter the options ask for (None for ``none``); a usage error names what is
     missing or superfluous."""
-    from reef_stream.consumers.engines import CommandEngine, VllmEngine
+    from reef_stream.serving.adapters import CommandEngine, VllmEngine
 
     if engine != "vllm" and url is not None:
         raise click.UsageError("--url goes with --engine vllm")
@@ -182,4 +182,4 @@ COMMANDS = [follow]
 if __name__ == "__main__":
     from reef_stream.cli.common import run_standalone
 
-    run_standalone(follow, "reef follow", "reef_stream.consumers.follower")
+    run_standalone(follow, "reef follow", "reef_stream.serving.follower")

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
-from reef_stream.config import Settings
+from reef_stream.core.settings import Settings
 from reef_stream.topics.connect import bootstrap_servers
 
 console = Console(highlight=False)

@@ -26,7 +26,7 @@
     reef dashboard [--port P]       live charts of the metrics topic on a local web page
 
 Where ``REEF_BOOTSTRAP_SERVERS`` / ``REEF_REDIS_URL`` name existing servers,
-nothing is started and every command uses those (see ``reef_stream.config``).
+nothing is started and every command uses those (see ``reef_stream.core.settings``).
 Every error is one message saying what to do; the exit status is 2 for a
 configuration problem and 1 for anything else.
 """
@@ -38,13 +38,32 @@ import sys
 
 import click
 
-from reef_stream.cli import decide  # noqa: I001 - reef approve / reject / rollback
-from reef_stream.cli import (check, cursors, dashboard, demo, engine, evaluate, fleet, follow,
-                             intake, process, produce, rescore, reward, scorecard, servers, sink,
-                             top, topics, trace, train)
+from reef_stream.cli import (
+    check,
+    cursors,
+    dashboard,
+    decide,  # noqa: I001 - reef approve / reject / rollback
+    demo,
+    evaluate,
+    fleet,
+    follow,
+    inference,
+    intake,
+    process,
+    produce,
+    rescore,
+    reward,
+    scorecard,
+    servers,
+    sink,
+    top,
+    topics,
+    trace,
+    train,
+)
 from reef_stream.cli.common import ReefGroup, print_error
-from reef_stream.config import load_settings
-from reef_stream.errors import ConfigurationError
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.settings import load_settings
 from reef_stream.topics.connect import KAFKA_LOGGER
 
 
@@ -69,7 +88,7 @@ def main(ctx: click.Context, verbose: bool) -> None:
 
 
 for module in (servers, topics, produce, intake, cursors, check, reward, rescore, process, train,
-               evaluate, follow, fleet, demo, trace, top, scorecard, sink, dashboard, engine,
+               evaluate, follow, fleet, demo, trace, top, scorecard, sink, dashboard, inference,
                decide):
     for command in module.COMMANDS:
         main.add_command(command)

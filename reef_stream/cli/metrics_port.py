@@ -5,7 +5,7 @@
     def process(..., metrics_port: int | None) -> None:
         serve_metrics(metrics_port)      # until the command returns
 
-The server is ``reef_stream.ops.prometheus.serve`` on ``127.0.0.1`` only (put a
+The server is ``reef_stream.core.prometheus.serve`` on ``127.0.0.1`` only (put a
 proxy or a Prometheus agent on the host in front of it to scrape from
 elsewhere); it stops when the command's click context closes.
 """
@@ -27,7 +27,7 @@ def serve_metrics(port: int | None) -> None:
     Call it inside a click command."""
     if port is None:
         return
-    from reef_stream.ops.prometheus import serve
+    from reef_stream.core.prometheus import serve
 
     server = serve(port)
     click.get_current_context().call_on_close(server.stop)

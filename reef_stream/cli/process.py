@@ -1,4 +1,4 @@
-"""``reef process --recipe X``: run a recipe's processor (``reef_stream.consumers.processor``).
+"""``reef process --recipe X``: run a recipe's processor (``reef_stream.consumers.processor.runtime``).
 
     reef process --recipe reef_stream.demo.recipes:sao
     reef process --recipe tests.recipes.good --group trial-3 --instance 1
@@ -47,13 +47,15 @@ def process(path: str, group: str | None, instance: str, batch: int | None,
     with the recipe, group and instance, to <namespace>.metrics (at most once a
     second).
     """
-    from reef_stream.config import load_settings
-    from reef_stream.topics.connect import bootstrap_servers
-    from reef_stream.consumers.processor import BATCH, run_processor_runtime
     from reef_stream.api.recipe import load_recipe
+    from reef_stream.consumers.processor.runtime import BATCH, run_processor_runtime
+    from reef_stream.core.settings import load_settings
+    from reef_stream.topics.connect import bootstrap_servers
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("reef_stream.engine.join").setLevel(logging.INFO)
+    for logger in ("reef_stream.consumers.processor", "reef_stream.topics.fencing",
+                   "reef_stream.engine.join"):
+        logging.getLogger(logger).setLevel(logging.INFO)
     settings = load_settings()
     recipe = load_recipe(path, overrides=overrides)
     serve_metrics(metrics_port)
@@ -66,4 +68,4 @@ COMMANDS = [process]
 
 
 if __name__ == "__main__":
-    run_standalone(process, "reef process", "reef_stream.consumers.processor")
+    run_standalone(process, "reef process", "reef_stream.consumers.processor.runtime")

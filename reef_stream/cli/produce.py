@@ -30,18 +30,13 @@ import click
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
+    BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
 )
 from rich.table import Table
 
-from reef_stream.config import Settings
-from reef_stream.errors import ConfigurationError, InvalidRecord
-from reef_stream.topics.events import SamplingParams
+from reef_stream.core.errors import ConfigurationError, InvalidRecord
+from reef_stream.core.events import SamplingParams
+from reef_stream.core.settings import Settings
 from reef_stream.intake.formats import KINDS, OpenAIDefaults, parse_sampling
 from reef_stream.intake.jsonl import ImportSummary, import_jsonl
 from reef_stream.intake.producer import DeliveryError, RecordProducer

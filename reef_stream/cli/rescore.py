@@ -3,7 +3,7 @@
     reef rescore --recipe methods.sao.recipe --source exact_match_v2 --from-earliest
     reef rescore --recipe X --source judge_v3 --from-time 2026-12-01T08:00Z --to-time 2026-12-01T12:00Z
 
-The work is ``reef_stream.consumers.rescore.Rescorer``. SIGTERM/SIGINT stop it
+The work is ``reef_stream.consumers.rescore.rescore.Rescorer``. SIGTERM/SIGINT stop it
 cleanly (a second signal without waiting for running calls); run it again to go
 on where it stopped.
 """
@@ -58,9 +58,9 @@ def rescore(ctx: click.Context, path: str, source: str, from_time: str | None,
     import logging
 
     from reef_stream.api.recipe import load_recipe
-    from reef_stream.consumers.rescore import Rescorer
-    from reef_stream.consumers.reward import RewardOptions
-    from reef_stream.errors import ConfigurationError
+    from reef_stream.consumers.rescore.rescore import Rescorer
+    from reef_stream.consumers.reward.worker import RewardOptions
+    from reef_stream.core.errors import ConfigurationError
     from reef_stream.topics.cursors import AtTime, Earliest, parse_time
 
     if from_earliest == (from_time is not None):

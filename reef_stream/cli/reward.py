@@ -1,14 +1,13 @@
 """``reef reward --recipe X``: run a recipe's reward function over generations as a consumer group.
 
     reef reward --recipe reef_stream.demo.recipes:sao --concurrency 16 --timeout 20 --retries 2
-    python -m reef_stream.consumers.reward --recipe reef_stream.demo.recipes:sao   # without `reef`
+    python -m reef_stream.cli reward --recipe reef_stream.demo.recipes:sao   # without the reef script
 
-The worker is ``reef_stream.consumers.reward.RewardWorker``; this command
+The worker is ``reef_stream.consumers.reward.worker.RewardWorker``; this command
 loads and checks the recipe, installs SIGTERM/SIGINT handlers that stop it
 cleanly (a second signal stops without waiting for running calls), runs it and
-prints its one-line summary on exit. Errors are ``reef_stream.errors``
-exceptions, which the ``reef`` group turns into one-line messages (``main``
-does the same when run on its own). ``COMMANDS`` lists the command for
+prints its one-line summary on exit. Errors are ``reef_stream.core.errors``
+exceptions, which the ``reef`` group turns into one-line messages. ``COMMANDS`` lists the command for
 ``main.add_command``. The recipe machinery is imported only when the command runs.
 """
 
@@ -16,7 +15,7 @@ from __future__ import annotations
 
 import click
 
-from reef_stream.cli.common import run_stage, run_standalone
+from reef_stream.cli.common import run_stage
 from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
 from reef_stream.cli.recipe_options import set_option
 
@@ -122,10 +121,10 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
     same counters go to <namespace>.metrics (stage "reward", at most once a
     second and at stop) and, with --metrics-port, to Prometheus.
     """
-    from reef_stream.config import load_settings
-    from reef_stream.consumers.reward import RewardOptions, RewardWorker
     from reef_stream.api.recipe import load_recipe
-    from reef_stream.sandbox.categories import Limits
+    from reef_stream.consumers.reward.sandbox.categories import Limits
+    from reef_stream.consumers.reward.worker import RewardOptions, RewardWorker
+    from reef_stream.core.settings import load_settings
 
     settings = ctx.obj if ctx.obj is not None else load_settings()
     recipe = load_recipe(path, overrides=overrides)
@@ -145,10 +144,6 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
     # SIGTERM/SIGINT stop the worker cleanly; a second one stops it without the grace period.
     run_stage(worker, stop=lambda: worker.stop(now=worker.stopping))
 
-
-def main() -> None:
-    """Run ``reward`` on its own (``python -m reef_stream.consumers.reward``)."""
-    run_standalone(reward, "reef reward", "reef_stream.consumers.reward")
 
 
 COMMANDS = [reward]

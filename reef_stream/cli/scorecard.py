@@ -50,7 +50,7 @@ def scorecard(ctx: click.Context, namespace: str | None, recipe: str, target: fl
     dead-letters topics whole: seconds on a long run.
     """
     from reef_stream.cli.common import settings_of
-    from reef_stream.errors import ConfigurationError
+    from reef_stream.core.errors import ConfigurationError
     from reef_stream.ops.scorecard import read_scorecard
     from reef_stream.topics.connect import bootstrap_servers
 

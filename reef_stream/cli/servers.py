@@ -10,14 +10,14 @@ from rich.table import Table
 
 from reef_stream.cli.common import console, progress, settings_of
 from reef_stream.cli.topics import topics_create
-from reef_stream.errors import ConfigurationError
-from reef_stream.ops.kafka_local import DEFAULT_PORT as KAFKA_PORT
-from reef_stream.ops.kafka_local import (KAFKA_VERSION, ClusterStatus, LocalCluster, check_java,
-                                         kafka_classpath)
-from reef_stream.ops.redis_local import DEFAULT_PORT as REDIS_PORT
-from reef_stream.ops.redis_local import LocalRedis
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.servers.kafka_local import DEFAULT_PORT as KAFKA_PORT
+from reef_stream.servers.kafka_local import (
+    KAFKA_VERSION, ClusterStatus, LocalCluster, check_java, kafka_classpath,
+)
+from reef_stream.servers.redis_local import DEFAULT_PORT as REDIS_PORT
+from reef_stream.servers.redis_local import LocalRedis
 from reef_stream.topics.connect import new_admin
-
 
 # --------------------------------------------------------------------------- reef up
 

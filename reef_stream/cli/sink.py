@@ -92,8 +92,8 @@ def wandb(ctx: click.Context, project: str, directory: Path, flush_every: float,
 def _run(ctx: click.Context, target, group: str | None, until_end: bool,
          flush_every: float) -> None:
     """Run ``target`` as consumer group ``group`` until the end, or until SIGTERM/SIGINT."""
-    from reef_stream.topics.connect import bootstrap_servers
     from reef_stream.ops.sinks import MetricsSinkRunner, default_group
+    from reef_stream.topics.connect import bootstrap_servers
 
     settings = settings_of(ctx)
     runner = MetricsSinkRunner(

@@ -29,9 +29,9 @@ def top(ctx: click.Context, once: bool, interval: float) -> None:
     from rich.console import Console
     from rich.live import Live
 
-    from reef_stream.config import load_settings
-    from reef_stream.topics.connect import bootstrap_servers
+    from reef_stream.core.settings import load_settings
     from reef_stream.ops.top import TopView
+    from reef_stream.topics.connect import bootstrap_servers
 
     settings = ctx.obj if ctx.obj is not None else load_settings()
     view = TopView(bootstrap_servers(settings), settings.namespace)

@@ -8,7 +8,6 @@ from reef_stream.cli.common import progress, settings_of
 from reef_stream.topics.connect import bootstrap_servers, new_admin
 from reef_stream.topics.declarations import declare_topics
 
-
 # --------------------------------------------------------------------------- reef topics
 
 
@@ -52,7 +51,7 @@ def topics_create(ctx: click.Context, recipes: tuple[str, ...] = (),
 def topics_verify(ctx: click.Context, recipes: tuple[str, ...]) -> None:
     """Check that every declared topic exists with its declared settings (the feedback and
     units topics with as many partitions as the generations topic)."""
-    from reef_stream.errors import TopicMismatchError
+    from reef_stream.core.errors import TopicMismatchError
     from reef_stream.topics.admin import namespace_topics, verify_topics
 
     settings = settings_of(ctx)

@@ -35,9 +35,9 @@ def trace(ctx: click.Context, generation_id: str | None, unit_id: str | None,
     missing link says what is missing. Scans the topics from the beginning:
     slow on a long log. Exit status 1 when the lineage is incomplete.
     """
-    from reef_stream.config import load_settings
-    from reef_stream.topics.connect import bootstrap_servers
+    from reef_stream.core.settings import load_settings
     from reef_stream.ops.trace import trace_checkpoint, trace_generation, trace_unit
+    from reef_stream.topics.connect import bootstrap_servers
 
     given = [(name, value) for name, value in (("GENERATION_ID", generation_id),
                                                ("--unit", unit_id),

@@ -1,4 +1,4 @@
-"""``reef train --recipe X --group G``: run a trainer (``reef_stream.consumers.trainer``).
+"""``reef train --recipe X --group G``: run a trainer (``reef_stream.consumers.trainer.trainer``).
 
     reef train --recipe reef_stream.demo.recipes:sao --group run-1
     reef train --recipe tests.recipes.trainable --group g --checkpoints /data/ckpt --max-steps 100
@@ -63,13 +63,14 @@ def train(path: str, group: str, url: str | None, keep: int, model_name: str | N
     <namespace>.metrics. Prints a summary when it stops. Under torchrun, the
     rank with LOCAL_RANK=r serves its metrics on --metrics-port + r.
     """
-    from reef_stream.config import load_settings
-    from reef_stream.topics.connect import bootstrap_servers
-    from reef_stream.consumers.trainer import Trainer
     from reef_stream.api.recipe import load_recipe
+    from reef_stream.consumers.trainer.trainer import Trainer
+    from reef_stream.core.settings import load_settings
+    from reef_stream.topics.connect import bootstrap_servers
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("reef_stream.consumers.trainer").setLevel(logging.INFO)
+    for logger in ("reef_stream.consumers.trainer", "reef_stream.engine.sharding"):
+        logging.getLogger(logger).setLevel(logging.INFO)
     settings = load_settings()
     recipe = load_recipe(path, overrides=overrides, trains=True)
     trainer = Trainer(recipe, bootstrap=bootstrap_servers(settings), namespace=settings.namespace,
@@ -86,4 +87,4 @@ COMMANDS = [train]
 
 
 if __name__ == "__main__":
-    run_standalone(train, "reef train", "reef_stream.consumers.trainer")
+    run_standalone(train, "reef train", "reef_stream.consumers.trainer.trainer")

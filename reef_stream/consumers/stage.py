@@ -76,20 +76,19 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
+from reef_stream.core.errors import ConfigurationError, FatalError, InvalidRecord
+from reef_stream.core.events import now_ms
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.topics import declarations
 from reef_stream.topics.connect import new_consumer
 from reef_stream.topics.dead_letters import dead_letter
-from reef_stream.topics.events import now_ms
+from reef_stream.topics.delivery import deliver
 from reef_stream.topics.kafka import (
     OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition,
 )
-from reef_stream.topics.serde import SchemaRegistry
 
 log = logging.getLogger(__name__)
 
-#: How long ``deliver`` waits for the broker's acknowledgement of one record.
-DELIVERY_TIMEOUT_S = 60.0
 #: Seconds between two writes of the consumer lag while nothing is committed.
 LAG_EVERY_S = 1.0
 #: How long ``stop`` lets the strategy finish what it holds (``join``).
@@ -199,32 +198,6 @@ def group_consumer(bootstrap: str, group: str,
         "fetch.wait.max.ms": FETCH_WAIT_MAX_MS,
         **(config or {}),
     })
-
-
-def deliver(producer: Producer, topic: str, key: bytes | None, value: bytes | None,
-            headers: Any, what: str, timeout: float = DELIVERY_TIMEOUT_S) -> None:
-    """Produce one record and block until the broker acknowledged it. Raises
-    ``ConfigurationError`` for a missing topic and ``FatalError`` for anything else that
-    stops it being acknowledged: nothing after it may be committed."""
-    outcome: list[KafkaError | None] = []
-    try:
-        producer.produce(topic, key=key, value=value, headers=headers,
-                         on_delivery=lambda error, _: outcome.append(error))
-    except Exception as error:  # noqa: BLE001 - BufferError, a record too large, ...
-        raise FatalError(f"{what} could not be sent: {error}; its offset stays "
-                         "uncommitted") from error
-    deadline = time.monotonic() + timeout
-    while not outcome:
-        producer.poll(0.1)
-        if time.monotonic() > deadline:
-            raise FatalError(f"{what} was not acknowledged within {timeout:.0f} s; "
-                             "its offset stays uncommitted")
-    if outcome[0] is not None:
-        error = outcome[0]
-        if error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
-            raise ConfigurationError(f"topic {topic} does not exist: run `reef topics create`")
-        raise FatalError(f"{what} was refused by the broker: {error.str()}; its offset stays "
-                         "uncommitted")
 
 
 class StageLoop:

@@ -3,7 +3,7 @@
 ``reef_stream.demo.task`` (the policy, sampling, the evaluator) imports all of this and
 exports it as its own; it lives here so that a sandbox worker running the demo's reward
 (``reef reward --sandbox process``) imports the reward alone, without torch
-(``reef_stream.sandbox.reference``): ``exact_match`` is ``reef_stream.demo.arithmetic:exact_match``.
+(``reef_stream.consumers.reward.sandbox.reference``): ``exact_match`` is ``reef_stream.demo.arithmetic:exact_match``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from reef_stream.api.rewards import Reward
-from reef_stream.topics.events import Generation
+from reef_stream.core.events import Generation
 
 __all__ = [
     "BOS", "DIGIT_TOKENS", "EOS", "PAD", "PROMPT_LEN", "VOCABULARY", "VOCAB_SIZE", "ExactMatch",

@@ -35,12 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reef_stream.config import Settings
+from reef_stream.core.events import Decision
+from reef_stream.core.processes import free_ports
+from reef_stream.core.settings import Settings
 from reef_stream.demo.run import Demo, DemoOptions, DemoResult
-from reef_stream.topics.events import Decision
-from reef_stream.ops.kafka_local import LocalCluster
-from reef_stream.ops.processes import free_ports
-from reef_stream.ops.redis_local import LocalRedis
+from reef_stream.servers.kafka_local import LocalCluster
+from reef_stream.servers.redis_local import LocalRedis
 
 
 @dataclass(frozen=True)

@@ -56,15 +56,15 @@ import click
 import torch
 from torch import nn
 
-from reef_stream.config import Settings, load_settings
-from reef_stream.ops.processes import stop_on_signals
-from reef_stream.consumers.follower import AUTO, Follower, LoadedVersion, default_replica_id
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.processes import stop_on_signals
+from reef_stream.core.settings import Settings, load_settings
 from reef_stream.demo.task import (
     DEMO_SEED, ProblemStream, make_generation, policy_model, prompt_tensor, sample,
 )
 from reef_stream.demo.tool_task import TOOL_GENERATION, sample_tool
-from reef_stream.errors import ConfigurationError
 from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandle, SpoolFull
+from reef_stream.serving.follower import AUTO, Follower, LoadedVersion, default_replica_id
 
 __all__ = ["ReplicaReport", "main", "replica_spool_dir", "run_replica"]
 

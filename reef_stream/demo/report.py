@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from reef_stream.topics.events import Decision, Publication, RolloutUnit
+from reef_stream.core.events import Decision, Publication, RolloutUnit
 from reef_stream.topics.reading import read_to_end
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ def write_report(demo: Demo, seconds: float, ledger: dict[str, int],
 def canary_decisions(publications: list[tuple[float, Publication]]
                      ) -> list[tuple[int, float, float, Decision]]:
     """(version, canary mean, incumbent mean, decision) of every canary decided on live
-    feedback (``reef_stream.consumers.canary``), in log order."""
+    feedback (``reef_stream.consumers.evaluator.canary``), in log order."""
     return [(p.policy_version, p.measurement["canary_mean"], p.measurement["incumbent_mean"],
              p.decision) for _, p in publications
             if p.decision in (Decision.PROMOTED, Decision.ROLLED_BACK)

@@ -53,21 +53,21 @@ from typing import Any, Callable
 
 import psutil
 
-from reef_stream.config import Settings
-from reef_stream.topics.connect import new_admin, new_consumer
-from reef_stream.consumers.processor import EXIT_RESTART
-from reef_stream.demo.report import measured_accuracy, write_report
-from reef_stream.demo.verify import GenerationOutcomes, ledger_counts, letter_unit
-from reef_stream.topics.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
-from reef_stream.ops.metrics import (
+from reef_stream.consumers.processor.runtime import EXIT_RESTART
+from reef_stream.core.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
+from reef_stream.core.metric_names import (
     CONSUMER_LAG, PROCESS_CPU_SECONDS, PROCESSOR_UNITS, REWARD_SATURATED_SLOTS, STAGE_PROCESSOR,
     STAGE_REWARD, TRAINER_STALENESS_MEAN, TRAINER_STEPS,
 )
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.core.settings import Settings
+from reef_stream.demo.report import measured_accuracy, write_report
+from reef_stream.demo.verify import GenerationOutcomes, ledger_counts, letter_unit
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import new_admin, new_consumer
 from reef_stream.topics.kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from reef_stream.topics.reading import read_to_end
-from reef_stream.topics.serde import SchemaRegistry
 
 #: The model name the trainer, evaluator and replicas of a demo share.
 MODEL = "policy"
@@ -133,7 +133,7 @@ class DemoOptions:
     #: replica i of n has the canary slot i / n) and live feedback decides. None: no canary.
     canary: float | None = None
     #: Where the reward worker runs the reward function (``reef reward --sandbox``):
-    #: ``"thread"`` or ``"process"`` (a pool of sandbox processes, ``reef_stream.sandbox``).
+    #: ``"thread"`` or ``"process"`` (a pool of sandbox processes, ``reef_stream.consumers.reward.sandbox``).
     sandbox: str = "thread"
 
 
@@ -266,8 +266,8 @@ class Demo:
         on ``bootstrap`` on this host (``local_broker_pids``; none for a remote broker, whose
         CPU is then not counted)."""
         from reef_stream.api.recipe import load_recipe
+        from reef_stream.core.errors import ConfigurationError
         from reef_stream.demo.recipes import stage_recipe
-        from reef_stream.errors import ConfigurationError
 
         self.options, self.settings, self.bootstrap = options, settings, bootstrap
         if options.engine not in ENGINES:
@@ -481,7 +481,7 @@ class Demo:
         ``process_cpu_seconds`` is that whole process's CPU: the same seconds as ``replica``,
         measured here from outside (from the process's start, not the follower's). They count
         once, as ``replica``."""
-        from reef_stream.ops.metrics import STAGE_FOLLOWER
+        from reef_stream.core.metric_names import STAGE_FOLLOWER
         from reef_stream.ops.scorecard import read_scorecard
 
         cpu = self.cpu_seconds()

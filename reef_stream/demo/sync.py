@@ -38,12 +38,12 @@ import numpy as np
 import torch
 
 from reef_stream.api.recipe import Recipe, Reward, feedback_for, load_recipe
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import Checkpoint, Feedback, Generation, now_ms
 from reef_stream.demo.task import ProblemStream, make_generation, prompt_tensor, sample
 from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
 from reef_stream.engine.join import ProcessorState
 from reef_stream.engine.training import TorchBackend
-from reef_stream.errors import ConfigurationError
-from reef_stream.topics.events import Checkpoint, Feedback, Generation, now_ms
 
 #: The model name on the synchronous loop's generations and candidates.
 MODEL = "policy"

@@ -43,16 +43,27 @@ import numpy as np
 import torch
 from torch import nn
 
-from reef_stream.engine.checkpoints import load_weights
-from reef_stream.errors import ConfigurationError, FatalError
 from reef_stream.api.evaluator import Incumbent, Measurement, Selection
-from reef_stream.topics.events import (
+from reef_stream.core.errors import ConfigurationError, FatalError
+from reef_stream.core.events import (
     Checkpoint, Decision, EpochMillis, FinishReason, Generation, SamplingParams, Segment, now_ms,
 )
 from reef_stream.demo.arithmetic import (  # noqa: F401 - exported here too (__all__)
-    BOS, DIGIT_TOKENS, EOS, PAD, PROMPT_LEN, VOCAB_SIZE, VOCABULARY, ExactMatch, Problem, decode,
-    encode, exact_match, parse_prompt,
+    BOS,
+    DIGIT_TOKENS,
+    EOS,
+    PAD,
+    PROMPT_LEN,
+    VOCAB_SIZE,
+    VOCABULARY,
+    ExactMatch,
+    Problem,
+    decode,
+    encode,
+    exact_match,
+    parse_prompt,
 )
+from reef_stream.engine.checkpoints import load_weights
 
 __all__ = [
     "ALL_PROBLEMS", "ANSWER_TOKENS", "BOS", "DEMO_SEED", "DIGIT_TOKENS", "EOS", "PAD",

@@ -38,18 +38,12 @@ import torch
 from torch import nn
 
 from reef_stream.api.recipe import Reward
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import FinishReason, Generation, Segment, SegmentSource
 from reef_stream.demo.task import (
-    DIGIT_TOKENS,
-    VOCABULARY,
-    Completions,
-    Problem,
-    TinyTransformer,
-    held_out_problems,
-    parse_prompt,
-    prompt_tensor,
+    DIGIT_TOKENS, VOCABULARY, Completions, Problem, TinyTransformer, held_out_problems,
+    parse_prompt, prompt_tensor,
 )
-from reef_stream.errors import ConfigurationError
-from reef_stream.topics.events import FinishReason, Generation, Segment, SegmentSource
 
 __all__ = ["ADD", "COMPLETION_TOKENS", "TOOL_GENERATION", "TOOL_SEGMENTS", "TOOL_VOCABULARY", "TOOL_VOCAB_SIZE",
            "UNKNOWN", "ToolAnswer", "greedy_tool", "sample_tool", "tool_accuracy",

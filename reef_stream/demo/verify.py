@@ -25,13 +25,13 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import DeadLetter, Generation, RolloutUnit
+from reef_stream.core.metric_names import STAGE_PROCESSOR
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.engine.training import unit_members
-from reef_stream.errors import InvalidRecord
-from reef_stream.ops.metrics import STAGE_PROCESSOR
 from reef_stream.topics import declarations
-from reef_stream.topics.events import DeadLetter, Generation, RolloutUnit
 from reef_stream.topics.reading import TopicReader
-from reef_stream.topics.serde import SchemaRegistry
 
 
 class OutcomeTally:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from reef_stream.api.recipe import Recipe
-from reef_stream.config import load_settings
+from reef_stream.core.settings import load_settings
 from reef_stream.demo.recipes import TOLERANCE, method
 from reef_stream.demo.task import HeldOutAccuracy, exact_match
 from reef_stream.demo.vllm_model import demo_model_dir

@@ -3,7 +3,7 @@
     python -m reef_stream.demo.vllm_replica --model policy --url http://127.0.0.1:18000 \\
         --recipe reef_stream.demo.vllm_recipes:sao --replica-id vllm-0 --rate 300
 
-One replica process drives one vLLM server (``reef_stream.ops.engines.LocalEngine``, which
+One replica process drives one vLLM server (``reef_stream.servers.inference.LocalEngine``, which
 the demo starts on the demo's Hugging Face model, ``reef_stream.demo.vllm_model``):
 
 1. its ``Follower(loads=ARTIFACT)`` reads the model's publications; for each newer promoted
@@ -48,14 +48,14 @@ from typing import Any
 import click
 import numpy as np
 
-from reef_stream.config import Settings, load_settings
-from reef_stream.consumers.engines import VllmEngine
-from reef_stream.consumers.follower import ARTIFACT, AUTO, Follower, LoadedVersion
+from reef_stream.core.errors import FatalError
+from reef_stream.core.processes import stop_on_signals
+from reef_stream.core.settings import Settings, load_settings
 from reef_stream.demo.replica import Pacer, ReplicaReport, RoundSender, replica_spool_dir
 from reef_stream.demo.task import ProblemStream, make_generation
-from reef_stream.errors import FatalError
 from reef_stream.intake.producer import RecordProducer
-from reef_stream.ops.processes import stop_on_signals
+from reef_stream.serving.adapters import VllmEngine
+from reef_stream.serving.follower import ARTIFACT, AUTO, Follower, LoadedVersion
 
 __all__ = ["EngineGate", "complete", "run_vllm_replica"]
 

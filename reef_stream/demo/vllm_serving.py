@@ -8,7 +8,7 @@
     argv = serving.replica_argv(url, model="policy", rate=300.0)
     serving.stop()              # the server's process group; idempotent
 
-The server is ``reef_stream.ops.engines.LocalEngine`` (what ``reef engine up vllm`` starts) on
+The server is ``reef_stream.servers.inference.LocalEngine`` (what ``reef engine up vllm`` starts) on
 the demo's Hugging Face model (``reef_stream.demo.vllm_model``), on a free port, its state and
 log (``vllm.log``) in the run's ``engine`` directory. The engine's environment is installed
 when missing (``EngineEnv.install``: minutes once, with progress lines; cached after, like the
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import psutil
 
-from reef_stream.config import Settings
+from reef_stream.core.errors import FatalError
+from reef_stream.core.settings import Settings
 from reef_stream.demo.vllm_model import demo_model_dir, ensure_demo_model
-from reef_stream.errors import FatalError
-from reef_stream.ops.engines import EngineEnv, LocalEngine
+from reef_stream.servers.inference import EngineEnv, LocalEngine
 
 __all__ = ["DemoEngine", "REPLICA_ID"]
 

@@ -51,9 +51,9 @@ from typing import Any
 import fsspec
 import torch
 
+from reef_stream.core.errors import ConfigurationError
 from reef_stream.engine import checkpoints
 from reef_stream.engine.checkpoints import MANIFEST, CheckpointError
-from reef_stream.errors import ConfigurationError
 
 __all__ = ["KINDS", "SERVING_DTYPES", "TOKENIZER_FILES", "ArtifactError", "ServingArtifact",
            "verify_artifact", "write_serving_artifact"]

@@ -49,9 +49,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save as st_save
 
-from reef_stream.errors import FatalError, ReefError
-from reef_stream.ops.failpoints import failpoint
-from reef_stream.topics.events import TopicOffset
+from reef_stream.core.errors import FatalError, ReefError
+from reef_stream.core.events import TopicOffset
+from reef_stream.core.failpoints import failpoint
 
 __all__ = ["CheckpointContents", "CheckpointError", "CheckpointStore", "StoredCheckpoint",
            "default_store_url", "load", "load_weights", "unit_hash", "verify", "write_durably",

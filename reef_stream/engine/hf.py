@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from reef_stream.errors import ConfigurationError
+from reef_stream.core.errors import ConfigurationError
 
 __all__ = ["TRAIN_DTYPES", "HuggingFace", "HuggingFaceLM", "Lora"]
 

@@ -7,7 +7,7 @@ combines into a ``Score``, how long to wait, what to do when it is missing)
 and ``UnitBuilder`` (the unit event type and how to build one); built-in
 parts are in ``reef_stream.api.parts``. ``ProcessorState`` is the
 join/group state machine that drives one: the processor runtime and
-``reef_stream.api.testing.run_processor`` run this same class. Its rules (every
+``reef_stream.engine.testing.run_processor`` run this same class. Its rules (every
 time is one the caller passes in, never the wall clock):
 
 1. A generation whose id was seen before (pending, or concluded within
@@ -64,13 +64,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
-from reef_stream.topics.events import EpochMillis, Feedback, Generation, RolloutUnit
-from reef_stream.api.processor import (DEFAULT_RETENTION_MS, MissingFeedback, Origin, Processor, Score, Scored,
-                                       processor_problems, unit_id)
+from reef_stream.api.processor import (
+    DEFAULT_RETENTION_MS, MissingFeedback, Origin, Processor, Score, Scored, processor_problems,
+    unit_id,
+)
+from reef_stream.core.errors import ConfigurationError, FatalError, InvalidRecord
+from reef_stream.core.events import EpochMillis, Feedback, Generation, RolloutUnit
 from reef_stream.engine.ledger import Ledger, segment_of
-from reef_stream.engine.snapshots import (Encoded, Member, Received, dumps_snapshot, member_from,
-                                          member_record, received_from, received_records)
+from reef_stream.engine.snapshots import (
+    Encoded, Member, Received, dumps_snapshot, member_from, member_record, received_from,
+    received_records,
+)
 
 UnitT = TypeVar("UnitT")
 EventT = TypeVar("EventT")
@@ -82,7 +86,13 @@ SHED_CLOSURE = "shed: the trainer's backlog was full"
 
 
 from reef_stream.engine.outcomes import (  # noqa: F401 - re-exported: the join's vocabulary
-    DroppedGeneration, EmittedUnit, FeedbackFate, FeedbackOutcome, GenerationOutcome, Outcome, Step,
+    DroppedGeneration,
+    EmittedUnit,
+    FeedbackFate,
+    FeedbackOutcome,
+    GenerationOutcome,
+    Outcome,
+    Step,
 )
 
 

@@ -54,12 +54,12 @@ import hashlib
 import heapq
 import json
 from array import array
-from json.encoder import encode_basestring_ascii as _string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _string
 from typing import Any, NamedTuple
 
-from reef_stream.errors import FatalError
+from reef_stream.core.errors import FatalError
 
 #: Conclusion times are grouped into segments of this many ms (one changelog key each).
 SEGMENT_MS = 1_000

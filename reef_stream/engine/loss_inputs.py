@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from reef_stream.api.variants import BatchTotals
-from reef_stream.errors import ConfigurationError
+from reef_stream.core.errors import ConfigurationError
 
 
 def completion_logprobs(logits: torch.Tensor, batch: Any) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from reef_stream.api.processor import Origin
-from reef_stream.topics.events import Feedback, Generation
+from reef_stream.core.events import Feedback, Generation
 
 __all__ = ["DroppedGeneration", "EmittedUnit", "FeedbackFate", "FeedbackOutcome",
            "GenerationOutcome", "Outcome", "Step"]

@@ -22,7 +22,7 @@ evaluator reads it like any other. The whole state passes through rank 0's memor
 whose weights and optimizer state do not fit one host needs sharded checkpoints, which
 ``CheckpointStore`` does not write.
 
-The ranks' weight check at a checkpoint (``reef_stream.consumers.ranks.Ranks.weights_differ``)
+The ranks' weight check at a checkpoint (``reef_stream.consumers.trainer.ranks.Ranks.weights_differ``)
 compares each rank's own shard (``local_pieces``) with the piece of the gathered weights rank 0
 writes that this rank should hold (``expected_pieces``): a rank whose shard is not what the
 checkpoint says it holds, or whose replicated tensors (a buffer) drifted, fails it.
@@ -39,14 +39,14 @@ from typing import Any
 
 import torch
 
-from reef_stream.errors import ConfigurationError
-from reef_stream.ops.metrics import TRAINER_UPDATE_RATIO
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.metric_names import TRAINER_UPDATE_RATIO
 
 __all__ = ["SHARDINGS", "FullySharded", "expected_pieces", "local_pieces", "optimizer_by_index",
            "optimizer_by_name", "parameter_names", "sharding_of", "trained_copy",
            "trained_parameters", "update_ratio"]
 
-log = logging.getLogger("reef_stream.consumers.trainer.sharding")  # in the trainer's log
+log = logging.getLogger(__name__)
 
 #: What a model may ask for: ``"none"`` (DDP through accelerate), ``"fsdp"`` (``fully_shard``).
 SHARDINGS = ("none", "fsdp")
@@ -124,10 +124,7 @@ class FullySharded:
         """The full weights and optimizer state, gathered from every rank's shard onto rank 0
         (on its CPU), keyed as a single process keys them; the other ranks get empty ones.
         Logs how much of the optimizer state this rank holds."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         held, total = self.optimizer_share()
         log.info("rank %d of %d holds %d of the optimizer state's %d values (%.1f%%)",
@@ -140,10 +137,7 @@ class FullySharded:
 
     def restore(self, weights: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any]) -> None:
         """Put a full checkpoint (every rank has loaded it) back into this rank's shards."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         set_state_dict(self.model, self.optimizer, model_state_dict=dict(weights),
                        optim_state_dict=optimizer_by_name(optimizer, self.names),

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 from reef_stream.api.processor import Origin, Score
-from reef_stream.topics.events import Feedback, Generation
-from reef_stream.topics.serde import FINGERPRINT_HEADER, SchemaRegistry
+from reef_stream.core.events import Feedback, Generation
+from reef_stream.core.serde import FINGERPRINT_HEADER, SchemaRegistry
 
 EventT = TypeVar("EventT")
 

@@ -61,25 +61,23 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from reef_stream.errors import ConfigurationError, FatalError
-from reef_stream.topics.events import Sample, mask_problem
-from reef_stream.api.losses import (
-    LossFamily, PolicyGradientInputs, ValueRegressionInputs,
+from reef_stream.api.losses import LossFamily, PolicyGradientInputs, ValueRegressionInputs
+from reef_stream.api.objective import (
+    Advantages, ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages, kept_rows,
 )
 from reef_stream.api.variants import BatchTotals, ExtraInput
-from reef_stream.engine.sharding import FullySharded, trained_copy, trained_parameters, update_ratio
-from reef_stream.engine.loss_inputs import (
-    completion_entropy, completion_logprobs, load_reference, local_totals, proximal_logprobs,
-    proximal_rows, restricted,
-)
-from reef_stream.ops.metrics import (
+from reef_stream.core.errors import ConfigurationError, FatalError
+from reef_stream.core.events import Sample, mask_problem
+from reef_stream.core.metric_names import (
     TRAINER_GRAD_NORM, TRAINER_KL_BEHAVIOUR, TRAINER_LOGPROB_GAP_OLDER,
     TRAINER_LOGPROB_GAP_OLDER_TOKENS, TRAINER_LOGPROB_GAP_SAME_VERSION,
     TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS, TRAINER_SKIPPED_UPDATES,
 )
-from reef_stream.api.objective import (
-    Advantages, ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages, kept_rows,
+from reef_stream.engine.loss_inputs import (
+    completion_entropy, completion_logprobs, load_reference, local_totals, proximal_logprobs,
+    proximal_rows, restricted,
 )
+from reef_stream.engine.sharding import FullySharded, trained_copy, trained_parameters, update_ratio
 
 __all__ = ["CausalLM", "INPUT_BUILDERS", "NonFiniteStep", "SampleBatch", "TorchBackend",
            "UnitLimits", "collate", "completion_entropy", "completion_logprobs",
@@ -135,7 +133,7 @@ def collate(samples: Sequence[Sample]) -> SampleBatch:
     ``completion_mask`` is False on padding and on the environment and tool tokens of a
     multi-turn sample (its ``policy_mask``), so every loss, the logprob gap and the KL to
     behaviour count only the tokens the policy generated. Raises ``FatalError`` for a
-    ``policy_mask`` that does not fit its tokens (``reef_stream.topics.events.mask_problem``
+    ``policy_mask`` that does not fit its tokens (``reef_stream.core.events.mask_problem``
     says why)."""
     if not samples:
         raise FatalError("collate needs at least one sample")

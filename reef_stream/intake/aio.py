@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from reef_stream.topics.events import DeadLetter, Feedback, Generation
+from reef_stream.core.events import DeadLetter, Feedback, Generation
 from reef_stream.intake.producer import DeliveryState, FlushReport, RecordProducer, SendHandle
 
 

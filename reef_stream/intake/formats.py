@@ -11,7 +11,7 @@ producer SDK applies (its errors name the event's field, e.g.
 Generations, native form
 ------------------------
 
-One object with the fields of ``reef_stream.topics.events.Generation``::
+One object with the fields of ``reef_stream.core.events.Generation``::
 
     {"generation_id": "g-1", "request_id": "r-1", "prompt_id": "p-1",
      "group_id": "grp-1", "group_size": 4, "model": "qwen-7b", "policy_version": 12,
@@ -128,7 +128,7 @@ one Generation whose ``segments`` say which turns the policy generated::
 Feedback
 --------
 
-One object with the fields of ``reef_stream.topics.events.Feedback``::
+One object with the fields of ``reef_stream.core.events.Feedback``::
 
     {"generation_id": "g-1", "group_id": "grp-1", "source": "exact_match",
      "reward": 1.0, "components": {"format": 0.2, "correct": 0.8}}
@@ -153,16 +153,9 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 import numpy as np
 
-from reef_stream.errors import InvalidRecord
-from reef_stream.topics.events import (
-    EpochMillis,
-    Feedback,
-    FinishReason,
-    Generation,
-    SamplingParams,
-    Segment,
-    SegmentSource,
-    now_ms,
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import (
+    EpochMillis, Feedback, FinishReason, Generation, SamplingParams, Segment, SegmentSource, now_ms,
 )
 from reef_stream.intake.validation import validate
 

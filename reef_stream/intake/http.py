@@ -50,14 +50,14 @@ from typing import Any
 
 from aiohttp import web
 
-from reef_stream.topics.connect import new_admin
-from reef_stream.errors import InvalidRecord, ReefError
-from reef_stream.topics.events import Feedback, Generation
-from reef_stream.topics.kafka import AdminClient
+from reef_stream.core.errors import InvalidRecord, ReefError
+from reef_stream.core.events import Feedback, Generation
 from reef_stream.intake.aio import AsyncRecordProducer
 from reef_stream.intake.formats import Kind, parse_record
 from reef_stream.intake.producer import DeliveryState, SendHandle
 from reef_stream.intake.spool import SpoolFull
+from reef_stream.topics.connect import new_admin
+from reef_stream.topics.kafka import AdminClient
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "make_app"]
 

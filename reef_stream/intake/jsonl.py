@@ -36,11 +36,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from reef_stream.errors import InvalidRecord
-from reef_stream.topics.dead_letters import dead_letter
+from reef_stream.core.errors import InvalidRecord
 from reef_stream.intake.formats import NO_DEFAULTS, Kind, OpenAIDefaults, parse_record
 from reef_stream.intake.producer import DeliveryState, RecordProducer, SendHandle
 from reef_stream.intake.spool import SpoolFull
+from reef_stream.topics.dead_letters import dead_letter
 
 __all__ = ["ImportSummary", "import_jsonl", "reason_group"]
 

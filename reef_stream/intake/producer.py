@@ -41,13 +41,13 @@ partition counts (topics.declarations.DATA_PARTITIONS) a group's generations
 and all their feedback land in the same partition and the processor can join
 and group them without a shuffle.
 
-Serving replicas pass ``guard=follower`` (a ``reef_stream.consumers.follower.Follower``):
+Serving replicas pass ``guard=follower`` (a ``reef_stream.serving.follower.Follower``):
 every Generation is then checked before it is sent (its model, and a policy version the
 replica served), so a replica cannot emit a generation stamped with a version it never loaded.
 
 Metrics: every ``metrics_every_s`` seconds (default 10; None: never) the
 background thread writes the producer's counters to ``<ns>.metrics`` (stage
-``intake``, names ``INTAKE_*`` in ``reef_stream.ops.metrics``, labels ``instance``
+``intake``, names ``INTAKE_*`` in ``reef_stream.core.metric_names``, labels ``instance``
 and ``client``): records sent per topic, acknowledged, failed, refused by
 reason, and spooled now. They go through a producer of their own that may
 drop them (``metrics.metrics_producer``): metrics never hold records back.
@@ -80,22 +80,18 @@ from functools import partial
 from pathlib import Path
 from typing import Protocol
 
-from reef_stream.config import Settings, load_settings
-from reef_stream.errors import ConfigurationError, InvalidRecord, ReefError
+from reef_stream.core import metric_names
+from reef_stream.core.errors import ConfigurationError, InvalidRecord, ReefError
+from reef_stream.core.events import DeadLetter, Feedback, Generation
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.core.settings import Settings, load_settings
 from reef_stream.intake.spool import FsyncPolicy, Spool, SpoolFull
 from reef_stream.intake.validation import (
-    InvalidRecordInBatch,
-    RecordTooLarge,
-    check_size,
-    validate,
-    validate_many,
+    InvalidRecordInBatch, RecordTooLarge, check_size, validate, validate_many,
 )
-from reef_stream.ops import metrics
-from reef_stream.topics import declarations
+from reef_stream.topics import declarations, metrics
 from reef_stream.topics.connect import bootstrap_servers, new_producer
-from reef_stream.topics.events import DeadLetter, Feedback, Generation
 from reef_stream.topics.kafka import KafkaError
-from reef_stream.topics.serde import SchemaRegistry
 
 __all__ = ["DeliveryState", "FlushReport", "GenerationGuard", "InvalidRecordInBatch",
            "RecordProducer", "SendHandle", "SpoolFull", "record_key"]
@@ -670,7 +666,7 @@ class _IntakeMetrics:
         self.every_s, self.dropped = every_s, 0
         self._at, self._sent_values = time.monotonic(), None
         self._producer = metrics.metrics_producer(bootstrap, self._on_dropped)
-        self._writer = metrics.MetricsWriter(self._producer, namespace, metrics.STAGE_INTAKE,
+        self._writer = metrics.MetricsWriter(self._producer, namespace, metric_names.STAGE_INTAKE,
                                              labels)
 
     def _on_dropped(self) -> None:
@@ -685,11 +681,11 @@ class _IntakeMetrics:
         try:
             if values != self._sent_values:
                 writer = self._writer
-                writer.write_counts(metrics.INTAKE_SENT, values["sent"], "topic")
-                writer.write_counts(metrics.INTAKE_REJECTED, values["rejected"], "reason")
-                writer.write(metrics.INTAKE_ACKNOWLEDGED, values["acknowledged"])
-                writer.write(metrics.INTAKE_FAILED, values["failed"])
-                writer.write(metrics.INTAKE_SPOOLED, values["spooled"])
+                writer.write_counts(metric_names.INTAKE_SENT, values["sent"], "topic")
+                writer.write_counts(metric_names.INTAKE_REJECTED, values["rejected"], "reason")
+                writer.write(metric_names.INTAKE_ACKNOWLEDGED, values["acknowledged"])
+                writer.write(metric_names.INTAKE_FAILED, values["failed"])
+                writer.write(metric_names.INTAKE_SPOOLED, values["spooled"])
                 self._sent_values = values
             self._producer.poll(0)
         except Exception as error:  # noqa: BLE001 - metrics never fail the intake

@@ -44,7 +44,7 @@ from typing import Literal
 
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
-from reef_stream.errors import ConfigurationError, RetryableError
+from reef_stream.core.errors import ConfigurationError, RetryableError
 
 FsyncPolicy = Literal["always", "batch", "never"]
 

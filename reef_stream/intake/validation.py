@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 
-from collections.abc import Sequence
-
-from reef_stream.errors import InvalidRecord
-from reef_stream.topics.events import (
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import (
     DeadLetter, Feedback, FinishReason, Generation, SamplingParams, Segment, SegmentSource,
 )
 

@@ -28,16 +28,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from reef_stream.errors import ConfigurationError, InvalidRecord
-from reef_stream.ops.histograms import AGE_BOUNDS_S
-from reef_stream.ops.metrics import (
-    FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, PROCESS_CPU_SECONDS, STAGE_FOLLOWER,
-    STAGE_PROCESSOR, STAGE_REWARD, STAGE_TRAINER, TRAINER_SAMPLE_AGE_SAMPLES,
-    TRAINER_SAMPLE_TO_UNIT_SAMPLES, TRAINER_STALENESS_SAMPLES, TRAINER_UNIT_TO_TRAIN_SAMPLES,
+from reef_stream.core.errors import ConfigurationError, InvalidRecord
+from reef_stream.core.events import DeadLetter, Decision, Metric, Publication
+from reef_stream.core.histograms import AGE_BOUNDS_S
+from reef_stream.core.metric_names import (
+    FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, PROCESS_CPU_SECONDS, STAGE_FOLLOWER, STAGE_PROCESSOR,
+    STAGE_REWARD, STAGE_TRAINER, TRAINER_SAMPLE_AGE_SAMPLES, TRAINER_SAMPLE_TO_UNIT_SAMPLES,
+    TRAINER_STALENESS_SAMPLES, TRAINER_UNIT_TO_TRAIN_SAMPLES,
 )
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.topics import declarations
-from reef_stream.topics.events import DeadLetter, Decision, Metric, Publication
-from reef_stream.topics.serde import SchemaRegistry
 
 __all__ = ["Distribution", "GenerationsSpan", "Scorecard", "counter_total", "fold",
            "read_scorecard", "is_shed", "SHED_KINDS", "TOO_STALE_KINDS", "INFRA"]
@@ -122,7 +122,7 @@ def counted(counts: Mapping[float, float]) -> Distribution:
 
 def bucketed(counts: Mapping[float, float], bounds: Iterable[float] = ()) -> Distribution:
     """Of a histogram: a count per bucket, keyed by the bucket's upper bound (``math.inf`` for
-    the last); counts per bucket, not cumulative (``reef_stream.ops.histograms``). ``bounds``:
+    the last); counts per bucket, not cumulative (``reef_stream.core.histograms``). ``bounds``:
     every bucket's upper bound, the empty ones too (a writer leaves those out), so that each
     bucket's lower bound is known. The percentiles are bucket upper bounds; the mean takes
     each bucket's midpoint (the first bucket's lower bound is 0; the last, unbounded bucket

@@ -10,7 +10,7 @@ Every ``Metric`` becomes one ``Scalar`` (``ScalarMapper``, pure):
   key: ``trainer/loss/group=g/recipe=sao``, ``processor/generations/outcome=unit/recipe=sao``.
   ``instance`` names a process (host.pid) and changes with every restart; one chart per
   restart would hide the series. A restarted stage's running totals start again at 0
-  (``reef_stream.ops.metrics``), and the chart shows that drop.
+  (``reef_stream.core.metric_names``), and the chart shows that drop.
 - **step** of a trainer metric: the trainer step it belongs to. The trainer writes ``steps``
   (value: the step) first and then that step's other metrics, all keyed ``trainer`` and so
   in one partition, in order; its metrics carry no step label (labels ``recipe`` and
@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from reef_stream.errors import ConfigurationError, FatalError
-from reef_stream.topics.events import Metric
-from reef_stream.ops.metrics import STAGE_TRAINER, TRAINER_STEPS
+from reef_stream.core.errors import ConfigurationError, FatalError
+from reef_stream.core.events import Metric
+from reef_stream.core.metric_names import STAGE_TRAINER, TRAINER_STEPS
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +266,8 @@ class MetricsSinkRunner:
 
     def __init__(self, bootstrap: str, namespace: str, sink: ScalarSink, *, group: str,
                  until_end: bool = False, flush_every: float = 10.0) -> None:
+        from reef_stream.core.serde import SchemaRegistry
         from reef_stream.topics import declarations
-        from reef_stream.topics.serde import SchemaRegistry
 
         self.bootstrap, self.group, self.sink = bootstrap, group, sink
         self.topic = declarations.metrics(namespace)

@@ -37,19 +37,19 @@ from dataclasses import dataclass, field
 from rich.console import Group
 from rich.table import Table
 
-from reef_stream.consumers.superseding import SUPERSEDED
-from reef_stream.topics.connect import new_consumer, watermarks
-from reef_stream.topics.cursors import lag
-from reef_stream.topics.events import Checkpoint, DeadLetter, Decision, Metric, Publication
-from reef_stream.ops.metrics import (
+from reef_stream.consumers.evaluator.superseding import SUPERSEDED
+from reef_stream.core.events import Checkpoint, DeadLetter, Decision, Metric, Publication
+from reef_stream.core.metric_names import (
     FOLLOWER_POLICY_VERSION, REWARD_CALL_P50, REWARD_CALL_P99, REWARD_SATURATED_SLOTS,
     REWARD_SATURATION, REWARD_SLOW_LANE, SANDBOX_FAILURES, SANDBOX_LIVE, SANDBOX_NETWORK_ISOLATED,
     SANDBOX_POOL_SIZE, SANDBOX_RESTARTS, STAGE_FOLLOWER, STAGE_REWARD, STAGE_TRAINER,
     TRAINER_STALENESS_MEAN,
 )
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.topics import declarations
+from reef_stream.topics.connect import new_consumer, watermarks
+from reef_stream.topics.cursors import lag
 from reef_stream.topics.kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
-from reef_stream.topics.serde import SchemaRegistry
 
 __all__ = ["TopView"]
 

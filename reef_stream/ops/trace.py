@@ -37,14 +37,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from reef_stream.topics.connect import new_consumer
-from reef_stream.topics.events import (
+from reef_stream.core.events import (
     Checkpoint, DeadLetter, Decision, Feedback, Generation, Metric, Publication, RolloutUnit,
 )
-from reef_stream.ops.metrics import FOLLOWER_POLICY_VERSION, STAGE_FOLLOWER
+from reef_stream.core.metric_names import FOLLOWER_POLICY_VERSION, STAGE_FOLLOWER
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.topics import declarations
+from reef_stream.topics.connect import new_consumer
 from reef_stream.topics.reading import read_to_end
-from reef_stream.topics.serde import SchemaRegistry
 
 __all__ = ["Lineage", "Link", "trace_checkpoint", "trace_generation", "trace_unit",
            "turn_links"]
@@ -152,8 +152,8 @@ def turn_links(generation: Generation, topic: str | None = None, partition: int 
     (policy: trained; environment: masked), token ids and, for a policy turn, its mean
     behaviour logprob. A generation whose segments do not split its completion gets one
     ``missing`` link saying so."""
-    from reef_stream.errors import InvalidRecord
-    from reef_stream.topics.events import SegmentSource
+    from reef_stream.core.errors import InvalidRecord
+    from reef_stream.core.events import SegmentSource
 
     try:
         turns = generation.turns()
@@ -331,7 +331,7 @@ def _consuming_step(checkpoints: list[Found], units_topic: str, partition: int,
 def _canary_links(bootstrap: str, namespace: str, registry: SchemaRegistry,
                   generation: Generation) -> list[Link]:
     """The canary stage of the version that made ``generation``, if it had one
-    (``reef_stream.consumers.canary``): its CANARY publication (or, compacted, the decision
+    (``reef_stream.consumers.evaluator.canary``): its CANARY publication (or, compacted, the decision
     that ended it, which keeps the share) and the decisions on that version after it."""
     topic = declarations.publications(namespace)
     links: list[Link] = []

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
-from reef_stream.topics.connect import list_topics
-from reef_stream.errors import RetryableError, TopicMismatchError
+from reef_stream.core.errors import RetryableError, TopicMismatchError
 from reef_stream.topics import declarations
+from reef_stream.topics.connect import list_topics
 from reef_stream.topics.declarations import Topic
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from reef_stream.config import Settings, load_settings
-from reef_stream.errors import ConfigurationError, RetryableError
+from reef_stream.core.errors import ConfigurationError, RetryableError
+from reef_stream.core.settings import Settings, load_settings
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
@@ -70,14 +70,14 @@ def client_config(bootstrap: str, overrides: dict[str, Any] | None = None, *,
     """The confluent-kafka configuration every reef-stream client starts from.
 
     It holds the security properties of ``REEF_KAFKA_*`` (TLS, SASL; see
-    ``reef_stream.config``), read from ``settings`` or else from the
+    ``reef_stream.core.settings``), read from ``settings`` or else from the
     environment, so every producer, consumer and admin client reaches a secured
     cluster the same way; ``overrides`` (the client's own properties) win.
     With security configured, the client's ``error_cb`` is wrapped so that a
     refused login or TLS handshake is logged once, clearly and without a
     secret, on ``reef_stream.topics.connect`` (served when the client is polled).
     ``security=False`` leaves all of this out: only for the plaintext local
-    cluster that ``reef_stream.ops.kafka_local`` starts and probes itself.
+    cluster that ``reef_stream.servers.kafka_local`` starts and probes itself.
     """
     config: dict[str, Any] = {
         "bootstrap.servers": bootstrap,

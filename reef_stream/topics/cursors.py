@@ -44,22 +44,16 @@ from typing import Any, TypeVar
 
 import numpy as np
 from confluent_kafka import (
-    TIMESTAMP_NOT_AVAILABLE,
-    Consumer,
-    ConsumerGroupState,
-    ConsumerGroupTopicPartitions,
-    KafkaError,
-    KafkaException,
-    Message,
-    TopicPartition,
+    TIMESTAMP_NOT_AVAILABLE, Consumer, ConsumerGroupState, ConsumerGroupTopicPartitions, KafkaError,
+    KafkaException, Message, TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, ConsumerGroupDescription, OffsetSpec
 
+from reef_stream.core.errors import ConfigurationError, InvalidRecord, RetryableError
+from reef_stream.core.serde import SCHEMA_NAME_HEADER, decode
 from reef_stream.topics.connect import (
     await_answer, check_refused, list_topics, new_admin, new_consumer,
 )
-from reef_stream.errors import ConfigurationError, InvalidRecord, RetryableError
-from reef_stream.topics.serde import SCHEMA_NAME_HEADER, decode
 
 #: Seconds to wait for one answer from the cluster.
 TIMEOUT_S = 30.0

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from reef_stream.topics.events import DeadLetter, MessageHeader, now_ms
+from reef_stream.core.events import DeadLetter, MessageHeader, now_ms
 
 #: "take it from the message" (None is a meaningful key or value: absent, a tombstone).
 _FROM_MESSAGE: Any = object()

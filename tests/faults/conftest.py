@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from reef_stream.topics.connect import client_config
-from reef_stream.ops.kafka_local import LocalCluster
+from reef_stream.servers.kafka_local import LocalCluster
 from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import declare_topics
 
 

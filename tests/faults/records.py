@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reef_stream.topics.events import FinishReason, Generation, SamplingParams
+from reef_stream.core.events import FinishReason, Generation, SamplingParams
 
 _PROMPT = np.arange(32, dtype=np.int32)
 _COMPLETION = np.arange(100, 200, dtype=np.int32)

@@ -13,7 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
-from reef_stream.config import load_settings
+from reef_stream.core.settings import load_settings
 from reef_stream.intake.producer import RecordProducer
 from tests.faults.records import generation
 

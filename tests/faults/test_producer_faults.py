@@ -10,14 +10,14 @@ import threading
 import time
 from collections import Counter
 
-from reef_stream.config import PROJECT_ROOT, load_settings
-from reef_stream.topics.events import Generation
+from reef_stream.core.events import Generation
+from reef_stream.core.serde import decode
+from reef_stream.core.settings import PROJECT_ROOT, load_settings
 from reef_stream.intake.producer import (
     MESSAGE_TIMEOUT_MS, DeliveryState, RecordProducer, record_key,
 )
 from reef_stream.intake.spool import Spool, SpoolFull
 from reef_stream.topics.declarations import generations
-from reef_stream.topics.serde import decode
 from tests.faults.records import generation
 from tests.helpers import consume_all, reef, wait_until
 

@@ -9,8 +9,8 @@ import time
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
+from reef_stream.servers.kafka_local import LocalCluster
 from reef_stream.topics.connect import client_config
-from reef_stream.ops.kafka_local import LocalCluster
 from reef_stream.topics.declarations import generations
 from tests.helpers import reef
 

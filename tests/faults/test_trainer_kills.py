@@ -26,9 +26,9 @@ import pytest
 import torch
 from confluent_kafka import Consumer, TopicPartition
 
+from reef_stream.core.events import Checkpoint
 from reef_stream.engine.checkpoints import CheckpointStore, load
 from reef_stream.topics.connect import client_config
-from reef_stream.topics.events import Checkpoint
 from reef_stream.topics.declarations import checkpoints, units
 from tests.helpers import consume_events
 from tests.unit_log import create_topics, produce_units, rollout_unit

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from reef_stream.ops.processes import free_ports
+from reef_stream.core.processes import free_ports
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"

@@ -15,18 +15,18 @@ import redis as redis_client
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
-from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import client_config
-from reef_stream.consumers.evaluator import (
+from reef_stream.api.recipe import load_recipe
+from reef_stream.consumers.evaluator.evaluator import (
     EvaluateOptions, EvaluateSummary, EvaluatorWorker, publication_key,
 )
-from reef_stream.topics.events import Checkpoint, Decision, Publication, now_ms
-from reef_stream.consumers.fleet import Fleet
-from reef_stream.api.recipe import load_recipe
+from reef_stream.core.events import Checkpoint, Decision, Publication, now_ms
+from reef_stream.core.serde import encode
+from reef_stream.core.settings import Settings, load_settings
+from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
+from reef_stream.publishing.fleet import Fleet
 from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import checkpoints, declare_topics, publications
-from reef_stream.topics.serde import encode
 from tests.helpers import consume_all, consume_events, wait_until
 from tests.recipes.evaluators import weights
 

@@ -17,22 +17,15 @@ import torch
 import transformers
 
 from reef_stream.api.evaluator import AcceptEverything
-from reef_stream.consumers.evaluator import EvaluateOptions, EvaluatorWorker
-from reef_stream.consumers.follower import ARTIFACT, Follower
+from reef_stream.consumers.evaluator.evaluator import EvaluateOptions, EvaluatorWorker
+from reef_stream.core.events import Checkpoint, Decision, now_ms
 from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
 from reef_stream.engine.hf import HuggingFace, Lora
-from reef_stream.topics.events import Checkpoint, Decision, now_ms
+from reef_stream.serving.follower import ARTIFACT, Follower
 from tests.integration.publishing import (
-    Loads,
-    create_topics,
-    produce_checkpoints,
-    read_publications,
-    settings_for,
-    write_checkpoint,
+    Loads, create_topics, produce_checkpoints, read_publications, settings_for, write_checkpoint,
 )
 from tests.recipes.trainable import recipe as trainable
-
-
 
 
 @pytest.fixture(scope="module")

@@ -21,17 +21,17 @@ from confluent_kafka import Producer
 
 from reef_stream.api.canary import Action
 from reef_stream.api.recipe import load_recipe
-from reef_stream.consumers.canary import CanaryWatch
-from reef_stream.consumers.evaluator import EvaluateOptions, EvaluatorWorker
-from reef_stream.consumers.follower import Follower
-from reef_stream.consumers.publications import PublicationLedger
-from reef_stream.ops.trace import trace_generation
-from reef_stream.topics.connect import client_config
-from reef_stream.topics.declarations import feedback, generations
-from reef_stream.topics.events import (
+from reef_stream.consumers.evaluator.canary import CanaryWatch
+from reef_stream.consumers.evaluator.evaluator import EvaluateOptions, EvaluatorWorker
+from reef_stream.core.events import (
     Decision, Feedback, FinishReason, Generation, SamplingParams, now_ms,
 )
-from reef_stream.topics.serde import encode
+from reef_stream.core.serde import encode
+from reef_stream.ops.trace import trace_generation
+from reef_stream.publishing.publications import PublicationLedger
+from reef_stream.serving.follower import Follower
+from reef_stream.topics.connect import client_config
+from reef_stream.topics.declarations import feedback, generations
 from tests.helpers import reef
 from tests.integration.publishing import (
     Loads, create_topics, eventually, fleet_of, produce_checkpoints, publication_keys,

@@ -20,22 +20,17 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from confluent_kafka import (
-    Consumer,
-    ConsumerGroupTopicPartitions,
-    KafkaError,
-    KafkaException,
-    Producer,
-    TopicPartition,
+    Consumer, ConsumerGroupTopicPartitions, KafkaError, KafkaException, Producer, TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from reef_stream.topics import cursors
-from reef_stream.cli.main import main
 from reef_stream.cli.cursors import COMMANDS
-from reef_stream.config import load_settings
+from reef_stream.cli.main import main
+from reef_stream.core.events import Feedback, FinishReason, Generation, SamplingParams, now_ms
+from reef_stream.core.serde import encode
+from reef_stream.core.settings import load_settings
+from reef_stream.topics import cursors
 from reef_stream.topics.connect import client_config
-from reef_stream.topics.events import Feedback, FinishReason, Generation, SamplingParams, now_ms
-from reef_stream.topics.serde import encode
 from tests.helpers import reef
 
 PARTITIONS = 2

@@ -9,22 +9,22 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from confluent_kafka import Producer
 
-from reef_stream.topics.connect import client_config
-from reef_stream.ops.dashboard.store import SeriesStore
-import pytest
-
-from reef_stream.topics.events import DeadLetter, Decision, Metric, Publication
-from reef_stream.ops.metrics import (
+from reef_stream.core.events import DeadLetter, Decision, Metric, Publication
+from reef_stream.core.metric_names import (
     CONSUMER_LAG, FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, FOLLOWER_POLICY_VERSION,
-    INTAKE_ACKNOWLEDGED, PROCESSOR_GENERATIONS, REWARD_RECORDS, REWARD_REWARDED,
-    STAGE_EVALUATOR, STAGE_FOLLOWER, STAGE_INTAKE, STAGE_PROCESSOR, STAGE_REWARD, STAGE_TRAINER,
+    INTAKE_ACKNOWLEDGED, PROCESSOR_GENERATIONS, REWARD_RECORDS, REWARD_REWARDED, STAGE_EVALUATOR,
+    STAGE_FOLLOWER, STAGE_INTAKE, STAGE_PROCESSOR, STAGE_REWARD, STAGE_TRAINER,
     TRAINER_LOGPROB_GAP_OLDER, TRAINER_LOGPROB_GAP_SAME_VERSION, TRAINER_STALENESS_MAX,
-    TRAINER_STALENESS_MEAN, TRAINER_STALENESS_SAMPLES, metric,
+    TRAINER_STALENESS_MEAN, TRAINER_STALENESS_SAMPLES,
 )
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.ops.dashboard.store import SeriesStore
 from reef_stream.topics import declarations
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.topics.connect import client_config
+from reef_stream.topics.metrics import metric
 from tests.helpers import reef
 from tests.integration.dashboard_check import (
     api, check_dashboard, rendered_page, require_chromium, running_dashboard, settled_series,

@@ -19,16 +19,16 @@ import time
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from reef_stream.engine.checkpoints import CheckpointStore, load_weights
-from reef_stream.topics.connect import client_config
-from reef_stream.demo.task import accuracy, initial_policy, policy_model
-from reef_stream.topics.events import (
+from reef_stream.api.recipe import load_recipe
+from reef_stream.core.events import (
     Checkpoint, Decision, Feedback, Generation, Metric, Publication, RolloutUnit,
 )
-from reef_stream.api.recipe import load_recipe
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.demo.recipes import stage_recipe
+from reef_stream.demo.task import accuracy, initial_policy, policy_model
+from reef_stream.engine.checkpoints import CheckpointStore, load_weights
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import generations, publications, units
-from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import consume_all, consume_events, reef
 from tests.integration.dashboard_check import check_dashboard
 

@@ -26,13 +26,13 @@ import numpy as np
 import torch
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
-from reef_stream.topics.connect import client_config
+from reef_stream.core.events import Checkpoint, Decision, Generation, now_ms
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.demo.replica import run_replica
 from reef_stream.demo.task import initial_policy, parse_prompt
-from reef_stream.topics.events import Checkpoint, Decision, Generation, now_ms
+from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import generations
-from reef_stream.topics.serde import SchemaRegistry
 from tests.integration.publishing import (
     create_topics, eventually, fleet_of, produce_publications, promoted, settings_for,
 )

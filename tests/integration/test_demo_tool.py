@@ -14,10 +14,10 @@ from __future__ import annotations
 import re
 import time
 
+from reef_stream.core.events import Generation, RolloutUnit, SegmentSource
 from reef_stream.demo.tool_recipes import sao
 from reef_stream.demo.tool_task import ADD
 from reef_stream.topics.declarations import generations, units
-from reef_stream.topics.events import Generation, RolloutUnit, SegmentSource
 from tests.helpers import consume_events, reef
 
 #: Stop at the first promoted version: what is checked here is what the units hold and that the

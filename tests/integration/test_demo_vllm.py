@@ -30,19 +30,15 @@ import json
 import re
 import time
 
-from reef_stream.ops.engines import LocalEngine
-from reef_stream.ops.metrics import (
-    FOLLOWER_POLICY_VERSION,
-    STAGE_FOLLOWER,
-    TRAINER_LOGPROB_GAP_OLDER,
-    TRAINER_LOGPROB_GAP_SAME_VERSION,
-    TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS,
-    TRAINER_STEPS,
+from reef_stream.core.events import Decision, Generation, Metric, Publication
+from reef_stream.core.metric_names import (
+    FOLLOWER_POLICY_VERSION, STAGE_FOLLOWER, TRAINER_LOGPROB_GAP_OLDER,
+    TRAINER_LOGPROB_GAP_SAME_VERSION, TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS, TRAINER_STEPS,
 )
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.servers.inference import LocalEngine
 from reef_stream.topics.declarations import generations, metrics, publications
-from reef_stream.topics.events import Decision, Generation, Metric, Publication
 from reef_stream.topics.reading import read_to_end
-from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import reef
 from tests.integration.test_vllm_engine import engine_env  # noqa: F401 - the fixture
 

@@ -19,43 +19,25 @@ import pytest
 import torch
 
 from reef_stream.api.recipe import load_recipe
-from reef_stream.consumers.evaluator import (
-    EvaluateOptions,
-    EvaluatorWorker,
-    coordinates_key,
+from reef_stream.consumers.evaluator.evaluator import (
+    EvaluateOptions, EvaluatorWorker, coordinates_key,
 )
-from reef_stream.consumers.follower import Follower
-from reef_stream.consumers.superseding import superseded_reason
+from reef_stream.consumers.evaluator.superseding import superseded_reason
+from reef_stream.core.events import DeadLetter, Decision, Metric
+from reef_stream.core.metric_names import (
+    CONSUMER_LAG, EVALUATOR_CANDIDATE_VERSION, EVALUATOR_CANDIDATES_SUPERSEDED,
+    EVALUATOR_MEASUREMENT, STAGE_EVALUATOR,
+)
 from reef_stream.engine.checkpoints import CheckpointStore, load_weights
-from reef_stream.ops.metrics import (
-    CONSUMER_LAG,
-    EVALUATOR_CANDIDATE_VERSION,
-    EVALUATOR_CANDIDATES_SUPERSEDED,
-    EVALUATOR_MEASUREMENT,
-    STAGE_EVALUATOR,
-)
+from reef_stream.serving.follower import Follower
 from reef_stream.topics.declarations import checkpoints, dead_letters, metrics
-from reef_stream.topics.events import DeadLetter, Decision, Metric
 from tests.helpers import consume_events, reef
 from tests.integration.publishing import (
-    Loads,
-    create_topics,
-    eventually,
-    fleet_of,
-    produce_checkpoints,
-    promoted,
-    publication_keys,
-    read_publications,
-    run_evaluator,
-    settings_for,
-    write_checkpoint,
+    Loads, create_topics, eventually, fleet_of, produce_checkpoints, promoted, publication_keys,
+    read_publications, run_evaluator, settings_for, write_checkpoint,
 )
 from tests.integration.undecodable import (
-    GARBAGE,
-    decodable_publications,
-    letters,
-    other_schema,
-    publish_raw,
+    GARBAGE, decodable_publications, letters, other_schema, publish_raw,
 )
 from tests.recipes.counting_evaluator import CountingScore
 from tests.recipes.evaluators import score, weights

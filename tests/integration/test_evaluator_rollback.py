@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from reef_stream.core.events import Decision, Publication
 from reef_stream.topics.declarations import publications
-from reef_stream.topics.events import Decision, Publication
 from tests.helpers import events_to_end
 from tests.integration.publishing import (
-    create_topics,
-    produce_checkpoints,
-    run_evaluator,
-    settings_for,
-    write_checkpoint,
+    create_topics, produce_checkpoints, run_evaluator, settings_for, write_checkpoint,
 )
 
 

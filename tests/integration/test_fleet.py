@@ -7,9 +7,9 @@ import dataclasses
 import json
 import time
 
-from reef_stream.consumers.follower import Follower
-from reef_stream.topics.events import Decision, now_ms
-from reef_stream.consumers.fleet import ReplicaStatus
+from reef_stream.core.events import Decision, now_ms
+from reef_stream.publishing.fleet import ReplicaStatus
+from reef_stream.serving.follower import Follower
 from tests.helpers import reef, wait_until
 from tests.integration.publishing import (
     Loads, create_topics, eventually, fleet_of, produce_checkpoints, promoted, run_evaluator,

@@ -13,11 +13,11 @@ import threading
 
 import pytest
 
-from reef_stream.consumers.follower import Follower
-from reef_stream.errors import InvalidRecord
-from reef_stream.topics.events import Generation
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import Generation
+from reef_stream.core.metric_names import FOLLOWER_PUBLICATIONS_UNDECODABLE, STAGE_FOLLOWER
 from reef_stream.intake.producer import RecordProducer
-from reef_stream.ops.metrics import FOLLOWER_PUBLICATIONS_UNDECODABLE, STAGE_FOLLOWER
+from reef_stream.serving.follower import Follower
 from reef_stream.topics.declarations import generations
 from tests.faults.records import generation
 from tests.helpers import consume_events, reef
@@ -167,7 +167,7 @@ def test_undecodable_publications_are_counted_and_logged_never_dead_lettered_by_
     bad = publish_raw(kafka_bootstrap, namespace, GARBAGE, promoted(v1), other_schema(),
                       promoted(v2))[0::2]
     loads = Loads()
-    caplog.set_level(logging.WARNING, logger="reef_stream.consumers.follower")
+    caplog.set_level(logging.WARNING, logger="reef_stream.serving.follower")
     with Follower("tiny", on_version=loads, settings=settings, fleet=None,
                   heartbeat_s=0.5) as replica:
         assert replica.wait_ready(30) == 2 and loads.versions == [2]

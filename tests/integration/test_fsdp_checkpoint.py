@@ -34,10 +34,10 @@ import torch
 import transformers  # noqa: E402 - a dependency: missing, the test fails rather than skips
 from safetensors.torch import load_file
 
+from reef_stream.core.processes import free_ports
 from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
 from reef_stream.engine.hf import HuggingFace, Lora
 from reef_stream.engine.training import TorchBackend
-from reef_stream.ops.processes import free_ports
 from tests.recipes.trainable import recipe as single
 from tests.unit_log import rollout_unit
 
@@ -107,7 +107,7 @@ WORKER = textwrap.dedent('''
 
     # The ranks' weight check (the trainer's, at each checkpoint): each rank's shard against
     # rank 0's expectation of it from the gathered weights.
-    from reef_stream.consumers.ranks import Ranks
+    from reef_stream.consumers.trainer.ranks import Ranks
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     ranks = Ranks(rank, world)
     agreed = ranks.weights_differ(resumed, held=dict(fresh.state_dict()))

@@ -27,13 +27,13 @@ from aiohttp import web
 from confluent_kafka.admin import AdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from reef_stream.config import load_settings
-from reef_stream.topics.connect import client_config
-from reef_stream.topics.events import Feedback, Generation
+from reef_stream.core.events import Feedback, Generation
+from reef_stream.core.processes import free_ports
+from reef_stream.core.settings import load_settings
 from reef_stream.intake.aio import AsyncRecordProducer
 from reef_stream.intake.http import make_app
-from reef_stream.ops.processes import free_ports
 from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import declare_topics, feedback, generations
 from tests.helpers import consume_events
 

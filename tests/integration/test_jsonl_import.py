@@ -18,12 +18,12 @@ from confluent_kafka.admin import AdminClient
 
 from reef_stream.cli.main import main
 from reef_stream.cli.produce import COMMANDS
-from reef_stream.config import Settings, load_settings
-from reef_stream.topics.connect import client_config
-from reef_stream.topics.events import DeadLetter, Feedback, Generation
+from reef_stream.core.events import DeadLetter, Feedback, Generation
+from reef_stream.core.serde import decode
+from reef_stream.core.settings import Settings, load_settings
 from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import dead_letters, declare_topics, feedback, generations
-from reef_stream.topics.serde import decode
 from tests.helpers import consume_all
 
 

@@ -6,7 +6,7 @@ import socket
 import stat
 from pathlib import Path
 
-from reef_stream.ops.kafka_local import check_java
+from reef_stream.servers.kafka_local import check_java
 from tests.helpers import reef
 
 

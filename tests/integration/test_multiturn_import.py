@@ -15,21 +15,17 @@ from reef_stream.api.losses import POLICY_GRADIENT
 from reef_stream.api.parts import ComposedProcessor, RequireSources, Ungrouped
 from reef_stream.api.recipe import Backend, Recipe
 from reef_stream.api.schedule import Schedule
-from reef_stream.config import load_settings
-from reef_stream.consumers.processor import ProcessorRuntime
+from reef_stream.consumers.processor.runtime import ProcessorRuntime
+from reef_stream.core.events import DeadLetter, Generation, RolloutUnit, SegmentSource
+from reef_stream.core.settings import load_settings
 from reef_stream.engine.training import collate
 from reef_stream.ops.trace import trace_generation
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
-from reef_stream.topics.events import DeadLetter, Generation, RolloutUnit, SegmentSource
 from tests.helpers import consume_events
 from tests.integration.test_http_intake import request, serve  # noqa: F401, F811 - a fixture
-from tests.integration.test_jsonl_import import (
-    reef_produce,
-    summary_counts,
-    write_lines,
-)
+from tests.integration.test_jsonl_import import reef_produce, summary_counts, write_lines
 from tests.recipes.parts import GroupBaseline
 
 RECIPE = Recipe(

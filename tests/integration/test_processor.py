@@ -11,16 +11,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from reef_stream.consumers.backlog import share
-from reef_stream.consumers.processor import ProcessorRuntime
+from reef_stream.consumers.processor.backlog import share
+from reef_stream.consumers.processor.runtime import ProcessorRuntime
 from reef_stream.topics.declarations import DATA_PARTITIONS
 from tests.helpers import wait_until
-from tests.integration.test_processor_runtime import (
-    RECIPE,
-    create_topics,
-    make_workload,
-    produce,
-)
+from tests.integration.test_processor_runtime import RECIPE, create_topics, make_workload, produce
 from tests.integration.test_processor_runtime_paths import _checkpoint_at, fresh
 
 BOUND = 16  # max_backlog_steps 2 of 8 units

@@ -26,20 +26,15 @@ from collections import Counter
 import pytest
 from confluent_kafka import Producer
 
-from reef_stream.ops import metrics
-from reef_stream.topics.connect import client_config
-from reef_stream.consumers.processor import ProcessorRuntime
-from reef_stream.topics.events import Checkpoint, DeadLetter, FinishReason, Metric, RolloutUnit
+from reef_stream.consumers.processor.runtime import ProcessorRuntime
+from reef_stream.core import metric_names
+from reef_stream.core.events import Checkpoint, DeadLetter, FinishReason, Metric, RolloutUnit
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.topics import declarations
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.topics.connect import client_config
 from tests.helpers import events_to_end, wait_until
 from tests.integration.test_processor_runtime import (
-    _COMPLETION,
-    RECIPE,
-    create_topics,
-    feedback,
-    generation,
-    produce,
+    _COMPLETION, RECIPE, create_topics, feedback, generation, produce,
 )
 
 INSTANCE = "metrics-test"
@@ -63,7 +58,7 @@ def latest_metrics(bootstrap: str, namespace: str, instance: str) -> dict[tuple,
     events = events_to_end(bootstrap, declarations.metrics(namespace), Metric)
     for event in events:  # key = stage: one partition, in the order written
         labels = dict(event.labels)
-        if event.stage != metrics.STAGE_PROCESSOR or labels.pop("instance", None) != instance:
+        if event.stage != metric_names.STAGE_PROCESSOR or labels.pop("instance", None) != instance:
             continue
         assert labels.pop("recipe") == RECIPE.name and "group" in labels.keys()
         labels.pop("group")
@@ -122,20 +117,20 @@ def test_metrics_topic_holds_the_true_running_counts(kafka_bootstrap, namespace)
         produce(kafka_bootstrap, namespace, [[feedback(g.generation_id, None, 1.0) for g in lonely]])
 
         expected = {
-            (metrics.PROCESSOR_GENERATIONS, ("outcome", "unit")): 24,
-            (metrics.PROCESSOR_GENERATIONS, ("outcome", "expired")): 3,
-            (metrics.PROCESSOR_GENERATIONS, ("outcome", "too_stale")): 4,
-            (metrics.PROCESSOR_GENERATIONS, ("outcome", "invalid")): 3,
-            (metrics.PROCESSOR_FEEDBACK, ("fate", "used")): 24,
-            (metrics.PROCESSOR_FEEDBACK, ("fate", "late")): 4 + 3 + 3,
-            (metrics.PROCESSOR_FEEDBACK, ("fate", "duplicate")): 3,
-            (metrics.PROCESSOR_FEEDBACK, ("fate", "ignored")): 1,
-            (metrics.PROCESSOR_FEEDBACK, ("fate", "orphaned")): 1,
-            (metrics.PROCESSOR_FEEDBACK, ("fate", "unused")): 0,
-            (metrics.PROCESSOR_DUPLICATE_GENERATIONS,): 2,
-            (metrics.PROCESSOR_UNITS,): 6,
-            (metrics.PROCESSOR_INVALID_RECORDS,): 1,
-            (metrics.PROCESSOR_ABORTED_TRANSACTIONS,): 0,
+            (metric_names.PROCESSOR_GENERATIONS, ("outcome", "unit")): 24,
+            (metric_names.PROCESSOR_GENERATIONS, ("outcome", "expired")): 3,
+            (metric_names.PROCESSOR_GENERATIONS, ("outcome", "too_stale")): 4,
+            (metric_names.PROCESSOR_GENERATIONS, ("outcome", "invalid")): 3,
+            (metric_names.PROCESSOR_FEEDBACK, ("fate", "used")): 24,
+            (metric_names.PROCESSOR_FEEDBACK, ("fate", "late")): 4 + 3 + 3,
+            (metric_names.PROCESSOR_FEEDBACK, ("fate", "duplicate")): 3,
+            (metric_names.PROCESSOR_FEEDBACK, ("fate", "ignored")): 1,
+            (metric_names.PROCESSOR_FEEDBACK, ("fate", "orphaned")): 1,
+            (metric_names.PROCESSOR_FEEDBACK, ("fate", "unused")): 0,
+            (metric_names.PROCESSOR_DUPLICATE_GENERATIONS,): 2,
+            (metric_names.PROCESSOR_UNITS,): 6,
+            (metric_names.PROCESSOR_INVALID_RECORDS,): 1,
+            (metric_names.PROCESSOR_ABORTED_TRANSACTIONS,): 0,
         }
         # The committed log says what really happened: it must agree with the expectation.
         # Each try reads both topics to their current end (committed records only).
@@ -146,14 +141,14 @@ def test_metrics_topic_holds_the_true_running_counts(kafka_bootstrap, namespace)
             kinds = Counter(d.error_type for d in events_to_end(
                 kafka_bootstrap, declarations.dead_letters(namespace), DeadLetter))
             logged = {
-                (metrics.PROCESSOR_GENERATIONS, ("outcome", "unit")):
+                (metric_names.PROCESSOR_GENERATIONS, ("outcome", "unit")):
                     sum(len(u.members) for u in unit_events),
-                (metrics.PROCESSOR_UNITS,): len({u.unit_id for u in unit_events}),
-                **{(metrics.PROCESSOR_GENERATIONS, ("outcome", o)): kinds[f"processor.{o}"]
+                (metric_names.PROCESSOR_UNITS,): len({u.unit_id for u in unit_events}),
+                **{(metric_names.PROCESSOR_GENERATIONS, ("outcome", o)): kinds[f"processor.{o}"]
                    for o in ("expired", "too_stale", "invalid")},
-                **{(metrics.PROCESSOR_FEEDBACK, ("fate", f)): kinds[f"processor.{f}"]
+                **{(metric_names.PROCESSOR_FEEDBACK, ("fate", f)): kinds[f"processor.{f}"]
                    for f in ("late", "orphaned", "unused")},
-                (metrics.PROCESSOR_INVALID_RECORDS,): sum(
+                (metric_names.PROCESSOR_INVALID_RECORDS,): sum(
                     n for k, n in kinds.items() if not k.startswith("processor.")),
             }
             if all(expected[k] == v for k, v in logged.items()) or time.monotonic() > end:
@@ -174,7 +169,7 @@ def test_metrics_topic_holds_the_true_running_counts(kafka_bootstrap, namespace)
         # and the 24 unit members' completion lengths and truncation (8 cut).
         rewards = [0.25 * i for i in range(24)]
         v4, source = ("policy_version", "4"), ("source", "exact_match")
-        reward, tokens = metrics.PROCESSOR_REWARD, metrics.PROCESSOR_RESPONSE_TOKENS
+        reward, tokens = metric_names.PROCESSOR_REWARD, metric_names.PROCESSOR_RESPONSE_TOKENS
         distributions = {
             (f"{reward}.count", v4, source): 24,
             (f"{reward}.mean", v4, source): pytest.approx(statistics.fmean(rewards)),
@@ -185,16 +180,16 @@ def test_metrics_topic_holds_the_true_running_counts(kafka_bootstrap, namespace)
             (f"{tokens}.count", v4): 24,
             (f"{tokens}.mean", v4): len(_COMPLETION),
             (f"{tokens}.std", v4): 0,
-            (metrics.PROCESSOR_TRUNCATION_RATE, v4): pytest.approx(8 / 24),
-            (f"{metrics.PROCESSOR_TRUNCATION_RATE}.count", v4): 24,
+            (metric_names.PROCESSOR_TRUNCATION_RATE, v4): pytest.approx(8 / 24),
+            (f"{metric_names.PROCESSOR_TRUNCATION_RATE}.count", v4): 24,
         }
         assert {k: latest.get(k) for k in distributions} == distributions
         assert not [k for k in latest if k[0].startswith(f"{reward}.")
                     and k not in distributions], "no reward series but version 4's"
         # Lag per partition, read to the end of both input topics: all 0 at the last write.
-        lag_topics = {dict(k[1:])["topic"] for k in latest if k[0] == metrics.CONSUMER_LAG}
+        lag_topics = {dict(k[1:])["topic"] for k in latest if k[0] == metric_names.CONSUMER_LAG}
         assert lag_topics == {declarations.generations(namespace), declarations.feedback(namespace)}
-        assert all(v == 0 for k, v in latest.items() if k[0] == metrics.CONSUMER_LAG), latest
+        assert all(v == 0 for k, v in latest.items() if k[0] == metric_names.CONSUMER_LAG), latest
     finally:
         runtime.stop()
         thread.join(30)
@@ -202,6 +197,6 @@ def test_metrics_topic_holds_the_true_running_counts(kafka_bootstrap, namespace)
     # At exit the final counts are written (and flushed): transactions included.
     latest = latest_metrics(kafka_bootstrap, namespace, INSTANCE)
     assert runtime.transactions > 0
-    assert latest[(metrics.PROCESSOR_TRANSACTIONS,)] == runtime.transactions
+    assert latest[(metric_names.PROCESSOR_TRANSACTIONS,)] == runtime.transactions
     assert {k: latest.get(k) for k in expected} == expected
     assert runtime.metrics_dropped == 0

@@ -26,16 +26,18 @@ import numpy as np
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from reef_stream.topics.connect import client_config
-from reef_stream.consumers.processor import ProcessorRuntime
-from reef_stream.topics.events import DeadLetter, Feedback, FinishReason, Generation, RolloutUnit, SamplingParams
 from reef_stream.api.losses import POLICY_GRADIENT
 from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources
 from reef_stream.api.recipe import Backend, Recipe
 from reef_stream.api.schedule import Schedule
+from reef_stream.consumers.processor.runtime import ProcessorRuntime
+from reef_stream.core.events import (
+    DeadLetter, Feedback, FinishReason, Generation, RolloutUnit, SamplingParams,
+)
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.topics.connect import client_config
 from tests.helpers import consume_all, consume_events
 from tests.recipes.parts import GroupBaseline
 
@@ -279,7 +281,7 @@ def test_generations_behind_the_newest_checkpoint_end_too_stale(kafka_bootstrap,
     """max_staleness is 2: with checkpoint 5 published, version 4 trains, version 0 does not."""
     import dataclasses
 
-    from reef_stream.topics.events import Checkpoint
+    from reef_stream.core.events import Checkpoint
 
     create_topics(kafka_bootstrap, namespace)
     registry = SchemaRegistry.default()

@@ -41,33 +41,20 @@ import numpy as np
 import pytest
 from confluent_kafka import Consumer, IsolationLevel, Producer, TopicPartition
 from confluent_kafka.admin import (
-    AdminClient,
-    AlterConfigOpType,
-    ConfigEntry,
-    ConfigResource,
-    OffsetSpec,
-    ResourceType,
+    AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, OffsetSpec, ResourceType,
 )
 
-from reef_stream.consumers.processor import MAX_IDLE_S, ProcessorRuntime
-from reef_stream.errors import FatalError
+from reef_stream.consumers.processor.runtime import MAX_IDLE_S, ProcessorRuntime
+from reef_stream.core.errors import FatalError
+from reef_stream.core.events import Generation, RolloutUnit
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.topics import declarations
 from reef_stream.topics.connect import client_config
-from reef_stream.topics.events import Generation, RolloutUnit
-from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import consume_all, wait_until
 from tests.integration.test_processor_metrics import publish_checkpoint, wait_for
 from tests.integration.test_processor_runtime import (
-    RECIPE,
-    Workload,
-    check_invariant,
-    create_topics,
-    feedback,
-    generation,
-    key_of,
-    make_workload,
-    produce,
-    read_back,
+    RECIPE, Workload, check_invariant, create_topics, feedback, generation, key_of, make_workload,
+    produce, read_back,
 )
 
 
@@ -237,7 +224,7 @@ def test_a_transaction_the_broker_timed_out_gets_a_new_producer_and_loses_nothin
 
 
 def _checkpoint_at(bootstrap: str, namespace: str, version: int, offsets: dict[int, int]):
-    from reef_stream.topics.events import Checkpoint, TopicOffset
+    from reef_stream.core.events import Checkpoint, TopicOffset
 
     topic = declarations.units(namespace, RECIPE.name)
     value, headers = SchemaRegistry.default().encode(Checkpoint(

@@ -7,12 +7,12 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from reef_stream.topics.connect import client_config
-from reef_stream.errors import CorruptRecordError, UnknownSchemaError
-from reef_stream.topics.events import FinishReason, Generation, SamplingParams, events_equal
+from reef_stream.core.errors import CorruptRecordError, UnknownSchemaError
+from reef_stream.core.events import FinishReason, Generation, SamplingParams, events_equal
+from reef_stream.core.serde import FINGERPRINT_HEADER, decode, encode
 from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import declare_topics, generations
-from reef_stream.topics.serde import FINGERPRINT_HEADER, decode, encode
 from tests.helpers import consume_all
 
 

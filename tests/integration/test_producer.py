@@ -10,20 +10,20 @@ import numpy as np
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from reef_stream.config import load_settings
-from reef_stream.topics.connect import client_config
-from reef_stream.errors import InvalidRecord
-from reef_stream.topics.events import Feedback, Generation, Metric
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import Feedback, Generation, Metric
+from reef_stream.core.metric_names import (
+    INTAKE_ACKNOWLEDGED, INTAKE_FAILED, INTAKE_REJECTED, INTAKE_SENT, INTAKE_SPOOLED, STAGE_INTAKE,
+)
+from reef_stream.core.serde import decode
+from reef_stream.core.settings import load_settings
 from reef_stream.intake.aio import AsyncRecordProducer
 from reef_stream.intake.producer import (
     DeliveryError, DeliveryState, InvalidRecordInBatch, RecordProducer, record_key,
 )
-from reef_stream.ops.metrics import (
-    INTAKE_ACKNOWLEDGED, INTAKE_FAILED, INTAKE_REJECTED, INTAKE_SENT, INTAKE_SPOOLED, STAGE_INTAKE,
-)
 from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import declare_topics, feedback, generations, metrics
-from reef_stream.topics.serde import decode
 from tests.faults.records import generation
 from tests.helpers import consume_all, consume_events
 

@@ -13,21 +13,21 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from reef_stream.ops import metrics
-from reef_stream.topics.connect import client_config
-from reef_stream.topics.events import Metric
-from reef_stream.ops.processes import free_ports
+from reef_stream.core import metric_names
+from reef_stream.core.events import Metric
+from reef_stream.core.processes import free_ports
 from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import declare_topics, generations
 from reef_stream.topics.declarations import metrics as metrics_topic
 from tests.helpers import consume_events
 from tests.integration.test_reward_workers import _finish, _produce, _start
 
 COUNT = 8
-EXPECTED = {metrics.REWARD_RECORDS: COUNT + 1, metrics.REWARD_REWARDED: COUNT,
-            metrics.REWARD_RETRIED: COUNT, metrics.REWARD_UNDECODABLE: 1,
-            metrics.REWARD_FAILED: 0, metrics.REWARD_INVALID: 0, metrics.REWARD_TIMED_OUT: 0,
-            metrics.REWARD_DROPPED: 0}
+EXPECTED = {metric_names.REWARD_RECORDS: COUNT + 1, metric_names.REWARD_REWARDED: COUNT,
+            metric_names.REWARD_RETRIED: COUNT, metric_names.REWARD_UNDECODABLE: 1,
+            metric_names.REWARD_FAILED: 0, metric_names.REWARD_INVALID: 0, metric_names.REWARD_TIMED_OUT: 0,
+            metric_names.REWARD_DROPPED: 0}
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def scrape(port: int, group: str) -> dict[str, float]:
     """The reward stage's samples of ``group`` at ``/metrics``, by reef metric name."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
-    prefix = f"reef_{metrics.STAGE_REWARD}_"
+    prefix = f"reef_{metric_names.STAGE_REWARD}_"
     return {sample.name.removeprefix(prefix): sample.value
             for family in text_string_to_metric_families(text) if family.name.startswith(prefix)
             for sample in family.samples if sample.labels.get("group") == group}
@@ -57,7 +57,7 @@ def test_a_reward_worker_serves_its_counters_and_writes_the_same_to_the_metrics_
                     "--metrics-port", str(port))
 
     served, deadline = {}, time.monotonic() + 60
-    while served.get(metrics.REWARD_REWARDED) != COUNT:  # while it runs: it idles 3 s at the end
+    while served.get(metric_names.REWARD_REWARDED) != COUNT:  # while it runs: it idles 3 s at the end
         assert worker.poll() is None and time.monotonic() < deadline, \
             f"worker exited or timed out; /metrics had {served}\n{worker.communicate()}"
         try:
@@ -69,20 +69,20 @@ def test_a_reward_worker_serves_its_counters_and_writes_the_same_to_the_metrics_
     counts = _finish(worker)
 
     assert {name: served[name] for name in EXPECTED} == EXPECTED
-    assert served[metrics.REWARD_MEAN] == 1.0  # flaky's reward: 100 completion tokens / 100
+    assert served[metric_names.REWARD_MEAN] == 1.0  # flaky's reward: 100 completion tokens / 100
     assert {name: counts[name] for name in EXPECTED} == EXPECTED
     latest: dict[str, Metric] = {}
     lags: dict[str, float] = {}
     for event in consume_events(kafka_bootstrap, metrics_topic(namespace), 9,
                                 Metric):  # key = stage: one partition, in the order written
-        if event.stage == metrics.STAGE_REWARD and event.labels["group"] == group:
+        if event.stage == metric_names.STAGE_REWARD and event.labels["group"] == group:
             latest[event.name] = event
-            if event.name == metrics.CONSUMER_LAG:
+            if event.name == metric_names.CONSUMER_LAG:
                 assert event.labels["topic"] == generations(namespace)
                 lags[event.labels["partition"]] = event.value
     # The worker read every partition to its end while it idled: its last lag is 0 everywhere.
     assert lags and set(lags.values()) == {0}, lags
     assert {name: latest[name].value for name in EXPECTED} == EXPECTED
-    assert latest[metrics.REWARD_MEAN].value == 1.0
-    assert latest[metrics.REWARD_MEAN].labels["source"] == "flaky_sandbox"
-    assert set(latest[metrics.REWARD_RECORDS].labels) == {"recipe", "group", "instance"}
+    assert latest[metric_names.REWARD_MEAN].value == 1.0
+    assert latest[metric_names.REWARD_MEAN].labels["source"] == "flaky_sandbox"
+    assert set(latest[metric_names.REWARD_RECORDS].labels) == {"recipe", "group", "instance"}

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from reef_stream.config import PROJECT_ROOT
-from reef_stream.ops.processes import free_ports
-from reef_stream.engine.checkpoints import CheckpointStore, load_weights
-from reef_stream.demo.task import accuracy, initial_policy, policy_model
-from reef_stream.topics.events import Decision, Publication
 from reef_stream.api.recipe import load_recipe
+from reef_stream.core.events import Decision, Publication
+from reef_stream.core.processes import free_ports
+from reef_stream.core.settings import PROJECT_ROOT
+from reef_stream.demo.task import accuracy, initial_policy, policy_model
+from reef_stream.engine.checkpoints import CheckpointStore, load_weights
 from reef_stream.topics.declarations import publications
 from tests.helpers import consume_events, reef
 

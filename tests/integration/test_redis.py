@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis as redis_client
 
-from reef_stream.ops.processes import free_ports
+from reef_stream.core.processes import free_ports
 from tests.helpers import reef
 
 

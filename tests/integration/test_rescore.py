@@ -15,14 +15,13 @@ from collections import defaultdict
 
 import numpy as np
 
-from reef_stream.config import load_settings
+from reef_stream.core.events import FinishReason, Generation, RolloutUnit, SamplingParams, now_ms
+from reef_stream.core.settings import load_settings
 from reef_stream.demo.run import unit_ledger
 from reef_stream.demo.verify import GenerationOutcomes
 from reef_stream.intake.producer import RecordProducer
 from reef_stream.topics.cursors import committed_offsets, resolve_topic
 from reef_stream.topics.declarations import feedback, units
-from reef_stream.topics.events import (FinishReason, Generation, RolloutUnit, SamplingParams,
-                                       now_ms)
 from tests.helpers import events_to_end, reef, wait_until
 from tests.recipes import rescoring
 from tests.unit_log import create_topics

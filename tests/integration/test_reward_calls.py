@@ -1,7 +1,7 @@
 """The reward worker's call slots against the real broker, in this process.
 
 Generations are queued in batches and taken by ``concurrency`` call slots (threads for a sync
-function, tasks on the asyncio loop for a coroutine function; reef_stream.consumers.reward):
+function, tasks on the asyncio loop for a coroutine function; reef_stream.consumers.reward.worker):
 
 - with mixed outcomes over a few fetches, every generation gets exactly one outcome (feedback
   or dead letter), none gets both, and every offset is committed;
@@ -26,12 +26,12 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.api.recipe import NamedReward, Reward
-from reef_stream.config import load_settings
-from reef_stream.consumers.reward import RewardOptions, RewardWorker
+from reef_stream.consumers.reward.worker import RewardOptions, RewardWorker
+from reef_stream.core.events import DeadLetter, Feedback, Generation
+from reef_stream.core.settings import load_settings
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import dead_letters, declare_topics, feedback, generations
-from reef_stream.topics.events import DeadLetter, Feedback, Generation
 from tests.helpers import consume_events
 from tests.integration.test_reward_workers import _committed, _produce
 from tests.recipes.rewards import quick

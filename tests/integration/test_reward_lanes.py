@@ -1,5 +1,5 @@
 """A few hanging reward calls do not clog the reward worker (the lanes of
-``reef_stream.consumers.reward_calls``), against the real broker, in this process.
+``reef_stream.consumers.reward.calls``), against the real broker, in this process.
 
 300 generations whose reward takes 10 ms, 6 of which hang for 60 s, far past the 20-s timeout,
 with 4 call slots: before the lanes, those hangs held every slot for 20 s per try. Now every
@@ -23,13 +23,13 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.api.recipe import NamedReward, Reward
-from reef_stream.config import load_settings
-from reef_stream.consumers.reward import RewardOptions, RewardWorker
-from reef_stream.ops.metrics import REWARD_CALL_P99, REWARD_SATURATION, STAGE_REWARD
+from reef_stream.consumers.reward.worker import RewardOptions, RewardWorker
+from reef_stream.core.events import DeadLetter, Generation
+from reef_stream.core.metric_names import REWARD_CALL_P99, REWARD_SATURATION, STAGE_REWARD
+from reef_stream.core.settings import load_settings
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import dead_letters, declare_topics
-from reef_stream.topics.events import DeadLetter, Generation
 from tests.helpers import consume_events
 from tests.integration.test_reward_workers import _produce
 from tests.integration.undecodable import metric_values

@@ -5,7 +5,7 @@ of tries, with no feedback; a flaky reward succeeds on its retry with exactly on
 generation; an undecodable record and a non-finite reward are dead-lettered; two workers in one
 group split the work; SIGTERM lets running calls finish, then flushes and commits.
 
-The workers run as `python -m reef_stream.consumers.reward` subprocesses (one in this process);
+The workers run as `python -m reef_stream.consumers.reward.worker` subprocesses (one in this process);
 the reward functions are in tests/recipes/rewards.py.
 """
 
@@ -23,15 +23,15 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from reef_stream.config import load_settings
-from reef_stream.topics.connect import client_config
-from reef_stream.topics.events import DeadLetter, Feedback
+from reef_stream.core.events import DeadLetter, Feedback
+from reef_stream.core.metric_names import REWARD_RECORDS, STAGE_REWARD
+from reef_stream.core.serde import decode
+from reef_stream.core.settings import load_settings
 from reef_stream.intake.producer import RecordProducer, record_key
 from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import dead_letters, declare_topics, feedback, generations
-from reef_stream.topics.serde import decode
 from tests.faults.records import generation
-from reef_stream.ops.metrics import REWARD_RECORDS, STAGE_REWARD
 from tests.helpers import consume_all, consume_events, wait_until
 from tests.integration.undecodable import metric_values
 
@@ -59,7 +59,7 @@ def _start(kafka_bootstrap, namespace, tmp_path, recipe: str, *args: str, log: P
     env = {"PATH": "/usr/bin:/bin", "REEF_BOOTSTRAP_SERVERS": kafka_bootstrap,
            "REEF_NAMESPACE": namespace, "REEF_HOME": str(tmp_path / "home"), **(extra_env or {})}
     return subprocess.Popen(
-        [sys.executable, "-m", "reef_stream.consumers.reward",
+        [sys.executable, "-m", "reef_stream.consumers.reward.worker",
          "--recipe", f"tests.recipes.rewards:{recipe}", *args],
         env=env, cwd=_ROOT, stdout=subprocess.PIPE, text=True,
         stderr=subprocess.PIPE if log is None else log.open("w"))
@@ -166,7 +166,7 @@ def test_a_flaky_reward_succeeds_on_retry_and_undecodable_records_are_dead_lette
 
 def test_a_non_finite_reward_is_an_invalid_result_not_feedback(
         kafka_bootstrap, namespace, topics, tmp_path):
-    from reef_stream.consumers.reward import RewardOptions, RewardWorker
+    from reef_stream.consumers.reward.worker import RewardOptions, RewardWorker
     from tests.recipes.rewards import not_finite
 
     _produce(kafka_bootstrap, namespace, tmp_path, 4)

@@ -14,12 +14,12 @@ import threading
 import torch
 
 from reef_stream.api.recipe import load_recipe
-from reef_stream.consumers.evaluator import EvaluateOptions, EvaluatorWorker
-from reef_stream.consumers.follower import Follower
-from reef_stream.consumers.trainer import Trainer
+from reef_stream.consumers.evaluator.evaluator import EvaluateOptions, EvaluatorWorker
+from reef_stream.consumers.trainer.trainer import Trainer
+from reef_stream.core.events import Checkpoint, DeadLetter, Decision, Publication
 from reef_stream.engine.checkpoints import load, load_weights
+from reef_stream.serving.follower import Follower
 from reef_stream.topics.declarations import checkpoints, dead_letters, publications
-from reef_stream.topics.events import Checkpoint, DeadLetter, Decision, Publication
 from tests.helpers import consume_events, reef, wait_until
 from tests.integration.publishing import Loads, settings_for
 from tests.unit_log import create_topics, produce_units, rollout_unit

@@ -19,20 +19,15 @@ import torch
 from confluent_kafka import Producer
 
 from reef_stream.api.recipe import load_recipe
-from reef_stream.consumers.evaluator import EvaluateOptions, EvaluatorWorker
-from reef_stream.consumers.follower import Follower
-from reef_stream.consumers.publications import PublicationLedger
+from reef_stream.consumers.evaluator.evaluator import EvaluateOptions, EvaluatorWorker
+from reef_stream.core.events import Checkpoint, DeadLetter, Decision, Publication
+from reef_stream.core.processes import free_ports
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.engine.checkpoints import CheckpointStore, load
-from reef_stream.ops.processes import free_ports
+from reef_stream.publishing.publications import PublicationLedger
+from reef_stream.serving.follower import Follower
 from reef_stream.topics.connect import client_config
-from reef_stream.topics.declarations import (
-    checkpoints,
-    dead_letters,
-    publications,
-    units,
-)
-from reef_stream.topics.events import Checkpoint, DeadLetter, Decision, Publication
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.topics.declarations import checkpoints, dead_letters, publications, units
 from tests.helpers import consume_events, wait_until
 from tests.integration.publishing import Loads, settings_for
 from tests.unit_log import create_topics, rollout_unit

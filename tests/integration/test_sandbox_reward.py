@@ -23,14 +23,14 @@ import pytest
 from confluent_kafka.admin import AdminClient
 from rich.console import Console
 
-from reef_stream.config import load_settings
+from reef_stream.core.events import DeadLetter, Feedback
+from reef_stream.core.metric_names import SANDBOX_FAILURES, SANDBOX_NETWORK_ISOLATED, STAGE_REWARD
+from reef_stream.core.settings import load_settings
 from reef_stream.intake.producer import RecordProducer
-from reef_stream.ops.metrics import SANDBOX_FAILURES, SANDBOX_NETWORK_ISOLATED, STAGE_REWARD
 from reef_stream.ops.top import TopView
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import dead_letters, declare_topics, feedback
-from reef_stream.topics.events import DeadLetter, Feedback
 from tests.faults.records import generation
 from tests.helpers import consume_events
 from tests.integration.undecodable import metric_values
@@ -57,7 +57,7 @@ def _run(kafka_bootstrap, namespace, tmp_path, recipe: str, *args: str,
     env = {"PATH": "/usr/bin:/bin", "REEF_BOOTSTRAP_SERVERS": kafka_bootstrap,
            "REEF_NAMESPACE": namespace, "REEF_HOME": str(tmp_path / "home")}
     process = subprocess.run(
-        [sys.executable, "-m", "reef_stream.consumers.reward",
+        [sys.executable, "-m", "reef_stream.consumers.reward.worker",
          "--recipe", f"tests.recipes.sandbox_rewards:{recipe}", *args],
         env=env, cwd=_ROOT, capture_output=True, text=True, timeout=timeout)
     counts = {}

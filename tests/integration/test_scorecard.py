@@ -15,21 +15,18 @@ import pytest
 import torch
 from confluent_kafka import Producer
 
-from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore, unit_hash
-from reef_stream.errors import ConfigurationError
-from reef_stream.ops.metrics import (
-    FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, PROCESS_CPU_SECONDS, STAGE_FOLLOWER,
-    STAGE_PROCESSOR, STAGE_REWARD, STAGE_TRAINER, TRAINER_SAMPLE_AGE_SAMPLES,
-    TRAINER_STALENESS_SAMPLES,
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import DeadLetter, Decision, Metric, Publication, TopicOffset, now_ms
+from reef_stream.core.metric_names import (
+    FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, PROCESS_CPU_SECONDS, STAGE_FOLLOWER, STAGE_PROCESSOR,
+    STAGE_REWARD, STAGE_TRAINER, TRAINER_SAMPLE_AGE_SAMPLES, TRAINER_STALENESS_SAMPLES,
 )
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore, unit_hash
 from reef_stream.ops.scorecard import Distribution, read_scorecard
 from reef_stream.topics import declarations
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.dead_letters import headers_of
-from reef_stream.topics.events import (
-    DeadLetter, Decision, Metric, Publication, TopicOffset, now_ms,
-)
-from reef_stream.topics.serde import SchemaRegistry
 from tests.faults.records import generation
 from tests.helpers import reef
 from tests.unit_log import create_topics, rollout_unit

@@ -31,10 +31,10 @@ import pytest
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
-from reef_stream.config import KAFKA_ENV_PREFIX, KAFKA_INFRA_DIR, load_settings
+from reef_stream.core.processes import free_ports, log_tail, reap
+from reef_stream.core.settings import KAFKA_ENV_PREFIX, KAFKA_INFRA_DIR, load_settings
+from reef_stream.servers.kafka_local import _kafka_cluster_id, check_java, kafka_classpath
 from reef_stream.topics.connect import client_config
-from reef_stream.ops.kafka_local import _kafka_cluster_id, check_java, kafka_classpath
-from reef_stream.ops.processes import free_ports, log_tail, reap
 
 USER, PASSWORD = "reef-trainer", "s3cret-Trainer-pw"
 BROKER_USER, BROKER_PASSWORD = "broker", "s3cret-Broker-pw"

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 
-from reef_stream.topics.connect import client_config
-from reef_stream.ops.metrics import (
-    PROCESSOR_GENERATIONS, STAGE_PROCESSOR, STAGE_TRAINER, TRAINER_LOGPROB_GAP_OLDER,
-    TRAINER_STEPS, metric,
+from reef_stream.core.metric_names import (
+    PROCESSOR_GENERATIONS, STAGE_PROCESSOR, STAGE_TRAINER, TRAINER_LOGPROB_GAP_OLDER, TRAINER_STEPS,
 )
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.topics import declarations
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.topics.connect import client_config
+from reef_stream.topics.metrics import metric
 from tests.helpers import reef
 from tests.unit_log import create_topics
 

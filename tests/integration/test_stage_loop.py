@@ -13,11 +13,11 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.consumers.stage import ConsumerFenced, MessageRejected, StageLoop
-from reef_stream.errors import ConfigurationError, InvalidRecord
+from reef_stream.core.errors import ConfigurationError, InvalidRecord
+from reef_stream.core.events import DeadLetter, MessageHeader
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import Topic, dead_letters, declare_topics
-from reef_stream.topics.events import DeadLetter, MessageHeader
 from tests.helpers import consume_events, wait_until
 
 RECORDS = 20
@@ -178,9 +178,10 @@ def test_the_loop_writes_its_process_cpu_time_while_running_and_at_the_end(
     import socket
     import time
 
-    from reef_stream.ops.metrics import PROCESS_CPU_SECONDS, MetricsWriter
+    from reef_stream.core.events import Metric
+    from reef_stream.core.metric_names import PROCESS_CPU_SECONDS
     from reef_stream.topics.declarations import metrics
-    from reef_stream.topics.events import Metric
+    from reef_stream.topics.metrics import MetricsWriter
 
     topic = _topic(kafka_bootstrap, namespace)
     _produce(kafka_bootstrap, topic)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
-from reef_stream.topics.connect import client_config
-from reef_stream.errors import TopicMismatchError
+from reef_stream.core.errors import TopicMismatchError
 from reef_stream.topics.admin import ensure_topics, verify_topics
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import declare_topics, generations, units
 
 

@@ -10,16 +10,16 @@ import numpy as np
 import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore, unit_hash
-from reef_stream.topics.connect import ask_broker, client_config
-from reef_stream.demo.task import ALL_PROBLEMS, make_generation
-from reef_stream.topics.events import (
+from reef_stream.core.events import (
     Checkpoint, DeadLetter, Decision, Feedback, Metric, Publication, RolloutUnit, Sample,
     TopicOffset,
 )
-from reef_stream.ops.metrics import FOLLOWER_POLICY_VERSION, STAGE_FOLLOWER
+from reef_stream.core.metric_names import FOLLOWER_POLICY_VERSION, STAGE_FOLLOWER
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.demo.task import ALL_PROBLEMS, make_generation
+from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore, unit_hash
 from reef_stream.topics import declarations
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.topics.connect import ask_broker, client_config
 from tests.helpers import reef
 from tests.unit_log import create_topics
 

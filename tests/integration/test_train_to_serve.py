@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from reef_stream.engine.checkpoints import CheckpointStore, load, load_weights
-from reef_stream.topics.events import Checkpoint, Metric, Publication
-from reef_stream.ops.metrics import (
+from reef_stream.core.events import Checkpoint, Metric, Publication
+from reef_stream.core.metric_names import (
     FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, FOLLOWER_PUBLICATION_TO_SERVING_SECONDS, STAGE_FOLLOWER,
 )
+from reef_stream.engine.checkpoints import CheckpointStore, load, load_weights
 from reef_stream.topics.declarations import checkpoints, metrics, publications
 from tests.helpers import consume_events, reef
 from tests.unit_log import create_topics, produce_units, rollout_unit

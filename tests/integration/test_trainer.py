@@ -12,9 +12,9 @@ from collections import Counter
 import torch
 from confluent_kafka import Consumer, TopicPartition
 
+from reef_stream.core.events import Checkpoint, DeadLetter, Metric, now_ms
 from reef_stream.engine.checkpoints import CheckpointStore, load
 from reef_stream.topics.connect import client_config
-from reef_stream.topics.events import Checkpoint, DeadLetter, Metric, now_ms
 from reef_stream.topics.declarations import checkpoints, dead_letters, metrics, units
 from tests.helpers import consume_events
 from tests.unit_log import create_topics, produce_units, rollout_unit

@@ -10,8 +10,8 @@ from collections import Counter
 import torch
 from confluent_kafka import Consumer, TopicPartition
 
+from reef_stream.core.processes import free_ports
 from reef_stream.engine.checkpoints import CheckpointStore, load
-from reef_stream.ops.processes import free_ports
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import units
 from tests.helpers import consume_all, reef

@@ -21,10 +21,10 @@ import time
 import psutil
 import torch
 
+from reef_stream.core.processes import free_ports
 from reef_stream.engine.checkpoints import CheckpointStore, load, safetensors_sha256
 from reef_stream.engine.hf import HuggingFace
 from reef_stream.engine.training import TorchBackend
-from reef_stream.ops.processes import free_ports
 from tests.integration.test_trainer_data_parallel import STEPS, _torchrun, spread_units
 from tests.recipes.trainable import recipe as single
 

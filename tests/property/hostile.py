@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from reef_stream.errors import InvalidRecord
-from reef_stream.topics.events import (
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import (
     Checkpoint, Feedback, FinishReason, Generation, Metric, SamplingParams,
 )
-from reef_stream.topics.serde import FINGERPRINT_HEADER, SCHEMA_NAME_HEADER, SchemaRegistry
+from reef_stream.core.serde import FINGERPRINT_HEADER, SCHEMA_NAME_HEADER, SchemaRegistry
 
 INT32_MAX = 2**31 - 1
 #: The last millisecond of the year 9999: a timestamp-millis a reader can still decode.

@@ -36,20 +36,20 @@ from confluent_kafka import Producer
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from reef_stream.config import load_settings
-from reef_stream.topics.connect import client_config
-from reef_stream.consumers.evaluator import coordinates_key
-from reef_stream.consumers.follower import Follower
-from reef_stream.consumers.processor import ProcessorRuntime
-from reef_stream.consumers.reward import RewardOptions, RewardWorker
-from reef_stream.consumers.trainer import Trainer
-from reef_stream.ops import metrics
-from reef_stream.topics.events import (
+from reef_stream.api.recipe import load_recipe
+from reef_stream.consumers.evaluator.evaluator import coordinates_key
+from reef_stream.consumers.processor.runtime import ProcessorRuntime
+from reef_stream.consumers.reward.worker import RewardOptions, RewardWorker
+from reef_stream.consumers.trainer.trainer import Trainer
+from reef_stream.core import metric_names
+from reef_stream.core.events import (
     Checkpoint, DeadLetter, Decision, Feedback, Generation, Publication, RolloutUnit,
 )
-from reef_stream.api.recipe import load_recipe
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.core.settings import load_settings
+from reef_stream.serving.follower import Follower
 from reef_stream.topics import declarations
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.topics.connect import client_config
 from tests.helpers import consume_all, consume_events, wait_until
 from tests.integration.publishing import (
     Loads, create_topics, promoted, run_evaluator, write_checkpoint,
@@ -360,7 +360,7 @@ def test_the_follower_skips_hostile_publications_and_loads_the_next_valid_versio
                      [(topic, promoted(v1, uri="s3://no-such-bucket/v1"))],
                      key_of=lambda p: p.model.encode())[:2]
     loads, refusals = Loads(), Refusals()
-    caplog.set_level(logging.WARNING, logger="reef_stream.consumers.follower")
+    caplog.set_level(logging.WARNING, logger="reef_stream.serving.follower")
     with Follower("tiny", on_version=loads, on_refused=refusals, settings=settings_, fleet=None,
                   heartbeat_s=1, retry_s=60) as replica:
         assert replica.wait_ready(30) is None  # v1 cannot be opened: refused, nothing served
@@ -422,8 +422,8 @@ def test_the_processor_counts_hostile_checkpoint_events_and_sees_the_valid_one(
     # Tombstones included: none of them is a checkpoint event.
     assert runtime.counts["checkpoints.undecodable"] == len(hostile)
     written = [m for m in consume_events(kafka_bootstrap, declarations.metrics(namespace), 1)
-               if m.stage == metrics.STAGE_PROCESSOR
-               and m.name == metrics.PROCESSOR_CHECKPOINTS_UNDECODABLE
+               if m.stage == metric_names.STAGE_PROCESSOR
+               and m.name == metric_names.PROCESSOR_CHECKPOINTS_UNDECODABLE
                and m.labels.get("instance") == "side-read"]
     assert [m.value for m in written] == list(range(1, len(hostile) + 1))
     # The evaluator dead-letters them (see the evaluator's test above); the processor does not.

@@ -28,16 +28,15 @@ from confluent_kafka.admin import AdminClient
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from reef_stream.config import load_settings
-from reef_stream.topics.connect import client_config
-from reef_stream.errors import InvalidRecord
-from reef_stream.topics.events import DeadLetter, Generation
-from reef_stream.topics.events import SamplingParams
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import DeadLetter, Generation, SamplingParams
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.core.settings import load_settings
 from reef_stream.intake.formats import NO_DEFAULTS, OpenAIDefaults, parse_record
 from reef_stream.intake.producer import DeliveryState, RecordProducer
 from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import dead_letters, declare_topics, feedback, generations
-from reef_stream.topics.serde import SchemaRegistry
 from tests.helpers import consume_all, consume_events
 from tests.integration.test_http_intake import request, serve  # noqa: F401 - serve: a fixture
 from tests.integration.test_jsonl_import import reef_produce, summary_counts

@@ -20,13 +20,13 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reef_stream.errors import CorruptRecordError, InvalidRecord, UnknownSchemaError
-from reef_stream.topics.events import (
+from reef_stream.core.errors import CorruptRecordError, InvalidRecord, UnknownSchemaError
+from reef_stream.core.events import (
     Checkpoint, Decision, Feedback, Generation, Publication, RolloutUnit,
 )
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.intake.formats import parse_record
 from reef_stream.intake.validation import validate
-from reef_stream.topics.serde import SchemaRegistry
 from tests.property.hostile import (
     INT32_MAX, MAX_MILLIS, Mutation, feedback_event, generation_event, hostile_feedback_event,
     hostile_generation_event, hostile_json, json_roundtrip, mutated_feedback, mutated_generation,

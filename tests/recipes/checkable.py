@@ -7,7 +7,6 @@ from reef_stream.engine.models import TinyCausalLM
 from tests.recipes.good import recipe as good
 
 
-
 def tiny_model() -> TinyCausalLM:
     return TinyCausalLM(vocab_size=64, dim=16)
 

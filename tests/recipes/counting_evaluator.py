@@ -5,7 +5,7 @@ records the version of every candidate it measures, so a test can count the call
 import dataclasses
 
 from reef_stream.api.evaluator import Incumbent, Measurement, Selection
-from reef_stream.topics.events import Checkpoint
+from reef_stream.core.events import Checkpoint
 from tests.recipes.evaluators import HeldOutScore
 from tests.recipes.good import recipe as good
 

@@ -7,9 +7,9 @@ replicas serve, the loop stalls, and must roll back by itself and still reach it
 import dataclasses
 
 from reef_stream.api.evaluator import Incumbent, Measurement, Selection
+from reef_stream.core.events import Checkpoint, Decision
 from reef_stream.demo.recipes import TOLERANCE, sao
 from reef_stream.demo.task import HeldOutAccuracy
-from reef_stream.topics.events import Checkpoint, Decision
 
 REJECTED_VERSIONS = range(2, 22)
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from reef_stream.engine.checkpoints import load_weights
 from reef_stream.api.evaluator import Incumbent, Measurement, Selection
-from reef_stream.topics.events import Checkpoint, Decision
+from reef_stream.core.events import Checkpoint, Decision
+from reef_stream.engine.checkpoints import load_weights
 
 TARGET = torch.tensor([[1.0, -1.0, 0.5, 2.0], [0.0, 1.0, -2.0, 1.0]])
 _HELD_OUT = torch.linspace(-1, 1, 32).reshape(8, 4)

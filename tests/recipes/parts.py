@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reef_stream.topics.events import RolloutUnit
 from reef_stream.api.losses import POLICY_GRADIENT, LossFamily
 from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages
+from reef_stream.core.events import RolloutUnit
 
 
 @dataclass(frozen=True, slots=True)

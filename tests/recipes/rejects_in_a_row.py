@@ -6,7 +6,7 @@ back by itself (its rollback, version 5, is not measured, so the rejection of 5 
 import dataclasses
 
 from reef_stream.api.evaluator import Incumbent, Measurement, Selection
-from reef_stream.topics.events import Checkpoint, Decision
+from reef_stream.core.events import Checkpoint, Decision
 from tests.recipes.trainable import recipe as trainable
 
 REJECTED_VERSIONS = frozenset({2, 3, 4, 5})

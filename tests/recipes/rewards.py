@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reef_stream.topics.events import Generation
 from reef_stream.api.losses import POLICY_GRADIENT
 from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources
 from reef_stream.api.recipe import Backend, NamedReward, Recipe, Reward
 from reef_stream.api.schedule import Schedule
+from reef_stream.core.events import Generation
 from tests.recipes.parts import GroupBaseline
 
 

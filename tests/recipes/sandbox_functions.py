@@ -2,7 +2,7 @@
 binds them to recipes; what ``hostile`` and ``code`` do is described there).
 
 A sandbox worker imports the reward function alone where the pool can name it
-(``reef_stream.sandbox.reference``): these are named ``tests.recipes.sandbox_functions:X``, so
+(``reef_stream.consumers.reward.sandbox.reference``): these are named ``tests.recipes.sandbox_functions:X``, so
 the workers of the sandbox tests and of ``bench/sandbox.py`` import neither the recipe
 machinery nor torch.
 """
@@ -17,8 +17,8 @@ import sys
 import time
 
 from reef_stream.api.rewards import NamedReward, Reward
-from reef_stream.sandbox.code_reward import CodeExecutionReward, CodeTest
-from reef_stream.topics.events import Generation
+from reef_stream.consumers.reward.sandbox.code_reward import CodeExecutionReward, CodeTest
+from reef_stream.core.events import Generation
 
 
 def _score(generation: Generation) -> Reward:

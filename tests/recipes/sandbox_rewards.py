@@ -31,7 +31,11 @@ import dataclasses
 from reef_stream.api.rewards import NamedReward, Reward
 from tests.recipes.rewards import reward_recipe
 from tests.recipes.sandbox_functions import (  # noqa: F401 - their recipes, and these too
-    ADD_TESTS, async_score, hostile_judge, modules, unit_tests,
+    ADD_TESTS,
+    async_score,
+    hostile_judge,
+    modules,
+    unit_tests,
 )
 
 hostile = reward_recipe("sandbox-hostile", hostile_judge)

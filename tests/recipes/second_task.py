@@ -22,11 +22,9 @@ from methods.grpo import recipe as grpo_recipe
 from methods.sao import recipe as sao_recipe
 from reef_stream.api.evaluator import Incumbent, Measurement, Selection
 from reef_stream.api.recipe import Reward, apply_overrides
+from reef_stream.core.events import Checkpoint, Decision, FinishReason, Generation, SamplingParams
 from reef_stream.engine.checkpoints import load_weights
 from reef_stream.engine.models import TinyCausalLM
-from reef_stream.topics.events import (
-    Checkpoint, Decision, FinishReason, Generation, SamplingParams,
-)
 
 VOCAB, BOS, FIRST_DIGIT, DIGITS = 16, 1, 3, 8
 PROMPTS: tuple[int, ...] = tuple(range(DIGITS))

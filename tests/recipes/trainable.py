@@ -4,10 +4,10 @@ Small sizes so a step takes milliseconds on a CPU: the trainer's tests and bench
 """
 
 from reef_stream.api.losses import POLICY_GRADIENT
-from reef_stream.engine.models import TinyCausalLM
 from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources
 from reef_stream.api.recipe import Backend, Recipe
 from reef_stream.api.schedule import Schedule
+from reef_stream.engine.models import TinyCausalLM
 from tests.recipes.parts import GroupBaseline
 
 recipe = Recipe(

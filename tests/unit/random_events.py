@@ -10,20 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from reef_stream.topics.events import (
-    Checkpoint,
-    DeadLetter,
-    Decision,
-    Feedback,
-    FinishReason,
-    Generation,
-    MessageHeader,
-    Metric,
-    Publication,
-    RolloutUnit,
-    Sample,
-    SamplingParams,
-    TopicOffset,
+from reef_stream.core.events import (
+    Checkpoint, DeadLetter, Decision, Feedback, FinishReason, Generation, MessageHeader, Metric,
+    Publication, RolloutUnit, Sample, SamplingParams, TopicOffset,
 )
 
 _TEXT = ["", "a", "gen-0000001", "välue ✓", "模型-7b", "x" * 200, "judge:gpt"]

@@ -1,6 +1,7 @@
-"""The shape of the tree, checked: the author API is pure, only ``reef_stream.topics`` imports
-the Kafka client, modules import one another without cycles, and no module grows past 800
-lines. These are the promises of the README's Layout section; a change that breaks one fails
+"""The shape of the tree, checked: the layers of ``docs/architecture.md`` in their order (each
+imports only those below it), a stage package imports no other stage, ``methods/`` imports only
+the author API and the core, the author API is pure, only ``reef_stream.topics`` imports the
+Kafka client, and modules import one another without cycles. A change that breaks one fails
 here, naming the modules."""
 
 from __future__ import annotations
@@ -13,7 +14,30 @@ from pathlib import Path
 import reef_stream
 
 PACKAGE = Path(reef_stream.__file__).resolve().parent
-MAX_LINES = 800
+METHODS = PACKAGE.parent / "methods"
+#: The layers, bottom to top (docs/architecture.md draws them). A module imports modules of its
+#: own layer and of the layers below it, never above. ``reef_stream/__init__.py``, the lazy
+#: table of public names, stands outside: it imports nothing when it is imported.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("core", ("reef_stream.core",)),
+    ("author API", ("reef_stream.api",)),
+    ("engine", ("reef_stream.engine",)),
+    ("Kafka layer", ("reef_stream.topics",)),
+    ("publishing", ("reef_stream.publishing",)),
+    ("intake", ("reef_stream.intake",)),
+    ("stages", ("reef_stream.consumers",)),
+    ("serving", ("reef_stream.serving",)),
+    ("local servers", ("reef_stream.servers",)),
+    ("operations", ("reef_stream.ops",)),
+    ("applications", ("reef_stream.demo", "reef_stream.cli")),
+]
+#: The stage loop every stage runs on; the one module of reef_stream.consumers outside a stage.
+STAGE_LOOP = "reef_stream.consumers.stage"
+#: Imports from one stage package into another, each with its reason.
+STAGE_TO_STAGE = {
+    ("reef_stream.consumers.rescore", "reef_stream.consumers.reward"):
+        "a rescore runs the reward workers' calls over the log",
+}
 #: The Kafka layer: the only package whose modules import confluent_kafka.
 KAFKA_LAYER = "reef_stream.topics"
 def _modules() -> dict[str, Path]:
@@ -174,10 +198,70 @@ def test_no_import_cycles_between_modules():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-def test_no_module_over_800_lines():
-    long = {name: n for name, path in _modules().items()
-            if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
+def _layer(name: str) -> int | None:
+    for index, (_, packages) in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in packages):
+            return index
+    return None
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, name, modules) for name, path in modules.items()}
+
+
+def test_every_module_is_in_a_layer():
+    outside = sorted(name for name in _modules() if name != "reef_stream" and _layer(name) is None)
+    assert not outside, f"modules in no layer of LAYERS (docs/architecture.md): {outside}"
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    upward = sorted(f"{name} ({LAYERS[_layer(name)][0]}) -> {target} ({LAYERS[_layer(target)][0]})"
+                    for name, targets in _graph().items() if name != "reef_stream"
+                    for target in targets
+                    if target != "reef_stream" and _layer(target) > _layer(name))
+    assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
+def _stage(name: str) -> str | None:
+    parts = name.split(".")
+    if name.startswith("reef_stream.consumers.") and name != STAGE_LOOP and len(parts) > 2:
+        return ".".join(parts[:3])
+    return None
+
+
+def test_a_stage_imports_no_other_stage():
+    """Each stage is a package (processor, reward, trainer, evaluator, rescore) that imports the
+    stage loop and the layers below, not another stage, except where STAGE_TO_STAGE says why."""
+    crossing = sorted(f"{name} -> {target}" for name, targets in _graph().items()
+                      for target in targets
+                      if (mine := _stage(name)) and (theirs := _stage(target))
+                      and mine != theirs and (mine, theirs) not in STAGE_TO_STAGE)
+    assert not crossing, "a stage imports another stage:\n" + "\n".join(crossing)
+
+
+def test_methods_import_only_the_author_api_and_the_core():
+    allowed = ("reef_stream.api", "reef_stream.core")
+    assert (METHODS / "sao" / "recipe.py").is_file(), f"no methods/ beside {PACKAGE}"
+    found = {}
+    for path in sorted(METHODS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            for name in names:
+                if name.split(".")[0] == "reef_stream" and not name.startswith(allowed):
+                    found.setdefault(str(path.relative_to(METHODS.parent)), []).append(name)
+    assert not found, f"methods/ reaching past the author API and the core: {found}"
+
+
+def test_the_layer_check_finds_an_upward_import():
+    """The checker itself: the engine importing the Kafka layer is upward; the reverse is not."""
+    assert _layer("reef_stream.engine.join") < _layer("reef_stream.topics.connect")
+    assert _layer("reef_stream.core.events") == 0
+    assert _layer("reef_stream.cli.main") == _layer("reef_stream.demo.run") == len(LAYERS) - 1
+    assert _stage("reef_stream.consumers.trainer.trainer") == "reef_stream.consumers.trainer"
+    assert _stage(STAGE_LOOP) is None
 
 
 def test_the_cycle_check_finds_a_cycle(tmp_path):

@@ -2,7 +2,7 @@
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from reef_stream.errors import RetryableError
+from reef_stream.core.errors import RetryableError
 from reef_stream.topics.connect import ask_broker
 
 

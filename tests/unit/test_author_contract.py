@@ -24,22 +24,21 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from methods.grpo import recipe as grpo_recipe
+from methods.sao import recipe as sao_recipe
 from reef_stream.api.losses import POLICY_GRADIENT
 from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages, rollout_samples
 from reef_stream.api.recipe import (
-    AdamW, NamedReward, apply_overrides, check_recipe, feedback_for, load_recipe,
-    recipe_problems,
+    AdamW, NamedReward, apply_overrides, check_recipe, feedback_for, load_recipe, recipe_problems,
 )
-from reef_stream.api.testing import run_processor
 from reef_stream.cli.main import main
-from reef_stream.config import PROJECT_ROOT, SCHEMAS_DIR, load_settings
+from reef_stream.core.errors import ConfigurationError, FatalError
+from reef_stream.core.events import FinishReason, RolloutUnit, events_equal, to_avro
+from reef_stream.core.serde import SchemaRegistry, schema_fingerprint
+from reef_stream.core.settings import PROJECT_ROOT, SCHEMAS_DIR, load_settings
 from reef_stream.engine.join import Outcome
+from reef_stream.engine.testing import run_processor
 from reef_stream.engine.training import TorchBackend
-from reef_stream.errors import ConfigurationError, FatalError
-from reef_stream.topics.events import FinishReason, RolloutUnit, events_equal, to_avro
-from reef_stream.topics.serde import SchemaRegistry, schema_fingerprint
-from methods.grpo import recipe as grpo_recipe
-from methods.sao import recipe as sao_recipe
 from tests.recipes import second_task
 from tests.recipes.second_task import GreedySuccessor, Successor, generation, successor_model
 

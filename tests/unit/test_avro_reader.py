@@ -1,4 +1,4 @@
-"""SchemaRegistry.decode's compiled Avro readers (reef_stream.topics.avro_reader) give exactly the
+"""SchemaRegistry.decode's compiled Avro readers (reef_stream.core.avro_reader) give exactly the
 event fastavro + from_avro give, or let them decode: every event type, random events, edge values,
 every old schema version in schemas/history, and corrupted bytes (the same error)."""
 
@@ -10,21 +10,13 @@ import struct
 import numpy as np
 import pytest
 
-from reef_stream.topics import serde
-from reef_stream.topics.avro_reader import compile_reader
-from reef_stream.topics.events import (
-    EVENT_TYPES,
-    Checkpoint,
-    DeadLetter,
-    Decision,
-    Feedback,
-    Generation,
-    MessageHeader,
-    Publication,
-    RolloutUnit,
-    to_avro,
+from reef_stream.core import serde
+from reef_stream.core.avro_reader import compile_reader
+from reef_stream.core.events import (
+    EVENT_TYPES, Checkpoint, DeadLetter, Decision, Feedback, Generation, MessageHeader, Publication,
+    RolloutUnit, to_avro,
 )
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.core.serde import SchemaRegistry
 from tests.unit.random_events import RandomEvents
 
 REGISTRY = SchemaRegistry.default()

@@ -1,4 +1,4 @@
-"""SchemaRegistry.encode's compiled Avro writers (reef_stream.topics.avro_writer) write exactly
+"""SchemaRegistry.encode's compiled Avro writers (reef_stream.core.avro_writer) write exactly
 fastavro's bytes, or let fastavro write them: every event type, every field kind, edge values,
 random events, and values they must hand on."""
 
@@ -9,18 +9,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from reef_stream.errors import InvalidRecord
-from reef_stream.topics.avro_writer import _large_varint, _varint, compile_writer
-from reef_stream.topics.events import (
-    EVENT_TYPES,
-    DeadLetter,
-    Feedback,
-    FinishReason,
-    Generation,
-    MessageHeader,
-    SamplingParams,
+from reef_stream.core.avro_writer import _large_varint, _varint, compile_writer
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import (
+    EVENT_TYPES, DeadLetter, Feedback, FinishReason, Generation, MessageHeader, SamplingParams,
 )
-from reef_stream.topics.serde import SchemaRegistry, decode
+from reef_stream.core.serde import SchemaRegistry, decode
 from tests.faults.records import generation
 from tests.unit.random_events import RandomEvents
 
@@ -143,7 +137,7 @@ def test_the_two_level_varint_table_matches_the_plain_loop():
 
 
 def test_ordinary_records_do_not_go_through_fastavro(monkeypatch):
-    from reef_stream.topics import serde
+    from reef_stream.core import serde
 
     def refuse(*args, **kwargs):
         raise AssertionError("fastavro was asked to encode an ordinary record")

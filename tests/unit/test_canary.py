@@ -11,31 +11,17 @@ import numpy as np
 import pytest
 
 from reef_stream.api.canary import Action, Arm, MeanDifference, Staged
-from reef_stream.consumers.canary import (
-    Release,
-    Tally,
-    cadence_reason,
-    stage,
-    verdict_publication,
-    waiting_reason,
+from reef_stream.consumers.evaluator.canary import (
+    Release, Tally, cadence_reason, stage, verdict_publication, waiting_reason,
 )
-from reef_stream.consumers.decisions import approval, rejection
-from reef_stream.consumers.decisions import rollback as rollback_of
-from reef_stream.consumers.publications import (
-    PublicationLedger,
-    canary_slot,
-    publication_key,
-    takes_canary,
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import (
+    Checkpoint, Decision, Feedback, FinishReason, Generation, Publication, SamplingParams,
 )
-from reef_stream.errors import ConfigurationError
-from reef_stream.topics.events import (
-    Checkpoint,
-    Decision,
-    Feedback,
-    FinishReason,
-    Generation,
-    Publication,
-    SamplingParams,
+from reef_stream.publishing.decisions import approval, rejection
+from reef_stream.publishing.decisions import rollback as rollback_of
+from reef_stream.publishing.publications import (
+    PublicationLedger, canary_slot, publication_key, takes_canary,
 )
 from tests.recipes.evaluators import HeldOutScore
 
@@ -294,7 +280,7 @@ def test_after_a_persons_rollback_the_trainer_rolls_back_to_that_version_and_not
 
     import torch
 
-    from reef_stream.consumers.rollback import StallWatch, check_rollback, stall_reason
+    from reef_stream.publishing.rollback import StallWatch, check_rollback, stall_reason
 
     ledger = ledger_of(pub(1), pub(5), pub(5, Decision.ROLLED_BACK, rolled_back_to=1,
                                            uri="/pub/v1", sha256="sha1"))

@@ -11,10 +11,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from reef_stream.errors import InvalidRecord
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import Segment, SegmentSource
 from reef_stream.intake.formats import parse_generations, parse_record
 from reef_stream.intake.validation import validate
-from reef_stream.topics.events import Segment, SegmentSource
 
 POLICY, ENVIRONMENT = SegmentSource.POLICY, SegmentSource.ENVIRONMENT
 

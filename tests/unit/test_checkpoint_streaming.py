@@ -15,18 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from reef_stream.core.errors import FatalError
+from reef_stream.core.events import TopicOffset
 from reef_stream.engine import checkpoints
 from reef_stream.engine.checkpoints import (
-    MANIFEST,
-    CheckpointContents,
-    CheckpointStore,
-    load,
-    safetensors_sha256,
-    unit_hash,
+    MANIFEST, CheckpointContents, CheckpointStore, load, safetensors_sha256, unit_hash,
     write_safetensors,
 )
-from reef_stream.errors import FatalError
-from reef_stream.topics.events import TopicOffset
 
 DTYPES = ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
           "uint8", "bool", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"]
@@ -106,7 +101,7 @@ _MEASURE = textwrap.dedent("""
     import numpy as np, torch
     from reef_stream.engine import checkpoints
     from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore, load
-    from reef_stream.topics.events import TopicOffset
+    from reef_stream.core.events import TopicOffset
 
     def rss():
         with open("/proc/self/statm") as f:

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from reef_stream.core.events import TopicOffset
 from reef_stream.engine.checkpoints import (
     CheckpointContents, CheckpointError, CheckpointStore, load, load_weights, unit_hash, verify,
 )
-from reef_stream.topics.events import TopicOffset
 
 
 def _trained_model_and_optimizer():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from reef_stream.config import load_settings
-from reef_stream.errors import ConfigurationError
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.settings import load_settings
 
 
 def test_defaults(tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from reef_stream.core.events import DeadLetter, MessageHeader
 from reef_stream.topics.dead_letters import dead_letter, headers_of
-from reef_stream.topics.events import DeadLetter, MessageHeader
 
 
 class _Message:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from reef_stream.config import load_settings
+from reef_stream.core.events import Decision, Publication
+from reef_stream.core.settings import load_settings
 from reef_stream.demo.run import Demo, DemoOptions, Sample
-from reef_stream.topics.events import Decision, Publication
 
 
 def publication(version: int, decision: Decision) -> Publication:

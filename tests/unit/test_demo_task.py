@@ -16,20 +16,20 @@ import numpy as np
 import pytest
 import torch
 
-from reef_stream.engine.checkpoints import CheckpointContents, CheckpointError, CheckpointStore
+from reef_stream.api.evaluator import CandidateEvaluator, Incumbent, Measurement
+from reef_stream.api.losses import POLICY_GRADIENT, LossFamily
+from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages
+from reef_stream.api.recipe import Backend, RewardFunction
+from reef_stream.api.schedule import Schedule
+from reef_stream.core.events import Checkpoint, Decision, FinishReason, RolloutUnit, Sample, now_ms
 from reef_stream.demo.task import (
     ALL_PROBLEMS, BOS, DEMO_SEED, DIGIT_TOKENS, EOS, PROMPT_LEN, VOCAB_SIZE, HeldOutAccuracy,
     Problem, ProblemStream, accuracy, decode, encode, exact_match, greedy, held_out_problems,
     initial_policy, make_generation, parse_prompt, policy_model, prompt_tensor, sample,
 )
-from reef_stream.api.evaluator import CandidateEvaluator, Incumbent, Measurement
-from reef_stream.topics.events import Checkpoint, Decision, FinishReason, RolloutUnit, Sample, now_ms
-from reef_stream.intake.validation import validate
-from reef_stream.api.losses import POLICY_GRADIENT, LossFamily
-from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages
-from reef_stream.api.recipe import Backend, RewardFunction
-from reef_stream.api.schedule import Schedule
+from reef_stream.engine.checkpoints import CheckpointContents, CheckpointError, CheckpointStore
 from reef_stream.engine.training import TorchBackend, collate, completion_logprobs
+from reef_stream.intake.validation import validate
 
 # --------------------------------------------------------------------------- vocabulary, prompts
 

@@ -11,15 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from reef_stream.consumers.engines import (
-    CommandEngine,
-    ReloadError,
-    artifact_dir_of_publication,
-    check_artifact,
-    safetensors_tensors,
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.servers.inference import EngineEnv, engine_spec
+from reef_stream.serving.adapters import (
+    CommandEngine, ReloadError, artifact_dir_of_publication, check_artifact, safetensors_tensors,
 )
-from reef_stream.errors import ConfigurationError
-from reef_stream.ops.engines import EngineEnv, engine_spec
 
 
 def _model_dir(path: Path, **tensors: torch.Tensor) -> Path:

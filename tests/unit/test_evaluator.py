@@ -7,16 +7,12 @@ import dataclasses
 import pytest
 
 from reef_stream.api.evaluator import (
-    AcceptEverything,
-    CandidateEvaluator,
-    Incumbent,
-    Measurement,
-    Selection,
+    AcceptEverything, CandidateEvaluator, Incumbent, Measurement, Selection,
 )
-from reef_stream.consumers.evaluator import EvaluateOptions, EvaluateSummary
-from reef_stream.consumers.superseding import superseded_reason, superseding
-from reef_stream.errors import FatalError
-from reef_stream.topics.events import Checkpoint, Decision, Publication
+from reef_stream.consumers.evaluator.evaluator import EvaluateOptions, EvaluateSummary
+from reef_stream.consumers.evaluator.superseding import superseded_reason, superseding
+from reef_stream.core.errors import FatalError
+from reef_stream.core.events import Checkpoint, Decision, Publication
 
 
 def checkpoint(version: int = 4) -> Checkpoint:

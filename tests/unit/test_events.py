@@ -9,22 +9,10 @@ from datetime import datetime, timezone
 import numpy as np
 import pytest
 
-from reef_stream.errors import CorruptRecordError, InvalidRecord
-from reef_stream.topics.events import (
-    Checkpoint,
-    Decision,
-    FinishReason,
-    Generation,
-    Metric,
-    Publication,
-    RolloutUnit,
-    Sample,
-    SamplingParams,
-    TopicOffset,
-    events_equal,
-    from_avro,
-    now_ms,
-    to_avro,
+from reef_stream.core.errors import CorruptRecordError, InvalidRecord
+from reef_stream.core.events import (
+    Checkpoint, Decision, FinishReason, Generation, Metric, Publication, RolloutUnit, Sample,
+    SamplingParams, TopicOffset, events_equal, from_avro, now_ms, to_avro,
 )
 
 T0 = 1_732_885_200_123

@@ -8,14 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from reef_stream.errors import InvalidRecord
-from reef_stream.topics.events import FinishReason, SamplingParams
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import FinishReason, SamplingParams
 from reef_stream.intake.formats import (
-    OpenAIDefaults,
-    parse_feedback,
-    parse_generations,
-    parse_record,
-    parse_sampling,
+    OpenAIDefaults, parse_feedback, parse_generations, parse_record, parse_sampling,
 )
 
 DEFAULTS = OpenAIDefaults(policy_version=7, replica_id="old-fleet",

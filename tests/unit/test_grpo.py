@@ -14,18 +14,18 @@ from click.testing import CliRunner
 from methods.grpo.objective import GroupNormalisedAdvantage, GroupState
 from methods.grpo.processor import FEEDBACK_TIMEOUT_MS
 from methods.grpo.processor import processor as grpo_processor
-from reef_stream.errors import ConfigurationError
-from reef_stream.topics.events import (
-    Feedback, FinishReason, Generation, RolloutUnit, Sample, SamplingParams,
-)
 from reef_stream.api.losses import POLICY_GRADIENT, ClippedPolicyGradient, PolicyGradientInputs
-from reef_stream.engine.models import TinyCausalLM
 from reef_stream.api.objective import state_from_record, state_record
-from reef_stream.engine.join import Outcome
 from reef_stream.api.processor import unit_id
 from reef_stream.api.recipe import Backend, Recipe, check_recipe, load_recipe
 from reef_stream.api.schedule import Schedule
-from reef_stream.api.testing import Advance, run_processor
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import (
+    Feedback, FinishReason, Generation, RolloutUnit, Sample, SamplingParams,
+)
+from reef_stream.engine.join import Outcome
+from reef_stream.engine.models import TinyCausalLM
+from reef_stream.engine.testing import Advance, run_processor
 from reef_stream.engine.training import TorchBackend
 
 #: The source the tests' feedback comes from (the demo task's reward, as it happens).

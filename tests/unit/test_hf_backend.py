@@ -19,21 +19,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers  # noqa: E402 - a dependency: missing, the tests fail rather than skip
 
 from reef_stream.api.recipe import AdamW
-from reef_stream.engine.artifacts import (
-    ArtifactError,
-    verify_artifact,
-    write_serving_artifact,
-)
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.engine.artifacts import ArtifactError, verify_artifact, write_serving_artifact
 from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore, load
 from reef_stream.engine.hf import HuggingFace, HuggingFaceLM, Lora
 from reef_stream.engine.training import TorchBackend, UnitLimits, model_limits
-from reef_stream.errors import ConfigurationError
 from tests.recipes.trainable import recipe as trainable
 from tests.unit_log import rollout_unit
-
-import transformers  # noqa: E402 - a dependency: missing, the tests fail rather than skip
 
 VOCAB, MAX_LEN = 300, 128
 

@@ -8,9 +8,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from reef_stream.errors import InvalidRecord
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import Feedback
 from reef_stream.intake.validation import InvalidRecordInBatch, validate, validate_many
-from reef_stream.topics.events import Feedback
 from tests.faults.records import generation
 
 FEEDBACK = Feedback(feedback_id="f1", generation_id="g1", source="judge", reward=1.0,

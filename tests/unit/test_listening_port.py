@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reef_stream.ops.processes import listening_port, port_is_free
+from reef_stream.core.processes import listening_port, port_is_free
 
 
 def test_a_listening_port_is_free_and_below_the_ephemeral_range():

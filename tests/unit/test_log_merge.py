@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import pytest
 from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_NOT_AVAILABLE
 
-from reef_stream.consumers.pairs import PartitionPair
+from reef_stream.consumers.processor.pairs import PartitionPair
+from reef_stream.core.events import now_ms
 from reef_stream.engine.join import ProcessorState
 from reef_stream.engine.log_merge import LogMerge, in_log_order
-from reef_stream.topics.events import now_ms
 from tests.unit.test_processor import GROUPED
 
 # A log of three partitions: (partition, offset, broker timestamp).

@@ -278,7 +278,7 @@ def test_two_data_parallel_ranks_agree_on_the_totals_and_train_the_whole_batch(t
 
 
 def _free_port() -> int:
-    from reef_stream.ops.processes import free_ports
+    from reef_stream.core.processes import free_ports
 
     return free_ports(1)[0]
 

@@ -21,13 +21,13 @@ from reef_stream.api.variants import (
     AdvantageNormalisation, ConstantNormaliser, DecoupledProximal, EntropyBonus, KLEstimator,
     KLPenalty, RatioLevel, SequenceMeanTokenMean, SequenceMeanTokenSum, TokenMean,
 )
-from reef_stream.engine.training import TorchBackend
-from reef_stream.errors import ConfigurationError
-from reef_stream.ops.metrics import (
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.metric_names import (
     LOSS_BEHAVIOUR_WEIGHT_MEAN, LOSS_CLIP_FRACTION_HIGH, LOSS_CLIP_FRACTION_LOW,
     LOSS_DUAL_CLIP_FRACTION, LOSS_ENTROPY, LOSS_KL_REFERENCE, LOSS_RATIO_MEAN,
     OBJECTIVE_DYNAMIC_SAMPLING_DROPPED, TRAINER_SKIPPED_UPDATES,
 )
+from reef_stream.engine.training import TorchBackend
 from tests.recipes.trainable import recipe
 from tests.unit_log import rollout_unit
 
@@ -346,8 +346,8 @@ def test_the_kl_reference_is_a_frozen_copy_of_the_initial_policy():
 
 def _stored(tmp_path, weights):
     """A checkpoint holding ``weights``, as a trainer stores one; its URI."""
+    from reef_stream.core.events import TopicOffset
     from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
-    from reef_stream.topics.events import TopicOffset
 
     return CheckpointStore(str(tmp_path / "ckpt")).write(CheckpointContents(
         step=1, policy_version=1, model="policy", recipe="trainable", trainer_group="g",
@@ -450,8 +450,8 @@ def test_grpo_exposes_the_variants_and_reef_check_prints_the_chosen_ones():
     from methods.grpo import recipe as grpo
     from reef_stream.api.recipe import check_recipe
     from reef_stream.cli.check import contract_lines
+    from reef_stream.core.serde import SchemaRegistry
     from reef_stream.demo.recipes import bind
-    from reef_stream.topics.serde import SchemaRegistry
 
     loss = ClippedPolicyGradient(epsilon_high=0.28, dual_clip=3.0,
                                  kl=KLPenalty(0.01, KLEstimator.K2))

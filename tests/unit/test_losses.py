@@ -10,22 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from reef_stream.errors import ConfigurationError, FatalError
 from reef_stream.api.losses import (
-    POLICY_GRADIENT,
-    VALUE_REGRESSION,
-    ClippedPolicyGradient,
-    LossFamily,
-    LossOutput,
-    MaskedSquaredError,
-    PolicyGradientInputs,
-    ValueRegressionInputs,
-    ValueRegressionLoss,
-    is_registered,
-    loss_families,
-    loss_family,
-    register_loss_family,
+    POLICY_GRADIENT, VALUE_REGRESSION, ClippedPolicyGradient, LossFamily, LossOutput,
+    MaskedSquaredError, PolicyGradientInputs, ValueRegressionInputs, ValueRegressionLoss,
+    is_registered, loss_families, loss_family, register_loss_family,
 )
+from reef_stream.core.errors import ConfigurationError, FatalError
 
 
 def test_clipped_policy_gradient_by_hand():

@@ -9,21 +9,13 @@ import json
 import numpy as np
 import pytest
 
-from reef_stream.config import SCHEMAS_DIR
-from reef_stream.errors import InvalidRecord
-from reef_stream.topics.events import (
-    FinishReason,
-    Generation,
-    RolloutUnit,
-    Sample,
-    SamplingParams,
-    Segment,
-    SegmentSource,
-    events_equal,
-    mask_problem,
-    to_avro,
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import (
+    FinishReason, Generation, RolloutUnit, Sample, SamplingParams, Segment, SegmentSource,
+    events_equal, mask_problem, to_avro,
 )
-from reef_stream.topics.serde import SchemaRegistry, schema_fingerprint
+from reef_stream.core.serde import SchemaRegistry, schema_fingerprint
+from reef_stream.core.settings import SCHEMAS_DIR
 
 POLICY, ENVIRONMENT = SegmentSource.POLICY, SegmentSource.ENVIRONMENT
 

@@ -12,23 +12,13 @@ import torch
 from reef_stream.api.losses import POLICY_GRADIENT
 from reef_stream.api.objective import PerSampleAdvantages
 from reef_stream.api.parts import ComposedProcessor, RequireSources, Ungrouped
-from reef_stream.api.testing import Restart, run_processor
+from reef_stream.core.errors import FatalError
+from reef_stream.core.events import (
+    Feedback, FinishReason, Generation, Sample, SamplingParams, Segment, SegmentSource,
+)
 from reef_stream.engine.outcomes import Outcome
-from reef_stream.engine.training import (
-    collate,
-    completion_logprobs,
-    policy_gradient_inputs,
-)
-from reef_stream.errors import FatalError
-from reef_stream.topics.events import (
-    Feedback,
-    FinishReason,
-    Generation,
-    Sample,
-    SamplingParams,
-    Segment,
-    SegmentSource,
-)
+from reef_stream.engine.testing import Restart, run_processor
+from reef_stream.engine.training import collate, completion_logprobs, policy_gradient_inputs
 
 VOCAB = 11
 

@@ -8,19 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from reef_stream.errors import FatalError
-from reef_stream.topics.events import RolloutUnit
 from reef_stream.api.losses import POLICY_GRADIENT
 from reef_stream.api.objective import (
-    Objective,
-    ObjectiveResult,
-    PerSampleAdvantages,
-    PerTokenAdvantages,
-    rollout_samples,
-    state_from_record,
-    state_record,
+    Objective, ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages, rollout_samples,
+    state_from_record, state_record,
 )
-from reef_stream.api.testing import run_processor
+from reef_stream.core.errors import FatalError
+from reef_stream.core.events import RolloutUnit
+from reef_stream.engine.testing import run_processor
 from tests.recipes.parts import GroupBaseline, RewardStats
 from tests.unit.test_processor import GROUPED, feedback, generation
 

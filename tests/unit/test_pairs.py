@@ -1,7 +1,7 @@
 """``PartitionPair.ready`` hands records over in the order ``LogMerge.pop`` does under the
 processor's rule (caught up, or waited ``max_idle_s``): both go through
 ``log_merge.in_log_order``, the pair over its own deques and its ``caught_up()`` sets
-(``reef_stream.consumers.pairs``), so the two are checked against each other on random
+(``reef_stream.consumers.processor.pairs``), so the two are checked against each other on random
 interleavings of reads, timestamps going backwards, caught-up sets and idle waits."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 from confluent_kafka import TIMESTAMP_CREATE_TIME
 
-from reef_stream.consumers.pairs import PartitionPair
+from reef_stream.consumers.processor.pairs import PartitionPair
 from reef_stream.engine.join import ProcessorState
 from reef_stream.engine.log_merge import LogMerge
 from tests.unit.test_processor import GROUPED as PROCESSOR

@@ -9,14 +9,14 @@ import random
 import numpy as np
 import pytest
 
-from reef_stream.errors import ConfigurationError, FatalError, InvalidRecord
-from reef_stream.topics.events import Feedback, FinishReason, Generation, RolloutUnit, SamplingParams
-from reef_stream.engine.join import FeedbackFate, Outcome, ProcessorState
-from reef_stream.api.processor import MissingFeedback, Origin, unit_id
-from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
-from reef_stream.engine.ledger import segment_key
 from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources, Ungrouped
-from reef_stream.api.testing import Advance, NewCheckpoint, Restart, run_processor
+from reef_stream.api.processor import MissingFeedback, Origin, unit_id
+from reef_stream.core.errors import ConfigurationError, FatalError, InvalidRecord
+from reef_stream.core.events import Feedback, FinishReason, Generation, RolloutUnit, SamplingParams
+from reef_stream.engine.join import FeedbackFate, Outcome, ProcessorState
+from reef_stream.engine.ledger import segment_key
+from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
+from reef_stream.engine.testing import Advance, NewCheckpoint, Restart, run_processor
 
 TIMEOUT = 1_000
 

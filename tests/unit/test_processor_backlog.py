@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from reef_stream.api.schedule import Schedule
-from reef_stream.consumers.backlog import UnitBacklog, share
+from reef_stream.consumers.processor.backlog import UnitBacklog, share
+from reef_stream.core.errors import ConfigurationError
 from reef_stream.engine.join import Outcome, ProcessorState
 from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
-from reef_stream.errors import ConfigurationError
 from tests.unit.test_processor import GROUPED, feedback, generation
 
 

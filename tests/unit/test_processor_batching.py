@@ -10,11 +10,11 @@ from collections import Counter
 import pytest
 
 from reef_stream.api.processor import Origin
-from reef_stream.api.testing import Advance, NewCheckpoint
+from reef_stream.core.events import Feedback, Generation
+from reef_stream.core.serde import FINGERPRINT_HEADER, SchemaRegistry
 from reef_stream.engine.join import ProcessorState
 from reef_stream.engine.snapshots import Encoded, dumps_snapshot, loads_snapshot
-from reef_stream.topics.events import Feedback, Generation
-from reef_stream.topics.serde import FINGERPRINT_HEADER, SchemaRegistry
+from reef_stream.engine.testing import Advance, NewCheckpoint
 from tests.unit.test_processor import GROUPED, _stream, feedback, generation
 
 

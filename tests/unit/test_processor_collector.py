@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 
-from reef_stream.consumers.processor import GC_THRESHOLDS, tune_collector
+from reef_stream.consumers.processor.runtime import GC_THRESHOLDS, tune_collector
 
 
 def test_tune_collector_sets_the_thresholds_a_processor_runs_with():

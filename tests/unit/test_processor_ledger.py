@@ -18,15 +18,15 @@ import tracemalloc
 
 import pytest
 
-from reef_stream.consumers.processor import _key_bytes, _key_str
-from reef_stream.errors import ConfigurationError
-from reef_stream.topics.events import Feedback, Generation
-from reef_stream.api.processor import DEFAULT_RETENTION_MS, unit_id
-from reef_stream.engine.join import FeedbackFate, Outcome, ProcessorState
-from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
-from reef_stream.engine.ledger import segment_key, segment_of
 from reef_stream.api.parts import ByGroupId, ComposedProcessor, Ungrouped
-from reef_stream.api.testing import Advance, NewCheckpoint, Restart, run_processor
+from reef_stream.api.processor import DEFAULT_RETENTION_MS, unit_id
+from reef_stream.consumers.processor.runtime import _key_bytes, _key_str
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import Feedback, Generation
+from reef_stream.engine.join import FeedbackFate, Outcome, ProcessorState
+from reef_stream.engine.ledger import segment_key, segment_of
+from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
+from reef_stream.engine.testing import Advance, NewCheckpoint, Restart, run_processor
 from tests.unit.test_processor import GROUPED, TIMEOUT, _AlsoWants, _stream, feedback, generation
 
 UNGROUPED = ComposedProcessor(grouping=Ungrouped(), feedback=GROUPED.feedback)

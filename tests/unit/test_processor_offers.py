@@ -7,9 +7,9 @@ import dataclasses
 
 import numpy as np
 
-from reef_stream.consumers.offers import decode_offers
-from reef_stream.errors import InvalidRecord
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.consumers.processor.offers import decode_offers
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.serde import SchemaRegistry
 from tests.integration.test_processor_runtime import feedback, generation
 
 REGISTRY = SchemaRegistry.default()

@@ -9,13 +9,14 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from reef_stream.ops import metrics
-from reef_stream.errors import ConfigurationError
-from reef_stream.ops.prometheus import Exposition, label_name, metric_name, serve
+from reef_stream.core import metric_names
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.prometheus import Exposition, label_name, metric_name, serve
+from reef_stream.topics import metrics
 
 
 def test_names_and_labels_keep_only_what_prometheus_allows():
-    assert metric_name("trainer", metrics.TRAINER_LOGPROB_GAP_OLDER) == \
+    assert metric_name("trainer", metric_names.TRAINER_LOGPROB_GAP_OLDER) == \
         "reef_trainer_logprob_gap_older"
     assert metric_name("reward", "reward_mean") == "reef_reward_reward_mean"
     assert metric_name("my-stage", "a b/c") == "reef_my_stage_a_b_c"
@@ -42,9 +43,9 @@ class _FullProducer:
 
 def test_a_writer_sets_the_gauge_even_when_kafka_refuses_and_a_server_serves_it():
     exposition = Exposition()
-    writer = metrics.MetricsWriter(_FullProducer(), "ns", metrics.STAGE_REWARD,
+    writer = metrics.MetricsWriter(_FullProducer(), "ns", metric_names.STAGE_REWARD,
                                    {"group": "g"}, exposition=exposition)
-    writer.write(metrics.REWARD_REWARDED, 7)  # dropped for Kafka, logged, not raised
+    writer.write(metric_names.REWARD_REWARDED, 7)  # dropped for Kafka, logged, not raised
     with serve(0, source=exposition) as server:
         assert server.port > 0 and server.url == f"http://127.0.0.1:{server.port}/metrics"
         with urllib.request.urlopen(server.url, timeout=5) as response:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import reef_stream
-from reef_stream.config import KAFKA_INFRA_DIR, SCHEMAS_DIR
+from reef_stream.core.settings import KAFKA_INFRA_DIR, SCHEMAS_DIR
 
 HEAVY = ("confluent_kafka", "redis", "torch")
 
@@ -27,13 +27,13 @@ def _loaded_after(code: str) -> list[str]:
 
 
 def test_the_names_a_user_starts_with_import_from_the_top():
-    from reef_stream import Backend, Follower, RecordProducer, Recipe, Schedule
+    from reef_stream import Backend, Follower, Recipe, RecordProducer, Schedule
 
     assert Recipe.__module__ == "reef_stream.api.recipe"
     assert Backend.__module__ == "reef_stream.api.recipe"
     assert Schedule.__module__ == "reef_stream.api.schedule"
     assert RecordProducer.__module__ == "reef_stream.intake.producer"
-    assert Follower.__module__ == "reef_stream.consumers.follower"
+    assert Follower.__module__ == "reef_stream.serving.follower"
 
 
 def test_every_name_in_all_resolves():
@@ -53,7 +53,8 @@ def test_every_name_in_all_resolves():
 def test_an_unknown_name_is_an_attribute_error_and_submodules_still_import():
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         reef_stream.Nope  # noqa: B018
-    from reef_stream import config, errors  # submodules, not exported names
+    from reef_stream.core import errors  # submodules, not exported names
+    from reef_stream.core import settings as config
 
     assert errors.ReefError is reef_stream.ReefError
     assert config.SCHEMAS_DIR == SCHEMAS_DIR

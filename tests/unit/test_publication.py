@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 
+from reef_stream.api.recipe import load_recipe
+from reef_stream.consumers.evaluator.evaluator import (
+    EvaluateOptions, EvaluatorWorker, PublicationLedger, PublicationStore, publication_key,
+)
+from reef_stream.core.errors import ConfigurationError, InvalidRecord
+from reef_stream.core.events import Checkpoint, Decision, Publication
+from reef_stream.core.settings import load_settings
 from reef_stream.engine.checkpoints import (
     CheckpointContents, CheckpointError, CheckpointStore, load_weights,
 )
-from reef_stream.config import load_settings
-from reef_stream.consumers.evaluator import (
-    EvaluateOptions, EvaluatorWorker, PublicationLedger, PublicationStore, publication_key,
-)
-from reef_stream.consumers.follower import Follower
-from reef_stream.errors import ConfigurationError, InvalidRecord
-from reef_stream.topics.events import Checkpoint, Decision, Publication
-from reef_stream.api.recipe import load_recipe
+from reef_stream.serving.follower import Follower
 from tests.faults.records import generation
 
 

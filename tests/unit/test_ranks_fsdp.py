@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from reef_stream.consumers.ranks import Ranks
-from reef_stream.errors import ConfigurationError
+from reef_stream.consumers.trainer.ranks import Ranks
+from reef_stream.core.errors import ConfigurationError
 from tests.recipes.trainable import recipe as single
 from tests.recipes.trainable_dp import recipe
 

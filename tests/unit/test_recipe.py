@@ -10,24 +10,17 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from reef_stream.cli.main import main
-from reef_stream.config import SCHEMAS_DIR
-from reef_stream.errors import ConfigurationError
 from reef_stream.api.evaluator import AcceptEverything
-from reef_stream.topics.events import Generation
 from reef_stream.api.losses import POLICY_GRADIENT, VALUE_REGRESSION
 from reef_stream.api.recipe import (
-    Backend,
-    NamedReward,
-    Recipe,
-    Reward,
-    RewardFunction,
-    check_recipe,
-    feedback_for,
-    load_recipe,
+    Backend, NamedReward, Recipe, Reward, RewardFunction, check_recipe, feedback_for, load_recipe,
     recipe_problems,
 )
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.cli.main import main
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import Generation
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.core.settings import SCHEMAS_DIR
 from tests.recipes.bad_units import PairUnit
 from tests.recipes.good import recipe as GOOD
 from tests.unit.test_processor import generation

@@ -1,4 +1,4 @@
-"""The processor's distributions (``reef_stream.ops.record_stats``) from outcomes whose values are
+"""The processor's distributions (``reef_stream.consumers.processor.record_stats``) from outcomes whose values are
 known: reward per source and version, completion lengths, truncation; no broker."""
 
 from __future__ import annotations
@@ -9,16 +9,10 @@ import statistics
 import numpy as np
 import pytest
 
-from reef_stream.ops import metrics
-from reef_stream.topics.events import Feedback, FinishReason, Generation, SamplingParams
-from reef_stream.engine.join import (
-    FeedbackFate,
-    FeedbackOutcome,
-    GenerationOutcome,
-    Outcome,
-    Step,
-)
-from reef_stream.ops.record_stats import Distribution, RecordStats
+from reef_stream.consumers.processor.record_stats import Distribution, RecordStats
+from reef_stream.core import metric_names
+from reef_stream.core.events import Feedback, FinishReason, Generation, SamplingParams
+from reef_stream.engine.join import FeedbackFate, FeedbackOutcome, GenerationOutcome, Outcome, Step
 
 
 class RecordingWriter:
@@ -84,8 +78,8 @@ def test_rewards_by_source_and_version_lengths_and_truncation():
     ])
     writer = RecordingWriter()
     stats.write(writer)
-    reward, tokens = metrics.PROCESSOR_REWARD, metrics.PROCESSOR_RESPONSE_TOKENS
-    rate = metrics.PROCESSOR_TRUNCATION_RATE
+    reward, tokens = metric_names.PROCESSOR_REWARD, metric_names.PROCESSOR_RESPONSE_TOKENS
+    rate = metric_names.PROCESSOR_TRUNCATION_RATE
     judge3 = (("policy_version", "3"), ("source", "judge"))
     assert writer.written[(f"{reward}.count", *judge3)] == 2
     assert writer.written[(f"{reward}.mean", *judge3)] == 0.5

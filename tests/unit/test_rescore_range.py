@@ -2,7 +2,7 @@
 from click.testing import CliRunner
 
 from reef_stream.cli.rescore import rescore
-from reef_stream.consumers.rescore import RescoreRange, rescore_group
+from reef_stream.consumers.rescore.rescore import RescoreRange, rescore_group
 
 
 def test_progress_counts_only_what_lies_inside_each_partitions_range():

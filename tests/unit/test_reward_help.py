@@ -6,7 +6,7 @@ from __future__ import annotations
 from click.testing import CliRunner
 
 from reef_stream.cli.reward import reward
-from reef_stream.consumers.reward_calls import ADAPT_FACTOR, ADAPT_FLOOR_S, RewardOptions
+from reef_stream.consumers.reward.calls import ADAPT_FACTOR, ADAPT_FLOOR_S, RewardOptions
 
 
 def test_the_help_names_the_fast_lanes_deadline_the_code_uses():

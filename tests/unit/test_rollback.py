@@ -1,5 +1,5 @@
 """When a trainer has stalled after rejections, what data-parallel ranks agree on at a meeting,
-and when the evaluator lets its rollback through (reef_stream.consumers.rollback): pure
+and when the evaluator lets its rollback through (reef_stream.publishing.rollback): pure
 functions, no broker."""
 
 from __future__ import annotations
@@ -8,17 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from reef_stream.consumers.rollback import (
-    Agreed,
-    Vote,
-    agree,
-    check_rollback,
-    rollback_contents,
-    stall_reason,
-)
+from reef_stream.core.errors import FatalError
+from reef_stream.core.events import Decision, Publication, TopicOffset
 from reef_stream.engine.checkpoints import CheckpointContents
-from reef_stream.errors import FatalError
-from reef_stream.topics.events import Decision, Publication, TopicOffset
+from reef_stream.publishing.rollback import (
+    Agreed, Vote, agree, check_rollback, rollback_contents, stall_reason,
+)
 
 
 def publication(version: int, decision: Decision = Decision.PROMOTED) -> Publication:

@@ -15,18 +15,14 @@ import math
 import numpy as np
 
 from reef_stream.api.recipe import feedback_for
-from reef_stream.api.testing import run_processor
-from reef_stream.consumers.trainer import StepAges
-from reef_stream.ops.histograms import (
-    AGE_BOUNDS_S,
-    AGE_LABELS,
-    age_buckets,
-    bound_label,
-    bucket_label,
+from reef_stream.consumers.trainer.trainer import StepAges
+from reef_stream.core.events import RolloutUnit, Sample, events_equal
+from reef_stream.core.histograms import (
+    AGE_BOUNDS_S, AGE_LABELS, age_buckets, bound_label, bucket_label,
 )
-from reef_stream.ops.metrics import TRAINER_SAMPLE_AGE_SAMPLES
-from reef_stream.topics.events import RolloutUnit, Sample, events_equal
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.core.metric_names import TRAINER_SAMPLE_AGE_SAMPLES
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.engine.testing import run_processor
 from tests.recipes import second_task
 from tests.recipes.second_task import Successor, generation
 

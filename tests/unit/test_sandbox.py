@@ -1,4 +1,4 @@
-"""The sandbox pool against hostile reward code, without a broker (``reef_stream.sandbox``).
+"""The sandbox pool against hostile reward code, without a broker (``reef_stream.consumers.reward.sandbox``).
 
 Each hostile call ends in its category (or, where the refusal is an exception inside the
 reward, as the reward function raising it), the pool's next call succeeds, and nothing leaks:
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from reef_stream.errors import ConfigurationError
-from reef_stream.sandbox.categories import Limits, RaisedInSandbox, SandboxFailure
-from reef_stream.sandbox.code_reward import CodeExecutionReward, CodeTest
-from reef_stream.sandbox.pool import SandboxPool, Ticket
+from reef_stream.consumers.reward.sandbox.categories import Limits, RaisedInSandbox, SandboxFailure
+from reef_stream.consumers.reward.sandbox.code_reward import CodeExecutionReward, CodeTest
+from reef_stream.consumers.reward.sandbox.pool import SandboxPool, Ticket
+from reef_stream.core.errors import ConfigurationError
 from tests.faults.records import generation
 
 _ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """What a sandbox worker imports: the reward function alone, not the recipe and torch
-(``reef_stream.sandbox.reference``, ``reef_stream.api.rewards``).
+(``reef_stream.consumers.reward.sandbox.reference``, ``reef_stream.api.rewards``).
 
 Each check is on a real worker process: its memory map (``/proc/<pid>/maps`` lists torch's
 shared libraries once torch is imported), its ready frame, and what a call forked from it has
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from reef_stream.api.rewards import NamedReward, Reward
-from reef_stream.sandbox.categories import Limits
-from reef_stream.sandbox.pool import SandboxPool
-from reef_stream.sandbox.reference import worker_target
+from reef_stream.consumers.reward.sandbox.categories import Limits
+from reef_stream.consumers.reward.sandbox.pool import SandboxPool
+from reef_stream.consumers.reward.sandbox.reference import worker_target
 from tests.faults.records import generation
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -161,7 +161,7 @@ def test_a_call_in_flight_when_the_pool_closes_is_neither_a_restart_nor_a_failur
     import threading
     import time
 
-    from reef_stream.sandbox.categories import SandboxFailure
+    from reef_stream.consumers.reward.sandbox.categories import SandboxFailure
 
     pool = _started("tests.recipes.sandbox_rewards:hostile")
     outcome: list[BaseException] = []

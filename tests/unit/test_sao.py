@@ -14,20 +14,20 @@ from methods.sao.loss import SAO_TRUNCATED_PG, TruncatedPolicyGradient
 from methods.sao.objective import RewardStats, StreamingAdvantage, decayed
 from methods.sao.processor import FEEDBACK_TIMEOUT_MS
 from methods.sao.processor import processor as sao_processor
-from reef_stream.errors import ConfigurationError
-from reef_stream.topics.events import (
-    Feedback, FinishReason, Generation, RolloutUnit, Sample, SamplingParams,
-)
 from reef_stream.api.losses import (
     POLICY_GRADIENT, PolicyGradientInputs, is_registered, loss_family, register_loss_family,
 )
-from reef_stream.engine.models import TinyCausalLM
 from reef_stream.api.objective import state_from_record, state_record
-from reef_stream.engine.join import Outcome
 from reef_stream.api.processor import unit_id
 from reef_stream.api.recipe import Backend, Recipe, load_recipe
 from reef_stream.api.schedule import Schedule
-from reef_stream.api.testing import Advance, run_processor
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import (
+    Feedback, FinishReason, Generation, RolloutUnit, Sample, SamplingParams,
+)
+from reef_stream.engine.join import Outcome
+from reef_stream.engine.models import TinyCausalLM
+from reef_stream.engine.testing import Advance, run_processor
 from reef_stream.engine.training import TorchBackend, inputs_builder, policy_gradient_inputs
 
 #: The source the tests' feedback comes from (the demo task's reward, as it happens).

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from reef_stream.errors import ConfigurationError
 from reef_stream.api.schedule import Schedule
+from reef_stream.core.errors import ConfigurationError
 
 
 def schedule(**overrides) -> Schedule:

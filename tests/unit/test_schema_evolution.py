@@ -12,20 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reef_stream.topics import events
-from reef_stream.config import SCHEMAS_DIR
-from reef_stream.errors import UnknownSchemaError
-from reef_stream.topics.events import (
-    EVENT_TYPES,
-    FinishReason,
-    Generation,
-    RolloutUnit,
-    Sample,
-    SamplingParams,
-    events_equal,
+from reef_stream.core import events
+from reef_stream.core.errors import UnknownSchemaError
+from reef_stream.core.events import (
+    EVENT_TYPES, FinishReason, Generation, RolloutUnit, Sample, SamplingParams, events_equal,
     to_avro,
 )
-from reef_stream.topics.serde import SchemaRegistry, schema_fingerprint
+from reef_stream.core.serde import SchemaRegistry, schema_fingerprint
+from reef_stream.core.settings import SCHEMAS_DIR
 
 T0 = 1_732_885_200_123
 CURRENT_FILES = sorted(SCHEMAS_DIR.glob("*.avsc"))

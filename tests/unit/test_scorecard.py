@@ -11,21 +11,21 @@ from pathlib import Path
 
 import pytest
 
-import reef_stream.consumers.trainer as trainer_module
-from reef_stream.engine.join import Outcome
-from reef_stream.ops.metrics import (
+import reef_stream.consumers.trainer.trainer as trainer_module
+from reef_stream.core.events import DeadLetter, Decision, Metric, Publication
+from reef_stream.core.metric_names import (
     FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, PROCESS_CPU_SECONDS, STAGE_EVALUATOR, STAGE_FOLLOWER,
     STAGE_PROCESSOR, STAGE_REWARD, STAGE_TRAINER, TRAINER_SAMPLE_AGE_SAMPLES,
     TRAINER_STALENESS_SAMPLES,
 )
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.engine.join import Outcome
 from reef_stream.ops.scorecard import (
     SHED_KINDS, TOO_STALE_KINDS, Distribution, GenerationsSpan, bucketed, counter_total, fold,
     is_shed,
 )
 from reef_stream.topics import declarations
 from reef_stream.topics.dead_letters import headers_of
-from reef_stream.topics.events import DeadLetter, Decision, Metric, Publication
-from reef_stream.topics.serde import SchemaRegistry
 from tests.unit_log import rollout_unit
 
 NS, RECIPE = "tscore", "sao"
@@ -91,8 +91,8 @@ def test_percentiles_of_a_histogram_are_bucket_bounds_and_its_mean_takes_midpoin
 
 
 def test_the_kinds_of_shed_and_too_stale_are_the_ones_the_code_writes():
-    # the processor's letters are "processor.<outcome>" (consumers/step_records.py), the
-    # trainer's too-stale letter is "TooStale" (consumers/trainer.py)
+    # the processor's letters are "processor.<outcome>" (consumers/processor/step_records.py), the
+    # trainer's too-stale letter is "TooStale" (consumers/trainer/trainer.py)
     assert f"processor.{Outcome.SHED.value}" in SHED_KINDS
     assert f"processor.{Outcome.TOO_STALE.value}" in TOO_STALE_KINDS
     assert '"TooStale"' in Path(trainer_module.__file__).read_text()

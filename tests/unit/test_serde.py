@@ -9,41 +9,20 @@ import numpy as np
 import pytest
 from fastavro.schema import to_parsing_canonical_form
 
-from reef_stream.config import SCHEMAS_DIR
-from reef_stream.errors import (
-    ConfigurationError,
-    CorruptRecordError,
-    InvalidRecord,
-    UnknownSchemaError,
+from reef_stream.core import serde
+from reef_stream.core.errors import (
+    ConfigurationError, CorruptRecordError, InvalidRecord, UnknownSchemaError,
 )
-from reef_stream.topics.events import (
-    EVENT_TYPES,
-    Checkpoint,
-    DeadLetter,
-    Decision,
-    Feedback,
-    FinishReason,
-    Generation,
-    MessageHeader,
-    Metric,
-    Publication,
-    RolloutUnit,
-    Sample,
-    SamplingParams,
-    TopicOffset,
-    events_equal,
-    to_avro,
+from reef_stream.core.events import (
+    EVENT_TYPES, Checkpoint, DeadLetter, Decision, Feedback, FinishReason, Generation,
+    MessageHeader, Metric, Publication, RolloutUnit, Sample, SamplingParams, TopicOffset,
+    events_equal, to_avro,
 )
-from reef_stream.topics import serde
-from reef_stream.topics.serde import (
-    FINGERPRINT_HEADER,
-    SCHEMA_NAME_HEADER,
-    SchemaRegistry,
-    decode,
-    encode,
-    encode_record,
+from reef_stream.core.serde import (
+    FINGERPRINT_HEADER, SCHEMA_NAME_HEADER, SchemaRegistry, decode, encode, encode_record,
     schema_fingerprint,
 )
+from reef_stream.core.settings import SCHEMAS_DIR
 
 T0 = 1_732_885_200_123  # 2024-11-29T13:00:00.123Z
 WHERE = {"topic": "reef.generations", "partition": 3, "offset": 41}

@@ -12,16 +12,12 @@ import pytest
 import torch
 
 from reef_stream.api.recipe import apply_overrides
+from reef_stream.core.errors import ConfigurationError
 from reef_stream.engine.hf import HuggingFace, Lora
 from reef_stream.engine.sharding import (
-    expected_pieces,
-    optimizer_by_index,
-    optimizer_by_name,
-    parameter_names,
-    sharding_of,
+    expected_pieces, optimizer_by_index, optimizer_by_name, parameter_names, sharding_of,
 )
 from reef_stream.engine.training import TorchBackend
-from reef_stream.errors import ConfigurationError
 from tests.recipes.trainable import recipe as trainable
 from tests.unit_log import rollout_unit
 
@@ -105,7 +101,7 @@ def test_one_process_asked_for_fsdp_trains_unsharded_with_the_same_checkpoint(ll
 
 def test_reef_check_says_the_backend_is_sharded():
     from reef_stream.cli.check import contract_lines
-    from reef_stream.topics.serde import SchemaRegistry
+    from reef_stream.core.serde import SchemaRegistry
 
     def backend_line(model):
         lines = contract_lines(_recipe(model), "r", SchemaRegistry.default())

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from reef_stream.errors import ConfigurationError
-from reef_stream.ops.metrics import (
-    PROCESSOR_GENERATIONS, STAGE_PROCESSOR, STAGE_TRAINER, TRAINER_LOGPROB_GAP_OLDER,
-    TRAINER_STEPS, metric,
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.metric_names import (
+    PROCESSOR_GENERATIONS, STAGE_PROCESSOR, STAGE_TRAINER, TRAINER_LOGPROB_GAP_OLDER, TRAINER_STEPS,
 )
 from reef_stream.ops.sinks import Scalar, ScalarMapper, TensorBoardSink, WandbSink, scalar_tag
+from reef_stream.topics.metrics import metric
 
 TRAINER = {"recipe": "sao", "group": "g"}
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from reef_stream.errors import ConfigurationError
+from reef_stream.core.errors import ConfigurationError
 from reef_stream.intake.spool import Spool, SpoolFull
 
 

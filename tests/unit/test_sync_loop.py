@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from reef_stream.api.recipe import load_recipe
-from reef_stream.api.testing import run_processor
 from reef_stream.demo.sync import SynchronousLoop, run_synchronous
 from reef_stream.demo.task import accuracy, initial_policy
+from reef_stream.engine.testing import run_processor
 
 
 @pytest.mark.parametrize("path", ["reef_stream.demo.recipes:sao", "reef_stream.demo.recipes:grpo"])

@@ -6,20 +6,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from reef_stream.core.events import SegmentSource
 from reef_stream.demo.task import Problem, make_generation, prompt_tensor
 from reef_stream.demo.tool_task import (
-    ADD,
-    TOOL_GENERATION,
-    UNKNOWN,
-    sample_tool,
-    tool_accuracy,
-    tool_output,
-    tool_policy_model,
+    ADD, TOOL_GENERATION, UNKNOWN, sample_tool, tool_accuracy, tool_output, tool_policy_model,
     tool_reward,
 )
 from reef_stream.intake.validation import validate
 from reef_stream.ops.trace import turn_links
-from reef_stream.topics.events import SegmentSource
 
 
 def digits(text: str) -> list[int]:

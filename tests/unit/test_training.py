@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from reef_stream.errors import ConfigurationError
-from reef_stream.topics.events import Sample
 from reef_stream.api.losses import VALUE_REGRESSION
 from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages
 from reef_stream.api.recipe import Backend, Recipe
 from reef_stream.api.schedule import Schedule
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import Sample
 from reef_stream.engine.training import TorchBackend, collate, completion_logprobs
 from tests.recipes.trainable import recipe
 from tests.unit_log import rollout_unit

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from reef_stream.ops.metrics import (
+from reef_stream.core.metric_names import (
     TRAINER_KL_BEHAVIOUR, TRAINER_LOGPROB_GAP_OLDER, TRAINER_LOGPROB_GAP_OLDER_TOKENS,
-    TRAINER_LOGPROB_GAP_SAME_VERSION, TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS,
-    TRAINER_UPDATE_RATIO,
+    TRAINER_LOGPROB_GAP_SAME_VERSION, TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS, TRAINER_UPDATE_RATIO,
 )
 from reef_stream.engine.training import TorchBackend, collate, completion_logprobs
 from tests.recipes.trainable import recipe

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from reef_stream.demo.task import VOCAB_SIZE, TinyTransformer
-from reef_stream.errors import ConfigurationError, ReefError
-from reef_stream.topics.events import RolloutUnit
 from reef_stream.api.losses import POLICY_GRADIENT, LossOutput
-from reef_stream.engine.models import TinyCausalLM
 from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages, PerTokenAdvantages
 from reef_stream.api.schedule import Schedule
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.core.errors import ConfigurationError, ReefError
+from reef_stream.core.events import RolloutUnit
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.demo.task import VOCAB_SIZE, TinyTransformer
+from reef_stream.engine.models import TinyCausalLM
 from reef_stream.engine.training import (
     NonFiniteStep, TorchBackend, UnitLimits, model_limits, untrainable,
 )

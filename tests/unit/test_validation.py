@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from reef_stream.errors import InvalidRecord
-from reef_stream.topics.events import Feedback, FinishReason, Generation, SamplingParams
+from reef_stream.core.errors import InvalidRecord
+from reef_stream.core.events import Feedback, FinishReason, Generation, SamplingParams
 from reef_stream.intake.validation import check_size, validate
 
 
@@ -96,7 +96,7 @@ def test_records_over_the_topic_limit_are_refused_with_both_sizes():
 
 
 def test_other_event_types_are_refused():
-    from reef_stream.topics.events import Metric
+    from reef_stream.core.events import Metric
 
     with pytest.raises(InvalidRecord, match="not Metric"):
         validate(Metric(stage="s", name="n", value=1.0, labels={}, created_at=0))

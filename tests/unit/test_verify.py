@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from reef_stream.core.events import DeadLetter, MessageHeader, RolloutUnit
+from reef_stream.core.metric_names import STAGE_PROCESSOR, STAGE_REWARD, STAGE_TRAINER
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.demo.faults import FaultRun
 from reef_stream.demo.run import DemoResult
 from reef_stream.demo.verify import (
     OutcomeTally, ledger_counts, letter_unit, processor_letter_generation, take_records,
 )
-from reef_stream.ops.metrics import STAGE_PROCESSOR, STAGE_REWARD, STAGE_TRAINER
 from reef_stream.topics import declarations
-from reef_stream.topics.events import DeadLetter, MessageHeader, RolloutUnit
-from reef_stream.topics.serde import SchemaRegistry
 from tests.faults.records import generation as sized_generation
 from tests.unit_log import rollout_unit
 

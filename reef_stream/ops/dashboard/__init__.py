@@ -1,6 +1,6 @@
 """``reef dashboard``: live charts of a namespace's metrics on a local web page.
 
-Every stage writes ``Metric`` events to ``<ns>.metrics`` (``reef_stream.ops.metrics``); this
+Every stage writes ``Metric`` events to ``<ns>.metrics`` (``reef_stream.core.metric_names``); this
 package charts them while a run goes on, the live counterpart of the demo's ``report.html``.
 The page opens on the scorecard row, then each stage's charts:
 

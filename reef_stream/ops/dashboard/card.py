@@ -31,12 +31,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from reef_stream.ops import metrics as m
+from reef_stream.core import metric_names as m
+from reef_stream.core.events import Publication
 from reef_stream.ops.dashboard.rates import (
     DEAD_LETTERS, RATE_WINDOW_S, Series, chart_series, grid, summed_rate,
 )
 from reef_stream.ops.scorecard import Distribution, counted, observed
-from reef_stream.topics.events import Publication
 
 __all__ = ["REWARD", "THROUGHPUT", "first_row"]
 
@@ -113,7 +113,7 @@ def _measurement(publications: Iterable[Publication]) -> dict[str, Any]:
     figures = {"published": [[model, version, decision, dict(p.measurement)]
                              for (model, version, decision), p in sorted(latest.items())]}
     waiting = _waiting(latest)
-    if waiting:  # versions waiting for a decision (reef_stream.consumers.canary)
+    if waiting:  # versions waiting for a decision (reef_stream.consumers.evaluator.canary)
         figures["waiting"] = [[p.model, p.policy_version, p.share, p.awaiting] for p in waiting]
         value += " · waiting for a decision: " + ", ".join(
             f"{p.model} v{p.policy_version} ({p.awaiting}"

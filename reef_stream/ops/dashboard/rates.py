@@ -42,7 +42,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from reef_stream.ops import metrics as m
+from reef_stream.core import metric_names as m
 
 __all__ = ["COUNTERS", "DEAD_LETTERS", "INSTANCE_LABELS", "LOOKBACK_S", "MAX_GRID",
            "RATE_WINDOW_S", "SUMMED_GAUGES", "SUMMED_OVER", "RunningTotal", "Series",
@@ -56,7 +56,7 @@ INSTANCE_LABELS = frozenset({"instance", "client", "process"})
 #: rate: one in that window).
 DEAD_LETTERS = "dead_letters"
 
-#: Running totals, by stage (``reef_stream.ops.metrics``); ``PROCESS_CPU_SECONDS`` in every stage.
+#: Running totals, by stage (``reef_stream.core.metric_names``); ``PROCESS_CPU_SECONDS`` in every stage.
 COUNTERS: Mapping[str, frozenset[str]] = {
     m.STAGE_INTAKE: frozenset({m.INTAKE_SENT, m.INTAKE_ACKNOWLEDGED, m.INTAKE_FAILED,
                                m.INTAKE_REJECTED}),

@@ -48,16 +48,17 @@ from pathlib import Path
 
 from aiohttp import web
 
-from reef_stream.topics.connect import new_consumer
+from reef_stream.core.errors import ConfigurationError
+from reef_stream.core.events import DeadLetter, Metric, Publication
+from reef_stream.core.metric_names import STAGE_EVALUATOR
+from reef_stream.core.serde import SchemaRegistry
 from reef_stream.ops.dashboard.card import first_row
 from reef_stream.ops.dashboard.rates import DEAD_LETTERS, RATE_WINDOW_S, chart_series
 from reef_stream.ops.dashboard.store import SeriesStore
-from reef_stream.errors import ConfigurationError
-from reef_stream.topics.events import DeadLetter, Metric, Publication
-from reef_stream.ops.metrics import STAGE_EVALUATOR, metric
 from reef_stream.topics import declarations
+from reef_stream.topics.connect import new_consumer
 from reef_stream.topics.kafka import OFFSET_BEGINNING, TopicPartition
-from reef_stream.topics.serde import SchemaRegistry
+from reef_stream.topics.metrics import metric
 
 __all__ = ["STATIC_DIR", "MetricsFollower", "make_app", "serve"]
 

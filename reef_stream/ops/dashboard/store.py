@@ -29,8 +29,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from reef_stream.core.events import Metric
 from reef_stream.ops.dashboard.rates import RunningTotal, Series
-from reef_stream.topics.events import Metric
 
 __all__ = ["DESCRIPTIVE_LABELS", "SKIPPED_SUFFIXES", "SeriesStore"]
 

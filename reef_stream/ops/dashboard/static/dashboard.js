@@ -8,7 +8,7 @@
 // address) asks for every process's series apart.
 //
 // STAGES declares the charts, grouped by stage in the order data flows through the pipeline;
-// each chart lists metric names (reef_stream/ops/metrics.py) or a name prefix, and draws one
+// each chart lists metric names (reef_stream/core/metric_names.py) or a name prefix, and draws one
 // line per series that matches. A metric no declared chart claims gets a chart of its own at
 // the end of its stage, so nothing a stage writes is hidden (a recipe's objective.* and loss
 // metrics, for instance). A declared chart without data yet says so.

@@ -1,0 +1,773 @@
+"""Candidate evaluation: every checkpoint of a recipe gets exactly one decision, as a Publication.
+
+    worker = EvaluatorWorker(recipe, bootstrap=..., namespace="reef", options=EvaluateOptions())
+    summary = worker.run()        # blocks until stop(), --max-candidates, --idle-exit or a signal
+    print(summary.line())
+
+One worker is one member of a Kafka consumer group (default
+``<ns>.evaluate.<recipe name>``) on ``<ns>.checkpoints`` (one partition: one
+worker of the group is active, the others stand by). The stage loop hands
+the events over one at a time; they wait until its consumer holds nothing
+more (its position is the log's end at its last fetch, or a fetch came back
+empty). Then each waiting Checkpoint event, in log order:
+
+1. a Checkpoint of another recipe (or, with ``--model``, of another model) is
+   skipped; an undecodable record becomes a ``DeadLetter`` (stage
+   ``evaluator``);
+2. the ``PublicationLedger`` (the fold of ``<ns>.publications``, read to its
+   end) is asked whether this checkpoint id was decided already, or a version
+   not older than this one was: then there is no second decision
+   (``duplicates``). A trainer that re-emits its Checkpoint event after a
+   crash, or an evaluator restarted between its publication and its commit,
+   therefore never publishes twice;
+3. with ``supersede`` (the default; ``reef evaluate --no-supersede`` measures
+   every candidate) and an evaluator that measures (``evaluates``: not the
+   default AcceptEverything, which has nothing to save and promotes every
+   candidate), a candidate while a newer one of its recipe and model waits
+   too is REJECTED without verifying or measuring it, with the reason
+   ``superseded: version N was waiting when this one's turn came; only the
+   newest waiting candidate is measured`` (``superseded``, and the metric
+   ``candidates_superseded``). The newest is decided as below, after the
+   older ones' rejections are published. A rollback checkpoint is never
+   superseded and supersedes nothing (``reef_stream.consumers.evaluator.superseding``),
+   and neither is a candidate whose model has no incumbent yet: until a
+   first promotion replicas serve nothing, and a trainer stalled by a
+   rejected newest would have no version to roll back to, so it is measured;
+4. the candidate's files are verified against its sha256; a candidate that
+   fails is REJECTED with the reason (nothing unverified is ever promoted);
+5. ``evaluator.measure(candidate)`` runs (tried ``1 + retries`` times), then
+   ``evaluator.select(measurement, incumbent)`` with the incumbent (the
+   model's newest PROMOTED publication). A measure that fails on every try,
+   or a select that raises, is REJECTED with the error as the reason: a bad
+   candidate never stops the pipeline and never disappears;
+6. a PROMOTED candidate is copied into the ``PublicationStore``
+   (``$REEF_HOME/published/<ns>/<model>/v<version>`` by default) and the copy
+   verified; the Publication names the copy, so the trainer's retention of
+   its last K checkpoints cannot delete what replicas serve. For a Hugging Face
+   model (``reef_stream.engine.hf.HuggingFace``) its serving artifact is written
+   beside it (``<version>-serving``: the weights in ``serving_dtype``, or the
+   LoRA adapter alone, ``reef_stream.engine.artifacts``), and the Publication
+   names it too (``artifact_uri``, ``artifact_sha256``, ``artifact_kind``): what
+   an engine's follower loads;
+7. the Publication is produced (idempotent producer, ``acks=all``) and
+   waited for.
+
+A rollback checkpoint (``rolled_back_to`` set: the trainer stalled after
+rejections and went back to the incumbent's weights, see
+``reef_stream.publishing.rollback``) is not measured: after step 4 (its files
+verified as its weights are loaded, once: ``load_weights``) it is
+promoted when version ``rolled_back_to`` is still the incumbent and the
+weights are exactly its weights (with the incumbent's measurement), rejected
+with the reason otherwise.
+
+The durability order, for every decision (a superseded candidate's included):
+publication acknowledged by the broker (``_publish``)
+→ the checkpoint's offset committed (by the stage loop,
+``reef_stream.consumers.stage``, once ``_Decisions`` says it is committable)
+→ the Redis projection updated and old published copies pruned
+(``_after_commit``; after a commit that failed, at the next one that
+succeeds). A crash before the commit re-reads the checkpoint on restart; step 2 then finds its decision in the ledger
+(candidates that waited together are committed together, after the last of
+them is decided: a superseded candidate read again is found decided). A
+publication that cannot be stored, or a copy that cannot be written, stops
+the worker with a ``FatalError`` and leaves the offset uncommitted.
+
+Undecodable publications. The evaluator owns ``<ns>.publications``, so a
+record there that does not decode (raw bytes, another schema, an unknown
+fingerprint, no headers: written by something else) is dead-lettered by the
+evaluator (stage ``evaluator``, reason ``undecodable publication: ...``) when
+its ledger reads it: at start, before the candidates that waited together
+are decided, and while idle. The
+letter is keyed ``coordinates_key`` (``<topic>/<partition>/<offset>`` of the
+bad record) and acknowledged before the worker goes on. That is at least
+once with a stable key: every reading of the topic from its beginning (a
+restarted worker, a standby member of the group, another recipe's evaluator)
+letters the record again under the same key, so a reader of the dead letters
+deduplicates by key. Other readers (replicas' ``Follower``) only count them.
+
+Publications are keyed by stage (``publication_key``), so compaction keeps
+each model's latest decision of each stage: a REJECTED publication cannot
+compact away the model's last PROMOTED one (which late replicas and a
+restarted evaluator need); readers use the event's ``model`` field, never the
+key.
+
+Release: the recipe's release policy stages what the offline gate promoted (a canary,
+a person's approval, a cadence: ``reef_stream.consumers.evaluator.canary``).
+
+Threads: ``run`` owns the clients (the stage loop its consumer) and must be
+called from one thread; it
+calls ``measure`` and ``select`` on that thread (``max.poll.interval.ms`` is
+an hour by default, so a long evaluation keeps the group membership).
+``stop`` may be called from any thread or a signal handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from reef_stream.api.evaluator import Incumbent, Measurement, Selection
+from reef_stream.api.recipe import Recipe
+from reef_stream.consumers.evaluator.canary import (
+    CanaryRunner, Release, cadence_reason, prune_copies, stage, waiting_reason,
+)
+from reef_stream.consumers.evaluator.superseding import superseded_reason, superseding
+from reef_stream.consumers.stage import StageLoop
+from reef_stream.core.errors import ConfigurationError, InvalidRecord
+from reef_stream.core.events import Checkpoint, Decision, Publication, now_ms
+from reef_stream.core.metric_names import (
+    EVALUATOR_CANDIDATE_VERSION, EVALUATOR_CANDIDATES_SKIPPED, EVALUATOR_CANDIDATES_SUPERSEDED,
+    EVALUATOR_DECISIONS, EVALUATOR_MEASURE_SECONDS, EVALUATOR_MEASUREMENT, STAGE_EVALUATOR,
+)
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.core.settings import Settings, load_settings
+from reef_stream.engine.checkpoints import CheckpointError, load_weights, verify
+from reef_stream.publishing.publications import (
+    PublicationLedger, PublicationStore, default_publication_url, publication_key,
+)
+from reef_stream.publishing.rollback import check_rollback
+from reef_stream.topics import declarations
+from reef_stream.topics.connect import bootstrap_servers, new_producer
+from reef_stream.topics.dead_letters import dead_letter
+from reef_stream.topics.delivery import DELIVERY_TIMEOUT_S, deliver
+from reef_stream.topics.kafka import Consumer, KafkaException, Message, Producer, TopicPartition
+from reef_stream.topics.metrics import MetricsWriter
+
+if TYPE_CHECKING:
+    from reef_stream.engine.artifacts import ServingArtifact
+    from reef_stream.publishing.fleet import Fleet
+
+__all__ = ["EvaluateOptions", "EvaluateSummary", "EvaluatorWorker", "PublicationLedger",
+           "PublicationStore", "coordinates_key", "default_group", "default_publication_url",
+           "publication_key"]
+
+log = logging.getLogger(__name__)
+
+STAGE = STAGE_EVALUATOR
+#: The longest wait between two tries of ``measure``.
+MAX_BACKOFF_S = 60.0
+#: With ``idle_exit``: how much longer a worker waits that the group has not assigned yet.
+JOIN_GRACE_S = 30.0
+#: With ``supersede``: the most checkpoint events that wait before they are decided, even when
+#: the consumer holds more (a bound on what one newest candidate can supersede at once).
+MAX_WAITING = 1000
+
+
+def default_group(recipe: Recipe, namespace: str) -> str:
+    """The consumer group of a recipe's evaluator unless one is given (under the namespace)."""
+    return f"{namespace}.evaluate.{recipe.name}"
+
+
+def coordinates_key(topic: str, partition: int, offset: int) -> bytes:
+    """``<topic>/<partition>/<offset>``: the key of the dead letter of a publication that does
+    not decode; the same at every reading of that record (topic names hold no ``/``)."""
+    return f"{topic}/{partition}/{offset}".encode()
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+@dataclass(frozen=True)
+class EvaluateOptions:
+    """How an evaluator runs; validated by ``problems()``.
+
+    ``model``: decide only on checkpoints of this model. ``publish_to``: the
+    ``PublicationStore`` URL [default: ``$REEF_HOME/published/<ns>``]. ``keep_published``:
+    copies kept per model (0: all). ``retries``: tries of ``measure`` after a failed one.
+    ``max_candidates``: stop after deciding this many. ``idle_exit``: stop after this many
+    seconds without a new checkpoint event (counted from the group's assignment; a member
+    still joining waits up to ``JOIN_GRACE_S`` longer). ``supersede``: of the candidates of a
+    model waiting at once, measure only the newest and reject the older ones unmeasured (with
+    an evaluator that ``evaluates``; see the module docstring); False measures every candidate.
+    ``serving_dtype``: the dtype of a Hugging Face model's serving artifact (None: the
+    model's own).
+    """
+
+    group: str | None = None
+    model: str | None = None
+    publish_to: str | None = None
+    keep_published: int = 3
+    retries: int = 1
+    backoff: float = 1.0
+    max_candidates: int | None = None
+    idle_exit: float | None = None
+    supersede: bool = True
+    serving_dtype: str | None = None
+    #: Release overrides (None: the recipe's evaluator says; ``reef_stream.consumers.evaluator.canary``).
+    publish_every_s: float | None = None
+    canary_share: float | None = None
+    require_approval: bool | None = None
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.keep_published < 0:
+            found.append(f"keep published must be 0 (all) or more, not {self.keep_published}")
+        if self.retries < 0:
+            found.append(f"retries must be 0 or more, not {self.retries}")
+        if self.backoff < 0:
+            found.append(f"backoff must be 0 or more seconds, not {self.backoff}")
+        if self.max_candidates is not None and self.max_candidates < 1:
+            found.append(f"max candidates must be at least 1, not {self.max_candidates}")
+        if self.idle_exit is not None and not self.idle_exit > 0:
+            found.append(f"idle exit must be more than 0 seconds, not {self.idle_exit}")
+        if self.model is not None and not self.model.strip():
+            found.append("model must not be empty")
+        if self.publish_every_s is not None and not self.publish_every_s > 0:
+            found.append(f"publish every must be more than 0 s, not {self.publish_every_s}")
+        if self.canary_share is not None and not 0 <= self.canary_share <= 1:
+            found.append(f"canary share must be in [0, 1], not {self.canary_share}")
+        if self.serving_dtype not in (None, "float32", "bfloat16", "float16"):
+            found.append(f"serving dtype must be float32, bfloat16 or float16, not "
+                         f"{self.serving_dtype!r}")
+        return found
+
+
+@dataclass
+class EvaluateSummary:
+    """The worker's counters. ``checkpoints``: events read; ``promoted`` / ``rejected`` /
+    ``canaries`` / ``rolled_back``: decisions published; ``superseded``: of the rejected, those decided unmeasured because a
+    newer candidate of their model was waiting (``supersede``); ``duplicates``: candidates
+    already decided (same checkpoint id, or a version not newer than one decided);
+    ``skipped``: checkpoints of another recipe or model; ``undecodable``: checkpoint events
+    dead-lettered; ``failed_measures``: tries of ``measure`` that raised;
+    ``undecodable_publications``: records of ``<ns>.publications`` dead-lettered (see the
+    module docstring)."""
+
+    group: str = ""
+    checkpoints: int = 0
+    promoted: int = 0
+    rejected: int = 0
+    canaries: int = 0
+    rolled_back: int = 0
+    superseded: int = 0
+    duplicates: int = 0
+    skipped: int = 0
+    undecodable: int = 0
+    failed_measures: int = 0
+    undecodable_publications: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def decided(self) -> int:
+        return self.promoted + self.rejected + self.canaries
+
+    def line(self) -> str:
+        """One line for the log: ``evaluator <group>: checkpoints=... promoted=... ...``."""
+        names = ("checkpoints", "promoted", "rejected", "superseded", "duplicates", "skipped",
+                 "undecodable", "failed_measures", "undecodable_publications", "canaries",
+                 "rolled_back")
+        counts = " ".join(f"{name}={getattr(self, name)}" for name in names)
+        return f"evaluator {self.group}: {counts} elapsed_s={self.elapsed_s:.1f}"
+
+
+class _Stopped(Exception):
+    """``stop`` was called while a candidate was being measured: leave it undecided."""
+
+
+class EvaluatorWorker:
+    """The candidate evaluator of one recipe; see the module docstring.
+
+    ``fleet``: the Redis projection to tell about publications (``reef_stream.publishing.fleet.Fleet``);
+    None leaves Redis alone (``reef fleet --rebuild`` catches up). ``announce(text)``: how the
+    evaluator's ``warning`` is shown at start [default: logged at WARNING]. ``on_decision(pub)``:
+    called after each publication is acknowledged and committed (on ``run``'s thread).
+    Raises ``ConfigurationError`` for bad options.
+    """
+
+    def __init__(self, recipe: Recipe, *, bootstrap: str | None = None,
+                 settings: Settings | None = None, namespace: str | None = None,
+                 options: EvaluateOptions = EvaluateOptions(), fleet: Fleet | None = None,
+                 consumer_config: dict | None = None,
+                 announce: Callable[[str], None] | None = None,
+                 on_decision: Callable[[Publication], None] | None = None) -> None:
+        problems = options.problems()
+        if problems:
+            raise ConfigurationError(problems)
+        settings = settings or load_settings()
+        self.recipe = recipe
+        self.evaluator = recipe.evaluator
+        self.options = options
+        self.namespace = namespace or settings.namespace
+        self.bootstrap = bootstrap or bootstrap_servers(settings)
+        self.group = options.group or default_group(recipe, self.namespace)
+        self.topic = declarations.checkpoints(self.namespace)
+        self.publications_topic = declarations.publications(self.namespace)
+        self.store = PublicationStore(options.publish_to
+                                      or default_publication_url(settings, self.namespace))
+        self.summary = EvaluateSummary(group=self.group)
+        self.release = Release.of(self.evaluator, canary_share=options.canary_share,
+                                  require_approval=options.require_approval,
+                                  publish_every_s=options.publish_every_s)
+        self.fleet = fleet
+        self._registry = SchemaRegistry.default()
+        self._consumer_config = consumer_config or {}
+        self._announce = announce or log.warning
+        self._on_decision = on_decision
+        self._stop = threading.Event()
+        self._last_assigned: float | None = None
+        #: Whether candidates are superseded: nothing to save without measuring.
+        self._supersedes = options.supersede and bool(self.evaluator.evaluates)
+
+    @property
+    def warning(self) -> str | None:
+        """The evaluator's warning, if any (AcceptEverything: every checkpoint is published
+        unevaluated)."""
+        return getattr(self.evaluator, "warning", None)
+
+    def stop(self) -> None:
+        """Ask ``run`` to stop after the current candidate (a candidate still being measured
+        is left undecided and uncommitted). Safe from any thread and from a signal handler."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> EvaluateSummary:
+        """Decide on checkpoints until stopped; return the counters. Blocks.
+
+        Announces the evaluator's warning first, then reads ``<ns>.publications`` to its end
+        (the incumbents; a record there that does not decode is dead-lettered) before the first
+        decision. Runs on the stage loop (``reef_stream.consumers.stage``), which commits each
+        checkpoint's offset once ``_Decisions`` says its publication is acknowledged. Raises
+        ``ConfigurationError`` for a missing topic and ``FatalError`` when a decision or a dead
+        letter cannot be stored (its offset stays uncommitted, so a restart decides it again).
+        """
+        started = time.monotonic()
+        if self.warning:
+            self._announce(self.warning)
+        producer = new_producer(self.bootstrap, {
+            "acks": "all", "enable.idempotence": True, "linger.ms": 0,
+            "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000) - 5000,
+        })
+        ledger = PublicationLedger(
+            self.bootstrap, self.namespace, registry=self._registry,
+            on_undecodable=lambda message, error: self._undecodable_publication(
+                producer, message, error))
+        metrics = MetricsWriter(producer, self.namespace, STAGE,
+                                {"group": self.group, "recipe": self.recipe.name})
+        self._canary = CanaryRunner(self.bootstrap, self.namespace, self.release,
+                                    registry=self._registry)
+        try:
+            ledger.open()
+            ledger.catch_up()
+            log.info("evaluator %s: %d publications read; incumbents: %s", self.group,
+                     ledger.read, {m: ledger.incumbent(m).policy_version for m in ledger.models()
+                                   if ledger.incumbent(m) is not None} or "none")
+            StageLoop(
+                _Decisions(self, producer, ledger, metrics), stage=STAGE,
+                bootstrap=self.bootstrap, group=self.group, topics=[self.topic],
+                namespace=self.namespace, reads="checkpoint event", producer=producer,
+                registry=self._registry, metrics=metrics, stop_event=self._stop, logger=log,
+                consumer_config={"max.poll.interval.ms": 3_600_000, **self._consumer_config},
+            ).run()
+        finally:
+            self._canary.close()
+            ledger.close()
+            self.summary.elapsed_s = time.monotonic() - started
+        return self.summary
+
+    def _publish(self, checkpoint: Checkpoint, producer: Producer, ledger: PublicationLedger,
+                 metrics: MetricsWriter, superseded_by: int | None = None) -> Publication | None:
+        """Decide on ``checkpoint`` (or find it decided), produce the Publication and wait for
+        the broker's acknowledgement (``FatalError`` otherwise; nothing committed). The first
+        half of the durability order; ``_after_commit`` is the rest. ``superseded_by``: the
+        newer waiting version that supersedes it (``superseding``), if any."""
+        publication = self._decide(checkpoint, ledger, metrics, superseded_by)
+        if publication is not None:
+            value, headers = self._registry.encode(publication)
+            deliver(producer, self.publications_topic, publication_key(publication), value,
+                    headers, f"the publication of {checkpoint.checkpoint_id}")
+            ledger.record(publication)
+            if publication.decision is Decision.PROMOTED:
+                self.summary.promoted += 1
+            elif publication.decision is Decision.CANARY:
+                self.summary.canaries += 1
+            else:
+                self.summary.rejected += 1
+            metrics.write(EVALUATOR_DECISIONS, self.summary.promoted, decision="PROMOTED")
+            metrics.write(EVALUATOR_DECISIONS, self.summary.rejected, decision="REJECTED")
+            metrics.write(EVALUATOR_CANDIDATE_VERSION, publication.policy_version,
+                          model=publication.model, decision=publication.decision.value)
+            if superseded_by is not None and publication.reason == superseded_reason(
+                    superseded_by):
+                self.summary.superseded += 1
+                metrics.write(EVALUATOR_CANDIDATES_SUPERSEDED, self.summary.superseded)
+            for measure, value in sorted(publication.measurement.items()):
+                metrics.write(EVALUATOR_MEASUREMENT, value, model=publication.model,
+                              measure=measure)
+        return publication
+
+    def _judge_canaries(self, producer: Producer, ledger: PublicationLedger) -> None:
+        """Publish the canary decisions due (``CanaryRunner``) on the canaries this evaluator
+        opened (by its name), acknowledged one by one; no offset goes with them."""
+        for publication in self._canary.decisions(ledger, self.evaluator.name,
+                                                  self.options.model):
+            value, headers = self._registry.encode(publication)
+            deliver(producer, self.publications_topic, publication_key(publication), value,
+                    headers, f"the canary decision on {publication.model} version "
+                             f"{publication.policy_version}")
+            ledger.record(publication)
+            self.summary.promoted += publication.decision is Decision.PROMOTED
+            self.summary.rolled_back += publication.decision is Decision.ROLLED_BACK
+            self._after_commit(publication)
+
+    def _after_commit(self, publication: Publication) -> None:
+        """After the checkpoint's offset is committed: log, update the Redis projection,
+        prune old copies (best effort: both can be redone from the log), ``on_decision``."""
+        log.info("%s version %d of model %s (checkpoint %s): %s", publication.decision.value,
+                 publication.policy_version, publication.model, publication.checkpoint_id,
+                 publication.reason)
+        self._project(publication)
+        prune_copies(self.store, publication, self.options.keep_published)
+        if self._on_decision is not None:
+            self._on_decision(publication)
+
+    def _decide(self, candidate: Checkpoint, ledger: PublicationLedger, metrics: MetricsWriter,
+                superseded_by: int | None = None) -> Publication | None:
+        """The publication for ``candidate``, or None when it gets none (another recipe or model,
+        or already decided, by the ledger read to its end before the candidates that waited
+        together); REJECTED unmeasured when ``superseded_by`` a newer waiting version and the
+        model has an incumbent (see the module docstring). Blocks while ``measure`` runs."""
+        if candidate.recipe != self.recipe.name or (
+                self.options.model is not None and candidate.model != self.options.model):
+            self.summary.skipped += 1
+            metrics.write(EVALUATOR_CANDIDATES_SKIPPED, self.summary.skipped, why="other")
+            return None
+        earlier = ledger.decision(candidate.checkpoint_id)
+        decided = ledger.decided_version(candidate.model)
+        if earlier is not None or (decided is not None and candidate.policy_version <= decided):
+            self.summary.duplicates += 1
+            metrics.write(EVALUATOR_CANDIDATES_SKIPPED, self.summary.duplicates, why="decided")
+            if earlier is not None:
+                log.info("checkpoint %s (version %d) was already decided: %s; no second decision",
+                         candidate.checkpoint_id, candidate.policy_version, earlier.decision.value)
+            else:
+                log.info("checkpoint %s: version %d of model %s is not newer than version %d, "
+                         "already decided; no decision", candidate.checkpoint_id,
+                         candidate.policy_version, candidate.model, decided)
+            return None
+        current = ledger.incumbent(candidate.model)
+        incumbent = Incumbent.from_publication(current) if current is not None else None
+        waiting = ledger.waiting(candidate.model)
+        unmeasured = (superseded_reason(superseded_by)
+                      if superseded_by is not None and current is not None else
+                      waiting_reason(waiting) if waiting is not None else
+                      cadence_reason(candidate, current, self.release.publish_every_s))
+        if unmeasured is not None:  # never promoted, so neither verified nor measured
+            return self._publication(candidate, Measurement(), incumbent, Selection(
+                Decision.REJECTED, unmeasured), candidate.uri)
+        if candidate.rolled_back_to is not None:  # verified as its weights load
+            return self._decide_rollback(candidate, current, incumbent)
+        try:
+            verify(candidate.uri, candidate.sha256)
+        except CheckpointError as error:
+            return self._publication(candidate, Measurement(), incumbent, Selection(
+                Decision.REJECTED, f"the candidate failed verification: {error}"), candidate.uri)
+        measurement, problem = self._measure(candidate, metrics)
+        if problem is not None:
+            return self._publication(candidate, Measurement(), incumbent,
+                                     Selection(Decision.REJECTED, problem), candidate.uri)
+        try:
+            selection = self.evaluator.select(measurement, incumbent)
+            if not isinstance(selection, Selection):
+                raise TypeError(f"select returned {type(selection).__name__}, not a Selection")
+        except Exception as error:  # noqa: BLE001 - the evaluator's bug is this candidate's outcome
+            return self._publication(candidate, measurement, incumbent, Selection(
+                Decision.REJECTED, f"the evaluator's select raised {type(error).__name__}: "
+                                   f"{error}"), candidate.uri)
+        uri, artifact = candidate.uri, None
+        if selection.promoted:
+            try:
+                uri, artifact = self._copy(candidate)
+            except CheckpointError as error:  # changed between verification and copy
+                return self._publication(candidate, measurement, incumbent, Selection(
+                    Decision.REJECTED, f"the candidate failed verification while it was "
+                                       f"copied for publication: {error}"), candidate.uri)
+        publication = self._publication(candidate, measurement, incumbent, selection, uri,
+                                        artifact)
+        return stage(publication, self.release, current is not None) if selection.promoted \
+            else publication
+
+    def _copy(self, candidate: Checkpoint) -> tuple[str, ServingArtifact | None]:
+        """Publish a promoted candidate's copy (its URI) and, when the recipe's model is a
+        Hugging Face one (``reef_stream.engine.hf.HuggingFace``), its serving artifact (else
+        None), in ``options.serving_dtype``. Blocks; ``CheckpointError`` when it does not
+        verify."""
+        from reef_stream.engine.hf import HuggingFace
+
+        uri = self.store.publish(candidate)
+        model = self.recipe.backend.model
+        if not isinstance(model, HuggingFace):
+            return uri, None
+        return uri, self.store.publish_artifact(candidate, model, self.options.serving_dtype)
+
+    def _decide_rollback(self, candidate: Checkpoint, current: Publication | None,
+                         incumbent: Incumbent | None) -> Publication:
+        """The decision on a trainer's rollback checkpoint (``reef_stream.publishing.rollback``):
+        promoted, without measuring, when its weights are exactly the incumbent's; the
+        incumbent's measurement goes with it. Its files are verified once before the decision,
+        here: ``load_weights`` checks every file of the checkpoint (step 4 of the module
+        docstring) before it hands over the weights (a promoted one's copy for publication
+        reads them again); one that does not verify is REJECTED as any candidate is."""
+        try:
+            mine = load_weights(candidate.uri, candidate.sha256)
+        except CheckpointError as error:
+            return self._publication(candidate, Measurement(), incumbent, Selection(
+                Decision.REJECTED, f"the candidate failed verification: {error}"), candidate.uri)
+        try:
+            theirs = None if current is None else load_weights(current.uri, current.sha256)
+        except CheckpointError as error:
+            log.warning("the incumbent's weights do not load (%s): the rollback %s is rejected",
+                        error, candidate.checkpoint_id)
+            theirs = None
+        decision, reason = check_rollback(candidate.rolled_back_to, current, mine, theirs)
+        measurement = Measurement(dict(current.measurement)) if current is not None \
+            else Measurement()
+        uri, artifact = candidate.uri, None
+        if decision is Decision.PROMOTED:
+            try:
+                uri, artifact = self._copy(candidate)
+            except CheckpointError as error:
+                decision, reason = Decision.REJECTED, (
+                    f"the rollback failed verification while it was copied for publication: "
+                    f"{error}")
+        return self._publication(candidate, measurement, incumbent,
+                                 Selection(decision, reason), uri, artifact)
+
+    def _measure(self, candidate: Checkpoint,
+                 metrics: MetricsWriter) -> tuple[Measurement, str | None]:
+        """``measure`` with retries: (measurement, None), or (empty, why it failed)."""
+        tries, last_error = self.options.retries + 1, None
+        for attempt in range(tries):
+            if attempt:
+                if self._stop.wait(min(self.options.backoff * 2 ** (attempt - 1), MAX_BACKOFF_S)):
+                    raise _Stopped
+            started = time.monotonic()
+            try:
+                measurement = self.evaluator.measure(candidate)
+                if not isinstance(measurement, Measurement):
+                    raise TypeError(f"measure returned {type(measurement).__name__}, "
+                                    "not a Measurement")
+            except Exception as error:  # noqa: BLE001 - retried, then the candidate's outcome
+                self.summary.failed_measures += 1
+                last_error = error
+                log.warning("measuring checkpoint %s failed (try %d of %d): %s: %s",
+                            candidate.checkpoint_id, attempt + 1, tries, type(error).__name__,
+                            error)
+                continue
+            finally:
+                metrics.write(EVALUATOR_MEASURE_SECONDS, time.monotonic() - started)
+            return measurement, None
+        if self._stop.is_set():
+            raise _Stopped
+        return Measurement(), (f"the evaluator's measure failed on every one of {tries} tries; "
+                               f"last error: {type(last_error).__name__}: {last_error}")
+
+    def _publication(self, candidate: Checkpoint, measurement: Measurement,
+                     incumbent: Incumbent | None, selection: Selection, uri: str,
+                     artifact: ServingArtifact | None = None) -> Publication:
+        return Publication(
+            model=candidate.model, policy_version=candidate.policy_version,
+            checkpoint_id=candidate.checkpoint_id, uri=uri, sha256=candidate.sha256,
+            decision=selection.decision, reason=selection.reason,
+            evaluator=self.evaluator.name, evaluated=bool(self.evaluator.evaluates),
+            measurement=dict(measurement.values),
+            incumbent_version=None if incumbent is None else incumbent.policy_version,
+            created_at=now_ms(), checkpoint_created_at=candidate.created_at,
+            artifact_uri=None if artifact is None else artifact.uri,
+            artifact_sha256=None if artifact is None else artifact.sha256,
+            artifact_kind=None if artifact is None else artifact.kind)
+
+    # ----------------------------------------------------------------- Kafka and Redis
+
+    def _undecodable_publication(self, producer: Producer, message: Message,
+                                 error: InvalidRecord) -> None:
+        """The ledger's ``on_undecodable``: dead-letter a record of ``<ns>.publications`` that
+        does not decode, keyed by its coordinates (``coordinates_key``), and block until the
+        broker acknowledged the letter (``FatalError`` otherwise). At least once with a stable
+        key: a restarted worker reads the topic from its beginning and letters the record again
+        under the same key."""
+        self._dead_letter(producer, message, f"undecodable publication: {error}",
+                          type(error).__name__, key=coordinates_key(
+                              message.topic(), message.partition(), message.offset()))
+        self.summary.undecodable_publications += 1
+
+    def _dead_letter(self, producer: Producer, message: Message, reason: str,
+                     error_type: str, *, key: bytes | None = None) -> None:
+        """Produce the ``DeadLetter`` of ``message`` (kept whole, with ``reason``) to
+        ``<ns>.dead-letters`` and block until it is acknowledged (``stage.deliver``). Its Kafka key is
+        ``key``, or else the message's own key."""
+        letter = dead_letter(reason, error_type, stage=STAGE, message=message)
+        value, headers = self._registry.encode(letter)
+        deliver(producer, declarations.dead_letters(self.namespace),
+                      message.key() if key is None else key, value, headers,
+                      f"the dead letter for {message.topic()}[{message.partition()}]@"
+                      f"{message.offset()}")
+        log.warning("dead-lettered %s[%d]@%d: %s", message.topic(), message.partition(),
+                    message.offset(), reason)
+
+    def _project(self, publication: Publication) -> None:
+        if self.fleet is None:
+            return
+        try:
+            self.fleet.record_publication(publication)
+        except Exception as error:  # noqa: BLE001 - Redis is a projection; `reef fleet --rebuild`
+            log.warning("could not update the fleet projection in Redis (%s); "
+                        "`reef fleet --rebuild` restores it", error)
+
+
+class _Decisions:
+    """The evaluator's strategy on the stage loop. ``submit`` decodes a checkpoint event and
+    adds it to the waiting ones; ``fetched`` decides every waiting one, in log order, once the
+    loop's consumer holds nothing more (``_holds_more``; at once when nothing is superseded),
+    so that the newest waiting candidate supersedes the older ones. A position is committable
+    once its publication is acknowledged (or the event was skipped, or dead-lettered), and the
+    post-commit steps run in ``committed``. ``poll`` follows the publications topic while
+    idle and stops the worker at ``--max-candidates`` or ``--idle-exit``."""
+
+    def __init__(self, worker: EvaluatorWorker, producer: Producer, ledger: PublicationLedger,
+                 metrics: MetricsWriter) -> None:
+        self.worker, self.producer, self.ledger, self.metrics = worker, producer, ledger, metrics
+        self._consumer: Consumer | None = None
+        self._positions: dict[tuple[str, int], int] = {}
+        #: Handed over, not decided yet, in log order; None: dead-lettered already.
+        self._waiting: list[tuple[Message, Checkpoint | None]] = []
+        self._decided: list[Publication] = []  # acknowledged, their offsets not committed yet
+        self._last_activity = time.monotonic()
+
+    def on_start(self, consumer: Consumer) -> None:
+        """The loop's consumer: asked only whether it holds more records (``_holds_more``)."""
+        self._consumer = consumer
+
+    def on_assign(self, partitions: list[TopicPartition]) -> None:
+        self.worker._last_assigned = time.monotonic()
+
+    def on_revoke(self, partitions: list[TopicPartition]) -> None:
+        """Forget the partitions' positions, which their next owner moves on, and drop their
+        waiting events (undecided, uncommitted: their next owner reads them again)."""
+        gone = {(tp.topic, tp.partition) for tp in partitions}
+        for where in gone:
+            self._positions.pop(where, None)
+        self._waiting = [(message, checkpoint) for message, checkpoint in self._waiting
+                         if (message.topic(), message.partition()) not in gone]
+
+    def submit(self, message: Message) -> None:
+        """Decode the event and let it wait (``fetched`` decides); ``InvalidRecord`` for one
+        that does not decode."""
+        worker = self.worker
+        self._last_activity = time.monotonic()
+        worker.summary.checkpoints += 1
+        try:
+            checkpoint = worker._registry.decode(
+                message.value(), message.headers(), Checkpoint, topic=message.topic(),
+                partition=message.partition(), offset=message.offset())
+        except InvalidRecord:
+            worker.summary.undecodable += 1
+            raise  # the loop dead-letters it, then dead_lettered()
+        self._waiting.append((message, checkpoint))
+
+    def dead_lettered(self, message: Message) -> None:
+        self._waiting.append((message, None))  # committable in its turn, after those before it
+
+    def fetched(self, drained_at_ms: int | None) -> None:
+        """Decide the waiting events unless the consumer holds more to hand over first (with
+        ``supersede``; up to ``MAX_WAITING``; a fetch that came back empty ends the wait)."""
+        if not self._waiting or (
+                self.worker._supersedes and drained_at_ms is None
+                and len(self._waiting) < MAX_WAITING and self._holds_more()):
+            return
+        self._decide_waiting()
+
+    def poll(self) -> None:
+        worker, options = self.worker, self.worker.options
+        if self._enough():
+            worker.stop()
+            return
+        self.ledger.poll(0)  # meanwhile: what others publish, and letters for what is bad
+        worker._judge_canaries(self.producer, self.ledger)
+        idle = options.idle_exit
+        if idle is not None:
+            if worker._last_assigned is None:  # still joining the group: allow for it
+                idle, since = idle + JOIN_GRACE_S, self._last_activity
+            else:
+                since = max(self._last_activity, worker._last_assigned)
+            if time.monotonic() - since >= idle:
+                log.info("no new checkpoint for %.1f s: stopping", idle)
+                worker.stop()
+
+    def committable(self) -> dict[tuple[str, int], int]:
+        return self._positions
+
+    def committed(self, positions: Mapping[tuple[str, int], int]) -> None:
+        decided, self._decided = self._decided, []
+        for publication in decided:
+            self.worker._after_commit(publication)
+
+    def join(self, timeout: float | None) -> None:
+        """Decide nothing more: the events still waiting stay undecided and uncommitted (read
+        again at the next start)."""
+        if self._waiting:
+            log.info("%d checkpoint events left undecided at the stop; read again at the next "
+                     "start", len(self._waiting))
+            self._waiting = []
+
+    def close(self) -> None:
+        """The ledger and the producer are the worker's."""
+
+    def _holds_more(self) -> bool:
+        """Whether the loop's consumer has more records of the waiting events' partitions to
+        hand over: the log's end at its last fetch (cached, no request) is past its position.
+        False when it cannot say."""
+        wanted = sorted({(message.topic(), message.partition()) for message, _ in self._waiting})
+        try:
+            for position in self._consumer.position([TopicPartition(t, p) for t, p in wanted]):
+                _, end = self._consumer.get_watermark_offsets(position, cached=True)
+                if 0 <= position.offset < end:
+                    return True
+        except KafkaException as error:
+            log.warning("could not read the consumer's position (%s): deciding what waits", error)
+        return False
+
+    def _decide_waiting(self) -> None:
+        """Decide the waiting events in log order, each with the version that supersedes it
+        (``superseding``, with ``supersede`` and an evaluator that measures). At a stop, or at
+        ``--max-candidates``, the rest stay undecided and uncommitted."""
+        worker = self.worker
+        waiting, self._waiting = self._waiting, []
+        checkpoints = [checkpoint for _, checkpoint in waiting if checkpoint is not None]
+        # What was decided since (by this group's previous member, say): read once for all of
+        # them (a few ms when little is new; this worker's own decisions are folded in as made).
+        if any(checkpoint.recipe == worker.recipe.name for checkpoint in checkpoints):
+            self.ledger.catch_up()
+        newer = iter(superseding(checkpoints) if worker._supersedes
+                     else [None] * len(checkpoints))
+        for done, (message, checkpoint) in enumerate(waiting):
+            if checkpoint is not None:
+                if worker.stopping or self._enough():
+                    self._waiting = waiting[done:]  # dropped by join()
+                    worker.stop()
+                    return
+                try:
+                    publication = worker._publish(checkpoint, self.producer, self.ledger,
+                                                  self.metrics, next(newer))
+                except _Stopped:  # stopped while measuring: undecided, uncommitted
+                    self._waiting = waiting[done:]
+                    worker.stop()
+                    return
+                if publication is not None:
+                    self._decided.append(publication)
+                self._last_activity = time.monotonic()
+            self._done(message)
+
+    def _enough(self) -> bool:
+        """``--max-candidates`` decisions made."""
+        limit = self.worker.options.max_candidates
+        return limit is not None and self.worker.summary.decided >= limit
+
+    def _done(self, message: Message) -> None:
+        self._positions[(message.topic(), message.partition())] = message.offset() + 1

@@ -1,0 +1,480 @@
+"""A sandbox worker process: ``python -m reef_stream.consumers.reward.sandbox.worker CONFIG_JSON``.
+
+Started by ``SandboxPool`` (``subprocess``, a fresh Python in a session of its own, never a
+fork of the reward worker and its Kafka clients). At start it:
+
+1. keeps its stdout for the protocol and points fd 1 at stderr (a stray print of an import
+   cannot corrupt a frame);
+2. leaves the network: ``unshare(CLONE_NEWNET)`` (a namespace with only a loopback that is
+   down), or, unprivileged, ``CLONE_NEWUSER | CLONE_NEWNET``; when neither is allowed it says
+   why in its ready frame (``network``) and the pool logs it and reports it in the metrics;
+3. becomes a child subreaper (orphans of a call are reparented to it and reaped);
+4. imports the reward function (``target``: ``module:attribute`` naming a reward function, or
+   a class to call with the fields ``build``, or a ``Recipe``, whose ``reward`` it takes after
+   the ``overrides``; the pool names the smallest of these it can:
+   ``reef_stream.consumers.reward.sandbox.reference``);
+5. writes its ready frame (with ``torch``: whether torch was imported, and ``modules``: how
+   many modules were), then serves calls one at a time until its stdin closes.
+
+Each call: the request frame carries the generation as its Avro record (value and headers,
+base64 in JSON); the worker decodes it, makes a fresh temporary directory and forks the call's
+process, which makes a process group of its own, points stdin at /dev/null and stdout and
+stderr at files of that directory, works in it (``HOME`` and ``TMPDIR`` too), sets the
+``Limits``, drops to the call's user (``uid``, when the worker runs as root), runs the reward
+function (a coroutine on a fresh event loop) and writes its result as JSON to a pipe. The
+worker writes a frame with the call's pid (the pool kills that process group on a wall-clock
+timeout), waits for the call's process, kills what is left of its group, reaps, removes the
+directory and answers with one frame: ``{"ok": {"reward", "components"}}``, ``{"raised":
+{"type", "message"}}``, or ``{"failure": {"category", "detail"}}``
+(``reef_stream.consumers.reward.sandbox.categories``).
+
+Frames: a 4-byte big-endian length, then that many bytes of JSON. Never pickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ctypes
+import importlib
+import inspect
+import json
+import math
+import numbers
+import os
+import resource
+import select
+import shutil
+import signal
+import struct
+import sys
+import tempfile
+import time
+from typing import Any
+
+from reef_stream.consumers.reward.sandbox.categories import (
+    CRASHED, EXIT, MEMORY, OUTPUT_INVALID, TIMEOUT, Limits, signal_name,
+)
+
+__all__ = ["read_frame", "write_frame"]
+
+CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
+PR_SET_CHILD_SUBREAPER = 36
+#: The largest result a call may write.
+MAX_RESULT_BYTES = 1 << 20
+#: Standard modules imported lazily by common calls (``socket.create_connection`` needs
+#: ``encodings.idna``) or by the programs a code reward runs, imported by the worker before
+#: its calls: a call run as another user may not be able to read the Python installation
+#: (``SandboxPool`` says so at start-up), and a worker imports only the reward's module, not
+#: the recipe and torch, which used to bring most of the standard library in.
+PRELOADED = ("encodings.idna", "encodings.punycode", "json", "asyncio", "tempfile", "ctypes",
+             "subprocess", "math", "cmath", "random", "re", "string", "fractions", "decimal",
+             "statistics", "collections", "heapq", "bisect", "itertools", "functools",
+             "operator", "copy", "typing", "dataclasses", "datetime", "calendar", "textwrap",
+             "difflib", "unicodedata", "pprint", "queue")
+#: How much of a call's stderr goes into the reason of its failure.
+STDERR_TAIL = 1500
+_MEMORY_RESULT = b'{"memory": true}'
+
+
+def write_frame(fd: int, payload: dict) -> None:
+    data = json.dumps(payload).encode()
+    data = struct.pack(">I", len(data)) + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def read_frame(fd: int) -> dict | None:
+    """The next frame on a blocking ``fd``; None at its end."""
+    head = _read_exactly(fd, 4)
+    if head is None:
+        return None
+    body = _read_exactly(fd, struct.unpack(">I", head)[0])
+    if body is None:
+        return None
+    return json.loads(body)
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+# --------------------------------------------------------------------------- start-up
+
+def isolate_network() -> str:
+    """``isolated`` when this process now has a network namespace of its own; otherwise why
+    not."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNET) == 0:
+        return "isolated"
+    first = os.strerror(ctypes.get_errno())
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
+        try:  # stay the same user inside (files keep their owner)
+            with open("/proc/self/setgroups", "w") as f:
+                f.write("deny")
+            with open("/proc/self/uid_map", "w") as f:
+                f.write(f"{uid} {uid} 1")
+            with open("/proc/self/gid_map", "w") as f:
+                f.write(f"{gid} {gid} 1")
+        except OSError as error:
+            return f"isolated (user namespace without an id map: {error})"
+        return "isolated"
+    return (f"not isolated: unshare(CLONE_NEWNET) failed ({first}) and so did "
+            f"unshare(CLONE_NEWUSER|CLONE_NEWNET) ({os.strerror(ctypes.get_errno())})")
+
+
+def resolve(target: str, overrides: list[str], build: dict | None = None) -> Any:
+    """The reward function ``target`` names: ``module:attribute`` (default attribute
+    ``recipe``; dotted for a class's attribute), a ``Recipe`` (its ``reward``, after
+    ``overrides``) or a reward function; with ``build``, a class called with these fields
+    (``reef_stream.consumers.reward.sandbox.reference``)."""
+    module_name, _, attribute = target.partition(":")
+    module = importlib.import_module(module_name)
+    if attribute:
+        value = module
+        for part in attribute.split("."):
+            value = getattr(value, part)
+    else:
+        value = getattr(module, "recipe", None) or getattr(module, "RECIPE")
+    if build is not None:
+        value = value(**build)
+    if hasattr(value, "processor") and hasattr(value, "reward"):  # a Recipe
+        if overrides:
+            from reef_stream.api.recipe import apply_overrides
+            value = apply_overrides(value, overrides)
+        value = value.reward
+    if value is None or not callable(value):
+        raise SystemExit(f"sandbox worker: {target} has no reward function")
+    return value
+
+
+# --------------------------------------------------------------------------- one call
+
+def _user_processes(uid: int) -> int:
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    count += 1
+            except OSError:
+                pass
+    return count
+
+
+def _set_limits(limits: Limits, uid: int | None) -> None:
+    """The call's limits, soft and hard alike (the reward cannot raise them again)."""
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * resource.getpagesize()
+    processes = limits.processes if uid is not None else limits.processes + \
+        _user_processes(os.getuid())
+    for which, soft, hard in (
+            (resource.RLIMIT_CPU, limits.cpu_s, limits.cpu_s + 1),
+            (resource.RLIMIT_AS, mapped + limits.memory_mb * 2**20, None),
+            (resource.RLIMIT_FSIZE, limits.file_mb * 2**20, None),
+            (resource.RLIMIT_NOFILE, limits.open_files, None),
+            (resource.RLIMIT_NPROC, processes, None),
+            (resource.RLIMIT_CORE, 0, None)):
+        resource.setrlimit(which, (soft, soft if hard is None else hard))
+
+
+def _child(reward: Any, generation: Any, workdir: str, result_fd: int, limits: Limits,
+           uid: int | None) -> None:
+    """The call's process (after the fork). Never returns."""
+    me = os.getpid()
+    memory_result = _MEMORY_RESULT
+    try:
+        os.setpgid(0, 0)
+        for number in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+            signal.signal(number, signal.SIG_DFL)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            out = os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                          0o600)
+            if uid is not None:
+                os.fchown(out, uid, uid)
+            os.dup2(out, fd)
+            os.close(out)
+        os.closerange(3, result_fd)
+        os.closerange(result_fd + 1, 1 << 16)
+        os.chdir(workdir)
+        os.environ.update(HOME=workdir, TMPDIR=workdir, TMP=workdir, TEMP=workdir,
+                          REEF_SANDBOXED_CALL="1")
+        tempfile.tempdir = workdir
+        _set_limits(limits, uid)
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+    except BaseException as error:  # noqa: BLE001 - the sandbox could not be set up
+        _write_all(result_fd, json.dumps({"setup": f"{type(error).__name__}: {error}"}).encode())
+        os._exit(0)
+    try:
+        result = reward(generation)
+        if inspect.isawaitable(result):
+            result = asyncio.run(_awaited(result))
+        payload = _result_payload(result)
+    except MemoryError:
+        if os.getpid() == me:
+            _write_all(result_fd, memory_result)
+        os._exit(0)
+    except SystemExit as error:
+        code = error.code
+        os._exit(0 if os.getpid() != me else (code if isinstance(code, int) else 1))
+    except BaseException as error:  # noqa: BLE001 - the function's failure is the outcome
+        if os.getpid() != me:  # a process the reward forked: never answers
+            os._exit(0)
+        try:
+            payload = json.dumps({"raised": {"type": type(error).__name__,
+                                             "message": str(error)[:2000]}}).encode()
+        except MemoryError:
+            payload = memory_result
+    if os.getpid() == me:
+        try:
+            _write_all(result_fd, payload)
+        except OSError:
+            pass
+    os._exit(0)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _result_payload(result: Any) -> bytes:
+    reward = getattr(result, "reward", None)
+    components = getattr(result, "components", None)
+    if type(result).__name__ != "Reward" or not isinstance(reward, numbers.Real) \
+            or isinstance(reward, bool):
+        return json.dumps({"invalid": f"expected a Reward with a number, got "
+                                      f"{type(result).__name__}"}).encode()
+    try:
+        parts = {str(k): float(v) for k, v in dict(components or {}).items()}
+    except (TypeError, ValueError) as error:
+        return json.dumps({"invalid": f"components: {error}"}).encode()
+    return json.dumps({"ok": {"reward": float(reward), "components": parts}}).encode()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _collect(read_fd: int, pid: int) -> tuple[bytes, int, float, bool]:
+    """The call's result bytes (at most ``MAX_RESULT_BYTES``), its wait status, the CPU
+    seconds it used, and whether it wrote more than that. Returns once the call's process
+    ended."""
+    os.set_blocking(read_fd, False)
+    chunks, size, eof, status, usage = [], 0, False, None, None
+
+    def drain() -> bool:
+        nonlocal size
+        while True:
+            try:
+                chunk = os.read(read_fd, 65536)
+            except BlockingIOError:
+                return False
+            if not chunk:
+                return True
+            size += len(chunk)
+            if size <= MAX_RESULT_BYTES:
+                chunks.append(chunk)
+
+    while status is None:
+        if eof:
+            _, status, usage = os.wait4(pid, 0)
+            break
+        ready, _, _ = select.select([read_fd], [], [], 0.05)
+        if ready:
+            eof = drain()
+        done, waited, used = os.wait4(pid, os.WNOHANG)
+        if done:
+            status, usage = waited, used
+    drain()
+    cpu = usage.ru_utime + usage.ru_stime
+    return b"".join(chunks), status, cpu, size > MAX_RESULT_BYTES
+
+
+def _clean_group(pid: int) -> None:
+    """Kill what is left of the call's process group and reap it (orphans come to this
+    subreaper), for up to a second."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            pass
+        _reap()
+        try:
+            os.killpg(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.002)
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - STDERR_TAIL))
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
+             out_fd: int, tmp: str | None = None) -> dict:
+    """One call in a forked process (see the module docstring); the answer frame."""
+    workdir = tempfile.mkdtemp(prefix="call-", dir=tmp)
+    try:
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(read_fd)
+                _child(reward, generation, workdir, write_fd, limits, uid)
+            finally:
+                os._exit(70)
+        os.close(write_fd)
+        try:  # as the child does: its group exists before anyone is told to kill it
+            os.setpgid(pid, pid)
+        except OSError:
+            pass
+        write_frame(out_fd, {"pid": pid, "dir": workdir})
+        try:
+            data, status, cpu, too_big = _collect(read_fd, pid)
+            _clean_group(pid)
+        finally:
+            os.close(read_fd)
+        return _answer(data, status, cpu, too_big, _tail(os.path.join(workdir, "stderr")),
+                       limits)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _answer(data: bytes, status: int, cpu: float, too_big: bool, stderr: str,
+            limits: Limits) -> dict:
+    said = f"; its stderr ends: {stderr[-STDERR_TAIL:]}" if stderr else ""
+
+    def failure(category: str, detail: str) -> dict:
+        return {"failure": {"category": category, "detail": detail}}
+
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        if number == signal.SIGXCPU or (number == signal.SIGKILL and cpu >= limits.cpu_s):
+            return failure(TIMEOUT, f"the CPU limit of {limits.cpu_s} s ran out "
+                                    f"({signal_name(number)}){said}")
+        return failure(CRASHED, f"the call's process was killed by {signal_name(number)}{said}")
+    if too_big:
+        return failure(OUTPUT_INVALID, f"the result was larger than {MAX_RESULT_BYTES} bytes")
+    if not data:
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1
+        if code:
+            return failure(EXIT, f"the call's process exited with status {code} and no "
+                                 f"result{said}")
+        return failure(OUTPUT_INVALID, f"the call's process exited with no result{said}")
+    try:
+        result = json.loads(data)
+        if not isinstance(result, dict):
+            raise ValueError(f"a JSON {type(result).__name__}")
+    except ValueError as error:
+        return failure(OUTPUT_INVALID, f"the result is not one JSON object: {error}")
+    if result.get("memory"):
+        return failure(MEMORY, f"an allocation failed under the memory limit of "
+                               f"{limits.memory_mb} MB (MemoryError){said}")
+    if "setup" in result:
+        return failure(CRASHED, f"the call's sandbox could not be set up: {result['setup']}")
+    if "invalid" in result:
+        return failure(OUTPUT_INVALID, str(result["invalid"]))
+    if "raised" in result:
+        return {"raised": result["raised"]}
+    ok = result.get("ok")
+    if not isinstance(ok, dict) or not isinstance(ok.get("reward"), float) \
+            or not math.isfinite(ok["reward"]):
+        return failure(OUTPUT_INVALID, f"not a finite reward: {data[:200]!r}")
+    return {"ok": ok}
+
+
+def _unreadable(uid: int | None) -> str:
+    """The Python installation's directory when the calls' user cannot read it, or ""."""
+    if uid is None:
+        return ""
+    stdlib = os.path.dirname(os.__file__)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.listdir(stdlib)
+        except OSError:
+            os._exit(1)
+        os._exit(0)
+    return "" if os.waitpid(pid, 0)[1] == 0 else stdlib
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    out_fd = os.dup(1)
+    os.dup2(2, 1)
+    limits = Limits(**config["limits"])
+    uid = config.get("uid")
+    network = isolate_network() if config.get("isolate_network", True) else "not isolated: off"
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    from reef_stream.core.events import Generation
+    from reef_stream.core.serde import decode
+    for name in PRELOADED:  # the calls' user may not be able to read the installation
+        importlib.import_module(name)
+    try:
+        reward = resolve(config["target"], config.get("overrides", []), config.get("build"))
+    except BaseException as error:  # noqa: BLE001 - said in the ready frame
+        write_frame(out_fd, {"ready": False, "error": f"{type(error).__name__}: {error}"})
+        return
+    write_frame(out_fd, {"ready": True, "network": network, "pid": os.getpid(), "uid": uid,
+                         "unreadable": _unreadable(uid), "torch": "torch" in sys.modules,
+                         "modules": len(sys.modules)})
+    while (request := read_frame(0)) is not None:
+        _reap()
+        try:
+            headers = [(k, base64.b64decode(v)) for k, v in request["headers"]]
+            generation = decode(base64.b64decode(request["value"]), headers, Generation)
+        except Exception as error:  # noqa: BLE001 - answered as the call's failure
+            write_frame(out_fd, {"pid": 0})
+            write_frame(out_fd, {"failure": {"category": OUTPUT_INVALID,
+                                             "detail": f"the generation did not decode in the "
+                                                       f"sandbox: {error}"}})
+            continue
+        write_frame(out_fd, run_call(reward, generation, limits, uid, out_fd, config.get("tmp")))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BrokenPipeError:  # the pool closed (or killed the reward worker): nothing to say
+        os._exit(0)

@@ -1,0 +1,753 @@
+"""The trainer: a consumer group over ``<ns>.units.<recipe>`` whose acknowledgements are checkpoints.
+
+    trainer = Trainer(recipe, bootstrap=..., namespace="reef", group="run-1")
+    summary = trainer.run()      # blocks until stop(), max_steps, idle_exit or a signal
+
+What a step is. The trainer reads every partition of the units topic
+(manually assigned: a step must not depend on a rebalance) and merges them
+into one order that is a function of the log alone
+(``reef_stream.engine.log_merge.LogMerge``). Taking units in that order, it
+
+1. dead-letters a unit that does not decode as the recipe's unit type
+   (``invalid``);
+2. skips a unit whose id it already trained or holds (a unit the processor
+   re-emitted after a crash; ``duplicates``, no dead letter);
+3. dead-letters a unit that decodes but that the backend cannot train
+   (``reef_stream.engine.training.untrainable``: no samples, a token id outside the
+   model's vocabulary, logprobs and tokens of different lengths, an empty or
+   too long sequence, a NaN or infinite logprob or reward; ``invalid``, the
+   reason names the unit, the generation and what is wrong), so a poison pill
+   never reaches the step, where it would crash the trainer (again after every
+   restart) or write NaN weights;
+4. dead-letters a unit whose behaviour policy is more than
+   ``schedule.max_staleness`` versions behind its own (``stale``, never trained
+   silently);
+
+and keeps the rest until it holds ``schedule.units_per_step``. (Duplicates
+are skipped before the check: a unit id is deterministic in its content and
+was checked when first trained. The check comes before staleness, which
+depends on the trainer's step: the dead letter names the defect of the record
+itself.) Those units, the objective's result on them and
+``TorchBackend.train_step`` make the step. So the units of step N are a pure
+function of the log and the trainer's state after step N-1, and a restarted
+trainer rebuilds the same steps. Should a step's advantages, loss or gradient norm
+still be NaN or infinite, ``train_step`` raises ``NonFiniteStep`` (fatal)
+before that update reaches the weights: nothing of the step is acknowledged.
+
+Acknowledgement (``_acknowledge``, the one place the order is written down):
+
+1. the checkpoint is written durably: weights, optimizer and RNG state, the
+   algorithm state the objective proposed, the next offset of every
+   partition, the hashes of every unit id trained so far;
+2. a ``Checkpoint`` event (id, step, URI, sha256, offsets, metrics) is
+   produced to ``<ns>.checkpoints`` and acknowledged by the broker;
+3. the offsets are committed for the group.
+
+A checkpoint is written every ``schedule.checkpoint_every`` steps (and after
+``checkpoint_every_s`` seconds, at ``max_steps``, before a rollback, and when
+the trainer is stopped), holding every step since the previous one
+(``step_units``: their units in order). The steps in between live in memory
+only: a crash, or a failure at any point of an acknowledgement, sends the
+trainer back to the newest durable checkpoint (``_resume``) as if it had
+restarted, and it trains those steps again from the log, to the same weights
+(the state a checkpoint restores is exact), so nothing is half-applied.
+
+Resume (``_resume``, at start and after a failed step). The newest complete
+checkpoint in the store is loaded and verified; its offsets win over the
+group's committed ones. If the group's committed offsets differ from the
+checkpoint's, the process died between steps 1 and 3: the Checkpoint event
+is produced again (same checkpoint id: readers deduplicate) and the offsets
+committed, completing that acknowledgement. Without a checkpoint the model
+starts from the schedule's seed and the group's committed offsets, or the
+beginning of the topic.
+
+The trainer runs on the stage loop (``reef_stream.consumers.stage``; its
+strategy is ``_Steps``), with the loop's two choices for a stage whose
+guarantee lives in its own durability step: a manual assignment (this rank's
+partitions, at the checkpoint's offsets, chosen after ``_resume``) and
+``strategy_commits`` (the commit is step 3 of ``_acknowledge``; the loop never
+commits). The loop fetches up to ``CONSUME_BATCH`` records at a time; each goes
+into the merge as it arrives, and after each fetch the settled ones are taken
+in order, so a step is trained and acknowledged on the loop's thread, between
+two fetches. A failed step goes back to the newest checkpoint there: ``_resume``,
+then the same partitions assigned again at its offsets.
+
+Rollback after rejections (``reef_stream.publishing.rollback``). Before each
+fetch, at most every ``CHECK_EVERY_S``, rank 0 reads what ``<ns>.publications``
+added: when the evaluator has decided on the trainer's newest checkpoint and
+replicas serve a version more than ``max_staleness`` behind it (every sample
+they make is too stale: the loop has stalled for good), the trainer
+acknowledges a rollback checkpoint, the incumbent's weights as the next version
+at the offsets of its last step, and resumes from it. Data-parallel ranks
+agree on it at a meeting of ranks (``_meet``), before a fetch or a step.
+
+Several groups may train on one units topic independently (each its own
+store, default ``$REEF_HOME/checkpoints/<ns>/<recipe>/<group>``). Dead
+letters of dropped units are sent at the step that consumes them and may
+repeat after a crash (at least once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import safetensors.torch
+
+from reef_stream.api.objective import state_from_record, state_record
+from reef_stream.api.recipe import Recipe
+from reef_stream.consumers.stage import StageLoop
+from reef_stream.consumers.trainer.ranks import Ranks
+from reef_stream.core.errors import ConfigurationError, InvalidRecord, RetryableError
+from reef_stream.core.events import Checkpoint, Publication, TopicOffset, now_ms
+from reef_stream.core.failpoints import failpoint
+from reef_stream.core.histograms import AGE_LABELS, age_buckets
+from reef_stream.core.metric_names import (
+    STAGE_TRAINER, TRAINER_DATA_SECONDS, TRAINER_ROLLBACKS, TRAINER_SAMPLE_AGE_MEAN,
+    TRAINER_SAMPLE_AGE_SAMPLES, TRAINER_SAMPLE_TO_UNIT_SAMPLES, TRAINER_STALENESS_MAX,
+    TRAINER_STALENESS_MEAN, TRAINER_STALENESS_SAMPLES, TRAINER_STEP_SECONDS, TRAINER_STEPS,
+    TRAINER_UNIT_TO_TRAIN_SAMPLES, TRAINER_UNITS_DUPLICATE, TRAINER_UNITS_INVALID,
+    TRAINER_UNITS_STALE, TRAINER_UNITS_TRAINED,
+)
+from reef_stream.core.serde import SchemaRegistry
+from reef_stream.core.settings import Settings, load_settings
+from reef_stream.engine.checkpoints import (
+    CheckpointContents, CheckpointError, CheckpointStore, StoredCheckpoint, default_store_url, load,
+    unit_hash,
+)
+from reef_stream.engine.log_merge import LogMerge, Ordered
+from reef_stream.engine.training import TorchBackend, select_rows, unit_members, untrainable
+from reef_stream.publishing.rollback import CHECK_EVERY_S, Agreed, StallWatch, Verdict, Vote, agree
+from reef_stream.topics import declarations
+from reef_stream.topics.admin import ensure_topics, namespace_topics
+from reef_stream.topics.connect import new_admin, new_producer
+from reef_stream.topics.dead_letters import dead_letter
+from reef_stream.topics.kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
+from reef_stream.topics.metrics import MetricsWriter
+
+log = logging.getLogger(__name__)
+
+#: Most messages taken from the client per poll.
+CONSUME_BATCH = 1_000
+#: Seconds the broker has to acknowledge a Checkpoint event before the step is aborted.
+ACK_TIMEOUT_S = 30.0
+#: Seconds between attempts to resume after a failed step.
+RETRY_BACKOFF_S = 2.0
+
+
+@dataclass
+class TrainerSummary:
+    """What one run did. ``resumed_from``: the checkpoint step it started from (0: none)."""
+
+    resumed_from: int = 0
+    steps: int = 0
+    last_step: int = 0
+    units_trained: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    #: Units that do not decode or cannot be trained (``untrainable``), dead-lettered.
+    invalid: int = 0
+    #: Rollback checkpoints written (``reef_stream.publishing.rollback``).
+    rollbacks: int = 0
+    resume_seconds: float = 0.0
+    first_step_seconds: float | None = None
+    data_seconds: float = 0.0
+    step_seconds: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    #: Trained samples by staleness (versions behind the trainer), over the run.
+    staleness: Counter[int] = field(default_factory=Counter)
+    #: Trained samples with a known created_at by age bucket (``le``, seconds), over the run:
+    #: generation -> step, generation -> unit, unit -> step (``reef_stream.core.histograms``).
+    sample_age: Counter[str] = field(default_factory=Counter)
+    sample_to_unit: Counter[str] = field(default_factory=Counter)
+    unit_to_train: Counter[str] = field(default_factory=Counter)
+
+    def line(self) -> str:
+        first = ("" if self.first_step_seconds is None
+                 else f", first step {self.first_step_seconds:.2f} s after start")
+        return (f"trained {self.steps} steps (now at step {self.last_step}, resumed from "
+                f"{self.resumed_from}), {self.units_trained} units; skipped {self.duplicates} "
+                f"duplicates, dropped {self.stale} stale and {self.invalid} invalid units; "
+                + (f"rolled back {self.rollbacks} times; " if self.rollbacks else "")
+                + f"resumed in {self.resume_seconds:.2f} s{first}")
+
+
+class StepAges(NamedTuple):
+    """Seconds, per trained sample with a known ``created_at`` (0: unknown, not counted): from
+    its generation to the step that trained it, to its unit, and from its unit to the step."""
+
+    sample_age: list[float]
+    sample_to_unit: list[float]
+    unit_to_train: list[float]
+
+    @classmethod
+    def of(cls, units: Sequence[Any], trained_at: int) -> StepAges:
+        """``trained_at``: the step's wall-clock time (epoch ms), one for all its samples."""
+        ages = cls([], [], [])
+        for unit in units:
+            unit_at = getattr(unit, "created_at", 0)
+            for member in unit_members(unit):
+                created_at = getattr(member, "created_at", 0)
+                if not created_at:
+                    continue
+                ages.sample_age.append((trained_at - created_at) / 1000)
+                if unit_at:
+                    ages.sample_to_unit.append((unit_at - created_at) / 1000)
+                    ages.unit_to_train.append((trained_at - unit_at) / 1000)
+        return ages
+
+
+class Trainer:
+    """One trainer process of group ``group`` (see the module docstring).
+
+    ``checkpoints``: the store URL. ``keep``: checkpoints retained (0: all).
+    ``model_name``: what Checkpoint events call the model (default: the
+    backend's ``model_name``, else the group). ``max_steps``: stop once the
+    trainer is at this step. ``idle_exit``: stop after this many seconds
+    without a new unit (units of an unfinished step stay unacknowledged).
+    """
+
+    def __init__(self, recipe: Recipe, *, bootstrap: str, namespace: str, group: str,
+                 checkpoints: str | None = None, keep: int = 5, model_name: str | None = None,
+                 max_steps: int | None = None, idle_exit: float | None = None,
+                 checkpoint_every_s: float | None = None,
+                 settings: Settings | None = None) -> None:
+        settings = settings or load_settings()
+        self.recipe, self.bootstrap, self.ns, self.group = recipe, bootstrap, namespace, group
+        self.topic = declarations.units(namespace, recipe.name)
+        self.store = CheckpointStore(checkpoints or default_store_url(
+            settings.home, namespace, recipe.name, group))
+        self.keep, self.max_steps, self.idle_exit = keep, max_steps, idle_exit
+        self.checkpoint_every_s = checkpoint_every_s
+        self.model_name = model_name or recipe.backend.model_name or group
+        self.registry = SchemaRegistry.default()
+        self.summary = TrainerSummary()
+        self._stop = threading.Event()
+        self._stop_asked = threading.Event()   # data parallelism: stop at the next meeting
+        self._started = time.monotonic()
+        # Set by _resume:
+        self.backend: TorchBackend | None = None
+        self.step = 0
+        self.algorithm_state: Any = None
+        self.trained: set[int] = set()
+        self.offsets: dict[int, int] = {}
+        #: The newest checkpoint's offsets and, for a rollback checkpoint, the version it
+        #: went back to.
+        self.acknowledged: tuple[TopicOffset, ...] = ()
+        self.rolled_back_to: int | None = None
+        #: The newest checkpoint's step and when it was written (monotonic), and what the steps
+        #: trained since hold: their unit ids in order, the offsets and metrics of the last.
+        self.durable_step, self.durable_at = 0, time.monotonic()
+        self.unacknowledged: list[str] = []
+        self.step_offsets: dict[int, int] = {}
+        self.step_metrics: dict[str, float] = {}
+        #: Rank 0's fold of <ns>.publications, opened after _resume.
+        self.watch: StallWatch | None = None
+        self.pending: list[Any] = []
+        self.pending_ids: set[str] = set()
+        #: This process among the data-parallel ranks (joined in _Steps.assignment).
+        self.world = Ranks()
+        self.rank, self.ranks = 0, 1
+        self.owned: list[int] = []
+
+    def stop(self) -> None:
+        """Stop after the step in progress (if any) is acknowledged; data-parallel ranks all stop
+        at their next meeting (``_meet``). Any thread; a signal handler."""
+        (self._stop_asked if self.ranks > 1 else self._stop).set()
+
+    # ----------------------------------------------------------------- the loop
+
+    def run(self) -> TrainerSummary:
+        """Train until stopped; returns the summary. Blocks. Call once."""
+        self._ensure_topics()
+        self.producer = new_producer(self.bootstrap, {
+            "acks": "all", "enable.idempotence": True, "linger.ms": 5})
+        self.metrics = MetricsWriter(self.producer, self.ns, STAGE_TRAINER,
+                                     {"recipe": self.recipe.name, "group": self.group})
+        if self.recipe.evaluator is not None and getattr(self.recipe.evaluator, "warning", None):
+            log.info("candidate evaluator %s decides what is published (reef evaluate)",
+                     self.recipe.evaluator.name)
+        StageLoop(
+            _Steps(self), stage=STAGE_TRAINER, bootstrap=self.bootstrap, group=self.group,
+            topics=[self.topic], namespace=self.ns, reads="unit", producer=self.producer,
+            registry=self.registry, batch=CONSUME_BATCH, poll_timeout=0.2,
+            strategy_commits=True, consumer_config={
+                "isolation.level": "read_committed", "enable.partition.eof": True,
+                "fetch.wait.max.ms": 100},
+            metrics=self.metrics, stop_event=self._stop, logger=log,
+        ).run()
+        self.summary.last_step = self.step
+        return self.summary
+
+    def _done(self) -> bool:
+        return self._stop.is_set() or (self.max_steps is not None and self.step >= self.max_steps)
+
+    def _take(self, record: Ordered) -> None:
+        """One unit, in log order: skip, drop or keep it; a full step is trained and acknowledged."""
+        failpoint("trainer.fetching", step=self.step + 1)
+        started = time.monotonic()
+        message = record.item
+        self.offsets[record.source] = record.offset + 1
+        try:
+            unit = self.registry.decode(message.value(), message.headers(),
+                                        self.recipe.objective.unit_type, topic=message.topic(),
+                                        partition=message.partition(), offset=message.offset())
+            unit_members(unit)
+        except (InvalidRecord, ConfigurationError) as error:
+            self.summary.invalid += 1
+            self._dead_letter(message, f"unit cannot be trained: {error}", type(error).__name__)
+            return
+        finally:
+            self.summary.data_seconds += time.monotonic() - started
+        if unit_hash(unit.unit_id) in self.trained or unit.unit_id in self.pending_ids:
+            self.summary.duplicates += 1
+            return
+        checked = time.monotonic()
+        problem = untrainable(unit, self.backend.limits)
+        self.summary.data_seconds += time.monotonic() - checked
+        if problem is not None:
+            self.summary.invalid += 1
+            self._dead_letter(message, problem, "UntrainableUnit")
+            return
+        oldest = min((m.policy_version for m in unit_members(unit)), default=self.step)
+        if self.step - oldest > self.recipe.schedule.max_staleness:
+            self.summary.stale += 1
+            self._dead_letter(message, (
+                f"unit {unit.unit_id} is too stale: its oldest sample is from policy version "
+                f"{oldest}, {self.step - oldest} behind the trainer's {self.step} (max_staleness "
+                f"{self.recipe.schedule.max_staleness})"), "TooStale")
+            return
+        self.pending.append(unit)
+        self.pending_ids.add(unit.unit_id)
+        if len(self.pending) == self.recipe.schedule.units_per_step // self.ranks:
+            if self.ranks == 1:
+                self._train_step()
+            else:
+                self._meet(ready=True)
+
+    # ----------------------------------------------------------------- one step
+
+    def _train_step(self) -> None:
+        """Train on the pending units (with every rank's, under data parallelism); checkpoint
+        when one is due (``_checkpoint_due``).
+
+        Every rank sees the whole step's units (gathered in rank order), so the
+        objective computes one result and one proposed state everywhere; each
+        rank trains on its own rows and DDP averages the gradients. Rank 0
+        acknowledges the steps for all ranks; the others wait for its verdict.
+        """
+        started = time.monotonic()
+        step, mine = self.step + 1, self.pending
+        self.producer.flush(ACK_TIMEOUT_S)   # this rank's dead letters, before any commit
+        shares = self.world.gather_shares(mine, self.offsets, self.registry,
+                                          self.recipe.objective.unit_type)
+        units = [u for units, _ in shares for u in units]
+        offsets = {p: o for _, rank_offsets in shares for p, o in rank_offsets.items()}
+        result = self.recipe.objective.compute(units, self.algorithm_state)
+        if self.ranks > 1:
+            counts = [len(unit_members(u)) for u in units]
+            first = sum(counts[:self.rank * len(mine)])
+            rows = np.arange(first, first + sum(counts[self.rank * len(mine):][:len(mine)]))
+            local = dataclasses.replace(result, advantages=select_rows(result.advantages, rows))
+        else:
+            local = result
+        metrics = self.backend.train_step(mine, local, step)
+        staleness = [self.step - m.policy_version for u in units for m in unit_members(u)]
+        if staleness:
+            metrics[TRAINER_STALENESS_MEAN] = float(np.mean(staleness))
+            metrics[TRAINER_STALENESS_MAX] = float(max(staleness))
+        ages = StepAges.of(units, now_ms())
+        if ages.sample_age:
+            metrics[TRAINER_SAMPLE_AGE_MEAN] = float(np.mean(ages.sample_age))
+        # Trained: the step and its proposed state are the trainer's from here on, durable
+        # once a checkpoint holds them (a failure before goes back to the newest checkpoint).
+        self.algorithm_state = result.proposed_state
+        self.trained.update(unit_hash(u.unit_id) for u in units)
+        self.step, self.step_offsets, self.step_metrics = step, offsets, metrics
+        self.unacknowledged.extend(u.unit_id for u in units)
+        self.pending, self.pending_ids = [], set()
+        if self._checkpoint_due():
+            self._checkpoint()
+        seconds = time.monotonic() - started
+        self._count_step(len(units), seconds, metrics, staleness, ages)
+        log.info("step %d: %d units, loss %.4f, %.2f s%s", step, len(units),
+                 metrics.get("loss", float("nan")), seconds,
+                 "" if self.durable_step == step else
+                 f"; checkpoint at step {self.durable_step}")
+
+    def _checkpoint_due(self) -> bool:
+        """Whether to checkpoint the step just trained: every ``schedule.checkpoint_every``
+        steps after the newest checkpoint, at ``max_steps``, and once ``checkpoint_every_s``
+        seconds passed since the newest checkpoint (rank 0's clock decides for every rank)."""
+        if (self.step - self.durable_step >= self.recipe.schedule.checkpoint_every
+                or (self.max_steps is not None and self.step >= self.max_steps)):
+            return True
+        if self.checkpoint_every_s is None:
+            return False
+        late = self.rank == 0 and time.monotonic() - self.durable_at >= self.checkpoint_every_s
+        return self.world.broadcast_bytes(b"1" if late else b"") == b"1"
+
+    def _checkpoint(self) -> None:
+        """Acknowledge every step trained since the newest checkpoint (``_acknowledge``): rank
+        0 writes it, with every rank's RNG states; the others wait for its verdict. Raises (a
+        ``RetryableError`` on every rank under data parallelism) when it failed: the caller
+        goes back to the newest checkpoint. Every rank calls it after the same step."""
+        step = self.step
+        failpoint("trainer.before-checkpoint", step=step)
+        weights, optimizer, rng = self.backend.state()
+        if self.ranks > 1:
+            rng = {k: v for blob in self.world.gather_bytes(safetensors.torch.save(rng))
+                   for k, v in safetensors.torch.load(blob).items()}
+        # Every rank's weights are the ones rank 0 writes, bitwise, or the step is not acknowledged.
+        error, offsets = self.world.weights_differ(weights, held=self.backend.held()), ()
+        if self.rank == 0 and error is None:
+            offsets = tuple(TopicOffset(topic=self.topic, partition=p, offset=o)
+                            for p, o in sorted(self.step_offsets.items()))
+            contents = CheckpointContents(
+                step=step, policy_version=step, model=self.model_name, recipe=self.recipe.name,
+                trainer_group=self.group, weights=weights, optimizer=optimizer, rng=rng,
+                algorithm_state=state_record(self.algorithm_state), offsets=offsets,
+                trained_units=np.unique(np.fromiter(self.trained, dtype=np.uint64,
+                                                    count=len(self.trained))),
+                step_units=tuple(self.unacknowledged), metrics=self.step_metrics,
+                created_at=now_ms())
+            try:
+                self._acknowledge(contents)
+            except (RetryableError, CheckpointError, KafkaException) as failure:
+                if self.ranks == 1:
+                    raise
+                error = f"{type(failure).__name__}: {failure}"
+        if self.ranks > 1:
+            error = self.world.broadcast_bytes((error or "").encode()).decode() or None
+        if error is not None:
+            raise RetryableError(f"rank 0 could not acknowledge step {step}: {error}")
+        self.acknowledged, self.rolled_back_to = offsets, None
+        self.durable_step, self.durable_at, self.unacknowledged = step, time.monotonic(), []
+        pruned = self.store.prune(self.keep) if self.rank == 0 else []
+        if pruned:
+            log.info("checkpoint of step %d written; pruned steps %s", step, pruned)
+
+    def _acknowledge(self, contents: CheckpointContents) -> StoredCheckpoint:
+        """Acknowledge a trained step, in this order; any failure raises and aborts the step.
+
+        1. Write the checkpoint durably (``CheckpointStore.write``: every file
+           fsynced, the manifest last). From here a restart resumes after this step.
+        2. Produce its ``Checkpoint`` event and wait for the broker's
+           acknowledgement (acks=all, idempotent producer).
+        3. Commit the offsets the checkpoint holds, synchronously.
+
+        A crash between 1 and 3 is completed by the next ``_resume`` (it
+        re-produces the event, same id, and commits). Nothing before 1 is
+        visible outside this process.
+        """
+        stored = self.store.write(contents)
+        failpoint("trainer.after-checkpoint", step=contents.step)
+        self._produce_checkpoint_event(stored, contents)
+        failpoint("trainer.after-event", step=contents.step)
+        self.consumer.commit(offsets=[TopicPartition(self.topic, o.partition, o.offset)
+                                      for o in contents.offsets], asynchronous=False)
+        failpoint("trainer.after-commit", step=contents.step)
+        return stored
+
+    def _produce_checkpoint_event(self, stored: StoredCheckpoint,
+                                  contents: CheckpointContents) -> None:
+        event = Checkpoint(
+            checkpoint_id=stored.checkpoint_id, recipe=self.recipe.name, trainer_group=self.group,
+            step=contents.step, model=contents.model, policy_version=contents.policy_version,
+            uri=stored.uri, sha256=stored.sha256, offsets=contents.offsets,
+            trained_unit_count=len(contents.trained_units),
+            metrics={k: float(v) for k, v in contents.metrics.items() if np.isfinite(v)},
+            created_at=contents.created_at or now_ms(), rolled_back_to=contents.rolled_back_to)
+        value, headers = self.registry.encode(event)
+        failures: list[str] = []
+
+        def delivered(error: KafkaError | None, _message: Any) -> None:
+            if error is not None:
+                failures.append(error.str())
+
+        self.producer.produce(declarations.checkpoints(self.ns), key=self.group.encode(),
+                              value=value, headers=headers, on_delivery=delivered)
+        if self.producer.flush(ACK_TIMEOUT_S) or failures:
+            raise RetryableError(f"the Checkpoint event of step {contents.step} was not "
+                                 f"acknowledged: {failures or 'timed out'}")
+
+    # ----------------------------------------------------------------- rollback
+
+    def _roll_back(self, version: int, target: tuple[Publication, str] | None) -> None:
+        """Roll back to the weights of ``version`` as the next version: rank 0, which holds
+        ``target`` (the incumbent's publication, the stall's reason), acknowledges the rollback
+        checkpoint (``StallWatch.roll_back``) and tells the other ranks how it went; then every
+        rank resumes from the newest checkpoint (the rollback's, unless it failed)."""
+        if self.step > self.durable_step:   # what was trained since is acknowledged first
+            try:
+                self._checkpoint()
+            except (RetryableError, CheckpointError, KafkaException) as error:
+                log.error("checkpoint before the rollback failed: %s; resuming from the "
+                          "newest checkpoint", error)
+                time.sleep(RETRY_BACKOFF_S)
+                self.consumer.assign(self._resume())
+                return
+        verdict = Verdict.DONE
+        if target is not None and self.watch is not None:
+            verdict = self.watch.roll_back(
+                target, self._acknowledge, step=self.step + 1, recipe=self.recipe.name,
+                group=self.group, offsets=self.acknowledged, trained=self.trained)
+        if self.ranks > 1:
+            verdict = Verdict(self.world.broadcast_bytes(verdict.value.encode()).decode())
+        if verdict is Verdict.CANNOT:
+            return
+        if verdict is Verdict.FAILED:
+            time.sleep(RETRY_BACKOFF_S)
+        else:
+            self.summary.rollbacks += 1
+            if self.rank == 0:
+                self.metrics.write(TRAINER_ROLLBACKS, self.summary.rollbacks,
+                                   to_version=str(version))
+        self.consumer.assign(self._resume())
+
+    # ----------------------------------------------------------------- resume
+
+    def _resume(self) -> list[TopicPartition]:
+        """Load the newest checkpoint (or start fresh) and finish its acknowledgement if it was
+        interrupted. Returns where this rank's partitions start (the checkpoint's offsets, else
+        the beginning): the loop's assignment at start, assigned again after a failed step.
+        Blocks; idempotent."""
+        self.backend = TorchBackend(self.recipe, between_micro_batches=self._micro_batch_done,
+                                    rank=self.rank, ranks=self.ranks)
+        self.algorithm_state = self.recipe.objective.initial_state()
+        self.step, self.trained, self.offsets = 0, set(), {}
+        self.acknowledged, self.rolled_back_to = (), None
+        self.pending, self.pending_ids = [], set()
+        self.unacknowledged, self.step_offsets, self.step_metrics = [], {}, {}
+        latest = self.store.latest()
+        committed = {tp.partition: tp.offset for tp in self.consumer.committed(
+            [TopicPartition(self.topic, p) for p in self.partitions], timeout=30) if tp.offset >= 0}
+        if latest is not None:
+            contents = load(latest.uri, latest.sha256)
+            if contents.recipe != self.recipe.name or contents.trainer_group != self.group:
+                raise ConfigurationError(
+                    f"the checkpoint store {self.store.url} holds checkpoints of recipe "
+                    f"{contents.recipe!r}, group {contents.trainer_group!r}, not recipe "
+                    f"{self.recipe.name!r}, group {self.group!r}: give this group its own store")
+            self.backend.restore(contents.weights, contents.optimizer, contents.rng)
+            state_type = type(self.recipe.objective.initial_state())
+            self.algorithm_state = state_from_record(state_type, contents.algorithm_state)
+            self.trained = {int(h) for h in contents.trained_units}
+            self.step = contents.step
+            self.acknowledged, self.rolled_back_to = contents.offsets, contents.rolled_back_to
+            self.offsets = {o.partition: o.offset for o in contents.offsets if o.topic == self.topic}
+            if self.rank == 0 and any(committed.get(p) != o for p, o in self.offsets.items()):
+                log.warning("step %d's acknowledgement was interrupted (committed %s, checkpoint "
+                            "%s): completing it", self.step, committed, self.offsets)
+                self._produce_checkpoint_event(latest, contents)
+                self.consumer.commit(offsets=[TopicPartition(self.topic, p, o)
+                                              for p, o in self.offsets.items()], asynchronous=False)
+        elif committed:
+            log.warning("group %s has committed offsets %s but no checkpoint in %s: starting "
+                        "from fresh weights at those offsets", self.group, committed, self.store.url)
+            self.offsets = dict(committed)
+        self.offsets = {p: o for p, o in self.offsets.items() if p in self.owned}
+        self.durable_step, self.durable_at = self.step, time.monotonic()
+        self.merge = LogMerge(sorted(self.owned), log_append_time=True)
+        if self.ranks > 1:
+            self.world.gather_bytes(b"")   # every rank resumed before any trains
+        return [TopicPartition(self.topic, p, self.offsets.get(p, OFFSET_BEGINNING))
+                for p in self.owned]
+
+    # ----------------------------------------------------------------- data parallelism
+
+    def _meet(self, ready: bool) -> None:
+        """Meet the other ranks (``reef_stream.publishing.rollback``: ``Vote``, ``agree``) and do
+        what they agreed: stop, roll back (rank 0 looks for a stall, its vote names the
+        version), train the step, or go on reading. ``ready``: this rank holds its share of the
+        next step; it meets again until every rank holds its own (or they agree on a stop or a
+        rollback). Blocks until every rank has voted; every rank calls it in the same order,
+        between the same steps. One rank meets alone."""
+        while True:
+            target = (self.watch.target(self.step, self.rolled_back_to)
+                      if self.watch is not None else None)
+            mine = Vote(step=self.step, ready=ready, stop=self._stop_asked.is_set(),
+                        roll_back_to=None if target is None else target[0].policy_version)
+            votes = [Vote.decode(data, rank)
+                     for rank, data in enumerate(self.world.gather_bytes(mine.encode()))]
+            agreed = agree(votes)
+            if agreed is Agreed.STOP:
+                self._stop.set()
+            elif agreed is Agreed.ROLL_BACK:
+                self._roll_back(votes[0].roll_back_to, target)
+            elif agreed is Agreed.STEP:
+                self._train_step()
+            if agreed is not Agreed.WAIT or not ready:
+                return
+
+    def _micro_batch_done(self, count: int) -> None:
+        failpoint("trainer.in-step", step=self.step + 1)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _ensure_topics(self) -> None:
+        admin = new_admin(self.bootstrap)
+        ensure_topics(admin, namespace_topics(admin, self.ns, (self.recipe.name,)))
+
+    def _dead_letter(self, message: Any, reason: str, error_type: str) -> None:
+        letter = dead_letter(reason, error_type, stage=STAGE_TRAINER, message=message)
+        value, headers = self.registry.encode(letter)
+        self.producer.produce(declarations.dead_letters(self.ns), key=message.key(), value=value,
+                              headers=headers)
+
+    def _count_step(self, units: int, seconds: float, metrics: dict[str, float],
+                    staleness: list[int], ages: StepAges) -> None:
+        summary = self.summary
+        summary.steps += 1
+        summary.units_trained += units
+        summary.staleness.update(staleness)
+        summary.sample_age.update(age_buckets(ages.sample_age))
+        summary.sample_to_unit.update(age_buckets(ages.sample_to_unit))
+        summary.unit_to_train.update(age_buckets(ages.unit_to_train))
+        summary.step_seconds += seconds
+        summary.metrics = metrics
+        if summary.first_step_seconds is None:
+            summary.first_step_seconds = time.monotonic() - self._started
+            log.info("first step after start: %.2f s (resume %.2f s)",
+                     summary.first_step_seconds, summary.resume_seconds)
+        if self.rank != 0:
+            return
+        write = self.metrics.write
+        write(TRAINER_STEPS, self.step)
+        write(TRAINER_UNITS_TRAINED, summary.units_trained)
+        write(TRAINER_UNITS_DUPLICATE, summary.duplicates)
+        write(TRAINER_UNITS_STALE, summary.stale)
+        write(TRAINER_UNITS_INVALID, summary.invalid)
+        write(TRAINER_STEP_SECONDS, seconds)
+        write(TRAINER_DATA_SECONDS, summary.data_seconds)
+        for name, value in metrics.items():
+            if np.isfinite(value):
+                write(name, value)
+        self.metrics.write_counts(TRAINER_STALENESS_SAMPLES, summary.staleness, "staleness")
+        for name, counts in ((TRAINER_SAMPLE_AGE_SAMPLES, summary.sample_age),
+                             (TRAINER_SAMPLE_TO_UNIT_SAMPLES, summary.sample_to_unit),
+                             (TRAINER_UNIT_TO_TRAIN_SAMPLES, summary.unit_to_train)):
+            self.metrics.write_counts(name, {le: counts[le] for le in AGE_LABELS if le in counts},
+                                      "le")
+        self.producer.poll(0)
+
+
+class _Steps:
+    """The trainer as the stage loop's strategy (``reef_stream.consumers.stage``). Records go
+    into the log-order merge as they are fetched (``submit``, ``at_end``); after each fetch the
+    settled ones are taken in order (``fetched``), a full step being trained and acknowledged
+    there, synchronously: ``Trainer._acknowledge`` commits (``strategy_commits``). Manual
+    assignment: this rank's partitions at its checkpoint's offsets."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        #: Monotonic seconds: when the current fetch began (``poll`` comes just before it),
+        #: when a unit was last taken (``idle_exit``), when a stall was last looked for.
+        self._fetch_started = self._last_unit = self._stall_checked = time.monotonic()
+
+    def on_start(self, consumer: Any) -> None:
+        """The loop's consumer: ``_resume`` reads the group's committed offsets with it and
+        assigns it again after a failed step; ``_acknowledge`` commits with it."""
+        self.trainer.consumer = consumer
+
+    def assignment(self, partitions: Mapping[str, list[int]]) -> list[TopicPartition]:
+        """Join the data-parallel ranks, resume from the newest checkpoint, and read the
+        partitions this rank owns (``p % ranks == rank``) from its offsets. Blocks (loading
+        the checkpoint; every rank waits for the others); called once."""
+        trainer = self.trainer
+        trainer.world = Ranks.join(trainer.recipe)
+        trainer.rank, trainer.ranks = trainer.world.rank, trainer.world.ranks
+        trainer.partitions = partitions[trainer.topic]
+        trainer.owned = [p for p in trainer.partitions if p % trainer.ranks == trainer.rank]
+        if trainer.ranks > 1:
+            log.info("rank %d of %d owns partitions %s", trainer.rank, trainer.ranks,
+                     trainer.owned)
+        start = trainer._resume()
+        summary = trainer.summary
+        summary.resumed_from = trainer.step
+        summary.resume_seconds = time.monotonic() - trainer._started
+        log.info("group %s at step %d (%s); resumed in %.2f s", trainer.group, trainer.step,
+                 trainer.store.url, summary.resume_seconds)
+        if trainer.rank == 0:   # it decides when to roll back, for every rank
+            trainer.watch = StallWatch(
+                trainer.bootstrap, trainer.ns, model=trainer.model_name,
+                max_staleness=trainer.recipe.schedule.max_staleness, log=log).open()
+        self._last_unit = self._stall_checked = time.monotonic()
+        return start
+
+    def on_assign(self, partitions: list[TopicPartition]) -> None:
+        """Nothing to restore: ``assignment`` resumed already."""
+
+    def on_revoke(self, partitions: list[TopicPartition]) -> None:
+        """Never called: a manual assignment is not revoked."""
+
+    def poll(self) -> None:
+        """Before each fetch, unless at ``max_steps`` (every rank is at the same step): every
+        ``CHECK_EVERY_S``, and at once when this rank was asked to stop, meet the other ranks
+        (``Trainer._meet``: rank 0 looks for a stall; they may roll back or stop); stop after
+        ``idle_exit`` seconds without a new unit (the units of an unfinished step stay
+        unacknowledged)."""
+        trainer = self.trainer
+        self._fetch_started = time.monotonic()
+        if not trainer._done() and (trainer._stop_asked.is_set() or
+                                    self._fetch_started - self._stall_checked >= CHECK_EVERY_S):
+            trainer._meet(ready=False)   # one rank: a meeting of one, rank 0
+            self._stall_checked = time.monotonic()
+        if trainer._done():
+            trainer._stop.set()
+        elif trainer.idle_exit is not None \
+                and time.monotonic() - self._last_unit > trainer.idle_exit:
+            log.info("no new unit for %.0f s: leaving", trainer.idle_exit)
+            trainer.stop()
+
+    def submit(self, message: Any) -> None:
+        """Into the merge; taken in ``fetched`` once settled. Never blocks or rejects (a unit
+        that cannot be trained is dead-lettered by ``_take``, in log order)."""
+        _, timestamp = message.timestamp()
+        self.trainer.merge.add(message.partition(), message.offset(), timestamp, message)
+
+    def at_end(self, topic: str, partition: int, offset: int) -> None:
+        self.trainer.merge.at_end(partition)
+
+    def fetched(self, drained_at_ms: int | None) -> None:
+        """Take the settled units in log order; a full step is trained and acknowledged here
+        (blocks for it). A step that fails goes back to the newest checkpoint: the consumer is
+        assigned again at its offsets, after ``RETRY_BACKOFF_S``."""
+        trainer = self.trainer
+        settled = trainer.merge.drained(drained_at_ms if drained_at_ms is not None else 0)
+        trainer.summary.data_seconds += time.monotonic() - self._fetch_started
+        took = False
+        try:
+            while not trainer._done() and (record := trainer.merge.pop(settled)) is not None:
+                took = True
+                trainer._take(record)
+        except (RetryableError, CheckpointError, KafkaException) as error:
+            log.error("step %d aborted: %s; resuming from the newest checkpoint",
+                      trainer.step + 1, error)
+            time.sleep(RETRY_BACKOFF_S)
+            trainer.consumer.assign(trainer._resume())
+            return
+        if took:
+            self._last_unit = time.monotonic()
+        if trainer._done():
+            trainer._stop.set()
+
+    def join(self, timeout: float | None) -> None:
+        """A stop (not a failure): acknowledge the steps trained since the newest checkpoint,
+        so stopping loses none (``schedule.checkpoint_every``). Every rank, after the same
+        step."""
+        trainer = self.trainer
+        if trainer.backend is not None and trainer.step > trainer.durable_step:
+            trainer._checkpoint()
+
+    def close(self) -> None:
+        """The publications' reader; the consumer is the loop's, the producer the trainer's."""
+        if self.trainer.watch is not None:
+            self.trainer.watch.close()

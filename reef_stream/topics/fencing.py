@@ -1,0 +1,112 @@
+"""The processor's transactional identity: its producer, the fences it survives, the watchdog.
+
+``transactional.id`` is ``reef-process.<ns>.<recipe>.<group>.<instance>``. A restarted
+instance fences its predecessor and aborts its open transaction at ``init_transactions``
+(``TransactionalIdentity.new_producer``), so nothing waits for ``transaction.timeout.ms``.
+A fence this process can survive (its own consumer fenced as a static member after the
+group coordinator moved; its producer fenced by the broker for a transaction open past its
+timeout) is recovered from at most ``MAX_REJOINS`` times in ``REJOIN_WINDOW_S``
+(``TransactionalIdentity.count``); whether the transactional id is still this instance's is
+proved by committing one harmless tombstone (``TransactionalIdentity.prove``). The
+recovery policy itself is ``ProcessorRuntime._rejoin`` and ``_renew_producer``.
+
+``watch_commits`` reports a transaction stuck inside librdkafka (see its docstring).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from reef_stream.core.errors import FatalError
+from reef_stream.topics.connect import new_producer
+from reef_stream.topics.declarations import MiB
+from reef_stream.topics.kafka import KafkaException, Producer
+
+log = logging.getLogger(__name__)
+
+#: Seconds after which an open transaction is reported stuck (``watch_commits``); a healthy
+#: one commits in well under a second.
+STUCK_COMMIT_S = 120.0
+#: Fences recovered from (consumer rejoins and producer renewals together) at most this often
+#: in ``REJOIN_WINDOW_S`` seconds.
+MAX_REJOINS = 3
+REJOIN_WINDOW_S = 600.0
+#: The changelog key of ``TransactionalIdentity.prove``'s tombstone (no state has it).
+PROBE_KEY = b"reef.probe"
+
+
+class TransactionalIdentity:
+    """One processor instance's transactional id, and the fences it recovered from.
+
+    ``probe_topic`` (the changelog) takes ``prove``'s tombstone on partition 0. Not
+    thread-safe: the processor's loop uses it."""
+
+    def __init__(self, bootstrap: str, transactional_id: str, *, timeout_ms: int,
+                 probe_topic: str, instance: str) -> None:
+        self.bootstrap, self.transactional_id = bootstrap, transactional_id
+        self.timeout_ms, self.probe_topic, self.instance = timeout_ms, probe_topic, instance
+        self._recoveries: list[float] = []  # when a fence was last recovered from (monotonic)
+
+    def new_producer(self) -> Producer:
+        """A producer with this transactional id, initialised: its ``init_transactions``
+        fences any earlier producer of the id and aborts its open transaction. Blocks (up
+        to 60 s)."""
+        producer = new_producer(self.bootstrap, {
+            "transactional.id": self.transactional_id,
+            "transaction.timeout.ms": self.timeout_ms,
+            "linger.ms": 5,
+            "compression.type": "lz4",
+            "message.max.bytes": 16 * MiB + 1024,
+        })
+        producer.init_transactions(60)
+        return producer
+
+    def count(self, fenced: FatalError) -> None:
+        """Note one recovery from a fence; ``fenced`` is raised past ``MAX_REJOINS`` of them
+        (consumer rejoins and producer renewals together) within ``REJOIN_WINDOW_S``."""
+        now = time.monotonic()
+        self._recoveries = [t for t in self._recoveries if now - t < REJOIN_WINDOW_S] + [now]
+        if len(self._recoveries) > MAX_REJOINS:
+            raise FatalError(f"{fenced}; fenced {len(self._recoveries)} times within "
+                             f"{REJOIN_WINDOW_S:.0f} s: is another processor running with "
+                             f"--instance {self.instance}?") from fenced
+
+    def prove(self, producer: Producer, fenced: FatalError) -> None:
+        """Commit a transaction of one harmless tombstone (``PROBE_KEY``) with ``producer``;
+        ``FatalError`` if it fails (a newer instance holds the transactional id). Blocks."""
+        try:
+            producer.begin_transaction()
+            producer.produce(self.probe_topic, partition=0, key=PROBE_KEY, value=None)
+            producer.commit_transaction(60)
+        except KafkaException as exc:
+            raise FatalError(f"{fenced}, and the transactional id is fenced too: "
+                             f"{exc.args[0]}") from exc
+
+
+def watch_commits(stopped: threading.Event, began: Callable[[], float | None],
+                  on_stuck: Callable[[str], None] | None, name: str) -> None:
+    """Until ``stopped``: report a transaction still open ``STUCK_COMMIT_S`` after it began
+    (``began()``: when the open transaction began, monotonic; None when none is open).
+
+    librdkafka's ``send_offsets_to_transaction`` can wait forever, past its timeout, for a
+    group coordinator that was killed (confluentinc/librdkafka#5456, #5511, open). Nothing
+    in this process can end that call, so the watchdog tells ``on_stuck``: `reef process`
+    exits with ``EXIT_RESTART`` for its supervisor to start it again, which is as safe as
+    any crash (the next instance's ``init_transactions`` aborts the open transaction).
+    Blocks: run it on a thread of its own.
+    """
+    reported = None
+    while not stopped.wait(1.0):
+        since = began()
+        if since is None or since == reported or time.monotonic() - since < STUCK_COMMIT_S:
+            continue
+        reported = since
+        why = (f"a transaction has not committed {STUCK_COMMIT_S:.0f} s after it began "
+               "(librdkafka can wait forever on a group coordinator that died: "
+               "confluentinc/librdkafka#5456)")
+        log.critical("processor %s: %s", name, why)
+        if on_stuck is not None:
+            on_stuck(why)
