@@ -271,3 +271,18 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
     modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
     assert _imports(modules["a"], "a", modules) == {"b"}
     assert _imports(modules["b"], "b", modules) == {"a"}
+
+
+def test_the_architecture_doc_draws_the_layers_of_this_test():
+    """docs/architecture.md's drawing lists the same layers, top to bottom, with their folders:
+    the page a newcomer reads cannot drift from the order this file enforces."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    drawing = doc.split("## The layers", 1)[1].split("```")[1]
+    rows = [line.split() for line in drawing.splitlines() if line[:1] == " " and line[1:2] != " "]
+    drawn = []
+    for row in rows:
+        folders = tuple(word for word in row if word.endswith("/"))
+        name = " ".join(word for word in row[:row.index(folders[0])]) if folders else None
+        if folders:
+            drawn.append((name, tuple(f"reef_stream.{folder[:-1]}" for folder in folders)))
+    assert drawn == list(reversed(LAYERS))
