@@ -2,13 +2,13 @@
 # Set up (scripts/setup.sh) and run the whole test suite: unit tests, then the
 # integration and fault tests against a real Kafka broker and a real Redis that
 # the tests start themselves (or REEF_BOOTSTRAP_SERVERS / REEF_REDIS_URL).
-# The tests need the optional sinks' extras too (tensorboard, wandb). Also installs Debian's
+# The tests need the optional extras too (tensorboard, wandb, s3). Also installs Debian's
 # chromium where it is missing: the dashboard test renders the page
 # in headless Chromium (the demo itself does not need it). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The vLLM engine's environment too: the engine tests and `reef demo --engine vllm`'s test use it.
-REEF_SETUP_EXTRAS=test,tensorboard,wandb REEF_SETUP_ENGINES=vllm bash scripts/setup.sh
+REEF_SETUP_EXTRAS=test,tensorboard,wandb,s3 REEF_SETUP_ENGINES=vllm bash scripts/setup.sh
 if [ ! -x /usr/bin/chromium ]; then
   printf '\033[1m==> %s\033[0m\n' "Installing Debian's chromium (headless, for the dashboard test)"
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"

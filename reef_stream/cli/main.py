@@ -3,6 +3,7 @@
     reef up                         local broker + Redis + topics, then the status
     reef kafka up|down|status       the local Kafka cluster (1 or 3 KRaft nodes)
     reef redis up|down|status       the local Redis server
+    reef s3 up|down|status|env      the local object store (S3Proxy), for s3:// checkpoints
     reef engine install|up|down|status  a local vLLM server (own cached environment)
     reef topics create|verify       the declared topics of a namespace
     reef produce generations|feedback   import JSONL logs (native or OpenAI-style)

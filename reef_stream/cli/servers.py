@@ -1,4 +1,5 @@
-"""``reef up``, ``reef kafka``, ``reef redis``: the local Kafka cluster and Redis server."""
+"""``reef up``, ``reef kafka``, ``reef redis``, ``reef s3``: the local Kafka cluster, Redis server
+and object store."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from reef_stream.servers.kafka_local import (
 )
 from reef_stream.servers.redis_local import DEFAULT_PORT as REDIS_PORT
 from reef_stream.servers.redis_local import LocalRedis
+from reef_stream.servers.s3_local import DEFAULT_PORT as S3_PORT
+from reef_stream.servers.s3_local import LocalS3
 from reef_stream.topics.connect import new_admin
 
 # --------------------------------------------------------------------------- reef up
@@ -213,4 +216,76 @@ def redis_status(ctx: click.Context, data: Path | None) -> None:
                   f"version {status.version or '-'}, keys {status.keys if status.keys is not None else '-'})")
 
 
-COMMANDS = [up, kafka, redis]
+# --------------------------------------------------------------------------- reef s3
+
+
+@click.group()
+def s3() -> None:
+    """The local object store (S3Proxy over a directory, jars from Maven Central).
+
+    For checkpoints and artifacts at s3:// URLs in development and tests: start it, then
+    `eval "$(reef s3 env)"` gives clients (s3fs, boto3, vLLM's loaders) its endpoint and
+    credentials. Needs the s3 extra (pip install 'reef-stream[s3]') for the client side.
+    """
+
+
+_s3_data_option = click.option(
+    "--data", type=click.Path(file_okay=False, path_type=Path), default=None,
+    help="Data directory of the store [default: $REEF_HOME/s3].")
+
+
+def _local_s3(ctx: click.Context, data: Path | None) -> LocalS3:
+    settings = settings_of(ctx)
+    return LocalS3(data or settings.s3_dir, settings.cache_dir)
+
+
+@s3.command("up")
+@click.option("--port", type=int, default=S3_PORT, show_default=True,
+              help="Port, when the store is first created in its data directory.")
+@click.option("--bucket", "buckets", multiple=True, help="Create this bucket (again: no-op).")
+@_s3_data_option
+@click.pass_context
+def s3_up(ctx: click.Context, port: int = S3_PORT, buckets: tuple[str, ...] = (),
+          data: Path | None = None) -> None:
+    """Start the local object store if it is not running; print its endpoint.
+
+    The first run fetches S3Proxy's jars with Maven (once). The objects stay in the data
+    directory across restarts; so do the credentials (see `reef s3 env`).
+    """
+    store = _local_s3(ctx, data)
+    endpoint = store.up(port=port, progress=progress)
+    for bucket in buckets:
+        store.create_bucket(bucket)
+        progress(f"Bucket {bucket} is there")
+    console.print(f"s3: [bold]{endpoint}[/bold]  (eval \"$(reef s3 env)\" for its credentials)")
+
+
+@s3.command("env")
+@_s3_data_option
+@click.pass_context
+def s3_env(ctx: click.Context, data: Path | None) -> None:
+    """Print the store's endpoint and credentials as shell exports, for clients to use."""
+    for name, value in _local_s3(ctx, data).environment().items():
+        click.echo(f"export {name}={value}")
+
+
+@s3.command("down")
+@_s3_data_option
+@click.pass_context
+def s3_down(ctx: click.Context, data: Path | None) -> None:
+    """Stop the local object store (its objects stay)."""
+    _local_s3(ctx, data).down(progress=progress)
+
+
+@s3.command("status")
+@_s3_data_option
+@click.pass_context
+def s3_status(ctx: click.Context, data: Path | None) -> None:
+    """Show whether the local object store is alive and its buckets."""
+    status = _local_s3(ctx, data).status()
+    state = "[green]alive[/green]" if status.alive else "[red]stopped[/red]"
+    buckets = ", ".join(status.buckets) if status.buckets else "-"
+    console.print(f"s3 {status.endpoint}: {state} (pid {status.pid or '-'}, buckets {buckets})")
+
+
+COMMANDS = [up, kafka, redis, s3]

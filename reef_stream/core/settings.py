@@ -58,6 +58,8 @@ def _package_data(name: str) -> Path:
 SCHEMAS_DIR = _package_data("schemas")
 #: The local broker's templates: pom.xml, server.properties, log4j (``infra/kafka/``).
 KAFKA_INFRA_DIR = _package_data("kafka")
+#: The local object store's pom (S3Proxy from Maven Central; ``infra/s3/``).
+S3_INFRA_DIR = _package_data("s3")
 #: The checkout this module sits in, when it sits in one (tests and benchmarks read the
 #: README and scripts from it); nothing at run time reads it.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -118,6 +120,11 @@ class Settings:
     def redis_dir(self) -> Path:
         """Default data directory of the local Redis server."""
         return self.home / "redis"
+
+    @property
+    def s3_dir(self) -> Path:
+        """Default data directory of the local object store (``reef s3 up``)."""
+        return self.home / "s3"
 
 
 def load_settings(environ: dict[str, str] | None = None) -> Settings:

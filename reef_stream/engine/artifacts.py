@@ -53,7 +53,9 @@ import torch
 
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.engine import checkpoints
-from reef_stream.engine.checkpoints import MANIFEST, CheckpointError
+from reef_stream.engine.checkpoints import (
+    MANIFEST, CheckpointError, remove_tree, storage_errors,
+)
 
 __all__ = ["KINDS", "SERVING_DTYPES", "TOKENIZER_FILES", "ArtifactError", "ServingArtifact",
            "verify_artifact", "write_serving_artifact"]
@@ -124,7 +126,7 @@ def write_serving_artifact(model: Any, directory: str | os.PathLike[str], dtype:
                 shutil.rmtree(staging, ignore_errors=True)
         with tempfile.TemporaryDirectory(prefix="reef-artifact-") as staging:
             return _finish(lm, kind, serving, metadata, staging, url, fs, final, local)
-    except OSError as exc:
+    except storage_errors() as exc:
         raise ArtifactError(f"could not write the serving artifact {url}: {exc}") from exc
 
 
@@ -156,7 +158,7 @@ def _finish(lm: Any, kind: str, serving: str, metadata: Mapping[str, Any] | None
         checkpoints.fsync_dir(os.path.dirname(final) or ".")
     else:  # an object store has no rename: the files, then the manifest last
         if fs.exists(final):
-            fs.rm(final, recursive=True)
+            remove_tree(fs, final)
         fs.makedirs(final, exist_ok=True)
         for name in entries:
             fs.put_file(os.path.join(staging, name), f"{final}/{name}")
@@ -262,7 +264,7 @@ def verify_artifact(directory: str | os.PathLike[str], sha256: str | None = None
                 while chunk := file.read(_CHUNK):
                     digest.update(chunk)
                     size += len(chunk)
-        except OSError as exc:
+        except storage_errors() as exc:
             raise ArtifactError(f"serving artifact {url}: {name} cannot be read: {exc}") from exc
         if size != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
             raise ArtifactError(f"serving artifact {url}: {name} does not match its size and "

@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -54,7 +55,9 @@ from reef_stream.core.events import TopicOffset
 from reef_stream.core.failpoints import failpoint
 
 __all__ = ["CheckpointContents", "CheckpointError", "CheckpointStore", "StoredCheckpoint",
-           "default_store_url", "load", "load_weights", "unit_hash", "verify", "write_durably",
+           "default_store_url", "load", "load_weights", "remove_tree", "storage_errors",
+           "unit_hash", "verify",
+           "write_durably",
            "safetensors_chunks", "safetensors_sha256", "write_safetensors"]
 
 MANIFEST = "MANIFEST.json"
@@ -153,7 +156,7 @@ class CheckpointStore:
             manifest = json.dumps({"format": 1, "step": contents.step, "files": entries},
                                   sort_keys=True, indent=1).encode()
             if self.fs.exists(final):  # an earlier, incomplete attempt at this step
-                self.fs.rm(final, recursive=True)
+                remove_tree(self.fs, final)
             if self.local:
                 self._write_file(f"{staging}/{MANIFEST}", manifest)
                 os.rename(staging, final)
@@ -162,8 +165,8 @@ class CheckpointStore:
                 for name in entries:
                     self.fs.copy(f"{staging}/{name}", f"{final}/{name}")
                 self._write_file(f"{final}/{MANIFEST}", manifest)
-                self.fs.rm(staging, recursive=True)
-        except OSError as exc:
+                remove_tree(self.fs, staging)
+        except storage_errors() as exc:
             raise CheckpointError(f"could not write checkpoint step {contents.step} to "
                                   f"{self.url}: {exc}") from exc
         return StoredCheckpoint(step=contents.step, uri=self._uri(final),
@@ -202,12 +205,12 @@ class CheckpointStore:
         steps = self.steps()
         doomed = steps[:-keep]
         for stored in doomed:
-            self.fs.rm(_path_of(stored.uri), recursive=True)
+            remove_tree(self.fs, _path_of(stored.uri))
         newest = steps[-1].step if steps else -1
         for path in self.fs.ls(self.root, detail=False):
             name = path.rstrip("/").rsplit("/", 1)[-1]
             if ".tmp-" in name and int(name.split("-")[1].split(".")[0]) <= newest:
-                self.fs.rm(path, recursive=True)
+                remove_tree(self.fs, path)
         return [stored.step for stored in doomed]
 
     def _step_path(self, step: int) -> str:
@@ -227,7 +230,7 @@ def verify(uri: str, sha256: str | None = None) -> dict[str, bytes]:
     for name, entry in entries.items():
         try:
             data = fs.cat_file(f"{path}/{name}")
-        except OSError as exc:
+        except storage_errors() as exc:
             raise CheckpointError(f"checkpoint {uri}: {name} cannot be read: {exc}") from exc
         if hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise CheckpointError(f"checkpoint {uri}: {name} does not match its sha256 in the "
@@ -286,7 +289,7 @@ class _Files:
                 with open(f"{self.path}/{name}", "rb") as file:
                     while chunk := file.read(_WRITE_CHUNK):
                         digest.update(chunk)
-            except OSError as exc:
+            except storage_errors() as exc:
                 raise CheckpointError(f"checkpoint {uri}: {name} cannot be read: {exc}") from exc
             if digest.hexdigest() != entry["sha256"]:
                 raise CheckpointError(f"checkpoint {uri}: {name} does not match its sha256 in "
@@ -331,7 +334,7 @@ def load(uri: str, sha256: str | None = None) -> CheckpointContents:
             created_at=meta["created_at"], rolled_back_to=meta.get("rolled_back_to"))
     except (KeyError, ValueError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {uri} is not a reef-stream checkpoint: {exc}") from exc
-    except OSError as exc:
+    except storage_errors() as exc:
         raise CheckpointError(f"checkpoint {uri} cannot be read: {exc}") from exc
 
 
@@ -531,6 +534,32 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 def _path_of(uri: str) -> str:
     return fsspec.core.url_to_fs(uri)[1]
+
+
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """What a store's failure raises: ``OSError``, and botocore's own errors (a refused
+    connection, a timeout, an error response) once an S3 filesystem has loaded botocore, which
+    raises them outside ``OSError``. For ``except storage_errors():`` around store calls."""
+    botocore = sys.modules.get("botocore.exceptions")
+    if botocore is None:
+        return (OSError,)
+    return (OSError, botocore.BotoCoreError, botocore.ClientError)
+
+
+#: fsspec protocols whose batch delete (DeleteObjects) some S3-compatible stores refuse.
+_S3_PROTOCOLS = frozenset({"s3", "s3a"})
+
+
+def remove_tree(fs: Any, path: str) -> None:
+    """Remove ``path`` and everything under it (blocks). On S3 one object at a time
+    (DeleteObject): not every S3-compatible store implements the batch delete with the
+    checksum headers current clients send (S3Proxy answers "not implemented")."""
+    if _S3_PROTOCOLS.isdisjoint(_protocols(fs)):
+        fs.rm(path, recursive=True)
+        return
+    for name in fs.find(path):
+        fs.rm_file(name)
+    fs.invalidate_cache(path)
 
 
 def write_durably(fs: Any, path: str, data: bytes, *, local: bool) -> None:

@@ -43,7 +43,7 @@ from reef_stream.core.events import Checkpoint, Decision, Publication
 from reef_stream.core.serde import SchemaRegistry
 from reef_stream.core.settings import Settings
 from reef_stream.engine.checkpoints import (
-    MANIFEST, CheckpointError, fsync_dir, verify, write_durably,
+    MANIFEST, CheckpointError, fsync_dir, remove_tree, storage_errors, verify, write_durably,
 )
 from reef_stream.topics import declarations
 from reef_stream.topics.connect import new_consumer, watermarks
@@ -385,7 +385,7 @@ class PublicationStore:
         src_fs, src_path = fsspec.core.url_to_fs(candidate.uri)
         try:
             manifest = src_fs.cat_file(f"{src_path}/{MANIFEST}")
-        except OSError as error:
+        except storage_errors() as error:
             raise CheckpointError(f"checkpoint {candidate.uri}: {MANIFEST} cannot be read: "
                                   f"{error}") from error
         if hashlib.sha256(manifest).hexdigest() != candidate.sha256:
@@ -394,7 +394,7 @@ class PublicationStore:
         try:
             target = staging if self.local else final
             if self.fs.exists(final):
-                self.fs.rm(final, recursive=True)
+                remove_tree(self.fs, final)
             self.fs.makedirs(target, exist_ok=True)
             for name, data in files.items():
                 self._write(f"{target}/{name}", data)
@@ -402,7 +402,7 @@ class PublicationStore:
             if self.local:
                 os.rename(staging, final)
                 fsync_dir(os.path.dirname(final))
-        except OSError as error:
+        except storage_errors() as error:
             raise FatalError(f"could not copy checkpoint {candidate.checkpoint_id} to the "
                              f"publication store {self.url}: {error}; nothing was published, "
                              "fix the store and start the evaluator again") from error
@@ -454,7 +454,7 @@ class PublicationStore:
         found = self.fs.exists(path)
         for doomed in (path, f"{path}-serving"):
             if self.fs.exists(doomed):
-                self.fs.rm(doomed, recursive=True)
+                remove_tree(self.fs, doomed)
         return found
 
     def prune(self, model: str, keep: int) -> list[int]:
@@ -464,14 +464,14 @@ class PublicationStore:
             return []
         doomed = self.versions(model)[:-keep]
         for version in doomed:
-            self.fs.rm(self._path(model, version), recursive=True)
+            remove_tree(self.fs, self._path(model, version))
             if self.fs.exists(f"{self._path(model, version)}-serving"):
-                self.fs.rm(f"{self._path(model, version)}-serving", recursive=True)
+                remove_tree(self.fs, f"{self._path(model, version)}-serving")
         directory = f"{self.root}/{_model_dir(model)}"
         if self.fs.exists(directory):
             for path in self.fs.ls(directory, detail=False):
                 if ".tmp-" in path.rstrip("/").rsplit("/", 1)[-1]:
-                    self.fs.rm(path, recursive=True)
+                    remove_tree(self.fs, path)
         return doomed
 
     def _path(self, model: str, version: int) -> str:

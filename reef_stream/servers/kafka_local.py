@@ -23,7 +23,6 @@ controller quorum and keep three copies of every partition.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import re
@@ -42,6 +41,7 @@ from typing import Callable
 from reef_stream.core.errors import ConfigurationError, FatalError
 from reef_stream.core.processes import free_ports, log_tail, port_is_free, process_matches, reap
 from reef_stream.core.settings import KAFKA_INFRA_DIR, Settings
+from reef_stream.servers.maven import maven_classpath
 
 KAFKA_VERSION = "3.9.2"
 DEFAULT_PORT = 19092
@@ -125,48 +125,12 @@ def check_java() -> str:
 
 
 def kafka_classpath(cache_dir: Path, progress: Progress = _quiet) -> str:
-    """The broker's Java classpath, resolved by Maven once and cached.
-
-    The cache key is the pom's content, so editing the pom resolves again. A
-    cached classpath whose jars have gone (``~/.m2`` cleaned) is resolved again.
-    """
-    pom = KAFKA_INFRA_DIR / "pom.xml"
-    key = hashlib.sha256(pom.read_bytes()).hexdigest()[:16]
-    cached = cache_dir / f"kafka-classpath-{key}.txt"
-    if cached.exists():
-        classpath = cached.read_text().strip()
-        if classpath and all(Path(jar).exists() for jar in classpath.split(os.pathsep)):
-            return classpath
-
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise ConfigurationError(
-            "Maven (mvn) was not found: it fetches the Kafka broker's jars from Maven Central "
-            "once. Install it (Debian: apt-get install maven), or set REEF_BOOTSTRAP_SERVERS "
-            "to use an existing Kafka cluster instead."
-        )
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    progress(f"Fetching Apache Kafka {KAFKA_VERSION} from Maven Central (once; cached in ~/.m2)")
-    partial = cached.with_suffix(".partial")
-    result = subprocess.run(
-        [mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(pom),
-         "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:build-classpath",
-         f"-Dmdep.outputFile={partial}", "-Dmdep.includeScope=runtime"],
-        capture_output=True, text=True,
-    )
-    if result.returncode != 0:
-        output = (result.stdout + result.stderr).strip()
-        tail = "\n".join(output.splitlines()[-15:])
-        if re.search(r"Could not (resolve|transfer)|UnknownHost|Connection (refused|timed out)|"
-                     r"Network is unreachable|No plugin found|offline", output):
-            raise ConfigurationError(
-                "Maven could not fetch the Kafka jars: Maven Central looks unreachable from "
-                "this machine (check the network or proxy settings in ~/.m2/settings.xml), "
-                f"or set REEF_BOOTSTRAP_SERVERS to use an existing cluster.\n{tail}"
-            )
-        raise ConfigurationError(f"Maven failed to resolve {pom}:\n{tail}")
-    partial.replace(cached)
-    return cached.read_text().strip()
+    """The broker's Java classpath (``infra/kafka/pom.xml``), resolved by Maven once and cached
+    (``servers.maven.maven_classpath``)."""
+    return maven_classpath(KAFKA_INFRA_DIR / "pom.xml", cache_dir,
+                           f"Apache Kafka {KAFKA_VERSION}'s jars",
+                           instead="set REEF_BOOTSTRAP_SERVERS to use an existing Kafka cluster",
+                           progress=progress)
 
 
 # --------------------------------------------------------------------------- the cluster

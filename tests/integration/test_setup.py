@@ -7,6 +7,7 @@ checkout up) it only checks and says what it skips."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 from reef_stream.core.settings import PROJECT_ROOT
@@ -14,9 +15,16 @@ from reef_stream.core.settings import PROJECT_ROOT
 ENGINE_STEP = "Installing the vllm engine's environment"
 
 
+def _tests_extras() -> str:
+    """The extras scripts/test.sh installs, so this setup has nothing to install again."""
+    match = re.search(r"REEF_SETUP_EXTRAS=(\S+)", (PROJECT_ROOT / "scripts" / "test.sh").read_text())
+    assert match, "scripts/test.sh names no REEF_SETUP_EXTRAS"
+    return match.group(1)
+
+
 def _setup(**env: str) -> str:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("REEF_SETUP_")}
-    environ["REEF_SETUP_EXTRAS"] = "test,tensorboard,wandb"  # scripts/test.sh's: nothing to do
+    environ["REEF_SETUP_EXTRAS"] = _tests_extras()
     result = subprocess.run(["bash", "scripts/setup.sh"], cwd=PROJECT_ROOT, capture_output=True,
                             text=True, timeout=600, env={**environ, **env})
     assert result.returncode == 0, result.stdout + result.stderr
