@@ -2,23 +2,24 @@
 
 A checkpoint is a directory under a store URL (a local path by default; any
 fsspec URL, e.g. ``memory://`` or ``s3://bucket/prefix`` with its fsspec
-package installed)::
+package installed), named by its step and its writer (one id per ``CheckpointStore``,
+so two processes writing the same step never touch each other's files)::
 
-    <store>/step-00000042/
+    <store>/step-00000042.<writer>/
         model.safetensors        the weights
         optimizer.safetensors    the optimizer's tensors; the rest of its state is in meta.json
         trainer.safetensors      RNG states and the ids of every unit trained so far (uint64 hashes)
         meta.json                step, policy version, offsets, algorithm state, metrics, ...
         MANIFEST.json            every file above with its size and sha256 -- written LAST
 
-A checkpoint exists once its ``MANIFEST.json`` does: the manifest is written
-after every other file is complete (and, on a local disk, fsynced, as is the
-directory), so a crash mid-write leaves a directory without a manifest, which
-readers ignore and the next write of that step replaces. The checkpoint's
-``sha256`` (the one a ``Checkpoint`` event carries) is the sha256 of the
-manifest's bytes; the manifest in turn pins every file, so checking the
-manifest against the event and each file against the manifest verifies
-everything (``verify``).
+A checkpoint is complete once its ``MANIFEST.json`` exists: the manifest is written after
+every other file is complete (and, on a local disk, fsynced, as is the directory), so a crash
+mid-write leaves a directory without a manifest, which readers ignore. A complete checkpoint
+*counts* only once its ``Checkpoint`` event is committed to ``<ns>.checkpoints``: the trainer
+resumes from that event, never from a listing, and a fenced or crashed writer's directory is
+garbage that ``prune`` removes. The checkpoint's ``sha256`` (the one the event carries) is the
+sha256 of the manifest's bytes; the manifest in turn pins every file, so checking the manifest
+against the event and each file against the manifest verifies everything (``verify``).
 
 Files are written as they are serialised, tensor by tensor from the tensors' own memory
 (``write_safetensors``), and a local checkpoint is loaded from its files without their
@@ -61,7 +62,9 @@ __all__ = ["CheckpointContents", "CheckpointError", "CheckpointStore", "StoredCh
            "safetensors_chunks", "safetensors_sha256", "write_safetensors"]
 
 MANIFEST = "MANIFEST.json"
-_STEP_DIR = re.compile(r"step-(\d{8,})\Z")
+#: A checkpoint's directory: its step, then its writer (absent in stores written before
+#: writers had ids).
+_STEP_DIR = re.compile(r"step-(\d{8,})(?:\.[0-9a-f]+)?\Z")
 
 
 class CheckpointError(ReefError):
@@ -119,10 +122,15 @@ class StoredCheckpoint:
 
 
 class CheckpointStore:
-    """The checkpoints of one trainer group under ``url``. Not shared between groups."""
+    """The checkpoints of one trainer group under ``url``. Not shared between groups. Every
+    directory this instance writes carries ``writer`` (a fresh random id by default), so two
+    instances never write the same directory."""
 
-    def __init__(self, url: str | os.PathLike[str]) -> None:
+    def __init__(self, url: str | os.PathLike[str], *, writer: str | None = None) -> None:
         url = os.fspath(url)
+        self.writer = writer or uuid.uuid4().hex[:12]
+        if not re.fullmatch(r"[0-9a-f]+", self.writer):
+            raise ValueError(f"a checkpoint writer id is lowercase hex, not {self.writer!r}")
         self.fs, root = fsspec.core.url_to_fs(url)
         self.root = root.rstrip("/")
         self.local = "file" in _protocols(self.fs)
@@ -133,8 +141,8 @@ class CheckpointStore:
     def write(self, contents: CheckpointContents) -> StoredCheckpoint:
         """Write ``contents`` as step ``contents.step``, durably; returns where and its sha256.
 
-        Blocks until every file (and, locally, the directory) is on disk. A
-        leftover incomplete directory of the same step is replaced. Raises
+        Blocks until every file (and, locally, the directory) is on disk. This writer's own
+        leftover directory of the same step is replaced; no other writer's is touched. Raises
         ``CheckpointError`` when the store cannot be written; nothing readable
         is left behind then.
         """
@@ -155,7 +163,7 @@ class CheckpointStore:
             failpoint("checkpoint.mid-write", step=contents.step)
             manifest = json.dumps({"format": 1, "step": contents.step, "files": entries},
                                   sort_keys=True, indent=1).encode()
-            if self.fs.exists(final):  # an earlier, incomplete attempt at this step
+            if self.fs.exists(final):  # this writer's earlier attempt at this step
                 remove_tree(self.fs, final)
             if self.local:
                 self._write_file(f"{staging}/{MANIFEST}", manifest)
@@ -190,10 +198,12 @@ class CheckpointStore:
             manifest = self.fs.cat_file(f"{path}/{MANIFEST}")
             found.append(StoredCheckpoint(step=int(match.group(1)), uri=self._uri(path),
                                           sha256=hashlib.sha256(manifest).hexdigest()))
-        return sorted(found, key=lambda c: c.step)
+        return sorted(found, key=lambda c: (c.step, c.uri))
 
     def latest(self) -> StoredCheckpoint | None:
-        """The newest complete checkpoint, or None."""
+        """The newest complete checkpoint by listing, or None. A listing also finds checkpoints
+        whose event never committed (a crash, a fenced writer): the trainer resumes from its
+        newest committed ``Checkpoint`` event instead."""
         steps = self.steps()
         return steps[-1] if steps else None
 
@@ -214,7 +224,7 @@ class CheckpointStore:
         return [stored.step for stored in doomed]
 
     def _step_path(self, step: int) -> str:
-        return f"{self.root}/step-{step:08d}"
+        return f"{self.root}/step-{step:08d}.{self.writer}"
 
     def _uri(self, path: str) -> str:
         protocol = _protocols(self.fs)[0]

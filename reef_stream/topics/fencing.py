@@ -1,6 +1,9 @@
-"""The processor's transactional identity: its producer, the fences it survives, the watchdog.
+"""Transactional identities: a writer's producer, the fences it survives, the watchdog.
 
-``transactional.id`` is ``reef-process.<ns>.<recipe>.<group>.<instance>``. A restarted
+Every writer whose records others act on writes through a Kafka transaction with a stable
+transactional id, so a newer instance fences every older one (``is_fenced`` tells the error
+that says so). The processor's is ``reef-process.<ns>.<recipe>.<group>.<instance>``, the
+trainer's ``reef-train.<ns>.<recipe>.<group>`` (``consumers.trainer``). A restarted
 instance fences its predecessor and aborts its open transaction at ``init_transactions``
 (``TransactionalIdentity.new_producer``), so nothing waits for ``transaction.timeout.ms``.
 A fence this process can survive (its own consumer fenced as a static member after the
@@ -23,7 +26,7 @@ from collections.abc import Callable
 from reef_stream.core.errors import FatalError
 from reef_stream.topics.connect import new_producer
 from reef_stream.topics.declarations import MiB
-from reef_stream.topics.kafka import KafkaException, Producer
+from reef_stream.topics.kafka import KafkaError, KafkaException, Producer
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,17 @@ MAX_REJOINS = 3
 REJOIN_WINDOW_S = 600.0
 #: The changelog key of ``TransactionalIdentity.prove``'s tombstone (no state has it).
 PROBE_KEY = b"reef.probe"
+
+
+#: Errors that mean a newer producer holds this transactional id.
+FENCED_CODES = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
+                          KafkaError.INVALID_PRODUCER_EPOCH})
+
+
+def is_fenced(error: KafkaError) -> bool:
+    """True when ``error`` (from a transactional producer's call) means the producer is
+    fenced, or in a fatal state it cannot leave: nothing it writes from now on can commit."""
+    return error.fatal() or error.code() in FENCED_CODES
 
 
 class TransactionalIdentity:

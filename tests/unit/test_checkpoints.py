@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,13 @@ import torch
 
 from reef_stream.core.events import TopicOffset
 from reef_stream.engine.checkpoints import (
-    CheckpointContents, CheckpointError, CheckpointStore, load, load_weights, unit_hash, verify,
+    CheckpointContents,
+    CheckpointError,
+    CheckpointStore,
+    load,
+    load_weights,
+    unit_hash,
+    verify,
 )
 
 
@@ -84,7 +91,7 @@ def test_a_changed_byte_or_a_swapped_manifest_is_refused(tmp_path):
     model, optimizer = _trained_model_and_optimizer()
     store = CheckpointStore(tmp_path)
     stored = store.write(_contents(1, model, optimizer))
-    weights = tmp_path / "step-00000001" / "model.safetensors"
+    weights = Path(stored.uri) / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
@@ -92,7 +99,7 @@ def test_a_changed_byte_or_a_swapped_manifest_is_refused(tmp_path):
         load_weights(stored.uri, stored.sha256)
 
     # Rewriting the manifest to match the tampered file changes the checkpoint's sha256.
-    manifest_path = tmp_path / "step-00000001" / "MANIFEST.json"
+    manifest_path = Path(stored.uri) / "MANIFEST.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["files"]["model.safetensors"]["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
     manifest_path.write_text(json.dumps(manifest))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,13 +13,20 @@ import torch
 
 from reef_stream.api.recipe import load_recipe
 from reef_stream.consumers.evaluator.evaluator import (
-    EvaluateOptions, EvaluatorWorker, PublicationLedger, PublicationStore, publication_key,
+    EvaluateOptions,
+    EvaluatorWorker,
+    PublicationLedger,
+    PublicationStore,
+    publication_key,
 )
 from reef_stream.core.errors import ConfigurationError, InvalidRecord
 from reef_stream.core.events import Checkpoint, Decision, Publication
 from reef_stream.core.settings import load_settings
 from reef_stream.engine.checkpoints import (
-    CheckpointContents, CheckpointError, CheckpointStore, load_weights,
+    CheckpointContents,
+    CheckpointError,
+    CheckpointStore,
+    load_weights,
 )
 from reef_stream.serving.follower import Follower
 from tests.faults.records import generation
@@ -55,7 +63,7 @@ def test_a_published_copy_has_the_checksum_and_outlives_the_trainers_retention(t
 
     assert uris[0] == str(tmp_path / "published" / "m%2F1" / "v1")  # one path segment
     CheckpointStore(source).prune(keep=1)
-    shutil.rmtree(source / "step-00000003")
+    shutil.rmtree(candidates[2].uri)
     for candidate, uri in zip(candidates, uris):
         assert torch.equal(load_weights(uri, candidate.sha256)["w"], _weights(candidate.step)["w"])
     assert store.publish(candidates[2]) == uris[2]  # idempotent: the verified copy stays
@@ -66,7 +74,7 @@ def test_a_published_copy_has_the_checksum_and_outlives_the_trainers_retention(t
 
 def test_a_tampered_candidate_is_not_copied(tmp_path):
     candidate = _checkpoint(tmp_path / "ckpt", 1)
-    (tmp_path / "ckpt" / "step-00000001" / "meta.json").write_text("{}")
+    (Path(candidate.uri) / "meta.json").write_text("{}")
     with pytest.raises(CheckpointError, match="meta.json does not match"):
         PublicationStore(tmp_path / "published").publish(candidate)
     assert not (tmp_path / "published" / "m%2F1" / "v1").exists()

@@ -36,12 +36,20 @@ before that update reaches the weights: nothing of the step is acknowledged.
 
 Acknowledgement (``_acknowledge``, the one place the order is written down):
 
-1. the checkpoint is written durably: weights, optimizer and RNG state, the
+1. the checkpoint is written durably, in a directory of this process's own
+   (``CheckpointStore``'s writer id): weights, optimizer and RNG state, the
    algorithm state the objective proposed, the next offset of every
    partition, the hashes of every unit id trained so far;
-2. a ``Checkpoint`` event (id, step, URI, sha256, offsets, metrics) is
-   produced to ``<ns>.checkpoints`` and acknowledged by the broker;
-3. the offsets are committed for the group.
+2. one Kafka transaction holds its ``Checkpoint`` event (to ``<ns>.checkpoints``)
+   and the group's offsets (``send_offsets_to_transaction``); the checkpoint
+   exists once that transaction commits.
+
+Fencing. The transaction's id is ``trainer_transactional_id(ns, recipe, group)``:
+a trainer that starts (rank 0) fences every older one of its group at
+``init_transactions``, before it reads where to resume. A paused or partitioned
+zombie that wakes up fails at its first acknowledgement (``TrainerFenced``, one
+line, the process exits); nothing it wrote counts, and its directories are
+garbage ``prune`` removes.
 
 A checkpoint is written every ``schedule.checkpoint_every`` steps (and after
 ``checkpoint_every_s`` seconds, at ``max_steps``, before a rollback, and when
@@ -52,21 +60,18 @@ trainer back to the newest durable checkpoint (``_resume``) as if it had
 restarted, and it trains those steps again from the log, to the same weights
 (the state a checkpoint restores is exact), so nothing is half-applied.
 
-Resume (``_resume``, at start and after a failed step). The newest complete
-checkpoint in the store is loaded and verified; its offsets win over the
-group's committed ones. If the group's committed offsets differ from the
-checkpoint's, the process died between steps 1 and 3: the Checkpoint event
-is produced again (same checkpoint id: readers deduplicate) and the offsets
-committed, completing that acknowledgement. Without a checkpoint the model
-starts from the schedule's seed and the group's committed offsets, or the
-beginning of the topic.
+Resume (``_resume``, at start and after a failed step). The group's newest
+committed ``Checkpoint`` event (``committed_checkpoint``, read_committed) names
+the checkpoint to load, verified against its sha256; its offsets are the
+group's committed ones. Without one the model starts from the schedule's seed
+and the group's committed offsets, or the beginning of the topic.
 
 The trainer runs on the stage loop (``reef_stream.consumers.stage``; its
 strategy is ``_Steps``), with the loop's two choices for a stage whose
 guarantee lives in its own durability step: a manual assignment (this rank's
 partitions, at the checkpoint's offsets, chosen after ``_resume``) and
-``strategy_commits`` (the commit is step 3 of ``_acknowledge``; the loop never
-commits). The loop fetches up to ``CONSUME_BATCH`` records at a time; each goes
+``strategy_commits`` (the commit is the transaction of ``_acknowledge``; the loop
+never commits). The loop fetches up to ``CONSUME_BATCH`` records at a time; each goes
 into the merge as it arrives, and after each fetch the settled ones are taken
 in order, so a step is trained and acknowledged on the loop's thread, between
 two fetches. A failed step goes back to the newest checkpoint there: ``_resume``,
@@ -105,7 +110,9 @@ from reef_stream.api.objective import state_from_record, state_record
 from reef_stream.api.recipe import Recipe
 from reef_stream.consumers.stage import StageLoop
 from reef_stream.consumers.trainer.ranks import Ranks
-from reef_stream.core.errors import ConfigurationError, InvalidRecord, RetryableError
+from reef_stream.core.errors import (
+    ConfigurationError, FatalError, InvalidRecord, ReefError, RetryableError,
+)
 from reef_stream.core.events import Checkpoint, Publication, TopicOffset, now_ms
 from reef_stream.core.failpoints import failpoint
 from reef_stream.core.histograms import AGE_LABELS, age_buckets
@@ -129,8 +136,10 @@ from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics, namespace_topics
 from reef_stream.topics.connect import new_admin, new_producer
 from reef_stream.topics.dead_letters import dead_letter
-from reef_stream.topics.kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
+from reef_stream.topics.fencing import TransactionalIdentity, is_fenced
+from reef_stream.topics.kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
 from reef_stream.topics.metrics import MetricsWriter
+from reef_stream.topics.reading import TopicReader
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +149,44 @@ CONSUME_BATCH = 1_000
 ACK_TIMEOUT_S = 30.0
 #: Seconds between attempts to resume after a failed step.
 RETRY_BACKOFF_S = 2.0
+#: The acknowledgement transaction's timeout: the broker aborts one left open this long (a
+#: trainer that died inside it), and a newer trainer's ``init_transactions`` aborts it at once.
+TRANSACTION_TIMEOUT_MS = 60_000
+
+
+class TrainerFenced(FatalError):
+    """A newer trainer of this group took over (same transactional id): this process must not
+    acknowledge anything more. Fatal: the process exits."""
+
+
+def trainer_transactional_id(namespace: str, recipe: str, group: str) -> str:
+    """The transactional id every trainer of ``group`` acknowledges under: stable across
+    restarts and hosts, so the newest instance fences every older one."""
+    return f"reef-train.{namespace}.{recipe}.{group}"
+
+
+def committed_checkpoint(bootstrap: str, namespace: str, recipe: str, group: str, *,
+                         registry: SchemaRegistry | None = None) -> Checkpoint | None:
+    """The newest ``Checkpoint`` event of ``recipe``'s ``group`` committed to
+    ``<ns>.checkpoints`` (read_committed: an aborted or open transaction's event is not seen),
+    or None. The tip of the group's lineage. Blocks while it reads the topic to its end;
+    raises ``TimeoutError`` past ``reading.READ_TIMEOUT_S``."""
+    registry = registry or SchemaRegistry.default()
+    newest, key = None, group.encode()
+    with TopicReader(bootstrap, declarations.checkpoints(namespace)) as reader:
+        for message in reader.to_end():
+            if message.key() != key:
+                continue
+            try:
+                event = registry.decode(message.value(), message.headers(), Checkpoint,
+                                        topic=message.topic(), partition=message.partition(),
+                                        offset=message.offset())
+            except ReefError as error:
+                log.warning("skipping an undecodable checkpoint event: %s", error)
+                continue
+            if event.recipe == recipe and event.trainer_group == group:
+                newest = event
+    return newest
 
 
 @dataclass
@@ -252,6 +299,8 @@ class Trainer:
         self.watch: StallWatch | None = None
         self.pending: list[Any] = []
         self.pending_ids: set[str] = set()
+        #: Rank 0's transactional producer of acknowledgements (``_fence``).
+        self.fence_producer: Any = None
         #: This process among the data-parallel ranks (joined in _Steps.assignment).
         self.world = Ranks()
         self.rank, self.ranks = 0, 1
@@ -437,27 +486,46 @@ class Trainer:
     def _acknowledge(self, contents: CheckpointContents) -> StoredCheckpoint:
         """Acknowledge a trained step, in this order; any failure raises and aborts the step.
 
-        1. Write the checkpoint durably (``CheckpointStore.write``: every file
-           fsynced, the manifest last). From here a restart resumes after this step.
-        2. Produce its ``Checkpoint`` event and wait for the broker's
-           acknowledgement (acks=all, idempotent producer).
-        3. Commit the offsets the checkpoint holds, synchronously.
+        1. Write the checkpoint durably, in this process's own directory
+           (``CheckpointStore.write``: every file fsynced, the manifest last). Nothing reads
+           it yet.
+        2. In one Kafka transaction: produce its ``Checkpoint`` event, add the offsets the
+           checkpoint holds (``send_offsets_to_transaction``), commit. From the commit on, the
+           checkpoint exists and a restart resumes after this step.
 
-        A crash between 1 and 3 is completed by the next ``_resume`` (it
-        re-produces the event, same id, and commits). Nothing before 1 is
-        visible outside this process.
+        A crash before 2 commits leaves garbage files and nothing else: the restart trains the
+        step again from the log. A newer trainer of the group fails 2 with ``TrainerFenced``.
+        Rank 0 only; blocks for up to ``ACK_TIMEOUT_S`` per broker call.
         """
         stored = self.store.write(contents)
         failpoint("trainer.after-checkpoint", step=contents.step)
-        self._produce_checkpoint_event(stored, contents)
-        failpoint("trainer.after-event", step=contents.step)
-        self.consumer.commit(offsets=[TopicPartition(self.topic, o.partition, o.offset)
-                                      for o in contents.offsets], asynchronous=False)
+        producer = self.fence_producer
+        try:
+            producer.begin_transaction()
+            self._produce_checkpoint_event(producer, stored, contents)
+            failpoint("trainer.after-event", step=contents.step)
+            producer.send_offsets_to_transaction(
+                [TopicPartition(self.topic, o.partition, o.offset) for o in contents.offsets],
+                self.consumer.consumer_group_metadata(), ACK_TIMEOUT_S)
+            producer.commit_transaction(ACK_TIMEOUT_S)
+        except KafkaException as exc:
+            error = exc.args[0]
+            if is_fenced(error):
+                raise TrainerFenced(
+                    f"trainer of group {self.group} (recipe {self.recipe.name}) was fenced at "
+                    f"step {contents.step}: a newer trainer of the group took over, so this one "
+                    f"stops; its files at {stored.uri} are garbage ({error.str()})") from exc
+            if error.txn_requires_abort():
+                producer.abort_transaction(ACK_TIMEOUT_S)
+            raise RetryableError(f"step {contents.step} was not acknowledged: "
+                                 f"{error.str()}") from exc
         failpoint("trainer.after-commit", step=contents.step)
         return stored
 
-    def _produce_checkpoint_event(self, stored: StoredCheckpoint,
+    def _produce_checkpoint_event(self, producer: Any, stored: StoredCheckpoint,
                                   contents: CheckpointContents) -> None:
+        """Produce the step's ``Checkpoint`` event in the open transaction (not flushed: the
+        commit sends it)."""
         event = Checkpoint(
             checkpoint_id=stored.checkpoint_id, recipe=self.recipe.name, trainer_group=self.group,
             step=contents.step, model=contents.model, policy_version=contents.policy_version,
@@ -466,17 +534,20 @@ class Trainer:
             metrics={k: float(v) for k, v in contents.metrics.items() if np.isfinite(v)},
             created_at=contents.created_at or now_ms(), rolled_back_to=contents.rolled_back_to)
         value, headers = self.registry.encode(event)
-        failures: list[str] = []
+        producer.produce(declarations.checkpoints(self.ns), key=self.group.encode(),
+                         value=value, headers=headers)
 
-        def delivered(error: KafkaError | None, _message: Any) -> None:
-            if error is not None:
-                failures.append(error.str())
-
-        self.producer.produce(declarations.checkpoints(self.ns), key=self.group.encode(),
-                              value=value, headers=headers, on_delivery=delivered)
-        if self.producer.flush(ACK_TIMEOUT_S) or failures:
-            raise RetryableError(f"the Checkpoint event of step {contents.step} was not "
-                                 f"acknowledged: {failures or 'timed out'}")
+    def _fence(self) -> None:
+        """Rank 0, once: the acknowledgement's transactional producer, initialised, which
+        fences every older trainer of the group and aborts its open transaction. Blocks (up
+        to 60 s)."""
+        if self.rank != 0 or self.fence_producer is not None:
+            return
+        identity = TransactionalIdentity(
+            self.bootstrap, trainer_transactional_id(self.ns, self.recipe.name, self.group),
+            timeout_ms=TRANSACTION_TIMEOUT_MS, probe_topic=declarations.checkpoints(self.ns),
+            instance=self.group)
+        self.fence_producer = identity.new_producer()
 
     # ----------------------------------------------------------------- rollback
 
@@ -526,16 +597,18 @@ class Trainer:
         self.acknowledged, self.rolled_back_to = (), None
         self.pending, self.pending_ids = [], set()
         self.unacknowledged, self.step_offsets, self.step_metrics = [], {}, {}
-        latest = self.store.latest()
+        self._fence()   # before the read: no older trainer commits after it
+        latest = committed_checkpoint(self.bootstrap, self.ns, self.recipe.name, self.group,
+                                      registry=self.registry)
         committed = {tp.partition: tp.offset for tp in self.consumer.committed(
             [TopicPartition(self.topic, p) for p in self.partitions], timeout=30) if tp.offset >= 0}
         if latest is not None:
             contents = load(latest.uri, latest.sha256)
             if contents.recipe != self.recipe.name or contents.trainer_group != self.group:
                 raise ConfigurationError(
-                    f"the checkpoint store {self.store.url} holds checkpoints of recipe "
-                    f"{contents.recipe!r}, group {contents.trainer_group!r}, not recipe "
-                    f"{self.recipe.name!r}, group {self.group!r}: give this group its own store")
+                    f"the checkpoint at {latest.uri} holds recipe {contents.recipe!r}, group "
+                    f"{contents.trainer_group!r}, not recipe {self.recipe.name!r}, group "
+                    f"{self.group!r}: give this group its own store")
             self.backend.restore(contents.weights, contents.optimizer, contents.rng)
             state_type = type(self.recipe.objective.initial_state())
             self.algorithm_state = state_from_record(state_type, contents.algorithm_state)
@@ -544,14 +617,12 @@ class Trainer:
             self.acknowledged, self.rolled_back_to = contents.offsets, contents.rolled_back_to
             self.offsets = {o.partition: o.offset for o in contents.offsets if o.topic == self.topic}
             if self.rank == 0 and any(committed.get(p) != o for p, o in self.offsets.items()):
-                log.warning("step %d's acknowledgement was interrupted (committed %s, checkpoint "
-                            "%s): completing it", self.step, committed, self.offsets)
-                self._produce_checkpoint_event(latest, contents)
-                self.consumer.commit(offsets=[TopicPartition(self.topic, p, o)
-                                              for p, o in self.offsets.items()], asynchronous=False)
+                log.warning("group %s's committed offsets %s are not its newest checkpoint's %s "
+                            "(written before acknowledgements were transactions): the "
+                            "checkpoint's win", self.group, committed, self.offsets)
         elif committed:
-            log.warning("group %s has committed offsets %s but no checkpoint in %s: starting "
-                        "from fresh weights at those offsets", self.group, committed, self.store.url)
+            log.warning("group %s has committed offsets %s but no committed checkpoint: "
+                        "starting from fresh weights at those offsets", self.group, committed)
             self.offsets = dict(committed)
         self.offsets = {p: o for p, o in self.offsets.items() if p in self.owned}
         self.durable_step, self.durable_at = self.step, time.monotonic()
