@@ -36,13 +36,8 @@ TRUNCATION = 1.0
 # old are corrected, not dropped (the demo's replicas serve a version a few steps behind
 # the trainer: evaluating and publishing take time). At most 2 steps of units wait for the
 # trainer (max_backlog_steps): what completes beyond is shed, counted, so that when replicas
-# outrun the trainer it trains fresh samples at its own pace. Measured on two cores
-# (bench/overload.py, 2 replicas x 300/s, time to 0.9 from the first generation): unbounded
-# 139 s with 42 % of the generations dead-lettered too stale (staleness mean 14.1); a bound
-# of 2 steps 108 s and 125 s (staleness 3.8 and 9.4, a third to a half shed); a bound of 1
-# step keeps samples 1 version old but the trainer waits for each step's units and did not
-# reach 0.9 in 200 s. (Before the bound was counted in units, not offsets, a bound of 1 stopped
-# the loop and one of 4 "shed half and learned slower".)
+# outrun the trainer it trains fresh samples at its own pace. Why 2 and not 1 or none:
+# docs/history.md ("SAO's schedule").
 SCHEDULE = Schedule(units_per_step=256, optimizer_batch_size=256, micro_batch_size=256,
                     epochs=1, shuffle=True, seed=0, max_staleness=16, max_backlog_steps=2)
 

@@ -1,45 +1,23 @@
 """``Recipe``: a method's processor, objective, schedule, backend and evaluator, bound and checked.
 
-A recipe module binds a method to a task and exposes the result::
-
     # my_project/recipes.py
     recipe = Recipe(name="mymethod", processor=..., objective=..., schedule=Schedule(...),
                     backend=Backend(name="torch", loss_families=(POLICY_GRADIENT,),
                                     model=my_model, optimizer=AdamW(lr=1e-3)),
                     evaluator=..., reward=my_reward, group_size=8)
 
-A method package stays task-agnostic: it exposes a factory (``methods.sao.recipe(model=...,
-reward=..., evaluator=...)``) and a task's module calls it (``reef_stream.demo.recipes``
-binds both example methods to the demo task).
-
-``load_recipe("my_project.recipes")`` imports exactly that module (or
-``"module:attribute"``), takes its ``recipe`` (or ``RECIPE``), applies the
-``--set`` overrides (``schedule.max_staleness=4``: ``apply_overrides``) and
-checks the bindings before anything runs:
-
-- the unit type the processor emits is the one the objective consumes, and
-  its Avro schema is known (a current schema in ``schemas/``, with the same
-  fields as the dataclass);
-- the objective's loss family is registered and supported by the backend;
-- the schedule's batch sizes fit the backend (the optimizer batch splits
-  into micro batches on every data-parallel rank);
-- the processor, objective, evaluator and reward function follow their
-  protocols;
-- the reward function's ``source`` is one the processor's feedback policy
-  wants (a typo would make every generation expire, waiting for it).
-
-Stricter, for the stages that need more: ``trains=True`` (``reef train``)
-requires ``Backend.model``; ``complete=True`` (``reef check``, ``reef demo``:
-the whole loop runs from this recipe) also requires ``group_size`` when the
-processor groups by group id (replicas sample that many completions per
-prompt), and that every feedback source the processor waits for comes from
-the recipe's reward function or is declared in ``external_sources``.
-
-Every problem found is listed in one ``ConfigurationError``; an import
-failure is one too, naming the module and the exception.
-
-A recipe may carry a reward function, which ``reef reward`` workers run over
-generations to produce feedback (``RewardFunction``).
+A method package stays task-agnostic and exposes a factory (``methods.sao.recipe(...)``);
+a task's module calls it (``reef_stream.demo.recipes``). ``load_recipe("module[:attr]")``
+imports that module, takes its ``recipe`` (or ``RECIPE``), applies ``--set`` overrides
+(``apply_overrides``) and checks the bindings before anything runs: the processor's unit
+type is the objective's and has a known Avro schema; the loss family is registered and
+supported by the backend; the batch sizes fit the backend; every part follows its protocol;
+the reward's ``source`` is one the feedback policy wants. ``trains=True`` also requires
+``Backend.model``; ``complete=True`` (the whole loop) also requires ``group_size`` when the
+processor groups by group id, and a source for every feedback the processor waits for
+(the reward function or ``external_sources``). Every problem found is listed in one
+``ConfigurationError``, an import failure included. The long form:
+``docs/design-notes.md`` ("Recipes").
 """
 
 from __future__ import annotations

@@ -1,42 +1,21 @@
 """``Schedule``: how a recipe's trainer turns rollout units into optimizer steps. Data only.
 
-Every size counts rollout units (one unit is one emitted group, whatever its
-number of samples). A training step takes ``units_per_step`` units, splits
-them into optimizer batches of ``optimizer_batch_size`` units (one optimizer
-update each), and each optimizer batch into micro batches of
-``micro_batch_size`` units (one forward/backward each, gradients
-accumulated). The step's units are visited ``epochs`` times, reshuffled each
-epoch with ``seed`` when ``shuffle`` is set.
+Every size counts rollout units (one emitted group each). A step takes ``units_per_step``
+units, in optimizer batches of ``optimizer_batch_size`` (one update each) split into micro
+batches of ``micro_batch_size`` (one forward/backward each), visited ``epochs`` times,
+reshuffled with ``seed`` when ``shuffle`` is set.
 
-``max_staleness`` bounds how far behind the newest checkpoint a sample's
-behaviour policy may be: a generation whose ``policy_version`` is more than
-``max_staleness`` versions behind is dropped as too stale (by the processor,
-with a dead letter), never trained on.
+- ``max_staleness``: a generation whose ``policy_version`` is more than this many versions
+  behind the newest checkpoint is dropped as too stale (a dead letter), never trained.
+- ``max_backlog_steps``: beyond ``max_backlog_steps * units_per_step`` units no checkpoint
+  has taken, the processor sheds the units it completes (SHED, a dead letter); None: no bound.
+- ``checkpoint_every``: the acknowledgement cadence, in steps (a checkpoint, its offsets and
+  its ``Checkpoint`` event); the steps between are replayed from the log after a crash. It
+  must be at most ``max_staleness + 1``.
 
-``max_backlog_steps`` bounds the queue in front of the trainer: the units
-emitted that no checkpoint has taken yet. Beyond ``max_backlog_steps *
-units_per_step`` of them, the processor sheds the units it completes (their
-generations end SHED, with a dead letter) instead of queueing them. The units
-topic is otherwise an unbounded buffer: when generations come faster than the
-trainer trains, every unit waits its turn, the trainer only ever reaches units
-that are nearly ``max_staleness`` stale, and a fault's backlog never drains.
-A short queue keeps what is trained fresh, at the price of the samples shed.
-None (the default): no bound.
-
-``checkpoint_every`` is the acknowledgement cadence: the trainer writes a
-checkpoint (and commits its offsets, and emits the ``Checkpoint`` event the
-evaluator decides on) every that many steps, not after each one. The steps in
-between are not lost in a crash: a restarted trainer restores the newest
-checkpoint and trains them again from the log, to the same weights. What a
-larger cadence saves is the checkpoint's write (a full model and optimizer
-state); what it costs is replay after a crash, and versions that reach serving
-only every ``checkpoint_every`` steps, so samples are up to that many steps
-older: it must be at most ``max_staleness + 1``. A backlog bound counts what
-the trainer's newest checkpoint has not taken, so it allows
-``checkpoint_every - 1`` steps more.
-
-A schedule checks its own invariants when it is built and raises one
-``ConfigurationError`` listing every problem.
+A schedule checks its own invariants when built and raises one ``ConfigurationError``
+listing every problem. Why a short backlog and what a cadence costs:
+``docs/design-notes.md`` ("Schedules").
 """
 
 from __future__ import annotations

@@ -155,18 +155,12 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
         sys.exit(1)
 
 
-#: Generations per second of the vLLM replica by default (``--engine vllm``). Measured on two
-#: cores (bench/demo_vllm.py): at 100/s the trainer takes nearly every generation (goodput
-#: 0.94-0.97, staleness mean 1.0) and reached 0.9 121 and 162 s after the first generation on
-#: 12,288 and 16,512 samples (two runs); at 200/s 109 s on 20,992 (one run; goodput 0.85,
-#: staleness 2.7), but then nearly no
-#: sample is of the trainer's own version, so the same-version logprob gap is measured at one
-#: step instead of sixty.
+#: Generations per second of the vLLM replica by default (``--engine vllm``): the trainer takes
+#: nearly every generation, and most samples are of the trainer's own version, so the
+#: same-version logprob gap is measured (figures: ``docs/history.md``, "The demo's rates").
 VLLM_RATE = 100.0
-#: Generations per second per replica by default with ``--sandbox process``: a sandboxed call
-#: forks and costs 4-7 ms of CPU even for the demo's exact-match reward, so two idle cores
-#: score at most 270-480 a second (bench/sandbox.py, README "Sandboxes"); at 2 x 300/s the
-#: reward worker fell behind and what it scored late had expired in the processor.
+#: Generations per second per replica by default with ``--sandbox process``, which two idle
+#: cores can score (a sandboxed call forks; figures: ``docs/history.md``, "The demo's rates").
 SANDBOX_RATE = 100.0
 
 

@@ -2,8 +2,8 @@
 
 The reference decoding of an event is fastavro's ``schemaless_reader`` (a
 dict, timestamps as ``datetime``) handed to ``from_avro`` (the dataclass,
-arrays unpacked, timestamps back to integer milliseconds): about 15 µs for a
-Generation, half of it in each part. ``compile_reader`` compiles, once per
+arrays unpacked, timestamps back to integer milliseconds; the figures:
+``docs/design-notes.md``, "Avro encoding"). ``compile_reader`` compiles, once per
 event type, a reader of records written with the type's *current* schema:
 the source of one Python function (``CompiledReader.source`` shows it) that
 walks the bytes inline (zig-zag varints, length-prefixed strings and bytes,

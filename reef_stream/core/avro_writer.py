@@ -1,9 +1,9 @@
 """Compiled Avro writers: the bytes fastavro's ``schemaless_writer`` writes, in less time.
 
 The reference encoding of an event is ``to_avro`` (a fastavro dict) handed to
-fastavro's ``schemaless_writer``, which walks the schema for every record:
-about 14 µs for a Generation. ``compile_writer`` compiles, once per event
-type, a writer from the type's current schema and its dataclass: the source
+fastavro's ``schemaless_writer``, which walks the schema for every record
+(the figures: ``docs/design-notes.md``, "Avro encoding"). ``compile_writer``
+compiles, once per event type, a writer from the type's current schema and its dataclass: the source
 of one Python function (``CompiledWriter.source`` shows it) that reads the
 event's attributes and emits the Avro binary encoding inline (zig-zag
 varints, length-prefixed strings and bytes, little-endian doubles, one block

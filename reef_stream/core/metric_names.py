@@ -208,7 +208,7 @@ REWARD_TIMED_OUT = "timed_out"
 REWARD_DROPPED = "dropped"
 #: The mean reward of the feedback sent since the process started, per feedback source.
 REWARD_MEAN = "reward_mean"                      # labels: source
-#: The reward worker's call slots (``consumers.reward_calls``): slots busy with a call running
+#: The reward worker's call slots (``consumers.reward.calls``): slots busy with a call running
 #: past the observed p99 (and that count over ``concurrency``: the saturation), the latency of
 #: the tries that returned (p50, p99, seconds), and the slow lane (queued + running).
 REWARD_SATURATED_SLOTS = "saturated_slots"

@@ -5,7 +5,7 @@
     ...
     server.stop()
 
-Every ``MetricsWriter.write`` (``reef_stream.core.metric_names``) also sets a gauge in
+Every ``MetricsWriter.write`` (``reef_stream.topics.metrics``) also sets a gauge in
 this process's ``Exposition`` (``exposition()``), whether or not a server
 serves it; ``serve`` starts an HTTP server on a daemon thread that answers
 ``GET /metrics`` from it, with the client's process and GC collectors beside.

@@ -1,55 +1,23 @@
 """Encode and decode events as schemaless Avro, with the writer schema's fingerprint in headers.
 
-A message's value is the event encoded with fastavro's ``schemaless_writer``
-and the *current* schema of its type (``schemas/<event>.avsc``). Its headers
-say which schema wrote it:
-
-- ``reef-schema-fp``: 8 bytes, the big-endian CRC-64-AVRO (Rabin) fingerprint
-  of the writer schema's Parsing Canonical Form;
-- ``reef-schema``: the schema's full name (for people and error messages).
-
-Decoding looks the fingerprint up among every schema version this process
-knows (``schemas/*.avsc`` and ``schemas/history/**/*.avsc``) and resolves the
-writer schema to the reader's, so a record written with an older or newer
-version of a schema is read as the current one (fields added with a default
-get their default; fields the reader does not have are skipped).
-
-Typical use::
+A message's value is the event in its type's *current* schema (``schemas/<event>.avsc``);
+its headers name the writer schema: ``reef-schema-fp`` (8 bytes, big-endian CRC-64-AVRO
+fingerprint of its Parsing Canonical Form) and ``reef-schema`` (its full name). ``decode``
+finds the fingerprint among every known version (``schemas/history/`` too) and resolves
+writer to reader, so older and newer versions read as the current one::
 
     value, headers = encode(generation)
-    producer.produce(topic, value, key, headers=headers)
-    ...
     event = decode(msg.value(), msg.headers(), Generation,
                    topic=msg.topic(), partition=msg.partition(), offset=msg.offset())
 
-What the errors mean (each carries topic, partition and offset when given):
-
-- ``UnknownSchemaError``: the message has no fingerprint header, or one this
-  process does not know, or its writer schema cannot be resolved to the
-  reader schema (a reader field without a default, a different record type).
-  Dead-letter the message; deploy the missing schema version to
-  ``schemas/history/`` or read it as the type it is.
-- ``CorruptRecordError``: the bytes do not decode with the schema they name
-  (truncated, garbage, bytes left over, a packed array of partial items).
-  Dead-letter the message.
-- ``InvalidRecord`` from ``encode``: the event or dict does not fit its
-  schema. Fix the producer.
-
-Schemas are parsed once, when a ``SchemaRegistry`` is built; nothing on the
-per-record path parses or copies a schema.
-
-Speed: ``encode`` writes an event with the writer compiled for its type
-(``reef_stream.core.avro_writer``: the same bytes as fastavro's, about a
-third of the time), and falls back to fastavro (``to_avro`` +
-``schemaless_writer``, the reference) for a type it could not compile or a
-value the compiled writer is not sure of. ``decode`` reads a record written
-with its type's current schema with the reader compiled for the type
-(``reef_stream.core.avro_reader``: the event fastavro's
-``schemaless_reader`` and ``from_avro`` give, without the dict), and falls
-back to them (the reference) for other schema versions, types it could not
-compile and bytes it is not sure of, which includes every bad record.
-``SchemaRegistry(compiled=False)`` always takes the reference paths; the tests
-compare the two.
+Errors (each with topic, partition and offset when given): ``UnknownSchemaError`` (no or
+unknown fingerprint, or unresolvable: dead-letter it, or deploy the schema version);
+``CorruptRecordError`` (the bytes do not decode: dead-letter it); ``InvalidRecord`` from
+``encode`` (the event does not fit its schema: fix the producer). Schemas are parsed once,
+per ``SchemaRegistry``. The per-type compiled writer and reader (``core.avro_writer``,
+``core.avro_reader``) fall back to fastavro, the reference, whenever unsure;
+``SchemaRegistry(compiled=False)`` always takes the reference. The long form, with the
+speed of each path: ``docs/design-notes.md`` ("Avro encoding").
 """
 
 from __future__ import annotations

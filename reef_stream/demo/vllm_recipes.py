@@ -11,15 +11,10 @@ decoding with the model in-process), and because the model is a Hugging Face one
 evaluator writes each promoted version's serving artifact, which the vLLM replica's follower
 loads into the engine.
 
-The schedule differs from the toy demo's where the engine and the model need it
-(``SCHEDULE_CHANGES``, measured on two cores):
-
-- ``units_per_step`` 128 (the toy's 256): more versions, so that reloads are exercised often
-  and a version serves for a second or two;
-- the learning rate ``LEARNING_RATE`` (SAO's 1e-3 too: measured with the synchronous loop,
-  ``reef_stream.demo.sync``, 1e-3 reached 0.9 in 80 steps of 128 (10,240 samples), while
-  3e-3 collapsed onto wrong answers and stayed at 0.74-0.76 for 1,700 steps: this model has
-  no logit cap, which the toy transformer has).
+The schedule differs from the toy demo's where the engine and the model need it:
+``SCHEDULE_CHANGES`` (``units_per_step`` 128, the toy's 256: more versions, so that reloads
+are exercised often and a version serves for a second or two) and ``LEARNING_RATE`` (why
+1e-3: ``docs/history.md``, "The engine demo's learning rate").
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ guard never refuses a generation: no generation carries a version the engine did
 One server, one follower driving it: the engine is one replica in the fleet (its id, its
 version, its heartbeats); requests from other processes could not be ordered against a reload
 by this lock, so ``reef demo --engine vllm`` runs this one replica process per server. vLLM
-batches the prompts of a request; one request stream reaches ~900 completions/s on two cores
-(measured with this model: 32 prompts a request in ~36 ms), more than the pipeline trains.
+batches the prompts of a request; one request stream gives more completions than the
+pipeline trains (``docs/history.md``, "One request stream per vLLM server").
 
 The process prints one JSON line last (``ReplicaReport``'s fields, plus ``engine_reloads``:
 the seconds each reload took in the engine, and ``url``).
@@ -59,7 +59,7 @@ from reef_stream.serving.follower import ARTIFACT, AUTO, Follower, LoadedVersion
 
 __all__ = ["EngineGate", "complete", "run_vllm_replica"]
 
-log = logging.getLogger("reef_stream.demo.vllm_replica")
+log = logging.getLogger("reef_stream.demo.vllm_replica")  # its module name under python -m too
 
 #: Seconds one completions request may take.
 REQUEST_TIMEOUT_S = 120.0

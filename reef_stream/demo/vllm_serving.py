@@ -80,8 +80,7 @@ class DemoEngine:
         """Renice the server's processes to ``NICE``: after each request vLLM's worker spins
         (``sched_yield``) for a second waiting for the next (its shared-memory message queue),
         which at a request every ~0.2 s is a core's worth of CPU time; niced, the spin takes
-        only the CPU that no stage wants (measured: the trainer, sharing two cores with it,
-        trained at ~50 units/s un-niced)."""
+        only the CPU that no stage wants (``docs/history.md``, "vLLM's spin, niced")."""
         for process in self._family():
             with contextlib.suppress(psutil.Error):
                 process.nice(NICE)

@@ -1,47 +1,20 @@
 """Pretrained Hugging Face causal LMs as the trainer's model, in full or through LoRA adapters.
 
-A recipe names the model by a local Hugging Face directory (what ``save_pretrained`` writes:
-``config.json`` and the weights; a hub name works too where a hub is reachable)::
-
-    from reef_stream.api.losses import POLICY_GRADIENT
-    from reef_stream.api.recipe import AdamW, Backend
-    from reef_stream.engine.hf import HuggingFace, Lora
-
     backend = Backend(
         name="torch", loss_families=(POLICY_GRADIENT,), optimizer=AdamW(lr=1e-4),
         model=HuggingFace("/models/qwen2.5-0.5b", dtype="bfloat16",
                           gradient_checkpointing=True, lora=Lora(rank=8, alpha=16)))
 
-``HuggingFace`` is data (frozen, so ``--set backend.model.lora.rank=16`` can change it) and
-the zero-argument callable ``Backend.model`` wants: the trainer calls it once, after seeding
-torch with the schedule's seed (LoRA's random initialisation is then the same on every run
-and every rank). It loads the model with ``AutoModelForCausalLM.from_pretrained`` and returns a
-``HuggingFaceLM``: the trainer's ``CausalLM`` (``reef_stream.engine.training``), whose
-``forward(input_ids, attention_mask)`` is the Hugging Face model's logits, whose
-``vocab_size`` is the config's (``untrainable`` checks every unit's token ids against it) and
-whose ``max_len`` is the config's ``max_position_embeddings``. Prompt and completion token ids
-come from the events: training needs no tokenizer.
-
-With ``lora``, ``peft`` adds adapters to the named modules and freezes everything else: only
-the adapters are trained (the torch backend's optimizer gets the parameters that require a
-gradient), and the module's ``state_dict()`` / ``load_state_dict()`` hold the adapters alone,
-so a trainer checkpoint carries a few MB of adapter and the base comes from ``path`` again on
-restart. Without ``lora`` every parameter is trained and checkpointed (each tied tensor once:
-a checkpoint's safetensors file cannot hold one tensor under two names).
-
-With ``sharding="fsdp"`` and more than one trainer rank, the backend shards the model with
-torch's FSDP (``reef_stream.engine.sharding``): each decoder layer (``HuggingFaceLM.blocks``:
-the modules of the classes the model's ``_no_split_modules`` names), then the whole model.
-Each rank holds 1/N of the weights, gradients and optimizer state; checkpoints stay full (the
-same a single process writes). ``"none"`` (the default) trains each rank's whole copy (DDP).
-
-What serving loads is a separate artifact (``reef_stream.engine.artifacts``): a Hugging Face
-directory in the serving dtype, or the adapter alone in peft's format.
-
-Configuration errors (a directory that does not exist, a config that is not a causal LM, a LoRA
-target the model does not have) are ``ConfigurationError``s raised when the model is built,
-naming what was found. transformers and peft are imported when a model is built, not when this
-module is imported.
+``HuggingFace`` is frozen data (``--set backend.model.lora.rank=16`` changes it) and the
+zero-argument callable ``Backend.model`` wants: called once, after torch is seeded, it loads
+``AutoModelForCausalLM.from_pretrained(path)`` and returns a ``HuggingFaceLM``, the trainer's
+``CausalLM`` (``vocab_size`` and ``max_len`` from the config; no tokenizer needed). With
+``lora`` only the adapters are trained and checkpointed (the base comes from ``path`` again);
+without, every parameter is (each tied tensor once). With ``sharding="fsdp"`` each decoder
+layer (``HuggingFaceLM.blocks``) and then the model is FSDP-wrapped; checkpoints stay full.
+The serving artifact is ``reef_stream.engine.artifacts``. A bad directory, config or LoRA
+target is a ``ConfigurationError`` when the model is built; transformers and peft are
+imported then, not at import. The long form: ``docs/design-notes.md`` ("Hugging Face models").
 """
 
 from __future__ import annotations

@@ -1,56 +1,24 @@
 """The processor: recorded generations and feedback in, typed units and explicit outcomes out.
 
-A ``Processor`` (the extension a method author writes) is three small
-protocols composed: ``Grouping`` (a generation's group and its size),
-``FeedbackPolicy`` (which feedback it wants, when it is complete, how it
-combines into a ``Score``, how long to wait, what to do when it is missing)
-and ``UnitBuilder`` (the unit event type and how to build one); built-in
-parts are in ``reef_stream.api.parts``. ``ProcessorState`` is the
-join/group state machine that drives one: the processor runtime and
-``reef_stream.engine.testing.run_processor`` run this same class. Its rules (every
-time is one the caller passes in, never the wall clock):
+A ``Processor`` (what a method author writes) composes ``Grouping``, ``FeedbackPolicy`` and
+``UnitBuilder`` (built-in parts: ``reef_stream.api.parts``). ``ProcessorState`` is the
+join/group state machine that drives one, in the processor runtime and in
+``reef_stream.engine.testing.run_processor`` alike; every time is one the caller passes in,
+never the wall clock. Its promises:
 
-1. A generation whose id was seen before (pending, or concluded within
-   ``retention_ms``) is a duplicate: dropped and counted.
-2. Every other generation gets exactly one ``Outcome``: ``UNIT``,
-   ``EXPIRED`` (no complete feedback within ``timeout_ms`` of its arrival,
-   or its group could not complete), ``TOO_STALE`` (``policy_version`` more
-   than ``max_staleness`` behind the newest checkpoint observed, at arrival
-   or later), ``SHED`` (its unit was complete while ``max_backlog`` units or
-   more waited for the trainer, see ``observe_backlog``) or ``INVALID``
-   (ungroupable, ``group_size`` disagreeing within its group, more
-   generations than the group's size, its group already emitted, feedback
-   that does not combine), with a reason.
-3. Feedback joins its generation by id, whichever arrives first, and gets
-   exactly one ``FeedbackFate``: ``USED``, ``IGNORED`` (a source the policy
-   does not want), ``DUPLICATE`` (generation id and source seen before),
-   ``LATE`` (its generation already scored or concluded), ``UNUSED`` (held
-   for a generation that ended without using it) or ``ORPHANED`` (no
-   generation with its id within ``timeout_ms``).
-4. A generation is scored once its policy says its feedback is ``ready``; at
-   its deadline it is scored from what arrived under
-   ``MissingFeedback.COMBINE_RECEIVED``, and expires otherwise.
-5. A group is one unit once its declared ``group_size`` members are scored.
-   When it can no longer complete, or at its deadline (its members' latest),
-   its scored members form a smaller unit if ``Grouping.accept_incomplete``
-   allows, and expire otherwise. A generation for a closed group is INVALID,
-   or EXPIRED if the group closed at its deadline, or SHED if it was shed.
-6. A unit's id is ``unit_id(recipe, member ids)``, its members are ordered by
-   generation id, its ``created_at`` is the latest event time of its members
-   and their feedback: re-emitted after a restart, in any order, it is the same.
-7. A multi-turn generation's environment tokens are never trained: in a
-   ``RolloutUnit``, every sample of a generation with environment segments
-   carries the generation's ``policy_mask()``, whichever builder built it (a
-   sample already carrying one keeps it). A generation whose segments do not
-   split its completion is INVALID. A builder of another unit type carries the
-   mask itself.
+- a generation seen before (within ``retention_ms``) is a duplicate, dropped and counted;
+  every other one gets exactly one ``Outcome`` (UNIT, EXPIRED after ``timeout_ms``,
+  TOO_STALE beyond ``max_staleness``, SHED past ``max_backlog``, INVALID), with a reason;
+- feedback joins its generation by id in either order and gets exactly one
+  ``FeedbackFate`` (USED, IGNORED, DUPLICATE, LATE, UNUSED, ORPHANED);
+- a group becomes one unit once its ``group_size`` members are scored (or a smaller one
+  at its deadline if ``Grouping.accept_incomplete``); a unit's id, member order and
+  ``created_at`` depend only on its members, so a re-emitted unit is the same unit;
+- a multi-turn generation's environment tokens are masked (``policy_mask()``), never trained.
 
-Pending state is kept per *key* (a group key; feedback ahead of its
-generation under ``group_id or generation_id``); what is remembered of a
-concluded generation or a closed group (for rules 1, 3 and 5) is a compact
-entry of ``reef_stream.engine.ledger.Ledger``, whose segments have keys of
-their own. Each ``Step`` names the keys it changed; ``snapshot(key)`` is that
-key's state as JSON-ready data, ``restore`` loads it.
+State is kept per key; concluded generations and closed groups are remembered in a
+``reef_stream.engine.ledger.Ledger``. ``Step`` names the keys it changed; ``snapshot`` and
+``restore`` move a key's state. Every rule in full: ``docs/design-notes.md`` ("The join").
 """
 
 from __future__ import annotations

@@ -1,51 +1,19 @@
 """What the processor's state remembers of generations that concluded and groups that closed.
 
-``ProcessorState`` (``reef_stream.engine.join``) must recognise, for
-``retention_ms`` after it ended, a generation id it has seen (a second
-record of it is a duplicate, dropped), feedback for it (LATE once per
-source, DUPLICATE after that) and a generation for a group that closed
-(INVALID, or EXPIRED). A ``Ledger`` keeps exactly what that takes, and no
-record payloads (tokens, texts, feedback):
+``ProcessorState`` (``reef_stream.engine.join``) must recognise, for ``retention_ms`` after
+it ended, a generation id it has seen (a duplicate), feedback for it (LATE, then DUPLICATE)
+and a generation for a closed group (INVALID or EXPIRED). A ``Ledger`` keeps exactly that and
+no payloads: per concluded generation a 64-bit BLAKE2b digest of its id, when it concluded
+and a shared ``Concluded`` tuple; per closed group (unless a generation's own group of one)
+the digest of its key, when it closed and a ``Closed`` tuple. A digest collision (2**-64
+per pair) would drop a new generation as a duplicate, counted.
 
-- per concluded generation: a 64-bit BLAKE2b digest of its id (not the id),
-  when it concluded, and a ``Concluded`` tuple (outcome, feedback sources
-  received, whether it closed its own group) shared by every generation of
-  its segment with the same values;
-- per closed group (unless it is a generation's own group of one, which
-  that generation's entry implies): the digest of its key, when it closed,
-  and a ``Closed`` tuple (how, and why in words).
-
-So a concluded generation costs ~100 bytes instead of the ~1.3 KB its state
-key held before (``bench/processor_memory.py``: less than a Python ``set``
-of the ids themselves).
-
-Digests. Two different ids share a 64-bit digest with probability 2**-64: a
-new generation id is taken for a duplicate with probability (ids
-remembered) / 2**64, ~5e-14 per generation with a million remembered (an
-hour at 300 generations/s), i.e. about once in 2,000 years at that rate. A
-generation so taken would be dropped and counted as a duplicate
-(``generations.duplicate``) without an outcome of its own.
-
-Segments and the changelog. Entries are grouped by the second
-(``SEGMENT_MS``) of their conclusion time. Each segment is one changelog key
-(``segment_key``, a lone surrogate then ``ended.<number>``: no record's id
-or group key can be one, validated ids being UTF-8; the runtime writes it
-surrogate-escaped, as the byte 0x80). Every call that adds, changes or
-forgets an entry returns the keys of the segments it changed; ``snapshot``
-of such a key is the whole segment as JSON-ready data (None when it is
-empty), ``restore`` adds a snapshot's entries back. An entry is forgotten
-exactly when ``expire`` is called with a time at least ``retention_ms``
-after its conclusion.
-
-Rendering. ``snapshot_bytes`` gives the snapshot as the changelog stores it (the bytes
-``snapshots.dumps_snapshot`` makes of ``snapshot``, byte for byte) without building it anew:
-each entry's JSON text is kept once rendered, for the newest ``RENDERED_SEGMENTS`` segments
-only (the ones still growing, whose every change rewrites the whole segment in the
-changelog: transaction after transaction while a second of conclusions lasts), and
-rendered again only when the entry changes. Older segments are rendered whole when they
-change (at expiry), as ``snapshot`` does, and hold no text.
-
-Pure, not thread-safe; every method is non-blocking.
+Entries are grouped into segments by the ``SEGMENT_MS`` of their conclusion; each segment is
+one changelog key (``segment_key``, which no record id can be). Every change returns the
+segment keys it changed; ``snapshot`` / ``snapshot_bytes`` give a segment as the changelog
+stores it (the newest ``RENDERED_SEGMENTS`` keep each entry's rendered text), ``restore``
+loads one back, ``expire`` forgets what is ``retention_ms`` old. Pure, not thread-safe,
+non-blocking. The memory figures and collision odds: ``docs/design-notes.md`` ("The ledger").
 """
 
 from __future__ import annotations

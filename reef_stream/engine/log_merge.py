@@ -1,57 +1,22 @@
 """One timestamp order over several sources of a Kafka log, handed over once it is settled.
 
-Two consumers merge records read from several sources into one order: the trainer the
-partitions of the units topic, the processor the two topics (generations[p], feedback[p]) of
-a partition pair. ``LogMerge`` does it for both. It buffers each source's records in the
-order they were read and hands over the head that sorts first by ``(timestamp, index of its
-source in sources)``, so at equal timestamps the first source goes first. Within a source
-the records go in the order they were read (their offsets).
+``LogMerge`` buffers each source's records in read order and hands over the head that sorts
+first by ``(timestamp, index of its source)``; within a source, records keep their offsets'
+order. A record is handed over only once it is *settled*: every other source either holds a
+record already (which sorts after it) or, by the caller's rule, can hold nothing earlier:
 
-The trainer's order is a function of the log alone. A trainer must build the same steps
-from the same log whether it ran without stopping or was killed and restarted ten times, so
-the units of a step cannot depend on which partition librdkafka happened to fetch first. The
-units topic is ``LogAppendTime``: the broker stamps each record, so timestamps never go
-backwards within a partition (``log_append_time=True`` refuses a record that does) and the
-order is ``(timestamp, partition, offset)`` over the whole log.
+- the trainer's rule (``LogMerge.drained``), deterministic, for the partitions of the units
+  topic (``LogAppendTime``): the partition was read to its end and everything fetched up to
+  ``grace_ms`` past the candidate's timestamp was consumed. Its order, ``(timestamp,
+  partition, offset)``, is a function of the log alone, so a restarted trainer rebuilds the
+  same steps. Assumed: broker and host clocks differ by less than ``grace_ms`` minus the
+  fetch latency;
+- the processor's rule (``consumers.processor.pairs``), for a partition pair's two topics: the
+  other topic has nothing unread, or the record has waited ``max_wait_s`` (Kafka Streams'
+  ``max.task.idle.ms``; this escape depends on timing, so the trainer never uses it).
 
-The processor's order is its clock. Record timestamps are the clock of a partition pair's
-state machine; without the merge the clock (the newest time offered) ran ahead on whichever
-topic librdkafka handed over first and expired hundreds of generations whose feedback was
-merely unread (seen in the kill test). Its topics are ``CreateTime``, so a single topic's
-timestamps may go backwards; such a record waits behind the records read before it.
-
-When a record is settled. A record is handed over only once nothing can still arrive before
-it. For every *other* source, either a record of that source is already buffered (its head
-sorts after the candidate, by construction), or that source is empty and the caller says it
-can hold nothing earlier than the candidate (``pop``'s ``settled``). The two rules:
-
-- The trainer's (``LogMerge.drained``), deterministic: the partition has been read to its
-  end (an end-of-partition event, with nothing since: ``at_end``) and everything librdkafka
-  fetched up to ``grace_ms`` after the candidate's timestamp has been handed to us (the
-  caller passes ``drained_at_ms``: a time before which every fetched record has been
-  consumed from the client). A record appended to that partition at or before the
-  candidate's timestamp would have been fetched within the grace and so be buffered. The
-  assumptions, stated: a broker clock and this host's clock differ by less than ``grace_ms``
-  minus the fetch latency (``fetch.wait.max.ms`` plus a round trip), and the consumer keeps
-  fetching every partition. At the end of a finite log the last records wait ``grace_ms``
-  for this; while data flows on every partition they go at once.
-- The processor's (``consumers.pairs``: a ``PartitionPair`` hands its two topics' queues to
-  ``in_log_order``), as Kafka Streams synchronises the partitions of a task: the other
-  topic has nothing unread (its position is at the high watermark of the last fetch; asking costs a client call, so the caller asks lazily, at most once a batch).
-  A record waits so, in memory (unoffered, its offset uncommitted), but at most
-  ``max_wait_s`` from when it was read (``pop``'s escape, on the merge's monotonic clock):
-  the other topic may lag rather than stop, e.g. its records sit behind a producer's open
-  transaction (Kafka Streams' ``max.task.idle.ms``). Each record waits at most that long,
-  not one ``max_wait_s`` after the other. The escape makes the order depend on timing, so the
-  trainer never uses it.
-
-The order is written once, in ``in_log_order``: over queues of ``(timestamp, when read,
-item)`` in read order, one per source, it pops heads in order while they are settled.
-``LogMerge.pop`` takes its next record from it; the processor's pairs call it on their own
-deques, without a ``LogMerge``'s per-record objects (its hot path: two sources, whose heads
-are compared directly while both hold records).
-
-Pure: no Kafka in here (the consumers feed it), so it is tested without a broker.
+The order is written once, in ``in_log_order``. Pure: no Kafka here, tested without a broker.
+Why the order and the rules are these: ``docs/design-notes.md`` ("The log merge").
 """
 
 from __future__ import annotations

@@ -1,53 +1,20 @@
 """The torch backend of the trainer: a step's units and an objective's result -> optimizer updates.
 
-``TorchBackend`` builds the recipe's model and optimizer (seeded, so every
-trainer of a group starts from the same weights), prepares them with
-``accelerate``, and runs one training step exactly as the ``Schedule`` says:
+``TorchBackend`` builds the recipe's model and optimizer (seeded: every trainer of a group
+starts from the same weights), prepares them with ``accelerate`` and runs one step as the
+``Schedule`` says: ``epochs`` passes over the step's units (reshuffled per epoch, seeded by
+``(schedule.seed, step, epoch)``), one optimizer update per optimizer batch, its loss
+normalised by the batch's totals all-reduced before any forward pass, so micro-batch size
+and rank count change memory and speed only, never the loss (``api.variants.BatchTotals``).
+The same units from the same checkpoint give bitwise the same weights (same hardware and
+torch build). A step also measures the behaviour gap and the update ratio, changing nothing.
 
-    for epoch in range(epochs):                 # units reshuffled per epoch, seeded by
-        for optimizer batch in the step:        #   (schedule.seed, step, epoch)
-            totals = the batch's loss tokens and sequences, summed over its micro batches
-                     and all-reduced over data-parallel ranks, before any forward pass
-            for micro batch in the batch:       # forward, the family's loss divided by
-                ...                             #   totals, backward (x ranks: DDP averages)
-            optimizer.step()
-
-So the micro-batch size and the number of ranks change memory and speed only, not the loss
-or its gradient (``reef_stream.api.variants.BatchTotals``; tests/unit/test_loss_invariance.py).
-A sample the objective does not keep (``PerSampleAdvantages.keep``: dynamic sampling) has no
-loss token. A loss asking for more inputs (its ``extra_inputs``) gets them: a frozen copy of
-the initial policy's logprobs (``KLPenalty``), the entropy (``EntropyBonus``), the logprobs of
-the weights at the start of the step (``DecoupledProximal``, one more forward pass over the
-step's samples, without gradient).
-
-Nothing in a step depends on time or on the order data arrived in, so the
-same units from the same checkpoint give bitwise the same weights (on the
-same hardware and torch build).
-
-A step also measures the policy's health: from the forward passes before its
-first update, the gap to the behaviour policies that generated its samples
-(``TorchBackend._behaviour_gap``, no extra pass), and after its last update the
-size of the update (``TorchBackend._update_ratio``); neither changes the
-weights or any RNG state.
-
-The model contract (``CausalLM``): ``model(input_ids, attention_mask)``
-returns next-token logits; the model says its ``vocab_size`` (and may say its
-``max_len``); for the ``value_regression`` family the model also has
-``value(input_ids, attention_mask)``. How the inputs of each loss family are
-built from a micro batch is ``INPUT_BUILDERS``.
-
-What a unit must be for the backend to train it is ``untrainable`` (token ids
-inside the model's vocabulary, one finite behaviour logprob per completion
-token, finite rewards, ...): the trainer runs it on every unit and
-dead-letters the ones it names, so a unit that decodes but cannot be trained
-never reaches ``train_step``. Should a step's advantages, loss or gradient
-norm still be non-finite, ``train_step`` raises ``NonFiniteStep`` before that
-update reaches the weights, on every data-parallel rank (the ranks agree at
-each check, so none is left waiting in a collective).
-
-Under ``sharding="fsdp"`` the model is sharded over the ranks instead
-(``reef_stream.engine.sharding``). This module and ``reef_stream.api.losses`` / ``models`` /
-``checkpoints`` / ``sharding`` are the only ones that import torch.
+The model contract is ``CausalLM`` (logits, ``vocab_size``, optional ``max_len``; ``value``
+for ``value_regression``); ``INPUT_BUILDERS`` builds each loss family's inputs.
+``untrainable`` names a unit the backend cannot train (the trainer dead-letters it); a
+non-finite advantage, loss or gradient norm raises ``NonFiniteStep`` before the update, on
+every rank. ``sharding="fsdp"``: ``reef_stream.engine.sharding``. The long form:
+``docs/design-notes.md`` ("The torch backend").
 """
 
 from __future__ import annotations

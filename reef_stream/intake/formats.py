@@ -1,146 +1,25 @@
 """Parse one JSON object into Generation or Feedback events: the intake's wire formats.
 
-``reef produce`` (one object per JSONL line) and the HTTP intake (one object,
-or an array of them, per request) accept exactly the shapes below. Anything
-else raises ``InvalidRecord`` naming the field at fault (``choices[0].index``,
-``sampling.max_tokens``, ``reef.policy_version``), and every event built is
-then checked by ``reef_stream.intake.validation.validate``, the same rules the
-producer SDK applies (its errors name the event's field, e.g.
-``completion_logprobs`` for a positive logprob).
+``reef produce`` (one object per JSONL line) and the HTTP intake (one object, or an array
+of them, per request) accept exactly these shapes, each described field by field in
+``docs/intake.md`` ("Wire formats"):
 
-Generations, native form
-------------------------
+- generations, native: the fields of ``reef_stream.core.events.Generation`` by name; any
+  other field is an error (a misspelt optional field would otherwise take its default);
+- generations, OpenAI-style: a complete ``/v1/completions`` or ``/v1/chat/completions``
+  response (``OPENAI_OBJECTS``), bare or in a ``{"reef": ..., "response": ...}`` envelope
+  that adds what a response lacks (``policy_version``, ``replica_id``, ``sampling``, ...);
+  each of its n choices becomes one Generation, ``"<response id>:<choice index>"``. Token
+  ids are required (vLLM ``return_token_ids``, or ``TOKEN_ID_PREFIX`` token strings);
+- generations, multi-turn chat logs: OpenAI chat messages each with its ``token_ids``;
+  assistant turns are POLICY segments, later turns of other roles ENVIRONMENT segments,
+  trained as given, never re-tokenised;
+- feedback: the fields of ``reef_stream.core.events.Feedback``; ``feedback_id`` defaults
+  to ``"<generation_id>:<source>"``, so a second import yields the same ids.
 
-One object with the fields of ``reef_stream.core.events.Generation``::
-
-    {"generation_id": "g-1", "request_id": "r-1", "prompt_id": "p-1",
-     "group_id": "grp-1", "group_size": 4, "model": "qwen-7b", "policy_version": 12,
-     "replica_id": "replica-a", "prompt_token_ids": [151644, 872, 198],
-     "completion_token_ids": [40, 1079, 151645], "completion_logprobs": [-0.11, -2.3, -0.01],
-     "finish_reason": "stop", "sampling": {"temperature": 1.0, "max_tokens": 512},
-     "created_at": 1795000000000, "metadata": {"dataset": "gsm8k"}}
-
-- required: ``generation_id``, ``request_id``, ``prompt_id``, ``model``,
-  ``replica_id`` (strings); ``policy_version`` (integer >= 0);
-  ``prompt_token_ids`` and ``completion_token_ids`` (lists of integers,
-  0 .. 2**31-1; at least one prompt token); ``completion_logprobs`` (a list of
-  numbers <= 0, one per completion token); ``finish_reason`` (``stop``,
-  ``length``, ``abort``, ``error`` or ``unknown``, any case); ``sampling``
-  (an object: ``max_tokens`` required, ``temperature`` default 1.0, ``top_p``
-  default 1.0, ``top_k`` default -1, ``seed`` default null).
-- optional: ``group_id`` (default null) and ``group_size`` (default 1;
-  more than 1 needs a ``group_id``); ``created_at`` (integer milliseconds
-  since the Unix epoch, default: now); ``metadata`` (string to string,
-  default ``{}``).
-- any other field is an error (a misspelt optional field would otherwise be
-  silently replaced by its default).
-
-Generations, OpenAI-style responses
------------------------------------
-
-A complete (not streamed) response of ``/v1/completions``
-(``"object": "text_completion"``) or ``/v1/chat/completions``
-(``"object": "chat.completion"``), either bare or in an envelope that adds
-what a response does not carry::
-
-    {"reef": {"policy_version": 12, "replica_id": "replica-a", "prompt_id": "p-1"},
-     "response": {"id": "cmpl-9", "object": "text_completion", ...}}
-
-The envelope's fields, all optional: ``policy_version``, ``replica_id``,
-``model``, ``sampling`` (as in the native form), ``prompt_id``,
-``request_id``, ``group_id``, ``group_size``, ``prompt_token_ids``,
-``metadata``. ``policy_version``, ``replica_id`` and ``sampling`` are
-required in the end: from the envelope, or else from the importer's
-defaults (``reef produce --policy-version --replica-id --sampling``).
-
-Each of the response's n choices becomes one Generation:
-
-- ``generation_id`` = ``"<response id>:<choice index>"``;
-  ``request_id`` = the envelope's, or the response ``id``;
-- ``group_id`` = the envelope's, or the response ``id`` when n > 1 (else
-  null); ``group_size`` = the envelope's, or n. Give both in the envelope
-  when a group spans several requests (one completion each);
-- ``model`` = the envelope's, else the importer's ``--model``, else the
-  response's ``model``;
-- ``prompt_id`` = the envelope's, or ``"sha256:<16 hex digits>"`` of the
-  prompt token ids (identical prompts share it);
-- ``created_at`` = the response's ``created`` (seconds) in milliseconds, or now;
-- ``finish_reason``: ``stop``, ``tool_calls`` and ``function_call`` → STOP,
-  ``length`` → LENGTH, ``abort`` and ``content_filter`` → ABORT, ``error``
-  → ERROR; anything else (null: a stream chunk) is an error.
-
-Token ids are required; OpenAI itself returns token *strings*, which cannot
-be trained on. Accepted, first match wins:
-
-- completion token ids: ``choices[i].token_ids`` (a list of integers, vLLM
-  ``return_token_ids``), else token strings of the form ``"token_id:1234"``
-  (vLLM ``return_tokens_as_token_ids``) in ``choices[i].logprobs.tokens``
-  (completions) or ``choices[i].logprobs.content[j].token`` (chat);
-- completion logprobs: ``choices[i].logprobs.token_logprobs`` (completions)
-  or ``choices[i].logprobs.content[j].logprob`` (chat): one per token;
-- prompt token ids: the envelope's ``prompt_token_ids``, else
-  ``choices[i].prompt_token_ids`` (vLLM completions), else the response's
-  ``prompt_token_ids`` (vLLM chat).
-
-Other fields of a response (``text``, ``usage``, ``top_logprobs``, ...) are
-ignored. A response whose tokens are plain strings is rejected with what to
-enable on the server.
-
-Generations, multi-turn chat logs with tool calls
--------------------------------------------------
-
-One conversation as an agent loop records it (OpenAI chat messages, each with
-the token ids it was rendered to), in the same optional envelope; it becomes
-one Generation whose ``segments`` say which turns the policy generated::
-
-    {"reef": {"policy_version": 12, "replica_id": "agent-a"},
-     "id": "conv-7", "model": "qwen-7b", "created": 1795000000, "finish_reason": "stop",
-     "messages": [
-       {"role": "user", "content": "17+25?", "token_ids": [151644, 872, 198, 1596]},
-       {"role": "assistant", "tool_calls": [...], "token_ids": [151644, 77091, 198, 5631],
-        "logprobs": {"content": [{"token": "token_id:151644", "logprob": -0.01}, ...]}},
-       {"role": "tool", "name": "add", "content": "42", "token_ids": [151644, 14172, 198, 19]},
-       {"role": "assistant", "content": "42", "token_ids": [2983, 151645],
-        "logprobs": [-0.2, -0.01]}]}
-
-- ``id`` (required) is the ``generation_id`` (and the ``request_id`` unless
-  the envelope gives one); ``model``, ``created`` (seconds) and
-  ``finish_reason`` (as for responses, or the native names; default ``stop``)
-  are optional, ``tools`` is ignored, any other top-level field is an error.
-- the prompt is the token ids of the messages before the first assistant
-  message, in order (each needs its ``token_ids``), or the envelope's
-  ``prompt_token_ids``;
-- each assistant message is a POLICY segment: its token ids from
-  ``token_ids`` (vLLM ``return_token_ids``), else the ``"token_id:1234"``
-  strings of ``logprobs.content[j].token``; its logprobs from
-  ``logprobs.content[j].logprob`` or a plain list of numbers, one per token;
-- each later message of another role (a tool result, a user or environment
-  turn) is an ENVIRONMENT segment: its ``token_ids`` are required and its
-  logprobs are 0; its role is ``tool:<name>`` for a tool message with a
-  ``name``;
-- token-in/token-out: the prompt then every later message's token ids must be
-  exactly the tokens the policy was conditioned on and sampled, chat-template
-  tokens included (a turn's header belongs to the message it opens); they are
-  trained as given, never re-tokenised. ``content`` and ``tool_calls`` are
-  not read. A conversation with one assistant message and nothing after it is
-  an ordinary single-turn generation.
-
-Feedback
---------
-
-One object with the fields of ``reef_stream.core.events.Feedback``::
-
-    {"generation_id": "g-1", "group_id": "grp-1", "source": "exact_match",
-     "reward": 1.0, "components": {"format": 0.2, "correct": 0.8}}
-
-- required: ``generation_id`` and ``source`` (strings), ``reward`` (a
-  finite number).
-- optional: ``group_id`` (default null; give the generation's group id, so
-  the feedback shares the generation's key and partition); ``components``
-  (string to finite number, default ``{}``); ``created_at`` (default now);
-  ``feedback_id`` (default ``"<generation_id>:<source>"``: deterministic, so
-  importing the same log twice yields the same ids and downstream
-  deduplication drops the copies).
+Anything else raises ``InvalidRecord`` naming the field at fault (``choices[0].index``,
+``sampling.max_tokens``); every event built is then checked by
+``reef_stream.intake.validation.validate``, the rules the producer SDK applies.
 """
 
 from __future__ import annotations

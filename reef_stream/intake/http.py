@@ -1,42 +1,19 @@
 """The HTTP intake, for inference fleets not written in Python (``reef intake serve``).
 
-Endpoints:
+- ``POST /v1/generations`` and ``POST /v1/feedback``: one JSON object or an array of them,
+  each in a form of ``reef_stream.intake.formats``. The answer is sent only once every valid
+  record is durable (acknowledged with ``acks=all``, or in this server's spool):
+  ``{"results": [...]}``, one per record in body order. Invalid records are ``rejected``
+  to the sender with the field at fault, never dead-lettered.
+- ``GET /healthz``: 200 while the server runs, with ``broker_reachable`` (a metadata request
+  answered within ``PROBE_TIMEOUT_S``) and the producer's counts; needs no token.
 
-- ``POST /v1/generations`` and ``POST /v1/feedback``: the body is one JSON
-  object or a JSON array of them (a batch), each in a form of
-  ``reef_stream.intake.formats`` (native events; for generations also
-  OpenAI-style responses, with the ``{"reef": ..., "response": ...}``
-  envelope giving what a response lacks).
-- ``GET /healthz``: 200 while the server runs (it spools when the broker is
-  down), with ``broker_reachable`` (a metadata request answered within 2 s)
-  and the producer's counts: ``pending`` (in memory), ``spooled`` (on disk),
-  ``acknowledged`` and ``failed`` since start. Needs no token, for load
-  balancers' probes.
-
-The answer to a POST is sent only once every valid record is durable:
-acknowledged by the broker (``acks=all``) or written to this server's
-spool. Its body is ``{"results": [...]}``, one result per record, in body
-order; an OpenAI response with n choices gives n results with the same
-``index``::
-
-    {"index": 0, "id": "g-1", "status": "acknowledged", "partition": 3, "offset": 118}
-    {"index": 1, "id": "g-2", "status": "spooled"}
-    {"index": 2, "status": "rejected", "error": "field 'reward': is nan; ...", "field": "reward"}
-
-Invalid records are answered to the sender (``rejected``, with the field at
-fault), never dead-lettered: the sender can fix them. Statuses:
-
-| status | when | what to do |
-| --- | --- | --- |
-| 200 | every valid record is durable; invalid ones are ``rejected`` in ``results`` | check ``results`` for rejections |
-| 400 | the body is not JSON, not an object or array, an empty array, or every record is rejected (``results`` says why) | fix the records |
-| 401 | ``REEF_INTAKE_TOKEN`` is set and the request lacks ``Authorization: Bearer <token>`` or has another token | send the token |
-| 413 | the body is larger than ``max_request_bytes`` | send smaller batches |
-| 500 | the broker refused a record for good (``failed`` in ``results``; e.g. a missing topic) | fix the cluster, send again |
-| 503 | the spool is full, or records were not durable within ``durable_timeout`` (``pending`` in ``results``); ``Retry-After`` says when to retry | send the whole request again |
-
-A request sent again after a 503 or 500 may store some records twice;
-readers drop duplicates by generation id and feedback source.
+Statuses: 200 (valid records durable), 400 (not JSON, or every record rejected), 401
+(``REEF_INTAKE_TOKEN`` set and not sent), 413 (body over ``max_request_bytes``, default
+``DEFAULT_MAX_REQUEST_BYTES``), 500 (the broker refused a record for good), 503 (spool full
+or not durable within ``durable_timeout``; ``Retry-After: RETRY_AFTER_S``). A request sent
+again after a 500 or 503 may store records twice; readers drop duplicates. The table of
+statuses and what to do: ``docs/intake.md`` ("The HTTP intake").
 """
 
 from __future__ import annotations

@@ -7,61 +7,18 @@
     report = producer.flush(30)                  # waits for everything outstanding
     producer.close()
 
-Guarantees (DESIGN.md, intake):
-
-- Idempotent producer, ``acks=all``. A handle resolves ACKNOWLEDGED only when
-  every in-sync replica has the record, or FAILED with the error that will
-  never go away (topic missing, not authorised, too large).
-- A record is held until acknowledged. While the broker is unreachable, or the
-  client's in-memory queue is full, records go to a bounded on-disk ``Spool``
-  (state SPOOLED: durable on this host). The spool is replayed in order when
-  the broker answers again, and by the next producer started on the same
-  spool directory after a crash. While anything is spooled, new records are
-  spooled too, so they cannot overtake older ones.
-- When the spool's bound is reached, ``send`` blocks up to ``block_timeout``
-  seconds for room and then raises ``SpoolFull``; nothing is dropped. A
-  record already handed to the client that comes back undelivered (the
-  broker went away) is spooled even past the bound: it was accepted, and the
-  background thread never waits for room.
-- Invalid records raise ``InvalidRecord`` from ``send``; nothing is sent.
-  ``send_many`` validates and encodes its whole batch before handing any
-  record over: one invalid record raises ``InvalidRecordInBatch`` (an
-  ``InvalidRecord`` naming its index) and nothing of the batch is sent.
-
-A record the caller only knows as PENDING (handed to the client, not yet
-acknowledged) is in this process's memory: a crash loses it, and the caller,
-who never saw it acknowledged, knows to send it again. A record replayed
-from the spool after a crash may already have reached the broker before the
-crash, so it can arrive twice; readers deduplicate by generation id and
-feedback source (the processor does).
-
-Keys: a generation and its feedback share one key, the ``group_id`` for
-grouped sampling and the ``generation_id`` otherwise, so that with equal
-partition counts (topics.declarations.DATA_PARTITIONS) a group's generations
-and all their feedback land in the same partition and the processor can join
-and group them without a shuffle.
-
-Serving replicas pass ``guard=follower`` (a ``reef_stream.serving.follower.Follower``):
-every Generation is then checked before it is sent (its model, and a policy version the
-replica served), so a replica cannot emit a generation stamped with a version it never loaded.
-
-Metrics: every ``metrics_every_s`` seconds (default 10; None: never) the
-background thread writes the producer's counters to ``<ns>.metrics`` (stage
-``intake``, names ``INTAKE_*`` in ``reef_stream.core.metric_names``, labels ``instance``
-and ``client``): records sent per topic, acknowledged, failed, refused by
-reason, and spooled now. They go through a producer of their own that may
-drop them (``metrics.metrics_producer``): metrics never hold records back.
-
-Cost per record (``bench/intake.py``): validation, Avro encoding
-(``SchemaRegistry.encode``: its compiled writer, without fastavro's
-per-record schema walk), the key, and one handle whose delivery report is a
-``functools.partial`` of ``_delivered``; counters are kept under a plain
-lock. ``send_many`` checks the arrays of a batch's Generations in one
-reduction per check and takes the lock once per batch.
-
-Threads: ``send`` may be called from any thread. A background thread serves
-delivery reports and replays the spool; handle callbacks run on it and must
-be quick.
+Guarantees: an idempotent producer with ``acks=all``; a handle is ACKNOWLEDGED once every
+in-sync replica has the record, or FAILED with an error that will not go away. While the
+broker is unreachable records go to a bounded on-disk ``Spool`` (SPOOLED), replayed in order
+on reconnect and by the next producer on the same directory; a full spool makes ``send``
+block up to ``block_timeout`` and raise ``SpoolFull``: nothing is dropped. Invalid records
+raise ``InvalidRecord`` (``send_many``: ``InvalidRecordInBatch``, and nothing of the batch is
+sent). A replayed record may arrive twice; readers deduplicate. A generation and its
+feedback share one key (``record_key``), so a group lands in one partition. ``guard=`` (a
+``Follower``) refuses generations of a version the replica never served. Counters go to
+``<ns>.metrics`` every ``metrics_every_s`` (``INTAKE_*``), through a producer that may drop
+them. ``send`` may be called from any thread; handle callbacks run on the background thread.
+The long form: ``docs/intake.md`` ("The producer SDK").
 """
 
 from __future__ import annotations

@@ -1,56 +1,18 @@
 """The trainer's way out of a stall after rejections: roll back to the incumbent, forwards.
 
-A candidate evaluator may reject checkpoint after checkpoint. Replicas go on
-serving the incumbent (the newest PROMOTED version, I) while the trainer moves
-on; once the trainer's step S is more than ``schedule.max_staleness`` versions
-past I, every sample the fleet makes is too stale to train (the processor and
-the trainer drop it), so no step comes, so no new candidate: the loop stands
-still for good.
-
-``stall_reason`` names that state from the publications alone: the evaluator
-decided on the trainer's newest checkpoint (it decides in version order, so
-nothing newer is in flight), and the incumbent is more than ``max_staleness``
-behind it. ``StallWatch`` (rank 0's fold of ``<ns>.publications``) asks it;
-the trainer then writes a rollback checkpoint (``rollback_checkpoint``;
-``Trainer._roll_back`` acknowledges it like a step):
-
-- version S + 1, so versions stay monotonic and every stage's staleness
-  arithmetic holds unchanged;
-- the incumbent's weights, optimizer, RNG and algorithm state (read from its
-  published copy, verified);
-- the offsets and trained-unit set of step S: what was read since step S is
-  read again and judged against S + 1 (too stale: dead-lettered, counted);
-- ``rolled_back_to = I`` in the checkpoint and its ``Checkpoint`` event, so
-  ``reef trace`` and ``reef top`` show it, and the metric ``rollbacks``.
-
-A version staged for release (a CANARY waiting for its live measurement or a
-person's approval, ``reef_stream.consumers.evaluator.canary``) is no stall: it may be
-promoted soon. A person's rollback of a promoted version (``reef rollback``,
-a ROLLED_BACK publication) makes the rolled-back-to version the incumbent: a
-trainer then more than ``max_staleness`` past it has stalled, and rolls back
-to its weights as its next version in the same way (versions stay monotonic).
-
-The evaluator promotes a rollback without measuring it once it has checked
-that its weights are the incumbent's (they were measured when I was promoted)
-and that I is still the incumbent (``check_rollback``). Replicas load S + 1;
-fresh samples flow again. A rollback the evaluator rejects is not retried: the
-trainer logs why it waits (once) until a version is promoted.
-
-Data parallelism: the ranks agree on the moment and the incumbent at a
-meeting (``Vote``, ``agree``): one exchange of every rank's vote, with the
-all-gather the ranks' steps use, at points every rank passes in the same
-order: before each step (a rank holding its share of the step meets again
-until every rank holds its own) and, since a stalled trainer takes no step,
-every ``CHECK_EVERY_S`` before a fetch while a rank holds no full share (it
-waits there for the others' next meeting, at most about that long). Only rank
-0 follows the publications; its vote names the version to roll back to. Then
-rank 0 (which writes every checkpoint) acknowledges the rollback checkpoint,
-built from the incumbent's verified published copy, and tells the others how
-it went; every rank resumes from the newest checkpoint, so each loads that same
-checkpoint (verified) and seeks its own partitions back to the offsets of step
-S, as one rank does. A rank asked to stop (a signal, ``idle_exit``) says so at
-the next meeting and every rank stops there, so none is left waiting for the
-others.
+When the evaluator rejects checkpoint after checkpoint, replicas keep serving the incumbent
+I while the trainer's step S moves on; once S is more than ``schedule.max_staleness``
+versions past I every sample is too stale and the loop stands still for good.
+``stall_reason`` names that state from the publications alone (the trainer's newest
+checkpoint is decided, and I is too far behind; a CANARY waiting for release is no stall);
+``StallWatch``, rank 0's fold of ``<ns>.publications``, asks it every ``CHECK_EVERY_S``.
+The trainer then acknowledges ``rollback_checkpoint``: version S + 1 (versions stay
+monotonic), I's verified weights, optimizer, RNG and algorithm state, step S's offsets and
+unit set, and ``rolled_back_to = I``. The evaluator promotes it unmeasured when
+``check_rollback`` finds I still the incumbent; a rejected rollback is not retried.
+Data-parallel ranks agree on the moment and the incumbent at a meeting (``Vote``,
+``agree``) every rank reaches in the same order. The long form: ``docs/design-notes.md``
+("Rollback after rejections").
 """
 
 from __future__ import annotations

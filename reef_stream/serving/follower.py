@@ -6,67 +6,21 @@
     follower = Follower("my-model", on_version=swap).start()   # a background thread
     follower.wait_ready(60)                          # publications read, newest version tried
     producer = RecordProducer(guard=follower)        # generations must carry a served version
-    ...
     generation = Generation(..., model="my-model", policy_version=follower.policy_version, ...)
-    producer.send(generation)
-    follower.stop()
 
-A follower reads ``<ns>.publications`` from its beginning (``assign``, no
-consumer group: every replica reads everything; it runs on the stage loop,
-``reef_stream.consumers.stage``, as a reader), keeps the fold of its model's
-publications (``PublicationLedger``), and whenever what this replica should
-serve (``ledger.serving``: the open CANARY version when this replica takes
-it, from the publication and its ``canary_slot`` alone, else the incumbent,
-the newest PROMOTED version or the one a ROLLED_BACK went back to) is
-another version than the one it serves:
-
-1. loads the weights with ``checkpoints.load_weights(uri, sha256)``, which
-   verifies the manifest against the publication's sha256 and every file
-   against the manifest (or, for a follower that ``loads=ARTIFACT`` for an
-   engine, verifies the publication's serving artifact the same way and hands
-   over its URI, ``reef_stream.serving.adapters``);
-2. hands them to ``on_version(LoadedVersion)`` on the follower's thread;
-3. only once that returned, serves the new version: ``policy_version``
-   changes, the load is logged and reported (a heartbeat right away).
-
-A checksum mismatch, an unreadable checkpoint or an ``on_version`` that
-raises is a refusal: logged as an error naming the version and the cause,
-reported to ``on_refused(publication, error)``, counted, and the previous
-version keeps serving. The refused version is tried again every
-``retry_s`` seconds while it is the newest (a store that was unreachable may
-come back); another version to serve supersedes it. A canary's replicas
-report the state ``canary`` (``reef fleet``), and go back to the incumbent
-when the canary is rolled back or rejected. Intermediate versions are
-never loaded: a replica started late, or one that was busy, goes straight to
-the newest promoted version (convergence). REJECTED publications, and other
-models', are ignored.
-
-A record on the publications topic that does not decode (raw bytes, another
-schema, an unknown fingerprint, no headers) is logged once as a warning
-naming its topic, partition and offset, counted (``undecodable``, and the
-metric ``FOLLOWER_PUBLICATIONS_UNDECODABLE``) and otherwise ignored: serving
-goes on. A replica writes no dead letter for it: every replica reads every
-record, and the evaluator, the topic's owner, dead-letters it once per
-reading (``reef_stream.consumers.evaluator.evaluator``).
-
-Reporting: every ``heartbeat_s`` seconds (and after every load) the replica
-writes ``replica → model, version, host, state, last seen`` to the Redis
-projection (``reef_stream.publishing.fleet``, expiring after its TTL) and the same as a
-``Metric`` to ``<ns>.metrics`` (the source ``reef fleet --rebuild`` reads).
-Redis or metric failures are logged and never stop serving. ``stop``
-removes the replica from the projection.
-
-Generations: a follower is a ``GenerationGuard`` for ``RecordProducer``:
-``check`` refuses a Generation of another model, or one whose
-``policy_version`` this replica never served (a request that started before
-a swap still carries the version it was sampled with, which it did serve).
-Read ``policy_version`` when a request starts and put it in its Generation.
-
-Threads: ``run`` blocks the calling thread and uses a second one for
-heartbeats; ``start`` runs ``run`` on a daemon thread. ``on_version`` and
-``on_refused`` run on the follower's thread (the one running ``run``).
-``policy_version``, ``check``, ``wait_*`` and ``stop`` may be called from any
-thread.
+A follower reads ``<ns>.publications`` from its beginning (no group: every replica reads
+everything) and folds its model's (``PublicationLedger``). Whenever ``ledger.serving`` (the
+open canary for this replica's ``canary_slot``, else the incumbent) differs from what it
+serves, it loads and verifies the weights (``checkpoints.load_weights``, or the serving
+artifact for an engine: ``reef_stream.serving.adapters``), calls ``on_version`` on its
+thread, and only then changes ``policy_version``. A failed load is refused, reported to
+``on_refused``, and retried every ``retry_s`` (``DEFAULT_RETRY_S``) while newest; the
+previous version keeps serving. Intermediate versions are never loaded. An undecodable
+publication is counted (``FOLLOWER_PUBLICATIONS_UNDECODABLE``), never dead-lettered here.
+Every ``heartbeat_s`` the replica reports to the Redis projection and ``<ns>.metrics``;
+their failures never stop serving. As a ``GenerationGuard``, ``check`` refuses a generation
+of another model or of a version never served. ``policy_version``, ``check``, ``wait_*`` and
+``stop`` may be called from any thread. The long form: ``docs/stages.md`` ("The follower").
 """
 
 from __future__ import annotations

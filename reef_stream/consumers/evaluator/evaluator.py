@@ -4,101 +4,22 @@
     summary = worker.run()        # blocks until stop(), --max-candidates, --idle-exit or a signal
     print(summary.line())
 
-One worker is one member of a Kafka consumer group (default
-``<ns>.evaluate.<recipe name>``) on ``<ns>.checkpoints`` (one partition: one
-worker of the group is active, the others stand by). The stage loop hands
-the events over one at a time; they wait until its consumer holds nothing
-more (its position is the log's end at its last fetch, or a fetch came back
-empty). Then each waiting Checkpoint event, in log order:
+One worker is one member of a consumer group (default ``<ns>.evaluate.<recipe name>``) on
+``<ns>.checkpoints``, on the stage loop (strategy ``_Decisions``). Each waiting Checkpoint
+event, in log order: another recipe's is skipped and an undecodable one dead-lettered; one
+the ``PublicationLedger`` has decided already gets no second decision (``duplicates``); with
+``supersede``, an older candidate while a newer one waits is REJECTED unmeasured; the files
+are verified against the sha256 (nothing unverified is promoted); ``measure`` (``1 +
+retries`` tries) and ``select`` against the incumbent decide, a failure being a REJECTED with
+the reason; a PROMOTED candidate is copied and verified into the ``PublicationStore`` (with a
+serving artifact for a Hugging Face model). A rollback checkpoint is promoted unmeasured when
+its weights are the incumbent's (``reef_stream.publishing.rollback.check_rollback``).
 
-1. a Checkpoint of another recipe (or, with ``--model``, of another model) is
-   skipped; an undecodable record becomes a ``DeadLetter`` (stage
-   ``evaluator``);
-2. the ``PublicationLedger`` (the fold of ``<ns>.publications``, read to its
-   end) is asked whether this checkpoint id was decided already, or a version
-   not older than this one was: then there is no second decision
-   (``duplicates``). A trainer that re-emits its Checkpoint event after a
-   crash, or an evaluator restarted between its publication and its commit,
-   therefore never publishes twice;
-3. with ``supersede`` (the default; ``reef evaluate --no-supersede`` measures
-   every candidate) and an evaluator that measures (``evaluates``: not the
-   default AcceptEverything, which has nothing to save and promotes every
-   candidate), a candidate while a newer one of its recipe and model waits
-   too is REJECTED without verifying or measuring it, with the reason
-   ``superseded: version N was waiting when this one's turn came; only the
-   newest waiting candidate is measured`` (``superseded``, and the metric
-   ``candidates_superseded``). The newest is decided as below, after the
-   older ones' rejections are published. A rollback checkpoint is never
-   superseded and supersedes nothing (``reef_stream.consumers.evaluator.superseding``),
-   and neither is a candidate whose model has no incumbent yet: until a
-   first promotion replicas serve nothing, and a trainer stalled by a
-   rejected newest would have no version to roll back to, so it is measured;
-4. the candidate's files are verified against its sha256; a candidate that
-   fails is REJECTED with the reason (nothing unverified is ever promoted);
-5. ``evaluator.measure(candidate)`` runs (tried ``1 + retries`` times), then
-   ``evaluator.select(measurement, incumbent)`` with the incumbent (the
-   model's newest PROMOTED publication). A measure that fails on every try,
-   or a select that raises, is REJECTED with the error as the reason: a bad
-   candidate never stops the pipeline and never disappears;
-6. a PROMOTED candidate is copied into the ``PublicationStore``
-   (``$REEF_HOME/published/<ns>/<model>/v<version>`` by default) and the copy
-   verified; the Publication names the copy, so the trainer's retention of
-   its last K checkpoints cannot delete what replicas serve. For a Hugging Face
-   model (``reef_stream.engine.hf.HuggingFace``) its serving artifact is written
-   beside it (``<version>-serving``: the weights in ``serving_dtype``, or the
-   LoRA adapter alone, ``reef_stream.engine.artifacts``), and the Publication
-   names it too (``artifact_uri``, ``artifact_sha256``, ``artifact_kind``): what
-   an engine's follower loads;
-7. the Publication is produced (idempotent producer, ``acks=all``) and
-   waited for.
-
-A rollback checkpoint (``rolled_back_to`` set: the trainer stalled after
-rejections and went back to the incumbent's weights, see
-``reef_stream.publishing.rollback``) is not measured: after step 4 (its files
-verified as its weights are loaded, once: ``load_weights``) it is
-promoted when version ``rolled_back_to`` is still the incumbent and the
-weights are exactly its weights (with the incumbent's measurement), rejected
-with the reason otherwise.
-
-The durability order, for every decision (a superseded candidate's included):
-publication acknowledged by the broker (``_publish``)
-→ the checkpoint's offset committed (by the stage loop,
-``reef_stream.consumers.stage``, once ``_Decisions`` says it is committable)
-→ the Redis projection updated and old published copies pruned
-(``_after_commit``; after a commit that failed, at the next one that
-succeeds). A crash before the commit re-reads the checkpoint on restart; step 2 then finds its decision in the ledger
-(candidates that waited together are committed together, after the last of
-them is decided: a superseded candidate read again is found decided). A
-publication that cannot be stored, or a copy that cannot be written, stops
-the worker with a ``FatalError`` and leaves the offset uncommitted.
-
-Undecodable publications. The evaluator owns ``<ns>.publications``, so a
-record there that does not decode (raw bytes, another schema, an unknown
-fingerprint, no headers: written by something else) is dead-lettered by the
-evaluator (stage ``evaluator``, reason ``undecodable publication: ...``) when
-its ledger reads it: at start, before the candidates that waited together
-are decided, and while idle. The
-letter is keyed ``coordinates_key`` (``<topic>/<partition>/<offset>`` of the
-bad record) and acknowledged before the worker goes on. That is at least
-once with a stable key: every reading of the topic from its beginning (a
-restarted worker, a standby member of the group, another recipe's evaluator)
-letters the record again under the same key, so a reader of the dead letters
-deduplicates by key. Other readers (replicas' ``Follower``) only count them.
-
-Publications are keyed by stage (``publication_key``), so compaction keeps
-each model's latest decision of each stage: a REJECTED publication cannot
-compact away the model's last PROMOTED one (which late replicas and a
-restarted evaluator need); readers use the event's ``model`` field, never the
-key.
-
-Release: the recipe's release policy stages what the offline gate promoted (a canary,
-a person's approval, a cadence: ``reef_stream.consumers.evaluator.canary``).
-
-Threads: ``run`` owns the clients (the stage loop its consumer) and must be
-called from one thread; it
-calls ``measure`` and ``select`` on that thread (``max.poll.interval.ms`` is
-an hour by default, so a long evaluation keeps the group membership).
-``stop`` may be called from any thread or a signal handler.
+Durability order: publication acknowledged (``_publish``) -> checkpoint offset committed by
+the loop -> Redis projection updated and old copies pruned (``_after_commit``). A store or
+copy failure is a ``FatalError``. Undecodable publications are dead-lettered, keyed by
+``coordinates_key``. ``run`` is called from one thread, which runs ``measure`` and
+``select``; ``stop`` from any thread. The long form: ``docs/stages.md`` ("The evaluator").
 """
 
 from __future__ import annotations

@@ -8,14 +8,10 @@
 
 The backlog is the units waiting for the trainer: written to the units topic, and not yet
 behind the offsets of its newest checkpoint (the units its next step will take, those it
-already holds for that step included). It used to be measured as the topic's end offsets
-less the checkpoint's; that counts offsets, not units, and every processor transaction
-leaves a commit marker at one offset per partition it wrote. At ten transactions a second
-the markers alone passed a bound of one step before the trainer's step was full, every
-unit that completed was shed from then on, no checkpoint came, and the loop stopped
-(bench/overload.py, ``max_backlog_steps=1``: two steps in 150 s). Counted in units, a
-backlog of a full step means the trainer has a full step to take: the bound cannot hold the
-loop below one.
+already holds for that step included). It counts units, not offsets (every transaction
+leaves a commit marker at an offset), so a backlog of a full step means the trainer has a
+full step to take: the bound cannot hold the loop below one step (why it matters:
+``docs/history.md``, "The backlog counted in units").
 
 An instance knows the units it wrote itself (the offsets its producer's delivery reports
 give), not another instance's: ``estimate(mine, of)`` scales its count by the share of the

@@ -9,8 +9,8 @@ from when it was read. The merge and why it is so: ``reef_stream.engine.log_merg
 The pair keeps its records in plain deques, one per topic, and ``ready`` hands them to
 ``log_merge.in_log_order``, the one place the order is written (the rule of ``LogMerge.pop``
 with an empty topic settled when ``caught_up()`` names it), rather than going through a
-``LogMerge``: its per-record ``Ordered`` objects were ~15% of the processor's CPU per record
-(issue 15). ``tests/unit/test_pairs.py`` checks that a pair and a ``LogMerge`` hand the
+``LogMerge`` and its per-record objects (why: ``docs/processor.md``, "Throughput and
+latency"). ``tests/unit/test_pairs.py`` checks that a pair and a ``LogMerge`` hand the
 records over in the same order.
 """
 

@@ -1,115 +1,24 @@
 """The processor runtime: a recipe's processor over ``<ns>.generations`` + ``<ns>.feedback``.
 
-``ProcessorRuntime`` (``reef process --recipe X``) runs
-``reef_stream.engine.join.ProcessorState`` (the same state machine that
-``reef_stream.engine.testing.run_processor`` drives) as a *transactional
-consume-transform-produce* stage on the one stage loop
-(``reef_stream.consumers.stage.StageLoop``, with ``strategy_commits``). The
-loop owns the consumer: it fetches up to ``batch`` records at a time (waiting at
-most ``POLL_TIMEOUT_S`` for them), hands each to ``_Processing.submit`` (queued
-into its partition pair), then calls ``fetched`` (also after a fetch of nothing),
-in which the runtime decodes what the pairs let through and offers it to each
-partition's state at once (``ProcessorState.offer_all``: one ``Step`` per
-partition and fetch), ticks, and commits what that decided. Per fetch,
-one Kafka transaction holds, atomically:
+``ProcessorRuntime`` (``reef process --recipe X``) runs ``reef_stream.engine.join.ProcessorState``
+as a transactional consume-transform-produce stage on the stage loop (strategy
+``_Processing``, ``strategy_commits``): the loop fetches up to ``BATCH`` records (waiting at
+most ``POLL_TIMEOUT_S``), and per fetch one Kafka transaction (``_commit``, the one place the
+order is written) holds, atomically: the units, a dead letter for every non-unit outcome,
+the changed state keys on the compacted changelog ``<ns>.processor-state.<recipe>``, and the
+consumed offsets (``send_offsets_to_transaction``, KIP-447; the loop never commits). So a
+processor killed at any moment restarts with exactly the state that went with its committed
+offsets, and every generation gets exactly one outcome in the committed log.
 
-1. the units of the batch, to ``<ns>.units.<recipe>`` (key: unit id);
-2. a dead letter for every non-unit outcome (expired, too stale, shed, invalid
-   generations; late, unused, orphaned feedback, and records that do not
-   decode or fail ``intake.validation.validate``), to ``<ns>.dead-letters``,
-   with the reason, the original record and its source topic / partition /
-   offset (both encoded by ``reef_stream.consumers.processor.step_records``);
-3. the snapshot of every state key the batch touched (``Step.touched``), to
-   the compacted changelog ``<ns>.processor-state.<recipe>`` (partition p
-   holds the state of input partition p; key: state key, UTF-8, the
-   ledger's segment keys surrogate-escaped (``reef_stream.engine.ledger``);
-   a tombstone when the key holds nothing any more);
-4. the consumed offsets (``send_offsets_to_transaction`` with the group
-   metadata of the loop's consumer, KIP-447). The loop never commits: a commit
-   after the transaction would replay the batch against a state that already
-   holds it after a crash in between.
-
-So either all four become visible (to ``read_committed`` readers) or none
-does: a processor killed at any moment (SIGKILL included) restarts from the
-last committed offsets with exactly the state that went with them, and
-every generation gets exactly one outcome in the committed log. Units carry
-``unit_id(recipe, members)``, so even a reader that is not ``read_committed``
-(or a future runtime bug) sees a re-emitted unit under its original id and
-can deduplicate; the trainer deduplicates by unit id regardless.
-
-The trainer's backlog. With the schedule's ``max_backlog_steps``, before
-each batch the runtime counts the units waiting for the trainer: those it
-wrote (offsets from its delivery reports, once their transaction committed)
-that the newest checkpoint's offsets, read from the checkpoint events it
-follows for staleness, have not passed (``reef_stream.consumers.processor.backlog``).
-Every partition's state counts this instance's units, those emitted in the
-batch included (``ProcessorState.observe_backlog``), against the instance's
-share of the bound (``backlog.share``: all of it when it holds every
-partition), and sheds the units that complete while it is full: their
-generations end SHED, with dead letters, in the same transaction as everything else. A
-trainer that has not checkpointed for ``STALL_STEPS`` step intervals (its
-shortest of the last ``STALL_INTERVALS``, so that a stall does not lengthen the
-next wait; at least ``STALL_MIN_S``) while the bound is full suspends the
-bound until its next checkpoint, with a warning: units it skipped (duplicates,
-too stale) count until that checkpoint, and could hold its step short of full.
-
-Why this and not faust-streaming, and what the processor's speed is made of (the
-figures, and what was tried): ``docs/processor.md``. In short: faust's ``exactly_once``
-has open duplicate bugs, so the guarantee has to come from here anyway, and this runtime's
-durability order is written down in one function, ``_commit``; ``bench/processor.py``
-measures it against a raw consume-and-produce loop.
-
-Where things are. This module: ``ProcessorRuntime`` (lifecycle, rebalancing, ``_process``
-for a fetch, ``_commit`` for its transaction) and ``_Processing``, its strategy on the stage
-loop. Beside it in ``reef_stream.consumers``: ``pairs`` (a partition pair's records, in log
-order), ``offers`` (decode and validate what a pair lets through), ``step_records`` (a
-step's units and dead letters as records), ``changelog`` (the state topic and its restore),
-``fencing`` (transactional identity, the commit watchdog), ``backlog`` (the trainer's
-backlog count) and ``processor_metrics`` (counts to ``<ns>.metrics``).
-
-Co-partitioning. A group's generations and all their feedback carry one key
-(``intake.producer.record_key``) and the two topics have equal partition
-counts, so generations[p] and feedback[p] hold everything partition p's
-state needs. The loop's consumer (group ``--group``, default
-``<ns>.process.<recipe>``) subscribes to both topics with the ``range``
-assignor, which gives every member the same partition numbers of each topic
-when the counts are equal; ``_assign`` (the strategy's ``on_assign``) checks
-it and refuses to run otherwise (the loop re-raises an error of a rebalance
-callback from ``run``). Members use the eager protocol: a rebalance revokes
-everything, always between transactions (callbacks run inside the loop's
-``consume``, and ``fetched`` commits before the next one).
-
-Fencing and restart. The consumer's ``group.instance.id`` is ``<instance>``
-(``--instance``, default ``0``; give each concurrent processor of a group its
-own). A restarted instance (1) fences its predecessor and aborts its open
-transaction (``reef_stream.topics.fencing``), and (2) takes its
-predecessor's place in the group at once (static membership: no wait for the
-session timeout). Zombies of *other* members are fenced by
-the group generation in ``send_offsets_to_transaction`` (KIP-447). A consumer
-fenced as a static member (the loop's ``ConsumerFenced``) goes to ``_rejoin``
-(the strategy's ``on_fenced``), which proves the transactional id is still this
-instance's; then the loop rejoins the group with a new consumer. On
-assignment each partition's state is rebuilt from its changelog partition
-(read ``read_committed`` to the end); consumption then starts at the
-committed offsets (librdkafka fetches them as stable offsets).
-
-Clock. Record timestamps are the clock, per partition pair, and a pair's
-records are offered in timestamp order across its two topics, a record
-waiting at most ``MAX_IDLE_S`` for the other topic to be read past it
-(``reef_stream.consumers.processor.pairs``). After each batch a pair is ticked with its state's clock;
-when neither topic has anything unread, with the wall clock, so a generation
-whose feedback never comes still expires when input stops. The newest
-checkpoint version of the recipe (``<ns>.checkpoints``, read after every fetch) is
-observed by every partition's state, again after each rebuild (assignment or
-rewind), since a restored state does not hold it.
-
-Counts. ``counts`` holds ``Step.counts`` summed over committed transactions
-only (an aborted transaction's counts are dropped with it). They go to the
-log every ``log_every_s`` seconds and, as ``Metric`` events, to ``<ns>.metrics``
-at most every ``metrics_every_s`` seconds and whenever they changed, through a
-producer of their own, outside the transactions
-(``reef_stream.consumers.processor.metrics``, which says what is written and
-why); the loop writes the consumer's lag with them every second.
+Generations and feedback are co-partitioned (``range`` assignor, checked in ``_assign``); a
+pair's records are offered in timestamp order, each waiting at most ``MAX_IDLE_S`` for the
+other topic (``consumers.processor.pairs``). ``group.instance.id`` is ``--instance``: a
+restart fences its predecessor (``reef_stream.topics.fencing``). With
+``max_backlog_steps`` the units waiting for the trainer are bounded and the surplus SHED
+(``consumers.processor.backlog``; a trainer stalled ``STALL_STEPS`` intervals, at least
+``STALL_MIN_S``, suspends the bound). Beside it: ``pairs``, ``offers``, ``step_records``,
+``changelog``, ``backlog``, ``metrics``. The long form: ``docs/processor.md`` ("How the
+runtime works"); measurements and why not faust-streaming: the same file.
 """
 
 from __future__ import annotations

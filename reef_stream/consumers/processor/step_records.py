@@ -4,8 +4,8 @@ A step of ``engine.join.ProcessorState`` (``Step``) becomes, in this order:
 
 1. each unit, to ``<ns>.units.<recipe>`` (key: unit id); a unit whose encoding is larger
    than the units topic takes (``max_unit_bytes``) is not written, and each of its member
-   generations is dead-lettered ``unit_too_large`` instead (below), where it used to fail
-   every transaction forever;
+   generations is dead-lettered ``unit_too_large`` instead (below), so that one oversized
+   unit cannot fail every transaction;
 2. a dead letter for every outcome whose kind has ``dead_letter`` (expired, too stale, shed,
    invalid generations; late, unused, orphaned feedback), to ``<ns>.dead-letters`` (key: the
    record's group id, else its generation id), with the reason and the original record, at

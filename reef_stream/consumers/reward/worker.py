@@ -4,95 +4,23 @@
     summary = worker.run()        # blocks until stop(), --max-records, --idle-exit or a signal
     print(summary.line())
 
-One worker is one member of a Kafka consumer group (default ``reward-<recipe
-name>``) on ``<ns>.generations``; more workers in the same group share its
-partitions. For each generation the worker:
+One worker is one member of a consumer group (default ``reward-<recipe name>``) on
+``<ns>.generations``, running on the stage loop (``reef_stream.consumers.stage``; its strategy
+is ``_Rewards``). Each generation is decoded, scored by the ``RewardFunction`` in one of
+``concurrency`` call slots (``reef_stream.consumers.reward.calls``: each try has ``timeout``
+seconds, ``retries`` retries after ``backoff * 2**k`` capped at ``MAX_BACKOFF_S``; a fast try
+past ``ADAPT_FACTOR`` x the observed p99 moves to the slow lane; ``sandbox="process"`` runs
+each try in a ``reef_stream.consumers.reward.sandbox`` process), and gets exactly one outcome:
+``Feedback`` (id ``<generation id>:<source>``, keyed like its generation) for a finite
+``Reward``, else a ``DeadLetter`` (stage ``reward``) naming the cause. A failed reward is
+never recorded as 0.
 
-1. decodes it (``serde.decode``); an undecodable record, or one that is not a
-   ``Generation``, becomes a ``DeadLetter`` with the reason at once;
-2. calls the recipe's ``RewardFunction``, at most ``concurrency`` calls in
-   flight: ``concurrency`` call slots take the queued generations one at a
-   time, threads for a sync function (an awaitable it returns is awaited on
-   the loop), tasks on the worker's asyncio loop for a coroutine function
-   (or an object with an ``async def __call__``). Each try has ``timeout``
-   seconds: a coroutine's try is then cancelled; a sync try cannot be, so a
-   watchdog thread abandons it (its thread finishes alone, its result
-   ignored) and a new call thread goes on with the generation. A try that
-   raises or times out is retried up to ``retries`` times, after
-   ``backoff * 2**k`` seconds (capped at ``MAX_BACKOFF_S``), holding its slot;
-   a sync function's timed-out try only in the slow lane, and a fast call
-   past 2 x the observed p99 moves there (the call slots and lanes are
-   ``reef_stream.consumers.reward.calls``). With ``sandbox="process"`` each try
-   runs in a ``reef_stream.consumers.reward.sandbox`` process, killed at the timeout; a sandbox
-   failure is dead-lettered as ``sandbox.<category>``;
-3. emits the outcome through a ``RecordProducer``: ``Feedback`` built with
-   ``recipe.feedback_for`` (id ``<generation id>:<source>``, keyed like its
-   generation, so co-partitioned with it) when a try returned a ``Reward``
-   with a finite reward; otherwise a ``DeadLetter`` (stage ``reward``) naming
-   the exception, its message and the number of tries, with the generation's
-   topic, partition, offset, original bytes and headers. A failed reward is
-   never recorded as a reward of 0: it gets no Feedback at all. A result that
-   is not a ``Reward`` or has a non-finite reward is dead-lettered as invalid
-   without a retry (calling again would give the same answer).
-
-The worker runs on the stage loop (``reef_stream.consumers.stage``), which owns
-the consumer, the group, pausing, commits and lag; the worker's strategy
-(``_Rewards``) takes records and says what is committable.
-
-Offsets, the durability order (``_done_positions``): an outcome is sent → its
-``SendHandle`` is ACKNOWLEDGED by the broker → the generation's partition
-offset is committed, only up to the contiguous prefix of generations whose
-outcomes are acknowledged. A worker killed at any moment and restarted
-re-processes at most the uncommitted tail, so a generation may get its
-Feedback twice (same feedback id); the processor deduplicates feedback by
-generation id and source, so that is harmless. Nothing is ever skipped. A
-send that FAILED for good (e.g. the feedback topic is missing) stops the
-worker with a ``FatalError``: committing past it would lose an outcome.
-
-Rebalances: when partitions are revoked, the worker stops taking their
-records, drops those not yet started (the new owner reads them again), commits
-the done prefix and forgets the partitions; calls already running finish and
-their outcomes are still sent (duplicates of the new owner's, harmless).
-
-Stopping (``stop()``, SIGTERM/SIGINT in the command): no new records are
-taken, running calls get up to ``grace`` seconds to finish, the producer is
-flushed, done offsets are committed, then everything closes. A sync call
-still running after a timeout or the grace period cannot be interrupted: its
-thread is abandoned (a daemon thread) and its result ignored.
-
-Backpressure: at most ``backlog`` generations are taken and not yet settled
-(default 1024, or ``2 * concurrency`` if more): taken records wait for one
-of the ``concurrency`` call slots, so a slot never waits for a fetch. A full
-backlog first waits up to ``ROOM_WAIT_S`` to drain to half (quick calls do);
-if it does not, the worker pauses its partitions and keeps polling (group
-heartbeats and rebalances are served while slow calls run) and resumes them
-at half. Pausing is kept rare on purpose: a resumed partition's next fetch
-came up to a second later (librdkafka 2.16), so a quick reward that paused
-at every full backlog left the worker idle most of the time
-(``bench/reward.py``: about 2,000 generations/s against 7,500 without). On
-a stop, taken records whose call has not started are dropped at once
-(uncommitted: the group reads them again); only running calls get the grace.
-
-Metrics: the counters of ``RewardSummary`` (``REWARD_*`` in ``reef_stream.core.metric_names``,
-stage ``reward``, labels ``recipe``, ``group``, ``instance`` = host.pid) and the
-mean reward per feedback source go to ``<ns>.metrics`` through a plain producer
-of the worker's own, from the consumer loop at most once a second when they
-changed, and once at stop; they also set the process's Prometheus gauges
-(``reef_stream.core.prometheus``). Writing them never waits on the broker: a metric
-that cannot be queued or delivered is dropped (``metrics_dropped``).
-
-Cost per record (``bench/reward.py`` prints CPU ms per generation): the consumer
-thread decodes each record of a fetch (up to ``CONSUME_BATCH``) onto one queue
-and wakes idle call slots once per fetch, not per record; a slot calls the
-function and sends the outcome on its own thread. No thread, future or task is
-made per call.
-
-Threads: ``run`` owns the Kafka consumer and must be called from one thread
-(the stage loop's: it decodes and queues the records); the ``concurrency``
-call threads and their watchdog (sync function), or an asyncio loop on a
-thread of its own running the call tasks (coroutine function), call the
-function and send the outcomes; the producer's delivery callbacks mark
-outcomes done. ``stop`` may be called from any thread or a signal handler.
+Durability order (``_done_positions``): outcome sent -> acknowledged by the broker -> offset
+committed, up to the contiguous acknowledged prefix. A restarted worker redoes at most the
+uncommitted tail (duplicate feedback ids, which the processor drops); a send that FAILED for
+good raises ``FatalError``. At most ``backlog`` generations are held (``DEFAULT_BACKLOG``);
+a full backlog waits ``ROOM_WAIT_S`` before pausing partitions. ``run`` is called from one
+thread; ``stop`` from any thread or a signal handler. The long form: ``docs/stages.md``.
 """
 
 from __future__ import annotations

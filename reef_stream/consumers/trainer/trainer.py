@@ -3,93 +3,30 @@
     trainer = Trainer(recipe, bootstrap=..., namespace="reef", group="run-1")
     summary = trainer.run()      # blocks until stop(), max_steps, idle_exit or a signal
 
-What a step is. The trainer reads every partition of the units topic
-(manually assigned: a step must not depend on a rebalance) and merges them
-into one order that is a function of the log alone
-(``reef_stream.engine.log_merge.LogMerge``). Taking units in that order, it
+A step's units are a pure function of the log and the trainer's state: every partition is
+assigned manually and merged into one order (``reef_stream.engine.log_merge.LogMerge``);
+units that do not decode, that the backend cannot train (``engine.training.untrainable``) or
+that are more than ``schedule.max_staleness`` versions behind are dead-lettered, already
+trained unit ids are skipped, and the rest fill ``schedule.units_per_step``. A non-finite
+step raises ``NonFiniteStep`` before it reaches the weights.
 
-1. dead-letters a unit that does not decode as the recipe's unit type
-   (``invalid``);
-2. skips a unit whose id it already trained or holds (a unit the processor
-   re-emitted after a crash; ``duplicates``, no dead letter);
-3. dead-letters a unit that decodes but that the backend cannot train
-   (``reef_stream.engine.training.untrainable``: no samples, a token id outside the
-   model's vocabulary, logprobs and tokens of different lengths, an empty or
-   too long sequence, a NaN or infinite logprob or reward; ``invalid``, the
-   reason names the unit, the generation and what is wrong), so a poison pill
-   never reaches the step, where it would crash the trainer (again after every
-   restart) or write NaN weights;
-4. dead-letters a unit whose behaviour policy is more than
-   ``schedule.max_staleness`` versions behind its own (``stale``, never trained
-   silently);
+Acknowledgement (``_acknowledge``, the one place the order is written): (1) the checkpoint
+(weights, optimizer and RNG state, algorithm state, next offsets, trained unit ids) is
+written durably in a directory of this process's own (``CheckpointStore``'s writer id);
+(2) one Kafka transaction holds its ``Checkpoint`` event and the group's offsets
+(``send_offsets_to_transaction``): the checkpoint exists once it commits. It happens every
+``schedule.checkpoint_every`` steps (and ``checkpoint_every_s``, at ``max_steps``, before a
+rollback, at stop); any failure sends the trainer back to the group's newest committed
+checkpoint (``_resume``, ``committed_checkpoint``), and it retrains from the log to the same
+weights. The stage loop runs it with a manual assignment and ``strategy_commits`` (strategy
+``_Steps``, ``CONSUME_BATCH`` records a fetch). Rank 0 checks ``<ns>.publications`` for a
+stall every ``CHECK_EVERY_S`` and rolls back (``reef_stream.publishing.rollback``).
 
-and keeps the rest until it holds ``schedule.units_per_step``. (Duplicates
-are skipped before the check: a unit id is deterministic in its content and
-was checked when first trained. The check comes before staleness, which
-depends on the trainer's step: the dead letter names the defect of the record
-itself.) Those units, the objective's result on them and
-``TorchBackend.train_step`` make the step. So the units of step N are a pure
-function of the log and the trainer's state after step N-1, and a restarted
-trainer rebuilds the same steps. Should a step's advantages, loss or gradient norm
-still be NaN or infinite, ``train_step`` raises ``NonFiniteStep`` (fatal)
-before that update reaches the weights: nothing of the step is acknowledged.
-
-Acknowledgement (``_acknowledge``, the one place the order is written down):
-
-1. the checkpoint is written durably, in a directory of this process's own
-   (``CheckpointStore``'s writer id): weights, optimizer and RNG state, the
-   algorithm state the objective proposed, the next offset of every
-   partition, the hashes of every unit id trained so far;
-2. one Kafka transaction holds its ``Checkpoint`` event (to ``<ns>.checkpoints``)
-   and the group's offsets (``send_offsets_to_transaction``); the checkpoint
-   exists once that transaction commits.
-
-Fencing. The transaction's id is ``trainer_transactional_id(ns, recipe, group)``:
-a trainer that starts (rank 0) fences every older one of its group at
-``init_transactions``, before it reads where to resume. A paused or partitioned
-zombie that wakes up fails at its first acknowledgement (``TrainerFenced``, one
-line, the process exits); nothing it wrote counts, and its directories are
-garbage ``prune`` removes.
-
-A checkpoint is written every ``schedule.checkpoint_every`` steps (and after
-``checkpoint_every_s`` seconds, at ``max_steps``, before a rollback, and when
-the trainer is stopped), holding every step since the previous one
-(``step_units``: their units in order). The steps in between live in memory
-only: a crash, or a failure at any point of an acknowledgement, sends the
-trainer back to the newest durable checkpoint (``_resume``) as if it had
-restarted, and it trains those steps again from the log, to the same weights
-(the state a checkpoint restores is exact), so nothing is half-applied.
-
-Resume (``_resume``, at start and after a failed step). The group's newest
-committed ``Checkpoint`` event (``committed_checkpoint``, read_committed) names
-the checkpoint to load, verified against its sha256; its offsets are the
-group's committed ones. Without one the model starts from the schedule's seed
-and the group's committed offsets, or the beginning of the topic.
-
-The trainer runs on the stage loop (``reef_stream.consumers.stage``; its
-strategy is ``_Steps``), with the loop's two choices for a stage whose
-guarantee lives in its own durability step: a manual assignment (this rank's
-partitions, at the checkpoint's offsets, chosen after ``_resume``) and
-``strategy_commits`` (the commit is the transaction of ``_acknowledge``; the loop
-never commits). The loop fetches up to ``CONSUME_BATCH`` records at a time; each goes
-into the merge as it arrives, and after each fetch the settled ones are taken
-in order, so a step is trained and acknowledged on the loop's thread, between
-two fetches. A failed step goes back to the newest checkpoint there: ``_resume``,
-then the same partitions assigned again at its offsets.
-
-Rollback after rejections (``reef_stream.publishing.rollback``). Before each
-fetch, at most every ``CHECK_EVERY_S``, rank 0 reads what ``<ns>.publications``
-added: when the evaluator has decided on the trainer's newest checkpoint and
-replicas serve a version more than ``max_staleness`` behind it (every sample
-they make is too stale: the loop has stalled for good), the trainer
-acknowledges a rollback checkpoint, the incumbent's weights as the next version
-at the offsets of its last step, and resumes from it. Data-parallel ranks
-agree on it at a meeting of ranks (``_meet``), before a fetch or a step.
-
-Several groups may train on one units topic independently (each its own
-store, default ``$REEF_HOME/checkpoints/<ns>/<recipe>/<group>``). Dead
-letters of dropped units are sent at the step that consumes them and may
-repeat after a crash (at least once).
+Fencing: the transactional id is ``trainer_transactional_id(ns, recipe, group)``, so a
+trainer that starts (rank 0, before it reads where to resume) fences every older one of its
+group; a paused or partitioned zombie fails at its first acknowledgement (``TrainerFenced``,
+one line, the process exits) and its files are garbage ``prune`` removes. The long form:
+``docs/stages.md`` ("The trainer").
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ MAX_RESULT_BYTES = 1 << 20
 #: ``encodings.idna``) or by the programs a code reward runs, imported by the worker before
 #: its calls: a call run as another user may not be able to read the Python installation
 #: (``SandboxPool`` says so at start-up), and a worker imports only the reward's module, not
-#: the recipe and torch, which used to bring most of the standard library in.
+#: the recipe and torch, which would bring most of the standard library in.
 PRELOADED = ("encodings.idna", "encodings.punycode", "json", "asyncio", "tempfile", "ctypes",
              "subprocess", "math", "cmath", "random", "re", "string", "fractions", "decimal",
              "statistics", "collections", "heapq", "bisect", "itertools", "functools",
