@@ -1,4 +1,5 @@
-"""The README's commands are the ones that run: CI's, and the main job's."""
+"""The README's commands are the ones that run: CI's, the main job's, and every `reef ...`
+command it shows, with its options. tests/integration/test_quickstart.py runs its five steps."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import re
 import subprocess
 from pathlib import Path
 
+import click
 import pytest
 
 from reef_stream.api.recipe import load_recipe
+from reef_stream.cli.main import main as reef_main
 from reef_stream.core.events import Decision, Publication
 from reef_stream.core.processes import free_ports
 from reef_stream.core.settings import PROJECT_ROOT
@@ -22,7 +25,51 @@ README = (PROJECT_ROOT / "README.md").read_text()
 
 def _setup_commands() -> list[str]:
     section = README.split("## On a fresh machine", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```bash\n(.+?)\n```", section, flags=re.S)
+    return re.findall(r"```bash\n(.+?)\n```", section, flags=re.DOTALL)
+
+
+def _readme_reef_commands() -> list[str]:
+    """Every `reef ...` command the README shows: inline code and the lines of its bash blocks
+    (comments and a trailing ``&`` left off)."""
+    commands = re.findall(r"`(reef [^`]+)`", README)
+    for block in re.findall(r"```bash\n(.*?)\n```", README, flags=re.DOTALL):
+        for line in block.splitlines():
+            line = line.split("#", 1)[0].strip().removesuffix("&").strip()
+            if line.startswith("reef "):
+                commands.append(line)
+    return sorted(set(commands))
+
+
+def _command_and_flags(command: str) -> tuple[tuple[str, ...], set[str]]:
+    """(the subcommand's words, the options it is shown with) of a README command, as the
+    ``reef`` click group resolves them: ``reef kafka up [--nodes 1|3]`` -> (("kafka", "up"),
+    {"--nodes"}); ``reef tail dead-letters`` -> (("tail",), set())."""
+    path, group = [], reef_main
+    for word in command.split()[1:]:
+        if not isinstance(group, click.Group) or word not in group.commands:
+            break
+        path.append(word)
+        group = group.commands[word]
+    return tuple(path), set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", command)) - {"--help"}
+
+
+def test_the_readme_shows_commands():
+    """The extraction below finds the five steps' commands (so it cannot pass on nothing)."""
+    commands = _readme_reef_commands()
+    assert "reef topics create --recipe mine --partitions 2" in commands
+    assert "reef train --recipe my_recipes --group my-run" in commands
+
+
+@pytest.mark.parametrize("command", _readme_reef_commands())
+def test_every_command_the_readme_shows_exists_with_its_options(command, cli_env):
+    """Each `reef ...` of the README is a command whose --help lists every option the README
+    gives it; a renamed command or option fails here, not in a newcomer's shell."""
+    path, flags = _command_and_flags(command)
+    result = reef(*path, "--help", env=cli_env, check=False)
+    assert result.returncode == 0 and result.stdout.startswith("Usage: "), (
+        command, result.stdout + result.stderr)
+    missing = sorted(flag for flag in flags if flag not in result.stdout)
+    assert not missing, f"{command}: reef {' '.join(path)} has no {missing}"
 
 
 def test_readme_gives_exactly_two_commands_and_ci_runs_the_test_one():
