@@ -141,11 +141,15 @@ def project(tmp_path, cli_env):
     shim = bin_dir / "reef"
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m reef_stream.cli "$@"\n')
     shim.chmod(0o755)
+    # reef_stream from this checkout, as an installed package: nothing else of the checkout is
+    # importable (no top-level ``methods``: a wheel installs reef_stream.methods alone).
+    packages = tmp_path / "site"
+    packages.mkdir()
+    (packages / "reef_stream").symlink_to(PROJECT_ROOT / "reef_stream")
+    inherited = [p for p in cli_env.get("PYTHONPATH", "").split(os.pathsep)
+                 if p and Path(p).resolve() != PROJECT_ROOT.resolve()]
     env = {**cli_env, "PATH": f"{bin_dir}{os.pathsep}{cli_env.get('PATH', '')}",
-           "COLUMNS": "200"}
-    # The project's modules import reef_stream and methods from this checkout.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT),
-                                                      cli_env.get("PYTHONPATH")]))
+           "COLUMNS": "200", "PYTHONPATH": os.pathsep.join([str(packages), *inherited])}
     return directory, env
 
 
