@@ -6,7 +6,7 @@ stay within CI's budget). Checked here, on the log: every unit the trainer took 
 multi-turn samples (call, the tool's two tokens, the answer) whose tool tokens are masked
 (policy_mask 1 0 0 1, logprobs 0 there), exactly the trajectories the replicas sampled;
 units were trained; the ledger shows nothing lost or trained twice. Reaching 0.9 is the
-bench's run (README, "Multi-turn trajectories").
+bench's run (docs/benchmarks.md, "Multi-turn trajectories").
 """
 
 from __future__ import annotations

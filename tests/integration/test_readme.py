@@ -1,4 +1,5 @@
-"""The README's commands are the ones that run: CI's, and the main job's."""
+"""The README's commands are the ones that run: CI's, the main job's, and every `reef ...`
+command it shows, with its options. tests/integration/test_quickstart.py runs its five steps."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import re
 import subprocess
 from pathlib import Path
 
+import click
 import pytest
 
 from reef_stream.api.recipe import load_recipe
+from reef_stream.cli.main import main as reef_main
 from reef_stream.core.events import Decision, Publication
 from reef_stream.core.processes import free_ports
 from reef_stream.core.settings import PROJECT_ROOT
@@ -22,7 +25,52 @@ README = (PROJECT_ROOT / "README.md").read_text()
 
 def _setup_commands() -> list[str]:
     section = README.split("## On a fresh machine", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```bash\n(.+?)\n```", section, flags=re.S)
+    return re.findall(r"```bash\n(.+?)\n```", section, flags=re.DOTALL)
+
+
+def _readme_reef_commands() -> list[str]:
+    """Every `reef ...` command the README shows: inline code and the lines of its bash blocks
+    (comments and a trailing ``&`` left off)."""
+    commands = re.findall(r"`(reef [^`]+)`", README)
+    for block in re.findall(r"```bash\n(.*?)\n```", README, flags=re.DOTALL):
+        for line in block.splitlines():
+            line = line.split("#", 1)[0].strip().removesuffix("&").strip()
+            if line.startswith("reef "):
+                commands.append(line)
+    return sorted(set(commands))
+
+
+def _command_and_flags(command: str) -> tuple[tuple[str, ...], set[str]]:
+    """(the subcommand's words, the options it is shown with) of a README command, as the
+    ``reef`` click group resolves them: ``reef kafka up [--nodes 1|3]`` -> (("kafka", "up"),
+    {"--nodes"}); ``reef tail dead-letters`` -> (("tail",), set())."""
+    path, group = [], reef_main
+    for word in command.split()[1:]:
+        if not isinstance(group, click.Group) or word not in group.commands:
+            break
+        path.append(word)
+        group = group.commands[word]
+    return tuple(path), set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", command)) - {"--help"}
+
+
+def _readme_options() -> dict[tuple[str, ...], set[str]]:
+    """The options the README gives each command, by the command's words."""
+    options: dict[tuple[str, ...], set[str]] = {}
+    for command in _readme_reef_commands():
+        path, flags = _command_and_flags(command)
+        options.setdefault(path, set()).update(flags)
+    return options
+
+
+README_OPTIONS = _readme_options()
+
+
+def test_the_readme_shows_commands_and_their_options():
+    """The extraction finds the five steps' commands and options (so the check of every
+    command below cannot pass on nothing)."""
+    assert {"--recipe", "--partitions"} <= README_OPTIONS[("topics", "create")]
+    assert {"--recipe", "--group"} <= README_OPTIONS[("train",)]
+    assert README_OPTIONS[("tail",)] == set()       # `reef tail dead-letters`: an argument
 
 
 def test_readme_gives_exactly_two_commands_and_ci_runs_the_test_one():
@@ -79,7 +127,8 @@ def test_the_main_job_command_runs_the_demo_on_the_embedded_default(cli_env, tmp
         reef("redis", "down", env=env)
 
 
-@pytest.mark.parametrize("command", [
+#: Every command; those the README shows are among them (README_OPTIONS's keys are added).
+COMMANDS = sorted({tuple(c) for c in [
     [], ["up"], ["kafka"], ["kafka", "up"], ["kafka", "down"], ["kafka", "status"],
     ["kafka", "fetch"], ["redis", "up"], ["redis", "status"], ["topics", "create"],
     ["topics", "verify"], ["replay"], ["tail"], ["lag"],
@@ -87,8 +136,16 @@ def test_the_main_job_command_runs_the_demo_on_the_embedded_default(cli_env, tmp
     ["evaluate"], ["follow"], ["fleet"], ["demo"], ["check"], ["trace"], ["top"], ["dashboard"],
     ["sink"], ["sink", "tensorboard"], ["sink", "wandb"], ["rescore"], ["approve"], ["reject"],
     ["rollback"], ["engine"], ["scorecard"],
-])
+]} | set(README_OPTIONS))
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "reef")
 def test_every_command_explains_itself(command, cli_env):
+    """Each command's --help explains it and lists every option the README gives it: a
+    command or option renamed in the code fails here, not in a newcomer's shell."""
     result = reef(*command, "--help", env=cli_env)
     assert result.stdout.startswith("Usage: ")
     assert len(result.stdout.splitlines()) > 4
+    missing = sorted(flag for flag in README_OPTIONS.get(command, ())
+                     if not re.search(rf"(?<![\w-]){flag}(?![\w-])", result.stdout))
+    assert not missing, f"the README shows reef {' '.join(command)} with {missing}"
