@@ -33,7 +33,10 @@ def test_a_tile_appears_with_the_first_series_of_its_feature():
     assert tiles["serving"]["value"] == "mean 0.25 s · p50 0.25 s · p99 0.25 s (n=1)"
     # the row keeps its order whatever appears
     assert list(tiles) == ["reward", "serving", "dead_letters"]
-    assert list(_tiles([reward], generated=[(5, 10)])) == ["reward", "goodput", "dead_letters"]
+    # the generations topic counted empty: nothing generated yet, no goodput
+    assert list(_tiles([reward], generated=[(5, 0)])) == ["reward", "dead_letters"]
+    assert list(_tiles([reward], generated=[(5, 0), (10, 8)])) == [
+        "reward", "goodput", "dead_letters"]
 
 
 def test_one_groups_reward_is_a_number_and_several_groups_each_say_whose():

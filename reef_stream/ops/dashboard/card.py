@@ -187,8 +187,8 @@ def _trained(series: list[Series]) -> list[Series]:
 
 def _goodput(series: list[Series],
              generated: Sequence[tuple[float, int]]) -> dict[str, Any] | None:
-    """``None`` until the generations topic was counted (it does not exist yet)."""
-    if not generated:
+    """``None`` until a count found generations (the topic may not exist, or be empty)."""
+    if not any(n for _, n in generated):
         return None
     trained = _trained(series)
     total = sum(_last_total(s) for s in trained)
