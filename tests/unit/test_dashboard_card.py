@@ -52,3 +52,13 @@ def test_one_groups_reward_is_a_number_and_several_groups_each_say_whose():
     # two recipes of the same group name: the recipe tells them apart
     mixed = _tiles([reward("g", "grpo", 0.5), reward("g", "sao", 0.25)])["reward"]
     assert mixed["value"] == "recipe=grpo 0.5 · recipe=sao 0.25"
+
+
+def test_staleness_without_samples_counted_headlines_the_newest_steps_mean():
+    mean = [_series(m.STAGE_TRAINER, m.TRAINER_STALENESS_MEAN, {"recipe": "r", "group": g},
+                    [(0, 0.0), (10, v)]) for g, v in (("a", 1.5), ("b", 0.5))]
+    assert _tiles(mean[:1])["staleness"]["value"] == "mean per step 1.5"
+    assert _tiles(mean)["staleness"]["value"] == "mean per step group=a 1.5 · group=b 0.5"
+    samples = _series(m.STAGE_TRAINER, m.TRAINER_STALENESS_SAMPLES,
+                      {"recipe": "r", "group": "a", "staleness": "1"}, [(10, 4.0)])
+    assert _tiles([*mean, samples])["staleness"]["value"] == "mean 1 · p50 1 · p99 1 (n=4)"

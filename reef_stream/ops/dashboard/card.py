@@ -10,7 +10,8 @@ each a headline (``value``) over a small chart; ``docs/metrics.md`` defines the 
 - ``reward``: the trainer's reward of trained samples (``objective.reward_mean``), one line per
   trainer group (or recipe); with several, each value of the headline says whose it is;
 - ``staleness``: the trainer's staleness per step (``staleness_mean``); the headline is the
-  distribution of every sample trained (``staleness_samples``: ``scorecard.counted``);
+  distribution of every sample trained (``staleness_samples``: ``scorecard.counted``), or
+  the newest step's mean where no sample was counted;
 - ``goodput``: samples trained (``staleness_samples``, added up over restarts) per generation in
   ``<ns>.generations`` (its record count, as the dashboard looked at it every few seconds);
 - ``throughput``: records per second of each stage, its instances added up: the intake's
@@ -158,10 +159,16 @@ def _gauge_tile(id_: str, title: str, charted: list[dict], stage: str,
     lines = [line for line in _gauge_lines(charted, stage, name) if line["points"]]
     if not lines:
         return None
-    latest = [line["points"][-1][1] for line in lines]
-    value = " · ".join(_num(v) if len(lines) == 1 else f"{line['label']} {_num(v)}"
-                       for line, v in zip(lines, latest))
-    return _tile(id_, title, value, lines, {"latest": latest})
+    return _tile(id_, title, _newest(lines), lines,
+                 {"latest": [line["points"][-1][1] for line in lines]})
+
+
+def _newest(lines: list[dict[str, Any]]) -> str:
+    """The newest value of each line (with points), each after its label where there are
+    several: ``0.5``, or ``group=a 0.5 · group=b 0.25``."""
+    lines = [line for line in lines if line["points"]]
+    return " · ".join(_num(line["points"][-1][1]) if len(lines) == 1
+                      else f"{line['label']} {_num(line['points'][-1][1])}" for line in lines)
 
 
 def _staleness(series: list[Series], charted: list[dict]) -> dict[str, Any] | None:
@@ -173,10 +180,13 @@ def _staleness(series: list[Series], charted: list[dict]) -> dict[str, Any] | No
             except ValueError:
                 continue
     d = counted(counts)
-    lines = _gauge_lines(charted, m.STAGE_TRAINER, m.TRAINER_STALENESS_MEAN)
+    lines = [line for line in _gauge_lines(charted, m.STAGE_TRAINER, m.TRAINER_STALENESS_MEAN)
+             if line["points"]]
     if not d.count and not lines:
         return None
-    return _tile("staleness", "staleness of trained samples, versions", _dist(d), lines,
+    # without the samples by staleness, the newest step's mean (its chart's line) says it
+    value = _dist(d) if d.count else f"mean per step {_newest(lines)}"
+    return _tile("staleness", "staleness of trained samples, versions", value, lines,
                  _dist_figures(d))
 
 

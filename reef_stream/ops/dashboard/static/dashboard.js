@@ -228,6 +228,16 @@ function axisSize(self, values) {
   return Math.max(50, 24 + 7 * longest);
 }
 
+// The x scale's range: the data's, but a minute (two versions) around one instant (version)
+// alone, where uPlot would span 86,400,000 seconds.
+function xRange(byVersion) {
+  const pad = byVersion ? 1 : 30;
+  return (self, min, max) => {
+    const xs = self.data[0];
+    return xs.length === 1 ? [xs[0] - pad, xs[0] + pad] : [min, max];
+  };
+}
+
 // Draws ``lines`` ([{label, points}]) in the figure's plot box; ``byVersion``: x is a policy
 // version, not a time.
 function plot(figure, lines, {width, height, byVersion = false}) {
@@ -255,7 +265,7 @@ function plot(figure, lines, {width, height, byVersion = false}) {
   box.innerHTML = "";
   const options = {
     width: width, height: height,
-    scales: {x: {time: !byVersion}},
+    scales: {x: {time: !byVersion, range: xRange(byVersion)}},
     series: [{label: byVersion ? "version" : "time"}, ...lines.map((l, i) => ({
       label: l.label, stroke: COLOURS[i % COLOURS.length],
       width: 1.5, spanGaps: true, points: {show: byVersion || l.points.length < 60},
