@@ -132,8 +132,9 @@ def settled_series(url: str, *, events: int | None = None, timeout: float = 120)
 
 class _Charts(HTMLParser):
     """The chart and tile <figure>s of a dumped page (their data attributes, the y axis's tick
-    labels, the legend's labels, and whether a <canvas> is inside), their order on the page (``tile:<id>`` or the
-    chart's id), its stage sections (shown or hidden) and <body>'s data attributes."""
+    labels, the legend's labels, and whether a <canvas> is inside), their order on the page
+    (``tile:<id>`` or the chart's id), its stage sections (shown or hidden) and <body>'s data
+    attributes."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -230,8 +231,9 @@ def check_dashboard(env: dict[str, str], namespace: str, artifact_name: str = "d
     test-artifacts/ARTIFACT_NAME.png (the whole page) and ARTIFACT_NAME-top.png (what a
     screen shows on opening it: the scorecard row first). Returns ``{"url", "api" (the
     /api/series answer), "dashboard" (the /api/dashboard answer), "charts" ({id: {"series",
-    "points", "canvas", "yticks", "legend"}}), "tiles" (the same and "value", by tile id), "order",
-    "stages" ({stage: shown}), "screenshot"}``. Fails the calling test where Chromium is not installed.
+    "points", "canvas", "yticks", "legend"}}), "tiles" (the same and "value", by tile id),
+    "order", "stages" ({stage: shown}), "screenshot"}``. Fails the calling test where Chromium
+    is not installed.
     """
     require_chromium()
     per_instance = "per_instance=1" in query

@@ -21,7 +21,7 @@ from reef_stream.core.metric_names import (
     REWARD_REWARDED, STAGE_EVALUATOR,
     STAGE_FOLLOWER, STAGE_INTAKE, STAGE_PROCESSOR, STAGE_REWARD, STAGE_TRAINER,
     TRAINER_LOGPROB_GAP_OLDER, TRAINER_LOGPROB_GAP_SAME_VERSION, TRAINER_STALENESS_MAX,
-    TRAINER_STALENESS_MEAN, TRAINER_STALENESS_SAMPLES,
+    TRAINER_STALENESS_MEAN, TRAINER_STALENESS_SAMPLES, TRAINER_UPDATE_RATIO,
 )
 from reef_stream.core.serde import SchemaRegistry
 from reef_stream.ops.dashboard.store import SeriesStore
@@ -363,13 +363,15 @@ def test_headless_chromium_draws_each_instance_on_demand(kafka_bootstrap, cli_en
 #: Reward call seconds of a fast reward function: p50 3 to 3.3 ms, p99 3.4 to 3.67 ms (ticks
 #: a tenth of a millisecond or two apart, which 3 decimals print alike).
 CALLS = [(0.003 + 0.00005 * (t % 7), 0.0034 + 0.00003 * (t % 10)) for t in range(30)]
+#: A large model's update ratio ‖Δθ‖ / ‖θ‖: 1e-5 to 4e-5 (3 decimals print every tick "0").
+RATIOS = [1e-5 * (1 + t % 4) for t in range(30)]
 #: Three trainer groups' reward of trained samples, the last of each by hand.
 GROUPS = {"a": 0.512, "b": 0.113, "c": 0.0859}
 
 
 def _newcomer_metrics():
     """A run without a sandbox: a reward worker's call seconds (small values), three trainer
-    groups' reward, staleness and loss."""
+    groups' reward and loss, one's update ratio (tiny values)."""
     events = []
     for t, (p50, p99) in enumerate(CALLS):
         labels = {"recipe": "grpo", "group": "rw", "instance": "w1"}
@@ -381,6 +383,8 @@ def _newcomer_metrics():
             events += [metric(STAGE_TRAINER, "objective.reward_mean", reward, labels,
                               created_at=_at(t)),
                        metric(STAGE_TRAINER, "loss", 1 - reward, labels, created_at=_at(t))]
+    events += [metric(STAGE_TRAINER, TRAINER_UPDATE_RATIO, ratio, {"recipe": "grpo", "group": "a"},
+                      created_at=_at(t)) for t, ratio in enumerate(RATIOS)]
     return events
 
 
@@ -402,6 +406,9 @@ def test_a_newcomer_sees_what_the_run_uses_with_readable_ticks_and_labelled_head
     assert len(ticks) >= 3 and len(set(ticks)) == len(ticks), ticks
     assert [float(tick) for tick in ticks] == sorted(float(tick) for tick in ticks), ticks
     assert all(0.0029 <= float(tick) <= 0.0038 for tick in ticks), ticks
+    ratios = charts["trainer/update ratio ‖Δθ‖ / ‖θ‖"]["yticks"]
+    assert len(ratios) >= 3 and len(set(ratios)) == len(ratios), ratios
+    assert all(0 <= float(tick) <= 5e-5 for tick in ratios) and float(ratios[-1]) > 0, ratios
     # three groups: each value of the headline says whose it is, as its line in the legend
     assert tiles["reward"]["value"] == "group=a 0.512 · group=b 0.113 · group=c 0.0859"
     assert tiles["reward"]["series"] == 3
