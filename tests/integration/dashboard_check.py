@@ -1,7 +1,8 @@
 """Run `reef dashboard` on a namespace and check in headless Chromium that its charts draw data.
 
     result = check_dashboard(cli_env, namespace, "dashboard-grpo")   # after a real run
-    result["charts"]["trainer/loss"]   # {"series": 1, "points": 212, "canvas": True}
+    result["charts"]["trainer/loss"]   # {"series": 1, "points": 212, "canvas": True,
+                                       #  "yticks": ["0.2", "0.4", "0.6"]}
     result["tiles"]["staleness"]       # {"series": 1, "points": 40, "canvas": True,
                                        #  "value": "mean 1.4 · p50 1 · p99 3 (n=1200)"}
     result["order"][0]                 # "tile:measurement": the scorecard row comes first
@@ -11,8 +12,9 @@ Used by tests/integration/test_dashboard.py on a hand-written metrics log and by
 tests on a real run's metrics. The dashboard runs as a real `reef dashboard` process on a free
 port; the page is rendered by Debian's Chromium (`/usr/bin/chromium`, installed by
 scripts/test.sh), whose `--dump-dom` gives the DOM after the page's scripts ran: each chart's
-<figure> says how many series it has and how many points uPlot drew (see the dashboard's
-dashboard.js), and each scorecard tile's its headline too. A test that needs Chromium fails,
+<figure> says how many series it has, how many points uPlot drew and the y axis's tick labels
+(see the dashboard's dashboard.js), and each scorecard tile's its headline too; each stage's
+<section> whether it is shown. A test that needs Chromium fails,
 saying so, where it is not installed.
 """
 
@@ -129,25 +131,32 @@ def settled_series(url: str, *, events: int | None = None, timeout: float = 120)
 
 
 class _Charts(HTMLParser):
-    """The chart and tile <figure>s of a dumped page (their data attributes, and whether a
-    <canvas> is inside), their order on the page (``tile:<id>`` or the chart's id) and <body>'s
-    data attributes."""
+    """The chart and tile <figure>s of a dumped page (their data attributes, the y axis's tick
+    labels, the legend's labels, and whether a <canvas> is inside), their order on the page
+    (``tile:<id>`` or the chart's id), its stage sections (shown or hidden) and <body>'s data
+    attributes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.charts: dict[str, dict[str, Any]] = {}
         self.tiles: dict[str, dict[str, Any]] = {}
         self.order: list[str] = []
+        self.stages: dict[str, bool] = {}
         self.body: dict[str, str] = {}
         self._open: dict[str, Any] | None = None
+        self._label: list[str] | None = None   # the text of a legend's label, while in it
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         found = dict(attrs)
         if tag == "body":
             self.body = {k: v or "" for k, v in found.items()}
+        elif tag == "section" and "data-stage" in found:
+            self.stages[found["data-stage"] or ""] = "hidden" not in found
         elif tag == "figure" and ("data-chart" in found or "data-tile" in found):
             self._open = {"series": int(found.get("data-series") or 0),
-                          "points": int(found.get("data-points") or 0), "canvas": False}
+                          "points": int(found.get("data-points") or 0), "canvas": False,
+                          "yticks": json.loads(found.get("data-yticks") or "[]"),
+                          "legend": []}
             if "data-tile" in found:
                 self._open["value"] = found.get("data-value") or ""
                 self.tiles[found["data-tile"] or ""] = self._open
@@ -157,10 +166,19 @@ class _Charts(HTMLParser):
                 self.order.append(found["data-chart"] or "")
         elif tag == "canvas" and self._open is not None:
             self._open["canvas"] = True
+        elif self._open is not None and "u-label" in (found.get("class") or "").split():
+            self._label = []
+
+    def handle_data(self, data: str) -> None:
+        if self._label is not None:
+            self._label.append(data)
 
     def handle_endtag(self, tag: str) -> None:
         if tag == "figure":
             self._open = None
+        elif tag == "div" and self._label is not None and self._open is not None:
+            self._open["legend"].append("".join(self._label).strip())
+            self._label = None
 
 
 def _chromium(url: str, *arguments: str, window: str = WINDOW) -> str:
@@ -173,8 +191,8 @@ def _chromium(url: str, *arguments: str, window: str = WINDOW) -> str:
 
 
 def rendered_page(url: str) -> _Charts:
-    """The page as headless Chromium renders it: its ``charts``, ``tiles``, ``order`` and
-    ``body`` attributes."""
+    """The page as headless Chromium renders it: its ``charts``, ``tiles``, ``order``,
+    ``stages`` and ``body`` attributes."""
     parser = _Charts()
     parser.feed(_chromium(url, "--dump-dom"))
     return parser
@@ -202,7 +220,10 @@ def check_dashboard(env: dict[str, str], namespace: str, artifact_name: str = "d
     - the page polled the API and shows every chart and scorecard tile it counts, the
       scorecard row first, each tile's headline as the API gave it;
     - every chart or tile with series has a canvas and drew points; every series of
-      /api/dashboard is in a chart;
+      /api/dashboard is in a chart; no chart is on the page without a series (the charts of
+      features the run does not use are left out), no stage section without a chart;
+    - the y axis of every chart and tile drawn reads a distinct label at each tick, and its
+      legend a distinct label for each line;
     - each chart of ``require`` (ids "stage/title") and tile of ``require_tiles`` drew points.
 
     ``events``: wait until the dashboard read exactly that many records (else until its count
@@ -210,8 +231,9 @@ def check_dashboard(env: dict[str, str], namespace: str, artifact_name: str = "d
     test-artifacts/ARTIFACT_NAME.png (the whole page) and ARTIFACT_NAME-top.png (what a
     screen shows on opening it: the scorecard row first). Returns ``{"url", "api" (the
     /api/series answer), "dashboard" (the /api/dashboard answer), "charts" ({id: {"series",
-    "points", "canvas"}}), "tiles" (the same and "value", by tile id), "order",
-    "screenshot"}``. Fails the calling test where Chromium is not installed.
+    "points", "canvas", "yticks", "legend"}}), "tiles" (the same and "value", by tile id),
+    "order", "stages" ({stage: shown}), "screenshot"}``. Fails the calling test where Chromium
+    is not installed.
     """
     require_chromium()
     per_instance = "per_instance=1" in query
@@ -234,8 +256,17 @@ def check_dashboard(env: dict[str, str], namespace: str, artifact_name: str = "d
         if drawn["series"]:
             assert drawn["canvas"] and drawn["points"] > 0, (name, drawn)
     assert sum(drawn["series"] for drawn in charts.values()) == len(answer["series"]), charts
+    unused = [name for name, drawn in charts.items() if not drawn["series"]]
+    assert not unused, f"charts of metrics never written: {unused}"
+    shown = {stage for stage, visible in page.stages.items() if visible}
+    assert shown == {name.partition("/")[0] for name in charts}, (page.stages, list(charts))
+    for name, drawn in [*charts.items(), *tiles.items()]:
+        ticks = drawn["yticks"]
+        if drawn["points"]:
+            assert ticks and len(set(ticks)) == len(ticks), (name, ticks)
+        assert len(set(drawn["legend"])) == len(drawn["legend"]), (name, drawn["legend"])
     empty = [chart for chart in require if charts.get(chart, {}).get("points", 0) == 0]
     empty += [f"tile:{t}" for t in require_tiles if tiles.get(t, {}).get("points", 0) == 0]
     assert not empty, f"charts without data: {empty}; drawn: {charts}; tiles: {tiles}"
     return {"url": url, "api": raw, "dashboard": answer, "charts": charts, "tiles": tiles,
-            "order": page.order, "screenshot": shot}
+            "order": page.order, "stages": page.stages, "screenshot": shot}

@@ -3,7 +3,9 @@ written (identity labels only, NaN and histogram buckets skipped, publications' 
 included, undecodable records counted); the scorecard row and the stages' rates are the values
 worked out here from what was written (counters as rates with their instances added up, a
 restart a new run); headless Chromium draws the scorecard row first, then a chart for each
-series; a taken port is a clear error, and the series store stays bounded."""
+series and none for metrics never written, with y ticks that read differently and headlines
+that say whose each value is; a taken port is a clear error, and the series store stays
+bounded."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ from confluent_kafka import Producer
 from reef_stream.core.events import DeadLetter, Decision, Metric, Publication
 from reef_stream.core.metric_names import (
     CONSUMER_LAG, FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, FOLLOWER_POLICY_VERSION,
-    INTAKE_ACKNOWLEDGED, PROCESSOR_GENERATIONS, REWARD_RECORDS, REWARD_REWARDED, STAGE_EVALUATOR,
+    INTAKE_ACKNOWLEDGED, PROCESSOR_GENERATIONS, REWARD_CALL_P50, REWARD_CALL_P99, REWARD_RECORDS,
+    REWARD_REWARDED, STAGE_EVALUATOR,
     STAGE_FOLLOWER, STAGE_INTAKE, STAGE_PROCESSOR, STAGE_REWARD, STAGE_TRAINER,
     TRAINER_LOGPROB_GAP_OLDER, TRAINER_LOGPROB_GAP_SAME_VERSION, TRAINER_STALENESS_MAX,
-    TRAINER_STALENESS_MEAN, TRAINER_STALENESS_SAMPLES,
+    TRAINER_STALENESS_MEAN, TRAINER_STALENESS_SAMPLES, TRAINER_UPDATE_RATIO,
 )
 from reef_stream.core.serde import SchemaRegistry
 from reef_stream.ops.dashboard.store import SeriesStore
@@ -314,10 +317,12 @@ def test_headless_chromium_draws_every_series(kafka_bootstrap, cli_env, namespac
                      versions: (2, 5), measured: (2, 2)}
     [rate] = [s for s in result["dashboard"]["series"] if s["name"] == REWARD_REWARDED]
     assert rate["points"] == [[1767000001.0, 20.0]]
-    # Every declared chart is on the page, those without data say so.
+    # A declared chart of metrics never written is not on the page, nor a stage never heard of
     for declared in ("trainer/gradient norm (before clipping)",
                      "processor/units the newest checkpoint has not passed (trainer backlog)"):
-        assert charts[declared] == {"series": 0, "points": 0, "canvas": False}, declared
+        assert declared not in charts
+    assert result["stages"] == {"intake": False, "reward": True, "processor": False,
+                                "trainer": True, "evaluator": True, "follower": True}
     assert result["screenshot"].stat().st_size > 10_000
 
 
@@ -351,6 +356,66 @@ def test_headless_chromium_draws_each_instance_on_demand(kafka_bootstrap, cli_en
     # the scorecard row is the same
     assert {tile: drawn["value"] for tile, drawn in page.tiles.items()} == \
         {tile: value for tile, (value, _) in SCORECARD.items()}
+
+
+# ------------------------------------------------------------- what a newcomer sees of a run
+
+#: Reward call seconds of a fast reward function: p50 3 to 3.3 ms, p99 3.4 to 3.67 ms (ticks
+#: a tenth of a millisecond or two apart, which 3 decimals print alike).
+CALLS = [(0.003 + 0.00005 * (t % 7), 0.0034 + 0.00003 * (t % 10)) for t in range(30)]
+#: A large model's update ratio ‖Δθ‖ / ‖θ‖: 1e-5 to 4e-5 (3 decimals print every tick "0").
+RATIOS = [1e-5 * (1 + t % 4) for t in range(30)]
+#: Three trainer groups' reward of trained samples, the last of each by hand.
+GROUPS = {"a": 0.512, "b": 0.113, "c": 0.0859}
+
+
+def _newcomer_metrics():
+    """A run without a sandbox: a reward worker's call seconds (small values), three trainer
+    groups' reward and loss, one's update ratio (tiny values)."""
+    events = []
+    for t, (p50, p99) in enumerate(CALLS):
+        labels = {"recipe": "grpo", "group": "rw", "instance": "w1"}
+        events += [metric(STAGE_REWARD, REWARD_CALL_P50, p50, labels, created_at=_at(t)),
+                   metric(STAGE_REWARD, REWARD_CALL_P99, p99, labels, created_at=_at(t))]
+    for group, last in GROUPS.items():
+        labels = {"recipe": "grpo", "group": group}
+        for t, reward in ((0, 0.0), (10, last / 2), (20, last)):
+            events += [metric(STAGE_TRAINER, "objective.reward_mean", reward, labels,
+                              created_at=_at(t)),
+                       metric(STAGE_TRAINER, "loss", 1 - reward, labels, created_at=_at(t))]
+    events += [metric(STAGE_TRAINER, TRAINER_UPDATE_RATIO, ratio, {"recipe": "grpo", "group": "a"},
+                      created_at=_at(t)) for t, ratio in enumerate(RATIOS)]
+    return events
+
+
+def test_a_newcomer_sees_what_the_run_uses_with_readable_ticks_and_labelled_headlines(
+        kafka_bootstrap, cli_env, namespace):
+    create_topics(kafka_bootstrap, namespace)
+    registry = SchemaRegistry.default()
+    written = _produce(kafka_bootstrap, [(declarations.metrics(namespace), *registry.encode(e))
+                                         for e in _newcomer_metrics()])
+    calls = "reward/reward call seconds, p50 and p99"
+    result = check_dashboard(cli_env, namespace, "dashboard-newcomer", events=written,
+                             require=[calls, "trainer/loss"], require_tiles=["reward"])
+    charts, tiles = result["charts"], result["tiles"]
+    # no sandbox in this run: none of its charts; no replica: no serving tile
+    assert not [chart for chart in charts if "sandbox" in chart], list(charts)
+    assert list(tiles) == ["reward", "dead_letters"]
+    # milliseconds on a seconds axis: each tick reads differently, not "0.003" thrice
+    ticks = charts[calls]["yticks"]
+    assert len(ticks) >= 3 and len(set(ticks)) == len(ticks), ticks
+    assert [float(tick) for tick in ticks] == sorted(float(tick) for tick in ticks), ticks
+    assert all(0.0029 <= float(tick) <= 0.0038 for tick in ticks), ticks
+    ratios = charts["trainer/update ratio ‖Δθ‖ / ‖θ‖"]["yticks"]
+    assert len(ratios) >= 3 and len(set(ratios)) == len(ratios), ratios
+    assert all(0 <= float(tick) <= 5e-5 for tick in ratios) and float(ratios[-1]) > 0, ratios
+    # three groups: each value of the headline says whose it is, as its line in the legend
+    assert tiles["reward"]["value"] == "group=a 0.512 · group=b 0.113 · group=c 0.0859"
+    assert tiles["reward"]["series"] == 3
+    assert tiles["reward"]["legend"] == charts["trainer/loss"]["legend"] == [
+        "group=a", "group=b", "group=c"]
+    assert result["stages"] == {"intake": False, "reward": True, "processor": False,
+                                "trainer": True, "evaluator": False, "follower": False}
 
 
 def test_a_taken_port_is_a_clear_error(kafka_bootstrap, cli_env, namespace):

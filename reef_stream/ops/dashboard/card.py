@@ -7,9 +7,11 @@ each a headline (``value``) over a small chart; ``docs/metrics.md`` defines the 
 ``reef_stream.ops.scorecard`` is their arithmetic where it applies:
 
 - ``measurement``: each published version's held-out measurement, by decision (x: the version);
-- ``reward``: the trainer's reward of trained samples (``objective.reward_mean``);
+- ``reward``: the trainer's reward of trained samples (``objective.reward_mean``), one line per
+  trainer group (or recipe); with several, each value of the headline says whose it is;
 - ``staleness``: the trainer's staleness per step (``staleness_mean``); the headline is the
-  distribution of every sample trained (``staleness_samples``: ``scorecard.counted``);
+  distribution of every sample trained (``staleness_samples``: ``scorecard.counted``), or
+  the newest step's mean where no sample was counted;
 - ``goodput``: samples trained (``staleness_samples``, added up over restarts) per generation in
   ``<ns>.generations`` (its record count, as the dashboard looked at it every few seconds);
 - ``throughput``: records per second of each stage, its instances added up: the intake's
@@ -19,7 +21,10 @@ each a headline (``value``) over a small chart; ``docs/metrics.md`` defines the 
 - ``serving``: checkpoint -> serving seconds, every replica's loads (``scorecard.observed``);
 - ``dead_letters``: dead letters per second by kind; the headline counts them.
 
-Every figure is over every recipe of the namespace (the scorecard's are per recipe). A tile is
+A tile appears once the namespace has written something it shows, so a run is not shown the
+features it does not use (no ``serving`` tile without replicas that report); ``dead_letters``
+always appears, its "none" being the figure. Every figure is over every recipe of the
+namespace (the scorecard's are per recipe). A tile is
 ``{"id", "title", "value": headline text, "x": "time" | "version", "series": [{"label",
 "points": [[x, y], ...]}], "figures": the headline's numbers}``.
 """
@@ -54,17 +59,19 @@ THROUGHPUT = (
 def first_row(series: Iterable[Series], publications: Iterable[Publication] = (), *,
               generated: Sequence[tuple[float, int]] = (), namespace: str = "",
               from_zero: bool = True, charted: list[dict] | None = None) -> list[dict[str, Any]]:
-    """The tiles of the module docstring, in its order. ``generated``: the generations topic's
-    record count each time the dashboard looked, oldest first. ``charted``: the series'
-    ``chart_series`` with their instances combined, where the caller has it already."""
+    """The tiles of the module docstring, in its order, those with nothing written yet left out.
+    ``generated``: the generations topic's record count each time the dashboard looked, oldest
+    first. ``charted``: the series' ``chart_series`` with their instances combined, where the
+    caller has it already."""
     series = list(series)
     if charted is None:
         charted = chart_series(series, from_zero=from_zero)
-    return [_measurement(publications), _gauge_tile("reward", "reward of trained samples",
-                                                    charted, m.STAGE_TRAINER, REWARD),
-            _staleness(series, charted), _goodput(series, generated), _throughput(series,
-                                                                                 from_zero),
-            _lag(charted, namespace), _serving(series), _dead_letters(series, from_zero)]
+    tiles = [_measurement(publications), _gauge_tile("reward", "reward of trained samples",
+                                                     charted, m.STAGE_TRAINER, REWARD),
+             _staleness(series, charted), _goodput(series, generated),
+             _throughput(series, from_zero), _lag(charted, namespace), _serving(series),
+             _dead_letters(series, from_zero)]
+    return [tile for tile in tiles if tile is not None]
 
 
 def _tile(id_: str, title: str, value: str, lines: list[dict[str, Any]], figures: dict,
@@ -96,20 +103,21 @@ def _last_total(one: Series) -> float:
     return one.points[-1][2] if one.points else 0.0
 
 
-def _measurement(publications: Iterable[Publication]) -> dict[str, Any]:
+def _measurement(publications: Iterable[Publication]) -> dict[str, Any] | None:
     latest: dict[tuple[str, int, str], Publication] = {}   # a re-emitted one: the last read
     for p in publications:
         latest[(p.model, p.policy_version, p.decision.value)] = p
+    if not latest:
+        return None
     models = {model for model, _, _ in latest}
     lines: dict[str, list[list[float]]] = defaultdict(list)
     for (model, version, decision), p in sorted(latest.items()):
         for key, value in sorted(p.measurement.items()):
             label = " ".join([model] * (len(models) > 1) + [key, decision])
             lines[label].append([version, value])
-    newest = max(latest.values(), key=lambda p: (p.created_at, p.policy_version), default=None)
-    value = "no publication yet" if newest is None else (
-        f"v{newest.policy_version} {newest.decision.value}: " + ", ".join(
-            f"{k} {_num(v)}" for k, v in sorted(newest.measurement.items())))
+    newest = max(latest.values(), key=lambda p: (p.created_at, p.policy_version))
+    value = f"v{newest.policy_version} {newest.decision.value}: " + ", ".join(
+        f"{k} {_num(v)}" for k, v in sorted(newest.measurement.items()))
     figures = {"published": [[model, version, decision, dict(p.measurement)]
                              for (model, version, decision), p in sorted(latest.items())]}
     waiting = _waiting(latest)
@@ -145,14 +153,25 @@ def _gauge_lines(charted: list[dict], stage: str, name: str) -> list[dict[str, A
 
 
 def _gauge_tile(id_: str, title: str, charted: list[dict], stage: str,
-                name: str) -> dict[str, Any]:
-    lines = _gauge_lines(charted, stage, name)
-    latest = [line["points"][-1][1] for line in lines if line["points"]]
-    value = " · ".join(_num(v) for v in latest) if latest else "no data yet"
-    return _tile(id_, title, value, lines, {"latest": latest})
+                name: str) -> dict[str, Any] | None:
+    """The newest value of each line; with several, each after its line's label (its group,
+    say: ``group=a 0.5 · group=b 0.25``). ``None`` when nothing was written."""
+    lines = [line for line in _gauge_lines(charted, stage, name) if line["points"]]
+    if not lines:
+        return None
+    return _tile(id_, title, _newest(lines), lines,
+                 {"latest": [line["points"][-1][1] for line in lines]})
 
 
-def _staleness(series: list[Series], charted: list[dict]) -> dict[str, Any]:
+def _newest(lines: list[dict[str, Any]]) -> str:
+    """The newest value of each line (with points), each after its label where there are
+    several: ``0.5``, or ``group=a 0.5 · group=b 0.25``."""
+    lines = [line for line in lines if line["points"]]
+    return " · ".join(_num(line["points"][-1][1]) if len(lines) == 1
+                      else f"{line['label']} {_num(line['points'][-1][1])}" for line in lines)
+
+
+def _staleness(series: list[Series], charted: list[dict]) -> dict[str, Any] | None:
     counts: dict[float, float] = defaultdict(float)
     for one in series:
         if (one.stage, one.name) == (m.STAGE_TRAINER, m.TRAINER_STALENESS_SAMPLES):
@@ -161,8 +180,13 @@ def _staleness(series: list[Series], charted: list[dict]) -> dict[str, Any]:
             except ValueError:
                 continue
     d = counted(counts)
-    return _tile("staleness", "staleness of trained samples, versions",
-                 _dist(d), _gauge_lines(charted, m.STAGE_TRAINER, m.TRAINER_STALENESS_MEAN),
+    lines = [line for line in _gauge_lines(charted, m.STAGE_TRAINER, m.TRAINER_STALENESS_MEAN)
+             if line["points"]]
+    if not d.count and not lines:
+        return None
+    # without the samples by staleness, the newest step's mean (its chart's line) says it
+    value = _dist(d) if d.count else f"mean per step {_newest(lines)}"
+    return _tile("staleness", "staleness of trained samples, versions", value, lines,
                  _dist_figures(d))
 
 
@@ -171,7 +195,11 @@ def _trained(series: list[Series]) -> list[Series]:
             if (s.stage, s.name) == (m.STAGE_TRAINER, m.TRAINER_STALENESS_SAMPLES) and s.points]
 
 
-def _goodput(series: list[Series], generated: Sequence[tuple[float, int]]) -> dict[str, Any]:
+def _goodput(series: list[Series],
+             generated: Sequence[tuple[float, int]]) -> dict[str, Any] | None:
+    """``None`` until a count found generations (the topic may not exist, or be empty)."""
+    if not any(n for _, n in generated):
+        return None
     trained = _trained(series)
     total = sum(_last_total(s) for s in trained)
     columns = [([p[0] for p in s.points], [p[2] for p in s.points]) for s in trained]
@@ -180,7 +208,7 @@ def _goodput(series: list[Series], generated: Sequence[tuple[float, int]]) -> di
         return sum(totals[i - 1] for times, totals in columns
                    if (i := bisect.bisect_right(times, t)))
 
-    count = generated[-1][1] if generated else None
+    count = generated[-1][1]
     goodput = total / count if count else None
     points = [[t, trained_at(t) / n] for t, n in generated if n]
     value = ("no generations yet" if goodput is None else
@@ -201,7 +229,7 @@ def _summed_rate_line(members: list[Series], from_zero: bool) -> list[list[float
     return [[t, r] for t, r in zip(times, rates) if r is not None]
 
 
-def _throughput(series: list[Series], from_zero: bool) -> dict[str, Any]:
+def _throughput(series: list[Series], from_zero: bool) -> dict[str, Any] | None:
     lines, latest = [], {}
     for label, stage, name in THROUGHPUT:
         points = _summed_rate_line([s for s in series if (s.stage, s.name) == (stage, name)],
@@ -209,12 +237,14 @@ def _throughput(series: list[Series], from_zero: bool) -> dict[str, Any]:
         if points:
             lines.append({"label": label, "points": points})
             latest[label] = points[-1][1]
+    if not lines:
+        return None
     value = " · ".join(f"{k.partition(':')[0]} {_num(v, '/s')}" for k, v in latest.items())
-    return _tile("throughput", "records per second, per stage", value or "no data yet", lines,
+    return _tile("throughput", "records per second, per stage", value, lines,
                  {"latest": latest})
 
 
-def _lag(charted: list[dict], namespace: str) -> dict[str, Any]:
+def _lag(charted: list[dict], namespace: str) -> dict[str, Any] | None:
     lines, latest = [], {}
     for c in charted:
         if c["name"] != m.CONSUMER_LAG or not c["points"]:
@@ -224,21 +254,25 @@ def _lag(charted: list[dict], namespace: str) -> dict[str, Any]:
         label = f"{c['stage']} {group} ← {topic}".replace("  ", " ")
         lines.append({"label": label, "points": c["points"]})
         latest[label] = c["points"][-1][1]
-    worst = max(latest.items(), key=lambda kv: kv[1], default=None)
-    value = "no data yet" if worst is None else f"max {_num(worst[1])} ({worst[0]})"
+    if not lines:
+        return None
+    worst = max(latest.items(), key=lambda kv: kv[1])
+    value = f"max {_num(worst[1])} ({worst[0]})"
     return _tile("lag", "consumer lag per group and topic, records", value, lines,
                  {"latest": latest})
 
 
-def _serving(series: list[Series]) -> dict[str, Any]:
+def _serving(series: list[Series]) -> dict[str, Any] | None:
     points = sorted((p[0], p[1]) for s in series
                     if (s.stage, s.name) == (m.STAGE_FOLLOWER,
                                              m.FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS)
                     for p in s.points)
+    if not points:
+        return None
     d = observed(v for _, v in points)
     return _tile("serving", "checkpoint → serving, seconds", _dist(d, " s"),
-                 [{"label": "checkpoint → serving", "points": [list(p) for p in points]}]
-                 if points else [], _dist_figures(d))
+                 [{"label": "checkpoint → serving", "points": [list(p) for p in points]}],
+                 _dist_figures(d))
 
 
 def _dead_letters(series: list[Series], from_zero: bool) -> dict[str, Any]:
