@@ -71,7 +71,7 @@ def produce(ctx: click.Context, kind: str, source: str, spool: Path | None,
     """Import KIND records from a JSONL file, or from stdin with - (the default).
 
     Each line is a native event or, for generations, an OpenAI-style
-    completion or chat completion response with token ids (see the README).
+    completion or chat completion response with token ids (docs/intake.md).
     Invalid lines go to the dead-letter topic with their line number and
     reason; the import goes on. Prints a summary at the end. Exit status 1 if
     the broker refused any record for good.

@@ -61,7 +61,7 @@ from reef_stream.cli.recipe_options import set_option
               help="Whether the fast lane follows the observed latency: a call past the p99 of "
                    "the calls that returned is replaced in the fast lane at once (it goes on), "
                    "and past 1.5 x that p99 (at least --fast-lane-floor) it moves to the slow "
-                   "lane while it has room, else times out (see the README's sandbox section).")
+                   "lane while it has room, else times out (docs/benchmarks.md, the sandbox).")
 # default: reward_calls.ADAPT_FLOOR_S, not imported here (--help stays light; a test checks it)
 @click.option("--fast-lane-floor", type=click.FloatRange(min=0, min_open=True), default=0.1,
               show_default=True, metavar="SECONDS",
@@ -85,7 +85,7 @@ from reef_stream.cli.recipe_options import set_option
 @click.option("--sandbox-open-files", type=click.IntRange(min=1), default=256,
               show_default=True, help="Open files of one sandboxed call.")
 @click.option("--sandbox-processes", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Processes one sandboxed call may run (its user's, see the README).")
+              help="Processes one sandboxed call may run (its user's; docs/security.md).")
 @metrics_port_option
 @click.pass_context
 def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,

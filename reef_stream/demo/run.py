@@ -103,7 +103,7 @@ class DemoOptions:
     rate: float = 300.0
     #: Partitions of the run's generations, feedback and units topics. The demo runs one
     #: processor and one trainer, and the client sends one produce request per partition: at
-    #: 2 x 300/s, 6 partitions cost the broker 2.5x the CPU of 2 (README "Measured figures").
+    #: 2 x 300/s, 6 partitions cost the broker 2.5x the CPU of 2 (docs/benchmarks.md).
     partitions: int = 2
     target: float = 0.9
     time_limit: float = 900.0

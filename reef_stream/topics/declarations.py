@@ -28,7 +28,7 @@ DAY_MS = 24 * 60 * 60 * 1000
 #: the same one. Six lets up to six processors, or trainer ranks, share the work; a
 #: one-node run needs fewer: the client sends one produce request per partition, so
 #: the broker's CPU per record grows with the partitions a producer spreads its
-#: records over (``reef demo`` uses 2, README "Measured figures").
+#: records over (``reef demo`` uses 2, docs/benchmarks.md).
 DATA_PARTITIONS = 6
 
 
