@@ -13,6 +13,8 @@ exceptions, which the ``reef`` group turns into one-line messages. ``COMMANDS`` 
 
 from __future__ import annotations
 
+import logging
+
 import click
 
 from reef_stream.cli.common import run_stage
@@ -126,6 +128,7 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
     from reef_stream.consumers.reward.worker import RewardOptions, RewardWorker
     from reef_stream.core.settings import load_settings
 
+    logging.getLogger("reef_stream.consumers.reward").setLevel(logging.INFO)  # progress
     settings = ctx.obj if ctx.obj is not None else load_settings()
     recipe = load_recipe(path, overrides=overrides)
     options = RewardOptions(concurrency=concurrency, backlog=backlog, timeout=timeout,
@@ -143,7 +146,6 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
     serve_metrics(metrics_port)
     # SIGTERM/SIGINT stop the worker cleanly; a second one stops it without the grace period.
     run_stage(worker, stop=lambda: worker.stop(now=worker.stopping))
-
 
 
 COMMANDS = [reward]

@@ -5,7 +5,7 @@ of tries, with no feedback; a flaky reward succeeds on its retry with exactly on
 generation; an undecodable record and a non-finite reward are dead-lettered; two workers in one
 group split the work; SIGTERM lets running calls finish, then flushes and commits.
 
-The workers run as `python -m reef_stream.consumers.reward.worker` subprocesses (one in this process);
+The workers run as `python -m reef_stream.cli reward` subprocesses (one in this process);
 the reward functions are in tests/recipes/rewards.py.
 """
 
@@ -59,7 +59,7 @@ def _start(kafka_bootstrap, namespace, tmp_path, recipe: str, *args: str, log: P
     env = {"PATH": "/usr/bin:/bin", "REEF_BOOTSTRAP_SERVERS": kafka_bootstrap,
            "REEF_NAMESPACE": namespace, "REEF_HOME": str(tmp_path / "home"), **(extra_env or {})}
     return subprocess.Popen(
-        [sys.executable, "-m", "reef_stream.consumers.reward.worker",
+        [sys.executable, "-m", "reef_stream.cli", "reward",
          "--recipe", f"tests.recipes.rewards:{recipe}", *args],
         env=env, cwd=_ROOT, stdout=subprocess.PIPE, text=True,
         stderr=subprocess.PIPE if log is None else log.open("w"))
