@@ -135,8 +135,10 @@ class Rebalancing(Protocol):
         rebalance while it runs: restore what the partitions need here."""
 
     def on_revoke(self, partitions: list[TopicPartition]) -> None:
-        """Partitions revoked or lost, after the loop committed what was committable for them:
-        forget them; drop what is held for them (their next owner reads it again)."""
+        """Partitions revoked or lost, after the loop committed what was committable for them
+        (inside ``consume`` or at the consumer's close): forget them; drop what is held for them
+        (their next owner reads it again). Blocks the rebalance while it runs. Once per
+        revocation, not idempotent."""
 
 
 @runtime_checkable
@@ -149,8 +151,9 @@ class Committing(Protocol):
 
     def committed(self, positions: Positions) -> None:
         """After the loop committed ``positions`` (a synchronous commit that succeeded, or an
-        asynchronous one sent): post-commit side effects. A failed commit is logged, not
-        reported; its positions are committed again at the next commit."""
+        asynchronous one sent): post-commit side effects; the same positions may come again
+        (at a revocation, at the end). A failed commit is logged, not reported; its positions
+        are committed again at the next commit. May block (the side effects)."""
 
 
 @runtime_checkable
@@ -158,8 +161,8 @@ class UsesConsumer(Protocol):
     """Holds the loop's consumer, to ask it and to reposition its own partitions."""
 
     def on_start(self, consumer: Consumer) -> None:
-        """The loop's consumer, before any assignment; again with a new one after a rejoin.
-        The strategy never polls, subscribes or closes it."""
+        """The loop's consumer, first of all calls; again with a new one after a rejoin.
+        The strategy never polls, subscribes or closes it. Should not block."""
 
 
 @runtime_checkable
@@ -182,8 +185,9 @@ class DeadLetters(Protocol):
     """Its ``submit`` may raise ``InvalidRecord``: the loop dead-letters the record."""
 
     def dead_lettered(self, message: Message) -> None:
-        """``message``'s dead letter is acknowledged, in its turn among the submitted records:
-        its outcome is durable, so its position may become committable."""
+        """``message``'s dead letter is acknowledged, in its turn among the submitted records
+        (instead of a ``submit`` that took it): its outcome is durable, so its position may
+        become committable. Once per letter; should not block."""
 
 
 @runtime_checkable
@@ -202,7 +206,8 @@ class PartitionEnd(Protocol):
     """Told when a partition was read to its end (with ``enable.partition.eof``)."""
 
     def at_end(self, topic: str, partition: int, offset: int) -> None:
-        """``offset`` is the end, in order with the partition's records. Non-blocking."""
+        """``offset`` is the end, in order with the partition's records (between two
+        ``submit``); again each time the partition is read to a new end. Should not block."""
 
 
 @runtime_checkable
@@ -210,8 +215,9 @@ class Fenced(Protocol):
     """Survives being fenced as a static group member."""
 
     def on_fenced(self, fenced: ConsumerFenced) -> None:
-        """The consumer was fenced. Return to rejoin with a new consumer (``on_start`` again,
-        then a new assignment); raise to stop."""
+        """The consumer was fenced (between two iterations; no revocation comes for it).
+        Return to rejoin with a new consumer (``on_start`` again, then a new assignment); raise
+        to stop. Once per fencing."""
 
 
 #: Every capability a strategy may declare.
@@ -309,8 +315,11 @@ def kafka_consumers(bootstrap: str) -> ConsumerFactory:
 def _check_declaration(strategy: Any, options: StageOptions, producer: Producer | None) -> None:
     """``ConfigurationError`` unless the strategy's declared capabilities are exactly the ones
     it implements, and fit the membership."""
-    declared = strategy.capabilities
     name = type(strategy).__name__
+    declared = getattr(strategy, "capabilities", None)
+    if not isinstance(declared, frozenset):
+        raise ConfigurationError(f"{name} declares no capabilities: give it "
+                                 "`capabilities = frozenset({...})` (empty for none)")
     problems = [f"{name} declares {cap!r}, which is no capability of the stage loop"
                 for cap in declared if cap not in CAPABILITIES]
     for cap in CAPABILITIES:

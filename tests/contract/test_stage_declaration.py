@@ -49,6 +49,14 @@ def test_a_declared_strategy_that_fits_is_taken():
     assert _loop(Plain(), _options(Reader())).capabilities == frozenset()
 
 
+def test_a_strategy_without_a_declaration_is_refused():
+    class Silent(Commits):
+        capabilities = None
+
+    with pytest.raises(ConfigurationError, match="declares no capabilities"):
+        _loop(Silent())
+
+
 def test_a_capability_declared_without_its_methods_is_refused():
     class Claims(Commits):
         capabilities = frozenset({Committing, FetchEnd})

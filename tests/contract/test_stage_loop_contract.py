@@ -472,3 +472,72 @@ def test_a_fenced_static_member_rejoins_with_a_new_consumer(backend):
         runner.join(60)
     assert isinstance(strategy.fenced[0], ConsumerFenced)
     assert runner.is_alive() is False
+
+
+class Sharing:
+    """Makes every record durable at once; records what it took, what the loop committed and
+    what was revoked, in order."""
+
+    capabilities = frozenset({Rebalancing, Committing})
+
+    def __init__(self, topic: str, taken: list[tuple[int, int]]) -> None:
+        self.topic, self.taken = topic, taken
+        self.durable: dict[tuple[str, int], int] = {}
+        self.events: list[tuple] = []
+
+    def on_assign(self, partitions):
+        self.events.append(("assign", sorted(tp.partition for tp in partitions)))
+
+    def on_revoke(self, partitions):
+        self.events.append(("revoke", sorted(tp.partition for tp in partitions)))
+        for tp in partitions:
+            self.durable.pop((tp.topic, tp.partition), None)
+
+    def submit(self, message):
+        self.taken.append((message.partition(), message.offset()))
+        self.durable[(message.topic(), message.partition())] = message.offset() + 1
+
+    def poll(self): ...
+
+    def committable(self):
+        return dict(self.durable)
+
+    def committed(self, positions):
+        self.events.append(("committed", dict(positions)))
+
+    def join(self, timeout): ...
+
+    def close(self): ...
+
+
+def test_a_revocation_commits_what_is_committable_before_the_partitions_move(backend):
+    """A second member joins; the first, committing while running only once an hour, commits
+    at the revocation, so the partitions' new owners go on exactly where it stopped."""
+    topic = group = f"{backend.namespace}.sharing"
+    backend.create(topic, 2)
+    half = [(p, None, f"{p}-{n}".encode(), None) for p in range(2) for n in range(RECORDS)]
+    backend.produce(topic, half)
+    taken: list[tuple[int, int]] = []
+    first, second = Sharing(topic, taken), Sharing(topic, taken)
+    loops = [StageLoop(strategy, _options(backend, topic, group, commit_every_s=3600.0),
+                       consumers=backend.consumers) for strategy in (first, second)]
+    runners = [threading.Thread(target=loop.run, daemon=True) for loop in loops]
+    runners[0].start()
+    try:
+        wait_until(lambda: len(taken) == 2 * RECORDS, 60, "the first member to take everything")
+        runners[1].start()
+        wait_until(lambda: any(e[0] == "assign" for e in second.events), 60,
+                   "the second member's assignment")
+        backend.produce(topic, half)
+        wait_until(lambda: len(taken) >= 4 * RECORDS, 60, "the records produced after it")
+    finally:
+        for loop, runner in zip(loops, runners, strict=True):
+            loop.stop()
+            if runner.is_alive():
+                runner.join(60)
+    assert not any(runner.is_alive() for runner in runners), "a loop did not stop"
+    assert sorted(taken) == sorted({(p, n) for p in range(2) for n in range(2 * RECORDS)})
+    revoked = first.events.index(("revoke", [0, 1]))
+    assert first.events[revoked - 1] == \
+        ("committed", {(topic, 0): RECORDS, (topic, 1): RECORDS})
+    assert [backend.committed(group, topic, p) for p in range(2)] == [2 * RECORDS] * 2
