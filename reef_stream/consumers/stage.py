@@ -1,69 +1,46 @@
-"""The one stage loop: a consumer group member driving a stage's strategy.
+"""The one stage loop: a consumer driving a stage's strategy, which every stage runs on.
 
-    loop = StageLoop(strategy, stage="evaluator", bootstrap=..., group=..., topics=[topic],
-                     namespace=ns, reads="checkpoint event", producer=producer)
+    loop = StageLoop(strategy, StageOptions(stage="evaluator", topics=(topic,), namespace=ns,
+                                            reads="checkpoint event", membership=Group(group)),
+                     consumers=kafka_consumers(bootstrap), producer=producer)
     loop.run()          # blocks until loop.stop() (from any thread or a signal handler)
 
-Every stage runs on it: reward workers, processor, trainer, evaluator, and the serving
-side's follower. In the spirit of Sentry arroyo's ``StreamProcessor`` driving its
-processing strategies, the loop owns everything a stage would otherwise write again:
+The contract. A strategy implements ``Strategy`` (``submit``, ``poll``, ``join``, ``close``)
+and declares in ``capabilities`` the small protocols it implements besides; the loop calls a
+capability's methods only when it is declared, and refuses a strategy whose declaration and
+methods disagree (``ConfigurationError`` when the loop is built):
 
-- the ``Consumer`` (``group_consumer``: no auto-commit, no auto offset store, earliest);
-- the assignment: ``subscribe`` with assignment and revocation (logged, handed to the
-  strategy; an exception inside a rebalance callback is kept and raised from ``run``,
-  since confluent-kafka turns one raised there into a ``SystemError``), or a manual
-  assignment (below);
-- ``consume`` (up to ``batch`` records at a time, handed over one by one with ``submit``,
-  then ``fetched``), and consumer errors (a missing topic is a ``ConfigurationError``, a
-  fatal error a ``FatalError``, anything else is logged; the end of a partition goes to
-  the strategy's ``at_end``);
-- a static member fenced by a newer consumer with its ``group.instance.id``
-  (``ConsumerFenced``): raised, unless the strategy has ``on_fenced``, which decides
-  (raise to stop); then the loop rejoins with a new consumer;
-- backpressure: a strategy that cannot take a message now raises ``MessageRejected``;
-  the loop pauses its assignment, keeps the message (and the rest of its batch), keeps
-  polling (the group membership stays alive) and offers it again after the strategy's
-  next ``poll``; it resumes once the messages are taken;
-- the dead letter of a record the strategy cannot process (``submit`` raised
-  ``InvalidRecord``): built by ``topics.dead_letters.dead_letter`` (the record kept whole,
-  keyed by its own key, reason ``undecodable <reads>: <error>``) and acknowledged by the
-  broker before the loop goes on (``FatalError`` otherwise: nothing past it is committed);
-- consumer lag (``MetricsWriter.write_lag``) after each commit and every ``LAG_EVERY_S``;
-  the process's CPU time (``MetricsWriter.write_process``) every ``LAG_EVERY_S`` and once
-  more at the end, for a reader too;
-- ``stop()``: graceful; the strategy finishes what it holds (``join``), what is
-  committable is committed, then the strategy and the consumer are closed;
-- commit last: the strategy says what is committable (``committable()``: positions
-  past records whose outcome is durable, by the stage's own rule); the loop commits them
-  (synchronously, or asynchronously at most every ``commit_every_s``; synchronously again
-  at a revocation and at the end) and tells the strategy (``committed``). The loop never
-  commits a position the strategy did not hand it.
+- ``Rebalancing``: ``on_assign`` / ``on_revoke`` with each assignment and revocation;
+- ``Committing``: the loop commits what ``committable`` says (commit last: nothing else,
+  synchronously or asynchronously every ``commit_every_s``, synchronously again at a
+  revocation and at the end), then calls ``committed``;
+- ``CommitsItself``: the strategy commits inside its own durability step, with the consumer
+  it got in ``on_start``; the loop never commits. A ``Group`` member declares exactly one of
+  the two; a ``Reader`` (every partition from the beginning, no group) neither;
+- ``UsesConsumer``: ``on_start(consumer)`` before any assignment (again after a rejoin), to
+  ask positions, watermarks and committed offsets, or ``seek`` / ``assign`` its own
+  partitions; never to poll, subscribe or close (the loop does);
+- ``ManualAssignment``: assigned what ``assignment`` returns instead of subscribing;
+- ``DeadLetters``: a ``submit`` that raised ``InvalidRecord`` is dead-lettered by the loop
+  (the record kept whole, reason ``undecodable <reads>: <error>``), acknowledged by the
+  broker, then ``dead_lettered``; without it ``InvalidRecord`` is a ``FatalError``;
+- ``FetchEnd``: ``fetched`` after every record of one fetch was handed over;
+- ``PartitionEnd``: ``at_end`` when a partition was read to its end (``enable.partition.eof``);
+- ``Fenced``: ``on_fenced`` when a static member was fenced; returning rejoins with a new
+  consumer, raising stops. Without it ``ConsumerFenced`` is raised from ``run``.
 
-Two choices a stage makes, for the two stages whose guarantee lives in their own
-durability step:
+The loop guarantees: records are submitted in offset order per partition, each once per
+assignment; ``MessageRejected`` pauses the assignment and offers the same record again after
+the next ``poll`` (polling goes on, so the membership stays alive), resuming once it is taken;
+a missing topic is a ``ConfigurationError``, a fatal consumer error a ``FatalError``; an
+exception in a rebalance step is raised from ``run``; ``stop`` is graceful (``join``, the final
+commit, then the consumer, strategy and producer are closed, each even if another fails). It
+writes consumer lag and the process's CPU time to ``metrics``. The consumer comes from a
+``ConsumerFactory``: Kafka's (``kafka_consumers``) or the in-memory broker of the contract
+tests (``reef_stream.topics.memory``).
 
-- ``strategy_commits``: the strategy commits itself, inside that step, with the consumer
-  the loop gave it in ``on_start``; the loop never commits. The processor commits its input
-  offsets inside each batch's Kafka transaction (``send_offsets_to_transaction`` with the
-  consumer's group metadata), atomically with the units, dead letters and changelog it
-  wrote: a commit after the transaction would replay the batch against a state that already
-  holds it after a crash in between. The trainer commits in ``Trainer._acknowledge``, after
-  the checkpoint is durable and its event acknowledged, before the proposed state becomes
-  the trainer's.
-- a manual assignment: a strategy with ``assignment(partitions)`` is assigned what that
-  returns (partitions and where each starts) instead of subscribing. The trainer's step
-  must not depend on a rebalance: data-parallel ranks own ``p % ranks`` and start at their
-  checkpoint's offsets. A reader (``group=None``: the follower, whose every replica reads
-  every publication) is assigned every partition from the beginning and commits nothing.
-
-The strategy may use the consumer it got in ``on_start`` to ask (positions, watermarks,
-committed offsets, group metadata), to commit (with ``strategy_commits``) and to reposition
-its own partitions (``seek``, or ``assign`` again for a manual assignment: the trainer
-going back to its newest checkpoint after a failed step). It never polls, subscribes or
-closes it: the loop does.
-
-Threads: ``run`` and every strategy method run on one thread (the caller of ``run``);
-``stop`` may be called from any thread or a signal handler.
+Threads: ``run`` and every strategy method run on the caller of ``run``; ``stop`` may be called
+from any thread or a signal handler.
 """
 
 from __future__ import annotations
@@ -73,8 +50,10 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from reef_stream.core.errors import ConfigurationError, FatalError, InvalidRecord
 from reef_stream.core.events import now_ms
@@ -91,7 +70,7 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two writes of the consumer lag while nothing is committed.
 LAG_EVERY_S = 1.0
-#: How long ``stop`` lets the strategy finish what it holds (``join``).
+#: How long ``stop`` lets the strategy finish what it holds (``join``), by default.
 JOIN_TIMEOUT_S = 30.0
 
 #: A fetch waits for this many bytes, or ``FETCH_WAIT_MAX_MS``, whichever comes first: under
@@ -102,6 +81,9 @@ FETCH_WAIT_MAX_MS = 50
 
 #: A position: (topic, partition) -> the next offset to read.
 Positions = Mapping[tuple[str, int], int]
+#: Builds the loop's consumer (again at a rejoin): (group id, settings) -> a consumer with
+#: no auto-commit and no auto offset store that starts a group without offsets at the beginning.
+ConsumerFactory = Callable[[str, Mapping[str, Any]], Consumer]
 
 
 class MessageRejected(Exception):
@@ -115,74 +97,199 @@ class ConsumerFenced(FatalError):
     to itself after a coordinator moved, rejoining under a new member id)."""
 
 
+# --------------------------------------------------------------------- the protocol
+
 class Strategy(Protocol):
-    """What a stage gives the loop. Every method runs on the loop's thread, in this order:
-    ``on_start``; ``assignment`` (manual assignment only); ``on_assign``; then, repeatedly,
-    ``poll``, ``submit`` (or ``dead_lettered``) for each record of a fetch, ``fetched``,
-    ``committable`` / ``committed``; ``on_revoke`` at a rebalance; ``join`` and ``close`` at
-    the end. Methods marked optional may be left out."""
+    """What every stage gives the loop. All methods run on the loop's thread. Order: (the
+    capabilities' start and assignment hooks), then repeatedly ``poll`` and ``submit`` for each
+    record of a fetch, and at the end ``join`` (a graceful stop only) and ``close``."""
 
-    def on_start(self, consumer: Consumer) -> None:
-        """Optional. The loop's consumer, before any assignment (again after a rejoin); see
-        the module docstring for what the strategy may do with it."""
+    #: The capability protocols (below) this strategy implements; the loop calls nothing else.
+    capabilities: ClassVar[frozenset[type]]
 
-    def assignment(self, partitions: Mapping[str, list[int]]) -> list[TopicPartition]:
-        """Optional: assign manually. Given every partition of the loop's topics, the ones
-        to read and where each starts."""
+    def submit(self, message: Message) -> None:
+        """Take one record (never an error event), in offset order per partition. May block for
+        work done synchronously. Raises ``MessageRejected`` (nothing taken: offered again after
+        the next ``poll``) or ``InvalidRecord`` (see ``DeadLetters``). Not idempotent."""
+
+    def poll(self) -> None:
+        """Every loop iteration, before each fetch (about every ``poll_timeout`` when idle): do
+        periodic work, collect finished work. Should not block long; may stop the loop.
+        Idempotent in effect: called whether or not anything happened."""
+
+    def join(self, timeout: float | None) -> None:
+        """At a graceful stop, before the final commit: finish the work held, blocking for up to
+        ``timeout`` seconds. Called at most once; not after a failure."""
+
+    def close(self) -> None:
+        """Release what the strategy holds, after the consumer was closed. Called exactly once,
+        also after a failure; must not raise for a strategy that never started."""
+
+
+@runtime_checkable
+class Rebalancing(Protocol):
+    """Told of each assignment and revocation (eager: the whole assignment each time)."""
 
     def on_assign(self, partitions: list[TopicPartition]) -> None:
-        """Partitions assigned (eager protocol: the whole new assignment). Blocks the
+        """Partitions assigned, before any of their records is submitted. Blocks the
         rebalance while it runs: restore what the partitions need here."""
 
     def on_revoke(self, partitions: list[TopicPartition]) -> None:
-        """Partitions revoked or lost, after the loop committed what was ``committable`` for
-        them: forget them; drop what is held for them (a dropped record is read again by
-        its next owner)."""
+        """Partitions revoked or lost, after the loop committed what was committable for them
+        (inside ``consume`` or at the consumer's close): forget them; drop what is held for them
+        (their next owner reads it again). Blocks the rebalance while it runs. Once per
+        revocation, not idempotent."""
 
-    def submit(self, message: Message) -> None:
-        """Take one record (never an error event). May block for work done synchronously.
-        Raises ``MessageRejected`` for backpressure (nothing taken), or ``InvalidRecord``
-        when the record cannot be processed (the loop dead-letters it, then calls
-        ``dead_lettered``)."""
 
-    def fetched(self, drained_at_ms: int | None) -> None:
-        """Optional. Every record of one fetch was taken (also after a fetch of nothing).
-        ``drained_at_ms``: wall-clock milliseconds from before that fetch when it emptied
-        the client's queue (fewer than ``batch`` messages), so every record fetched before
-        then has been submitted; None when more may be queued. A stage that works in batches
-        (one transaction, one training step) does it here."""
-
-    def dead_lettered(self, message: Message) -> None:
-        """``message``'s dead letter is acknowledged: its outcome is durable, so its
-        position may become committable."""
-
-    def poll(self) -> None:
-        """Called every loop iteration (about every 0.2 s when idle): do periodic work,
-        collect finished work. Should not block long; may call the stage's ``stop``."""
+@runtime_checkable
+class Committing(Protocol):
+    """The loop commits for the strategy: only what ``committable`` says, never more."""
 
     def committable(self) -> Positions:
         """The positions whose records' outcomes are durable by the stage's own rule (all
-        records before each position). Idempotent; the loop commits each new one. Not called
-        with ``strategy_commits``."""
+        records before each position). Non-blocking, idempotent; the loop commits each new one."""
 
     def committed(self, positions: Positions) -> None:
         """After the loop committed ``positions`` (a synchronous commit that succeeded, or an
-        asynchronous one sent). Post-commit side effects here. A failed commit is logged and
-        not reported: the positions are committed again at the next commit. Not called with
-        ``strategy_commits``."""
+        asynchronous one sent): post-commit side effects; the same positions may come again
+        (at a revocation, at the end). A failed commit is logged, not reported; its positions
+        are committed again at the next commit. May block (the side effects)."""
+
+
+@runtime_checkable
+class UsesConsumer(Protocol):
+    """Holds the loop's consumer, to ask it and to reposition its own partitions."""
+
+    def on_start(self, consumer: Consumer) -> None:
+        """The loop's consumer, first of all calls; again with a new one after a rejoin.
+        The strategy never polls, subscribes or closes it. Should not block."""
+
+
+@runtime_checkable
+class CommitsItself(UsesConsumer, Protocol):
+    """Commits its input offsets itself, inside its own durability step (a Kafka transaction,
+    a checkpoint), with the consumer of ``on_start``; the loop never commits."""
+
+
+@runtime_checkable
+class ManualAssignment(Protocol):
+    """Assigned, not subscribed: the loop assigns what ``assignment`` returns."""
+
+    def assignment(self, partitions: Mapping[str, list[int]]) -> list[TopicPartition]:
+        """Given every partition of the loop's topics, the ones to read and where each starts.
+        After ``on_start``, once per consumer; may block (restoring from a checkpoint)."""
+
+
+@runtime_checkable
+class DeadLetters(Protocol):
+    """Its ``submit`` may raise ``InvalidRecord``: the loop dead-letters the record."""
+
+    def dead_lettered(self, message: Message) -> None:
+        """``message``'s dead letter is acknowledged, in its turn among the submitted records
+        (instead of a ``submit`` that took it): its outcome is durable, so its position may
+        become committable. Once per letter; should not block."""
+
+
+@runtime_checkable
+class FetchEnd(Protocol):
+    """Works in batches: told when one fetch was handed over."""
+
+    def fetched(self, drained_at_ms: int | None) -> None:
+        """Every record of one fetch was submitted (also after a fetch of nothing).
+        ``drained_at_ms``: wall-clock ms from before that fetch when it emptied the client's
+        queue (fewer than ``batch`` messages); None when more may be queued. May block (one
+        transaction, one training step)."""
+
+
+@runtime_checkable
+class PartitionEnd(Protocol):
+    """Told when a partition was read to its end (with ``enable.partition.eof``)."""
+
+    def at_end(self, topic: str, partition: int, offset: int) -> None:
+        """``offset`` is the end, in order with the partition's records (between two
+        ``submit``); again each time the partition is read to a new end. Should not block."""
+
+
+@runtime_checkable
+class Fenced(Protocol):
+    """Survives being fenced as a static group member."""
 
     def on_fenced(self, fenced: ConsumerFenced) -> None:
-        """Optional: the consumer was fenced as a static member. Return to rejoin the group
-        with a new consumer (``on_start`` again, then a new assignment); raise to stop."""
+        """The consumer was fenced (between two iterations; no revocation comes for it).
+        Return to rejoin with a new consumer (``on_start`` again, then a new assignment); raise
+        to stop. Once per fencing."""
 
-    def join(self, timeout: float | None) -> None:
-        """At a graceful stop: finish the work held, for up to ``timeout`` seconds."""
 
-    def close(self) -> None:
-        """Release what the strategy holds. Called once, also after a failure."""
+#: Every capability a strategy may declare.
+CAPABILITIES = (Rebalancing, Committing, UsesConsumer, CommitsItself, ManualAssignment,
+                DeadLetters, FetchEnd, PartitionEnd, Fenced)
+#: Capabilities with no method of their own (declared, not recognisable by their methods).
+_MARKERS = (CommitsItself,)
 
-    # Optional: ``at_end(topic, partition, offset)``, called when a partition was read to its
-    # end (with ``enable.partition.eof``), ``offset`` being the end, in order with the records.
+
+# --------------------------------------------------------------------- the options
+
+@dataclass(frozen=True)
+class Group:
+    """A member of consumer group ``name``: subscribes (unless ``ManualAssignment``) and
+    commits (``Committing`` or ``CommitsItself``)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Reader:
+    """No group: every partition of the topics from the beginning (unless
+    ``ManualAssignment``); nothing is committed."""
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """The loop's settings, validated when built (one ``ConfigurationError`` listing every
+    problem).
+
+    ``stage``: the name its dead letters carry. ``topics``: what it reads. ``namespace``: whose
+    dead-letters topic. ``reads``: what a record is, in a dead letter's reason. ``membership``:
+    ``Group(name)`` or ``Reader()``. ``batch``: most messages taken from the client at a time.
+    ``poll_timeout``: seconds a fetch waits. ``join_timeout``: how long a stop waits for
+    ``join``. ``commit_every_s``: the loop commits at most this often while running (0:
+    whenever something became committable), asynchronously with ``asynchronous_commits``.
+    ``consumer_config``: overrides of the consumer's settings."""
+
+    stage: str
+    topics: tuple[str, ...]
+    namespace: str
+    reads: str
+    membership: Group | Reader
+    batch: int = 1
+    poll_timeout: float = 0.2
+    join_timeout: float = JOIN_TIMEOUT_S
+    commit_every_s: float = 0.0
+    asynchronous_commits: bool = False
+    consumer_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "topics", tuple(self.topics))
+        object.__setattr__(self, "consumer_config", MappingProxyType(dict(self.consumer_config)))
+        problems = []
+        if not self.stage:
+            problems.append("stage: a name is needed")
+        if not self.topics or not all(self.topics):
+            problems.append(f"topics: at least one, none empty (got {self.topics})")
+        if not isinstance(self.membership, Group | Reader):
+            problems.append(f"membership: Group(name) or Reader(), not {self.membership!r}")
+        elif isinstance(self.membership, Group) and not self.membership.name:
+            problems.append("membership: a group needs a name")
+        if self.batch < 1:
+            problems.append(f"batch: at least 1 (got {self.batch})")
+        if self.poll_timeout <= 0:
+            problems.append(f"poll_timeout: positive (got {self.poll_timeout})")
+        if self.join_timeout < 0:
+            problems.append(f"join_timeout: not negative (got {self.join_timeout})")
+        if self.commit_every_s < 0:
+            problems.append(f"commit_every_s: not negative (got {self.commit_every_s})")
+        if problems:
+            raise ConfigurationError(problems)
 
 
 def group_consumer(bootstrap: str, group: str,
@@ -190,7 +297,7 @@ def group_consumer(bootstrap: str, group: str,
     """The consumer of a stage's group: offsets are never committed or stored behind the
     stage's back (no auto-commit, no auto offset store: only the stage's commit-last step
     commits), a group without committed offsets starts at the beginning; ``config``
-    overrides or adds settings. The loop builds its consumer here (again at a rejoin)."""
+    overrides or adds settings."""
     return new_consumer(bootstrap, group, {
         "enable.auto.offset.store": False,
         "auto.offset.reset": "earliest",
@@ -200,47 +307,70 @@ def group_consumer(bootstrap: str, group: str,
     })
 
 
-class StageLoop:
-    """One consumer group member running ``strategy`` until ``stop``; see the module
-    docstring.
+def kafka_consumers(bootstrap: str) -> ConsumerFactory:
+    """The loop's consumers from the Kafka cluster at ``bootstrap`` (``group_consumer``)."""
+    return lambda group, config: group_consumer(bootstrap, group, config)
 
-    ``group``: the consumer group; None for a reader (see the module docstring).
-    ``stage``: the stage name its dead letters carry. ``reads``: what a record is, in a
-    dead letter's reason (``undecodable <reads>: ...``). ``producer``: sends those dead
-    letters (the stage's own; the loop only polls and flushes it); None for a strategy
-    that never raises ``InvalidRecord`` (one that sends its own dead letters as outcomes).
-    ``consumer_config`` overrides the loop's consumer settings. ``batch``: most messages
-    taken from the client at a time. ``metrics``: where the lag goes (None: nowhere).
-    ``stop_event``: the event that stops the loop [default: its own], so a stage's own
-    ``stop`` works before ``run`` too. ``join_timeout``: how long a stop waits for the
-    strategy's ``join``. ``commit_every_s``: commits while running at most this often (0:
-    whenever something became committable), asynchronously with ``asynchronous_commits``;
-    at a revocation and at the end every committable position is committed again,
-    synchronously (so a failed asynchronous commit is repaired). ``strategy_commits``: the
-    strategy commits itself (see the module docstring). ``logger``: the stage's own
-    (assignments and dead letters are logged there). Not reusable after ``run`` returns.
+
+def _check_declaration(strategy: Any, options: StageOptions, producer: Producer | None) -> None:
+    """``ConfigurationError`` unless the strategy's declared capabilities are exactly the ones
+    it implements, and fit the membership."""
+    name = type(strategy).__name__
+    declared = getattr(strategy, "capabilities", None)
+    if not isinstance(declared, frozenset):
+        raise ConfigurationError(f"{name} declares no capabilities: give it "
+                                 "`capabilities = frozenset({...})` (empty for none)")
+    problems = [f"{name} declares {cap!r}, which is no capability of the stage loop"
+                for cap in declared if cap not in CAPABILITIES]
+    for cap in CAPABILITIES:
+        implements = isinstance(strategy, cap)
+        if cap in declared and not implements:
+            problems.append(f"{name} declares {cap.__name__} but lacks its methods")
+        elif cap not in declared and implements and cap not in _MARKERS \
+                and not (cap is UsesConsumer and CommitsItself in declared):
+            problems.append(f"{name} has the methods of {cap.__name__} without declaring it "
+                            "(they would never be called)")
+    commits = {Committing, CommitsItself} & declared
+    if isinstance(options.membership, Group) and len(commits) != 1:
+        problems.append(f"{name}: a group member declares Committing or CommitsItself "
+                        "(exactly one)")
+    if isinstance(options.membership, Reader) and commits:
+        named = ", ".join(sorted(c.__name__ for c in commits))
+        problems.append(f"{name}: a reader commits nothing (declares {named})")
+    if DeadLetters in declared and producer is None:
+        problems.append(f"{name} declares DeadLetters: the loop needs a producer for them")
+    if problems:
+        raise ConfigurationError(problems)
+
+
+# --------------------------------------------------------------------- the loop
+
+class StageLoop:
+    """One consumer running ``strategy`` until ``stop``; see the module docstring.
+
+    ``consumers`` builds the consumer. ``producer``: the stage's own; the loop sends dead
+    letters with it (``DeadLetters``), polls it every iteration and flushes it at the end.
+    ``metrics``: where the lag and CPU time go (None: nowhere). ``stop_event``: the event that
+    stops the loop [default: its own], so a stage's own ``stop`` works before ``run`` too.
+    ``logger``: the stage's own (assignments and dead letters are logged there). Not reusable
+    after ``run`` returns.
     """
 
-    def __init__(self, strategy: Strategy, *, stage: str, bootstrap: str, group: str | None,
-                 topics: Sequence[str], namespace: str, reads: str, producer: Producer | None,
-                 registry: SchemaRegistry | None = None,
-                 consumer_config: Mapping[str, Any] | None = None, batch: int = 1,
-                 metrics: Any = None, poll_timeout: float = 0.2,
-                 stop_event: threading.Event | None = None,
-                 join_timeout: float = JOIN_TIMEOUT_S, commit_every_s: float = 0.0,
-                 asynchronous_commits: bool = False, strategy_commits: bool = False,
+    def __init__(self, strategy: Strategy, options: StageOptions, *, consumers: ConsumerFactory,
+                 producer: Producer | None = None, registry: SchemaRegistry | None = None,
+                 metrics: Any = None, stop_event: threading.Event | None = None,
                  logger: logging.Logger | None = None) -> None:
-        self.strategy, self.stage, self.group, self.reads = strategy, stage, group, reads
-        self.topics = list(topics)
-        self.bootstrap, self.producer, self.metrics = bootstrap, producer, metrics
-        self.dead_letters = declarations.dead_letters(namespace)
+        _check_declaration(strategy, options, producer)
+        self.strategy, self.options, self.consumers = strategy, options, consumers
+        self.capabilities: frozenset[type] = frozenset(strategy.capabilities)
+        self.stage, self.topics = options.stage, list(options.topics)
+        self.producer, self.metrics = producer, metrics
+        self.dead_letters = declarations.dead_letters(options.namespace)
         self.registry = registry or SchemaRegistry.default()
-        self.consumer_config = dict(consumer_config or {})
-        self.batch, self.poll_timeout, self.join_timeout = batch, poll_timeout, join_timeout
-        self.commit_every_s, self.asynchronous_commits = commit_every_s, asynchronous_commits
-        self.strategy_commits = strategy_commits
         self.log = logger or log
         self.consumer: Consumer | None = None
+        #: The loop commits: a group member whose strategy is ``Committing``.
+        self._commits = Committing in self.capabilities
         self._stop = stop_event or threading.Event()
         self._commit_at = 0.0
         self._callback_error: BaseException | None = None
@@ -274,14 +404,14 @@ class StageLoop:
                 try:
                     self._run_once()
                 except ConsumerFenced as fenced:
-                    if not hasattr(self.strategy, "on_fenced"):
+                    if Fenced not in self.capabilities:
                         raise
                     self.strategy.on_fenced(fenced)
                     self.log.warning("%s: %s; rejoining with a new consumer", self.stage, fenced)
                     self._close_consumer()
                     self._join()
             self._raise_callback_error()
-            self.strategy.join(self.join_timeout)
+            self.strategy.join(self.options.join_timeout)
             self._commit(final=True)
             self._write_process(final=True)
         finally:
@@ -295,23 +425,26 @@ class StageLoop:
                     self.log.warning("%s: closing the %s: %s", self.stage, what, error)
 
     def _join(self) -> None:
-        """A new consumer, handed to the strategy; then subscribe, or assign manually."""
-        self.consumer = consumer = group_consumer(
-            self.bootstrap, self.group or f"reef-reader-{uuid.uuid4().hex}", self.consumer_config)
+        """A new consumer, handed to the strategy; then subscribe, or assign."""
+        membership = self.options.membership
+        group = (membership.name if isinstance(membership, Group)
+                 else f"reef-reader-{uuid.uuid4().hex}")
+        self.consumer = consumer = self.consumers(group, self.options.consumer_config)
         self._pending, self._paused, self._committed = deque(), [], {}
-        if hasattr(self.strategy, "on_start"):
+        if UsesConsumer in self.capabilities or CommitsItself in self.capabilities:
             self.strategy.on_start(consumer)
         partitions = self._check_topics()
-        if self.group is None or hasattr(self.strategy, "assignment"):
-            assigned = (self.strategy.assignment(partitions)
-                        if hasattr(self.strategy, "assignment")
-                        else [TopicPartition(t, p, OFFSET_BEGINNING)
-                              for t in self.topics for p in partitions[t]])
-            self._on_assign(consumer, assigned)
-            consumer.assign(assigned)
+        if ManualAssignment in self.capabilities:
+            assigned = self.strategy.assignment(partitions)
+        elif isinstance(membership, Reader):
+            assigned = [TopicPartition(t, p, OFFSET_BEGINNING)
+                        for t in self.topics for p in partitions[t]]
         else:
             consumer.subscribe(self.topics, on_assign=self._on_assign,
                                on_revoke=self._on_revoke, on_lost=self._on_revoke)
+            return
+        self._on_assign(consumer, assigned)
+        consumer.assign(assigned)
 
     def _close_consumer(self) -> None:
         """Leave the group (the revocation still commits with this consumer), then forget it."""
@@ -335,12 +468,13 @@ class StageLoop:
         if not self._pending or self._paused:
             # paused: poll on (heartbeats, rebalances), offering the held messages again soon
             before = now_ms()
-            fetched = self.consumer.consume(
-                self.batch, self.poll_timeout / 2 if self._paused else self.poll_timeout)
+            timeout = self.options.poll_timeout
+            fetched = self.consumer.consume(self.options.batch,
+                                            timeout / 2 if self._paused else timeout)
             self._raise_callback_error()
             if not self._pending:
                 self._pending = deque(fetched)
-                self._drained_at = before if len(fetched) < self.batch else None
+                self._drained_at = before if len(fetched) < self.options.batch else None
             else:  # fetched before the pause took effect: read them again after resume
                 self._seek_back(fetched)
         self._take()
@@ -366,7 +500,7 @@ class StageLoop:
         if self._paused:
             self.consumer.resume(self._paused)
             self._paused = []
-        if not self._pending and not self._stop.is_set() and hasattr(self.strategy, "fetched"):
+        if not self._pending and not self._stop.is_set() and FetchEnd in self.capabilities:
             self.strategy.fetched(self._drained_at)
 
     def _seek_back(self, fetched: list[Message]) -> None:
@@ -391,16 +525,16 @@ class StageLoop:
             raise ConsumerFenced(f"the Kafka consumer failed: {error.str()}")
         if error.code() != KafkaError._PARTITION_EOF:
             self.log.warning("%s: Kafka consumer: %s", self.stage, error.str())
-        elif hasattr(self.strategy, "at_end"):
+        elif PartitionEnd in self.capabilities:
             self.strategy.at_end(message.topic(), message.partition(), message.offset())
         return False
 
     def _dead_letter(self, message: Message, error: InvalidRecord) -> None:
-        if self.producer is None:
+        if DeadLetters not in self.capabilities:
             raise FatalError(f"{self.stage} cannot dead-letter {message.topic()}"
-                             f"[{message.partition()}]@{message.offset()} ({error}): its stage "
-                             "loop has no producer") from error
-        letter = dead_letter(f"undecodable {self.reads}: {error}", type(error).__name__,
+                             f"[{message.partition()}]@{message.offset()} ({error}): its "
+                             "strategy does not declare DeadLetters") from error
+        letter = dead_letter(f"undecodable {self.options.reads}: {error}", type(error).__name__,
                              stage=self.stage, message=message)
         value, headers = self.registry.encode(letter)
         deliver(self.producer, self.dead_letters, message.key(), value, headers,
@@ -412,23 +546,23 @@ class StageLoop:
     # ----------------------------------------------------------------- commit last
 
     def _commit(self, only: set[tuple[str, int]] | None = None, *, final: bool = False) -> None:
-        """Commit what the strategy says is committable (``only``: of those partitions); then
-        tell the strategy, write the lag. While running: positions not sent yet, at most
-        every ``commit_every_s``, asynchronously with ``asynchronous_commits``; ``final``
-        (a revocation, the end): every committable position, synchronously. A reader, and
-        a strategy that commits itself, commit nothing here."""
+        """Commit what a ``Committing`` strategy says is committable (``only``: of those
+        partitions); then tell the strategy, write the lag. While running: positions not sent
+        yet, at most every ``commit_every_s``, asynchronously with ``asynchronous_commits``;
+        ``final`` (a revocation, the end): every committable position, synchronously. A reader
+        and a strategy that commits itself commit nothing here."""
         self._write_process()
-        if self.group is None:
+        if isinstance(self.options.membership, Reader):
             return
         fresh: dict[tuple[str, int], int] = {}
         now = time.monotonic()
-        if not self.strategy_commits and (final or now - self._commit_at >= self.commit_every_s):
+        if self._commits and (final or now - self._commit_at >= self.options.commit_every_s):
             fresh = {where: offset for where, offset in self.strategy.committable().items()
                      if (final or self._committed.get(where) != offset)
                      and (only is None or where in only)}
         if fresh:
             self._commit_at = now
-            asynchronous = self.asynchronous_commits and not final
+            asynchronous = self.options.asynchronous_commits and not final
             try:
                 self.consumer.commit(offsets=[TopicPartition(t, p, o)
                                               for (t, p), o in sorted(fresh.items())],
@@ -460,7 +594,8 @@ class StageLoop:
         self.log.info("%s: assigned %s of %s", self.stage, _numbers(partitions),
                       _names(partitions))
         self._paused = []  # a new assignment starts unpaused; a full strategy pauses it again
-        self._in_callback(lambda: self.strategy.on_assign(partitions))
+        if Rebalancing in self.capabilities:
+            self._in_callback(lambda: self.strategy.on_assign(partitions))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self.log.info("%s: revoked %s of %s", self.stage, _numbers(partitions),
@@ -469,7 +604,8 @@ class StageLoop:
 
         def revoke() -> None:
             self._commit(only=gone, final=True)
-            self.strategy.on_revoke(partitions)
+            if Rebalancing in self.capabilities:
+                self.strategy.on_revoke(partitions)
 
         self._in_callback(revoke)
         for where in gone:

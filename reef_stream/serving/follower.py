@@ -36,7 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from reef_stream.consumers.stage import StageLoop
+from reef_stream.consumers.stage import (
+    PartitionEnd, Reader, Rebalancing, StageLoop, StageOptions, kafka_consumers,
+)
 from reef_stream.core.errors import (
     ConfigurationError, FatalError, InvalidRecord, ReefError, RetryableError,
 )
@@ -312,11 +314,11 @@ class Follower:
                                    name=f"reef-heartbeat-{self.model}")
         try:
             following = _Following(self, ledger, beating)
-            following.loop = StageLoop(
-                following, stage=STAGE_FOLLOWER, bootstrap=self.bootstrap, group=None,
-                topics=[ledger.topic], namespace=self.namespace, reads="publication",
-                producer=None, stop_event=self._stop, poll_timeout=0.5, logger=log,
-                consumer_config={"enable.partition.eof": True, **(self._consumer_config or {})})
+            following.loop = StageLoop(following, StageOptions(
+                stage=STAGE_FOLLOWER, topics=(ledger.topic,), namespace=self.namespace,
+                reads="publication", membership=Reader(), poll_timeout=0.5,
+                consumer_config={"enable.partition.eof": True, **(self._consumer_config or {})}),
+                consumers=kafka_consumers(self.bootstrap), stop_event=self._stop, logger=log)
             following.loop.run()
         except BaseException as error:
             with self._lock:
@@ -515,6 +517,8 @@ class _Following:
     ``RetryableError`` from ``poll`` when the start's end is not reached within
     ``READ_TIMEOUT_S``."""
 
+    capabilities = frozenset({Rebalancing, PartitionEnd})
+
     def __init__(self, follower: Follower, ledger: PublicationLedger,
                  beating: threading.Thread) -> None:
         self.follower, self.ledger, self.beating = follower, ledger, beating
@@ -542,9 +546,6 @@ class _Following:
     def at_end(self, topic: str, partition: int, offset: int) -> None:
         self._positions[partition] = offset
 
-    def dead_lettered(self, message: Message) -> None:
-        """Never called: an undecodable publication is counted (the evaluator letters it)."""
-
     def poll(self) -> None:
         follower = self.follower
         if not self._ready:
@@ -561,12 +562,6 @@ class _Following:
         arrived, self._arrived = self._arrived, False
         if arrived or follower._retry_due():
             follower._converge(self.ledger)
-
-    def committable(self) -> dict[tuple[str, int], int]:
-        return {}
-
-    def committed(self, positions: Mapping[tuple[str, int], int]) -> None:
-        """A reader commits nothing."""
 
     def join(self, timeout: float | None) -> None:
         """Nothing held."""

@@ -37,7 +37,10 @@ from reef_stream.consumers.evaluator.canary import (
     CanaryRunner, Release, cadence_reason, prune_copies, stage, waiting_reason,
 )
 from reef_stream.consumers.evaluator.superseding import superseded_reason, superseding
-from reef_stream.consumers.stage import StageLoop
+from reef_stream.consumers.stage import (
+    Committing, DeadLetters, FetchEnd, Group, Rebalancing, StageLoop, StageOptions, UsesConsumer,
+    kafka_consumers,
+)
 from reef_stream.core.errors import ConfigurationError, InvalidRecord
 from reef_stream.core.events import Checkpoint, Decision, Publication, now_ms
 from reef_stream.core.metric_names import (
@@ -280,11 +283,13 @@ class EvaluatorWorker:
                      ledger.read, {m: ledger.incumbent(m).policy_version for m in ledger.models()
                                    if ledger.incumbent(m) is not None} or "none")
             StageLoop(
-                _Decisions(self, producer, ledger, metrics), stage=STAGE,
-                bootstrap=self.bootstrap, group=self.group, topics=[self.topic],
-                namespace=self.namespace, reads="checkpoint event", producer=producer,
+                _Decisions(self, producer, ledger, metrics), StageOptions(
+                    stage=STAGE, topics=(self.topic,), namespace=self.namespace,
+                    reads="checkpoint event", membership=Group(self.group),
+                    consumer_config={"max.poll.interval.ms": 3_600_000,
+                                     **self._consumer_config}),
+                consumers=kafka_consumers(self.bootstrap), producer=producer,
                 registry=self._registry, metrics=metrics, stop_event=self._stop, logger=log,
-                consumer_config={"max.poll.interval.ms": 3_600_000, **self._consumer_config},
             ).run()
         finally:
             self._canary.close()
@@ -550,6 +555,8 @@ class _Decisions:
     once its publication is acknowledged (or the event was skipped, or dead-lettered), and the
     post-commit steps run in ``committed``. ``poll`` follows the publications topic while
     idle and stops the worker at ``--max-candidates`` or ``--idle-exit``."""
+
+    capabilities = frozenset({UsesConsumer, Rebalancing, Committing, DeadLetters, FetchEnd})
 
     def __init__(self, worker: EvaluatorWorker, producer: Producer, ledger: PublicationLedger,
                  metrics: MetricsWriter) -> None:

@@ -41,7 +41,10 @@ from reef_stream.consumers.processor.offers import decode_offers
 from reef_stream.consumers.processor.pairs import PartitionPair
 from reef_stream.consumers.processor.record_stats import RecordStats
 from reef_stream.consumers.processor.step_records import Record, StepRecords
-from reef_stream.consumers.stage import ConsumerFenced, Positions, StageLoop
+from reef_stream.consumers.stage import (
+    CommitsItself, ConsumerFenced, Fenced, FetchEnd, Group, Rebalancing, StageLoop, StageOptions,
+    kafka_consumers,
+)
 from reef_stream.core import metric_names
 from reef_stream.core.errors import FatalError, InvalidRecord
 from reef_stream.core.events import Checkpoint, now_ms
@@ -97,7 +100,7 @@ class ProcessorRuntime:
     ``stop`` may be called from any thread or a signal handler. Not reusable after ``run``.
 
     On the stage loop as ``_Processing``, committing its input offsets itself inside each
-    batch's transaction (``strategy_commits``): the exactly-once guarantee."""
+    batch's transaction (``CommitsItself``): the exactly-once guarantee."""
 
     def __init__(self, recipe: Any, *, bootstrap: str, namespace: str, group: str | None = None,
                  instance: str = "0", batch: int = BATCH, log_every_s: float = 10.0,
@@ -201,19 +204,21 @@ class ProcessorRuntime:
                  self.generations, self.feedback, self.units_topic, self.recipe.name,
                  self.group, self.instance, partitions)
         StageLoop(
-            _Processing(self), stage=STAGE, bootstrap=self.bootstrap, group=self.group,
-            topics=self._topics, namespace=self.ns, reads="generation or feedback",
+            _Processing(self), StageOptions(
+                stage=STAGE, topics=tuple(self._topics), namespace=self.ns,
+                reads="generation or feedback", membership=Group(self.group),
+                batch=self.batch, poll_timeout=POLL_TIMEOUT_S, consumer_config={
+                    # static membership: a restarted instance takes its predecessor's place
+                    "group.instance.id": f"{self.group}.{self.instance}",
+                    "partition.assignment.strategy": "range",  # co-partitioned (module doc)
+                    "session.timeout.ms": SESSION_TIMEOUT_MS,
+                    "isolation.level": "read_committed",
+                    "fetch.max.bytes": 64 * MiB,
+                }),
+            consumers=kafka_consumers(self.bootstrap),
             producer=None,  # dead letters go out inside the transactions
-            registry=self.registry, batch=self.batch, poll_timeout=POLL_TIMEOUT_S,
-            strategy_commits=True,
-            metrics=self._metrics.writer, stop_event=self._stop, logger=log, consumer_config={
-                # static membership: a restarted instance takes its predecessor's place at once
-                "group.instance.id": f"{self.group}.{self.instance}",
-                "partition.assignment.strategy": "range",  # co-partitioned (module docstring)
-                "session.timeout.ms": SESSION_TIMEOUT_MS,
-                "isolation.level": "read_committed",
-                "fetch.max.bytes": 64 * MiB,
-            }).run()
+            registry=self.registry, metrics=self._metrics.writer, stop_event=self._stop,
+            logger=log).run()
 
     def _between_fetches(self) -> None:
         """What the loop does between fetches besides processing: ``ready`` once partitions
@@ -576,10 +581,13 @@ class ProcessorRuntime:
 
 
 class _Processing:
-    """The processor's strategy on the stage loop (``strategy_commits``): ``submit`` queues a
+    """The processor's strategy on the stage loop (``CommitsItself``): ``submit`` queues a
     record into its partition pair, ``fetched`` processes a fetch and commits it, offsets
     included, in one transaction; ``poll`` does what goes on between fetches, ``on_fenced`` is
-    ``_rejoin`` and ``close`` closes what the runtime holds besides the loop's consumer."""
+    ``_rejoin`` and ``close`` closes what the runtime holds besides the loop's consumer. A
+    record that does not decode is dead-lettered inside its transaction, not by the loop."""
+
+    capabilities = frozenset({CommitsItself, Rebalancing, FetchEnd, Fenced})
 
     def __init__(self, runtime: ProcessorRuntime) -> None:
         self.runtime = runtime
@@ -602,17 +610,8 @@ class _Processing:
         self.runtime._read_checkpoints()
         self.runtime._process()
 
-    def dead_lettered(self, message: Message) -> None:
-        """Never called: a record that does not decode is dead-lettered in its transaction."""
-
     def poll(self) -> None:
         self.runtime._between_fetches()
-
-    def committable(self) -> dict[tuple[str, int], int]:
-        return {}  # never asked (strategy_commits): offsets commit inside the transactions
-
-    def committed(self, positions: Positions) -> None:
-        """Never called (``strategy_commits``)."""
 
     def on_fenced(self, fenced: ConsumerFenced) -> None:
         self.runtime._rejoin(fenced)

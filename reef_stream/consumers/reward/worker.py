@@ -48,7 +48,10 @@ from reef_stream.consumers.reward.calls import (
 )
 from reef_stream.consumers.reward.sandbox.categories import SandboxFailure
 from reef_stream.consumers.reward.sandbox.pool import SandboxPool
-from reef_stream.consumers.stage import MessageRejected, StageLoop
+from reef_stream.consumers.stage import (
+    Committing, FetchEnd, Group, MessageRejected, Rebalancing, StageLoop, StageOptions,
+    kafka_consumers,
+)
 from reef_stream.core.errors import ConfigurationError, FatalError, InvalidRecord
 from reef_stream.core.events import DeadLetter, Generation, now_ms
 from reef_stream.core.metric_names import (
@@ -267,13 +270,13 @@ class RewardWorker(CallSlots):
         self._start_metrics()
         self._last_assigned = time.monotonic()  # the idle clock starts at the subscription
         try:
-            StageLoop(_Rewards(self, producer), stage=STAGE,
-                      bootstrap=self.bootstrap, group=self.group, topics=[self.topic],
-                      namespace=self.namespace, reads="generation", producer=None,
-                      consumer_config=self._consumer_config, batch=CONSUME_BATCH,
-                      metrics=self._metrics.writer, poll_timeout=0.1, stop_event=self._finish,
-                      join_timeout=self.options.grace, commit_every_s=COMMIT_INTERVAL_S,
-                      asynchronous_commits=True, logger=log).run()
+            StageLoop(_Rewards(self, producer), StageOptions(
+                stage=STAGE, topics=(self.topic,), namespace=self.namespace, reads="generation",
+                membership=Group(self.group), batch=CONSUME_BATCH, poll_timeout=0.1,
+                join_timeout=self.options.grace, commit_every_s=COMMIT_INTERVAL_S,
+                asynchronous_commits=True, consumer_config=self._consumer_config),
+                consumers=kafka_consumers(self.bootstrap), producer=None,
+                metrics=self._metrics.writer, stop_event=self._finish, logger=log).run()
         finally:
             self.summary.elapsed_s = time.monotonic() - started
         if self._fatal is not None:
@@ -616,6 +619,8 @@ class _Rewards:
     ``--max-records`` (both: calls already taken still finish), a ``stop`` or a fatal
     outcome."""
 
+    capabilities = frozenset({Rebalancing, Committing, FetchEnd})
+
     def __init__(self, worker: RewardWorker, producer: RecordProducer) -> None:
         self.worker, self.producer = worker, producer
         options = worker.options
@@ -650,9 +655,6 @@ class _Rewards:
     def fetched(self, drained_at_ms: int | None) -> None:
         """The runners are woken once per fetch, not once per record."""
         self.worker._wake()
-
-    def dead_lettered(self, message: Message) -> None:
-        """Never called: ``submit`` sends its own dead letters, as outcomes."""
 
     def poll(self) -> None:
         worker = self.worker

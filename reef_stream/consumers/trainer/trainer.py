@@ -45,7 +45,10 @@ import safetensors.torch
 
 from reef_stream.api.objective import state_from_record, state_record
 from reef_stream.api.recipe import Recipe
-from reef_stream.consumers.stage import StageLoop
+from reef_stream.consumers.stage import (
+    CommitsItself, FetchEnd, Group, ManualAssignment, PartitionEnd, StageLoop, StageOptions,
+    kafka_consumers,
+)
 from reef_stream.consumers.trainer.ranks import Ranks
 from reef_stream.core.errors import (
     ConfigurationError, FatalError, InvalidRecord, ReefError, RetryableError,
@@ -261,13 +264,13 @@ class Trainer:
             log.info("candidate evaluator %s decides what is published (reef evaluate)",
                      self.recipe.evaluator.name)
         StageLoop(
-            _Steps(self), stage=STAGE_TRAINER, bootstrap=self.bootstrap, group=self.group,
-            topics=[self.topic], namespace=self.ns, reads="unit", producer=self.producer,
-            registry=self.registry, batch=CONSUME_BATCH, poll_timeout=0.2,
-            strategy_commits=True, consumer_config={
-                "isolation.level": "read_committed", "enable.partition.eof": True,
-                "fetch.wait.max.ms": 100},
-            metrics=self.metrics, stop_event=self._stop, logger=log,
+            _Steps(self), StageOptions(
+                stage=STAGE_TRAINER, topics=(self.topic,), namespace=self.ns, reads="unit",
+                membership=Group(self.group), batch=CONSUME_BATCH, poll_timeout=0.2,
+                consumer_config={"isolation.level": "read_committed",
+                                 "enable.partition.eof": True, "fetch.wait.max.ms": 100}),
+            consumers=kafka_consumers(self.bootstrap), producer=self.producer,
+            registry=self.registry, metrics=self.metrics, stop_event=self._stop, logger=log,
         ).run()
         self.summary.last_step = self.step
         return self.summary
@@ -651,8 +654,10 @@ class _Steps:
     """The trainer as the stage loop's strategy (``reef_stream.consumers.stage``). Records go
     into the log-order merge as they are fetched (``submit``, ``at_end``); after each fetch the
     settled ones are taken in order (``fetched``), a full step being trained and acknowledged
-    there, synchronously: ``Trainer._acknowledge`` commits (``strategy_commits``). Manual
-    assignment: this rank's partitions at its checkpoint's offsets."""
+    there, synchronously: ``Trainer._acknowledge`` commits (``CommitsItself``). Manual
+    assignment: this rank's partitions at its checkpoint's offsets (never revoked)."""
+
+    capabilities = frozenset({CommitsItself, ManualAssignment, PartitionEnd, FetchEnd})
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -689,12 +694,6 @@ class _Steps:
                 max_staleness=trainer.recipe.schedule.max_staleness, log=log).open()
         self._last_unit = self._stall_checked = time.monotonic()
         return start
-
-    def on_assign(self, partitions: list[TopicPartition]) -> None:
-        """Nothing to restore: ``assignment`` resumed already."""
-
-    def on_revoke(self, partitions: list[TopicPartition]) -> None:
-        """Never called: a manual assignment is not revoked."""
 
     def poll(self) -> None:
         """Before each fetch, unless at ``max_steps`` (every rank is at the same step): every
