@@ -76,13 +76,14 @@ def sample(generation_id: str = "g-1", **overrides: Any) -> Sample:
 
 
 def rollout_unit(*members: Sample, recipe: str = "tiny", **overrides: Any) -> RolloutUnit:
-    """A ``RolloutUnit`` of ``members`` (one default ``sample()`` if none) for ``recipe``: its id
-    derived from the recipe and the members' generation ids as the processor derives it, grouped
-    by the first member's prompt, created at ``T0``. Any field is a keyword."""
-    members = members or (sample(),)
+    """A ``RolloutUnit`` of ``members`` (as given: none makes an empty unit) for ``recipe``: its
+    id derived from the recipe and the members' generation ids as the processor derives it,
+    grouped by the first member's prompt (``p-1`` if none), created at ``T0``. Any field is a
+    keyword."""
     fields: dict[str, Any] = dict(
         unit_id=derived_unit_id(recipe, [m.generation_id for m in members]), recipe=recipe,
-        group_key=members[0].prompt_id, members=tuple(members), created_at=T0)
+        group_key=members[0].prompt_id if members else "p-1", members=tuple(members),
+        created_at=T0)
     fields.update(overrides)
     return RolloutUnit(**fields)
 
