@@ -17,19 +17,21 @@ from reef_stream.topics.connect import client_config
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], timeout: float, message: str, *,
+def wait_until(condition: Callable[[], T], timeout: float, message: str | Callable[[], str], *,
                poll_s: float = 0.1) -> T:
     """Call ``condition`` every ``poll_s`` seconds until it returns something true, and return
     that; fail the test saying ``message`` (what was awaited) if ``timeout`` seconds pass first.
-    How a test waits for something to happen: a fixed ``sleep`` is either too short on a
-    loaded machine or longer than needed everywhere else."""
+    ``message`` may be a function, called only on the timeout, to show the state the wait gave
+    up on (what was seen instead). How a test waits for something to happen: a fixed ``sleep``
+    is either too short on a loaded machine or longer than needed everywhere else."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {message}")
+            awaited = message() if callable(message) else message
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {awaited}")
         time.sleep(poll_s)
 
 

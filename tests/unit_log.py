@@ -39,12 +39,11 @@ def create_topics(bootstrap: str, namespace: str, recipe: str = "trainable") -> 
 def produce_units(bootstrap: str, namespace: str, records, *, recipe: str = "trainable",
                   spread: bool = False) -> None:
     """Append ``records`` (units, or raw ``bytes`` that do not decode) to the units topic in this
-    order of broker time: one flush per record, then a pause of two milliseconds, so that each
-    gets a later LogAppendTime than the one before (two appended within one millisecond would
-    tie, and a trainer orders ties by partition). With ``spread``, record ``i`` goes to
-    partition ``i % 6`` instead of its key's partition."""
-    import time
-
+    order of broker time: one flush per record, then a wait until this host's clock (the
+    broker's) has passed the millisecond the record was stamped with, so that each gets a later
+    LogAppendTime than the one before (two appended within one millisecond would tie, and a
+    trainer orders ties by partition). With ``spread``, record ``i`` goes to partition ``i % 6``
+    instead of its key's partition."""
     from confluent_kafka import Producer
 
     from reef_stream.core.serde import SchemaRegistry
@@ -53,13 +52,29 @@ def produce_units(bootstrap: str, namespace: str, records, *, recipe: str = "tra
 
     registry, topic = SchemaRegistry.default(), units_topic(namespace, recipe)
     producer = Producer(client_config(bootstrap, {"acks": "all", "enable.idempotence": True}))
+    stamped: list[int] = []  # the broker's timestamp of each record, as its delivery reports it
+
+    def delivered(error, message) -> None:
+        stamped.append(message.timestamp()[1] if error is None else -1)  # -1: no wait
+
     for i, record in enumerate(records):
         where = {"partition": i % 6} if spread else {}
         if isinstance(record, bytes):
-            producer.produce(topic, key=b"garbage", value=record, **where)
+            producer.produce(topic, key=b"garbage", value=record, on_delivery=delivered, **where)
         else:
             value, headers = registry.encode(record)
             producer.produce(topic, key=record.unit_id.encode(), value=value, headers=headers,
-                             **where)
+                             on_delivery=delivered, **where)
         assert producer.flush(30) == 0
-        time.sleep(0.002)   # the broker runs on this host's clock
+        after_stamp(stamped[-1])
+
+
+def after_stamp(stamp_ms: int, timeout: float = 5) -> None:
+    """Return once this host's clock, which the test broker runs on, is past ``stamp_ms``: a
+    record appended from now on gets a later LogAppendTime than the one stamped ``stamp_ms``."""
+    import time
+
+    from tests.helpers import wait_until
+
+    wait_until(lambda: time.time_ns() // 1_000_000 > stamp_ms, timeout,
+               f"this host's clock to pass the broker's stamp {stamp_ms}", poll_s=0.0005)

@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from tests.helpers import wait_until
 from tests.integration.test_processor_runtime import (
     check_invariant,
     create_topics,
@@ -53,14 +54,15 @@ def _spawn(env: dict[str, str]) -> tuple[subprocess.Popen, queue.Queue, list[str
 
 def _wait_assigned(child: subprocess.Popen, lines: queue.Queue, tail: list[str],
                    timeout: float = 60) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
+    def assigned() -> bool:
         try:
-            if "assigned partitions" in lines.get(timeout=0.2):
-                return
+            return "assigned partitions" in lines.get(timeout=0.2)
         except queue.Empty:
             assert child.poll() is None, "processor exited:\n" + "".join(tail)
-    raise AssertionError("processor never got its partitions:\n" + "".join(tail))
+            return False
+
+    wait_until(assigned, timeout, lambda: "the processor's partitions:\n" + "".join(tail),
+               poll_s=0)
 
 
 def test_processor_killed_at_random_moments_loses_and_duplicates_nothing(

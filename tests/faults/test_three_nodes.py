@@ -4,7 +4,6 @@ and go on acknowledging writes when the controller's node is killed."""
 from __future__ import annotations
 
 import json
-import time
 
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
@@ -12,7 +11,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 from reef_stream.servers.kafka_local import LocalCluster
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import generations
-from tests.helpers import reef
+from tests.helpers import reef, wait_until
 
 
 def test_three_node_cluster_survives_losing_its_controller(cli_env, settings, tmp_path, namespace):
@@ -33,11 +32,9 @@ def test_three_node_cluster_survives_losing_its_controller(cli_env, settings, tm
         topic = generations(namespace)
         # The broker this client asks may learn of the new topic a moment after
         # the one that created it: metadata is eventually consistent.
-        deadline = time.monotonic() + 30
-        partitions = {}
-        while not partitions and time.monotonic() < deadline:
-            partitions = admin.list_topics(topic, timeout=10).topics[topic].partitions
-            time.sleep(0 if partitions else 0.5)
+        partitions = wait_until(
+            lambda: admin.list_topics(topic, timeout=10).topics[topic].partitions, 30,
+            f"the broker asked to know {topic}", poll_s=0.5)
         assert {len(p.replicas) for p in partitions.values()} == {3}
         configs = next(iter(admin.describe_configs(
             [ConfigResource(ResourceType.TOPIC, topic)]).values())).result()
@@ -47,10 +44,8 @@ def test_three_node_cluster_survives_losing_its_controller(cli_env, settings, tm
         assert controller in (1, 2, 3)
         cluster.kill(controller)
 
-        deadline = time.monotonic() + 60
-        while cluster.controller() in (controller, None) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert cluster.controller() not in (controller, None), "no new controller was elected"
+        wait_until(lambda: cluster.controller() not in (controller, None), 60,
+                   "a new controller to be elected", poll_s=0.5)
 
         producer = Producer(client_config(bootstrap, {"acks": "all", "enable.idempotence": True}))
         for i in range(1000):
@@ -60,10 +55,13 @@ def test_three_node_cluster_survives_losing_its_controller(cli_env, settings, tm
         consumer = Consumer(client_config(bootstrap, {
             "group.id": "verifier", "auto.offset.reset": "earliest"}))
         consumer.subscribe([topic])
-        keys = set()
-        deadline = time.monotonic() + 60
-        while len(keys) < 1000 and time.monotonic() < deadline:
-            keys |= {m.key() for m in consumer.consume(1000, timeout=1.0) if m.error() is None}
+        keys: set[bytes] = set()
+
+        def read_all() -> bool:
+            keys.update(m.key() for m in consumer.consume(1000, timeout=1.0) if m.error() is None)
+            return len(keys) >= 1000
+
+        wait_until(read_all, 60, lambda: f"the 1000 keys; read {len(keys)}", poll_s=0)
         consumer.close()
         assert keys == {f"k{i}".encode() for i in range(1000)}
     finally:

@@ -15,7 +15,6 @@ import json
 import random
 import threading
 
-import numpy as np
 import pytest
 from confluent_kafka import Producer
 
@@ -24,7 +23,7 @@ from reef_stream.api.recipe import load_recipe
 from reef_stream.consumers.evaluator.canary import CanaryWatch
 from reef_stream.consumers.evaluator.evaluator import EvaluateOptions, EvaluatorWorker
 from reef_stream.core.events import (
-    Decision, Feedback, FinishReason, Generation, SamplingParams, now_ms,
+    Decision, SamplingParams, now_ms,
 )
 from reef_stream.core.serde import encode
 from reef_stream.ops.trace import trace_generation
@@ -32,6 +31,7 @@ from reef_stream.publishing.publications import PublicationLedger
 from reef_stream.serving.follower import Follower
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import feedback, generations
+from tests import factories
 from tests.helpers import reef
 from tests.integration.publishing import (
     Loads, create_topics, eventually, fleet_of, produce_checkpoints, publication_keys,
@@ -91,15 +91,14 @@ class Traffic:
         for _ in range(n):
             self.sent += 1
             gid = f"gen-{version}-{seed}-{self.sent}"
-            generation = Generation(
-                generation_id=gid, request_id=gid, prompt_id=f"p{self.sent % 7}", model="tiny",
-                policy_version=version, replica_id="r", finish_reason=FinishReason.STOP,
-                prompt_token_ids=np.array([1, 2], dtype=np.int32),
-                completion_token_ids=np.array([3], dtype=np.int32),
-                completion_logprobs=np.array([-0.5], dtype=np.float32),
+            generation = factories.generation(
+                gid, request_id=gid, prompt_id=f"p{self.sent % 7}", policy_version=version,
+                replica_id="r", prompt_token_ids=factories.ids([1, 2]),
+                completion_token_ids=factories.ids([3]),
+                completion_logprobs=factories.logprobs([-0.5]),
                 sampling=SamplingParams(max_tokens=1), created_at=now_ms())
-            reward = Feedback(feedback_id=f"fb-{gid}", generation_id=gid, source="exact",
-                              reward=float(rng.random() < p), created_at=now_ms())
+            reward = factories.feedback(gid, feedback_id=f"fb-{gid}", source="exact",
+                                        reward=float(rng.random() < p), created_at=now_ms())
             for topic, event in ((generations(self.namespace), generation),
                                  (feedback(self.namespace), reward)):
                 value, headers = encode(event)

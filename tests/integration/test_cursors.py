@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 import click
-import numpy as np
 import pytest
 from click.testing import CliRunner
 from confluent_kafka import (
@@ -26,12 +25,13 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from reef_stream.cli.cursors import COMMANDS
 from reef_stream.cli.main import main
-from reef_stream.core.events import Feedback, FinishReason, Generation, SamplingParams, now_ms
+from reef_stream.core.events import Feedback, Generation, SamplingParams, now_ms
 from reef_stream.core.serde import encode
 from reef_stream.core.settings import load_settings
 from reef_stream.topics import cursors
 from reef_stream.topics.connect import client_config
-from tests.helpers import reef
+from tests import factories
+from tests.helpers import reef, wait_until
 
 PARTITIONS = 2
 #: What a fresh broker answers while it creates its consumer-offsets topic.
@@ -105,13 +105,13 @@ def topic(admin, namespace) -> str:
     name = f"{namespace}.events"
     admin.create_topics([NewTopic(name, num_partitions=PARTITIONS, replication_factor=1)],
                         operation_timeout=30)[name].result()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def led() -> bool:
         partitions = admin.list_topics(name, timeout=10).topics[name].partitions
-        if len(partitions) == PARTITIONS and all(p.leader >= 0 for p in partitions.values()):
-            return name
-        time.sleep(0.1)
-    raise AssertionError(f"{name} has no leaders after 30 s")
+        return len(partitions) == PARTITIONS and all(p.leader >= 0 for p in partitions.values())
+
+    wait_until(led, 30, f"{name}'s partitions to have leaders")
+    return name
 
 
 def produce(bootstrap: str, topic: str, partition: int, count: int,
@@ -127,14 +127,15 @@ def produce(bootstrap: str, topic: str, partition: int, count: int,
 
 def retrying(request):
     """``request()``, asked again (for up to 30 s) while the group coordinator is starting."""
-    deadline = time.monotonic() + 30
-    while True:
+    def answered() -> tuple | None:
         try:
-            return request()
+            return (request(),)  # in a tuple: a false answer is an answer too
         except KafkaException as exc:
-            if exc.args[0].code() not in COORDINATOR_STARTING or time.monotonic() > deadline:
+            if exc.args[0].code() not in COORDINATOR_STARTING:
                 raise
-            time.sleep(0.2)
+            return None
+
+    return wait_until(answered, 30, "the group coordinator to start", poll_s=0.2)[0]
 
 
 def commit(bootstrap: str, group: str, topic: str, offsets: dict[int, int]) -> None:
@@ -161,11 +162,9 @@ def join(bootstrap: str, group: str, topic: str) -> tuple[Consumer, list]:
     consumer = Consumer(client_config(bootstrap, {
         "group.id": group, "enable.auto.commit": False, "auto.offset.reset": "latest"}))
     consumer.subscribe([topic])
-    received = []
-    deadline = time.monotonic() + 30
-    while not consumer.assignment():
-        assert time.monotonic() < deadline, f"no assignment in {group} after 30 s"
-        received += consume(consumer, 1, timeout=0.2)
+    received: list = []
+    wait_until(lambda: consumer.assignment() or received.extend(consume(consumer, 1, timeout=0.2)),
+               30, f"an assignment in {group}", poll_s=0)
     return consumer, received
 
 
@@ -322,15 +321,11 @@ def test_replay_usage_errors(topic, cli_env, namespace):
 
 
 def _generation(i: int) -> Generation:
-    return Generation(
-        generation_id=f"gen-{i}", request_id=f"req-{i}", prompt_id="prompt-0", model="tiny",
-        policy_version=3, replica_id="replica-a",
-        prompt_token_ids=np.array([1, 2, 3], dtype=np.int32),
-        completion_token_ids=np.array([7, 8], dtype=np.int32),
-        completion_logprobs=np.array([-0.5, -0.25], dtype=np.float32),
-        finish_reason=FinishReason.STOP, created_at=1_795_000_000_000 + i,
-        sampling=SamplingParams(max_tokens=256),
-    )
+    return factories.generation(
+        f"gen-{i}", request_id=f"req-{i}", prompt_id="prompt-0", policy_version=3,
+        completion_token_ids=factories.ids([7, 8]),
+        completion_logprobs=factories.logprobs([-0.5, -0.25]), created_at=factories.T0 + i,
+        sampling=SamplingParams(max_tokens=256))
 
 
 @pytest.fixture

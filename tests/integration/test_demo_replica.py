@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 
@@ -33,6 +32,7 @@ from reef_stream.demo.task import initial_policy, parse_prompt
 from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import generations
+from tests.helpers import wait_until
 from tests.integration.publishing import (
     create_topics, eventually, fleet_of, produce_publications, promoted, settings_for,
 )
@@ -55,14 +55,14 @@ class GenerationReader:
 
     def until(self, predicate: Callable[[list[Generation]], bool], timeout: float,
               what: str) -> list[Generation]:
-        deadline = time.monotonic() + timeout
-        while not predicate(self.seen):
-            assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
-            for message in self.consumer.consume(num_messages=1000, timeout=0.5):
-                assert message.error() is None, message.error()
-                self.seen.append(self.registry.decode(message.value(), message.headers(),
-                                                      Generation))
+        wait_until(lambda: predicate(self.seen) or self._read(), timeout, what, poll_s=0)
         return self.seen
+
+    def _read(self) -> None:
+        """Decode what arrives in half a second into ``seen``."""
+        for message in self.consumer.consume(num_messages=1000, timeout=0.5):
+            assert message.error() is None, message.error()
+            self.seen.append(self.registry.decode(message.value(), message.headers(), Generation))
 
     def close(self) -> None:
         self.consumer.close()

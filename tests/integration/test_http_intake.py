@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ from reef_stream.intake.http import make_app
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import declare_topics, feedback, generations
-from tests.helpers import consume_events
+from tests.helpers import consume_events, wait_until
 
 MAX_REQUEST_BYTES = 64 * 1024
 
@@ -284,11 +283,15 @@ def test_reef_intake_serve_runs_the_server_with_the_token_from_the_environment(
         reply = post_json(f"{url}/v1/generations", native_generation("g-1"), token="s3cret")
         assert reply.status == 200 and reply.body["results"][0]["status"] == "acknowledged"
         # Its producer's counts reach Prometheus (written every 10 s): one record, acknowledged.
-        deadline, samples = time.monotonic() + 30, {}
-        while samples.get("reef_intake_acknowledged") != 1.0:
-            assert time.monotonic() < deadline, samples
-            time.sleep(0.5)
+        samples: dict[str, float] = {}
+
+        def acknowledged() -> bool:
+            nonlocal samples
             samples = _scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+            return samples.get("reef_intake_acknowledged") == 1.0
+
+        wait_until(acknowledged, 30, lambda: f"one acknowledged record on /metrics: {samples}",
+                   poll_s=0.5)
         assert samples["reef_intake_sent"] == 1.0 and samples["reef_intake_failed"] == 0.0
     finally:
         server.send_signal(signal.SIGTERM)
@@ -314,14 +317,13 @@ def _scrape(url: str) -> dict[str, float]:
 
 
 def _wait_until_answering(url: str, server: subprocess.Popen, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def answering() -> bool:
         if server.poll() is not None:
             raise AssertionError(f"the server exited {server.returncode}: "
                                  f"{server.communicate()[0]}")
         try:
-            if request(url).status == 200:
-                return
+            return request(url).status == 200
         except OSError:
-            time.sleep(0.2)
-    raise AssertionError(f"{url} did not answer within {timeout} s")
+            return False
+
+    wait_until(answering, timeout, f"{url} to answer", poll_s=0.2)

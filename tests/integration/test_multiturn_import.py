@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 from confluent_kafka.admin import AdminClient
@@ -23,7 +22,7 @@ from reef_stream.ops.trace import trace_generation
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
-from tests.helpers import consume_events
+from tests.helpers import consume_events, wait_until
 from tests.integration.test_http_intake import request, serve  # noqa: F401, F811 - a fixture
 from tests.integration.test_jsonl_import import reef_produce, summary_counts, write_lines
 from tests.recipes.parts import GroupBaseline
@@ -95,12 +94,13 @@ def test_imported_chat_logs_become_units_that_mask_their_tool_tokens(
     thread = threading.Thread(target=runtime.run, daemon=True)
     thread.start()
     try:
-        units: list[RolloutUnit] = []
-        deadline = time.monotonic() + 60
-        while len(units) < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
+
+        def both_units() -> list[RolloutUnit] | None:
             units = consume_events(kafka_bootstrap, declarations.units(namespace, RECIPE.name),
                                    2, RolloutUnit)
+            return units if len(units) >= 2 else None
+
+        units = wait_until(both_units, 60, "the two generations' units", poll_s=0.5)
     finally:
         runtime.stop()
         thread.join(30)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import threading
-import time
 from collections import Counter
 
 import pytest
@@ -134,8 +133,11 @@ def test_metrics_topic_holds_the_true_running_counts(kafka_bootstrap, namespace)
         }
         # The committed log says what really happened: it must agree with the expectation.
         # Each try reads both topics to their current end (committed records only).
-        end = time.monotonic() + 45
-        while True:
+        logged: dict = {}
+        kinds: Counter = Counter()
+
+        def log_agrees() -> bool:
+            nonlocal logged, kinds
             unit_events = events_to_end(kafka_bootstrap, declarations.units(namespace, RECIPE.name),
                                         RolloutUnit)
             kinds = Counter(d.error_type for d in events_to_end(
@@ -151,17 +153,22 @@ def test_metrics_topic_holds_the_true_running_counts(kafka_bootstrap, namespace)
                 (metric_names.PROCESSOR_INVALID_RECORDS,): sum(
                     n for k, n in kinds.items() if not k.startswith("processor.")),
             }
-            if all(expected[k] == v for k, v in logged.items()) or time.monotonic() > end:
-                break
-            time.sleep(0.2)
+            return all(expected[k] == v for k, v in logged.items())
+
+        wait_until(log_agrees, 45, lambda: f"the log to agree with the expected counts: "
+                   f"{logged} from dead letters {dict(kinds)}", poll_s=0.2)
         assert logged == {k: expected[k] for k in logged}, (logged, dict(kinds))
         # The newest Metric of each name and label, written while the runtime runs.
-        end = time.monotonic() + 20
-        while True:
+        latest: dict = {}
+
+        def metrics_written() -> bool:
+            nonlocal latest
             latest = latest_metrics(kafka_bootstrap, namespace, INSTANCE)
-            if all(latest.get(k) == v for k, v in expected.items()) or time.monotonic() > end:
-                break
-            time.sleep(0.2)
+            return all(latest.get(k) == v for k, v in expected.items())
+
+        wait_until(metrics_written, 20, lambda: f"the expected metrics {expected}; the newest are "
+                   f"{ {k: latest.get(k) for k in expected} } (runtime failures: {failures})",
+                   poll_s=0.2)
         assert not failures, failures
         assert {k: latest.get(k) for k in expected} == expected
         assert thread.is_alive(), "the metrics were written by the running runtime"

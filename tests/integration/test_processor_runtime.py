@@ -32,13 +32,14 @@ from reef_stream.api.recipe import Backend, Recipe
 from reef_stream.api.schedule import Schedule
 from reef_stream.consumers.processor.runtime import ProcessorRuntime
 from reef_stream.core.events import (
-    DeadLetter, Feedback, FinishReason, Generation, RolloutUnit, SamplingParams,
+    DeadLetter, Feedback, Generation, RolloutUnit, SamplingParams,
 )
 from reef_stream.core.serde import SchemaRegistry
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
-from tests.helpers import consume_all, consume_events
+from tests import factories
+from tests.helpers import consume_all, consume_events, wait_until
 from tests.recipes.parts import GroupBaseline
 
 TIMEOUT_MS = 3_000
@@ -60,18 +61,18 @@ _LOGPROBS = -np.linspace(0.01, 3.0, 200, dtype=np.float32)
 
 
 def generation(gid: str, group: str | None, size: int) -> Generation:
-    return Generation(
-        generation_id=gid, request_id=f"req-{gid}", prompt_id=f"prompt-{group or gid}",
-        group_id=group, group_size=size, model="tiny", policy_version=0, replica_id="replica-a",
-        prompt_token_ids=_PROMPT, completion_token_ids=_COMPLETION, completion_logprobs=_LOGPROBS,
-        finish_reason=FinishReason.STOP, created_at=1_795_000_000_000,
+    """The factory's generation (tests/factories.py) with ~1 KB of tokens, ``group`` its prompt."""
+    return factories.generation(
+        gid, request_id=f"req-{gid}", prompt_id=f"prompt-{group or gid}", group_id=group,
+        group_size=size, prompt_token_ids=_PROMPT, completion_token_ids=_COMPLETION,
+        completion_logprobs=_LOGPROBS,
         sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=200))
 
 
 def feedback(gid: str, group: str | None, reward: float, *, source: str = "exact_match",
              suffix: str = "") -> Feedback:
-    return Feedback(feedback_id=f"fb-{gid}-{source}{suffix}", generation_id=gid, group_id=group,
-                    source=source, reward=reward, created_at=1_795_000_000_001)
+    return factories.feedback(gid, feedback_id=f"fb-{gid}-{source}{suffix}", group_id=group,
+                              source=source, reward=reward, created_at=factories.T0 + 1)
 
 
 @dataclass
@@ -298,9 +299,8 @@ def test_generations_behind_the_newest_checkpoint_end_too_stale(kafka_bootstrap,
     thread = threading.Thread(target=runtime.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 60
-        while runtime.newest_checkpoint is None and time.monotonic() < deadline:
-            time.sleep(0.1)
+        deadline = time.monotonic() + 60  # for both waits together
+        wait_until(lambda: runtime.newest_checkpoint is not None, 60, "the newest checkpoint")
         assert runtime.newest_checkpoint == 5
         fresh = [dataclasses.replace(generation(f"fresh-{i}", "fresh", 4), policy_version=4)
                  for i in range(4)]
@@ -310,12 +310,17 @@ def test_generations_behind_the_newest_checkpoint_end_too_stale(kafka_bootstrap,
 
         units: list[RolloutUnit] = []
         letters: list[DeadLetter] = []
-        while time.monotonic() < deadline and (not units or len(letters) < 4):
-            time.sleep(0.5)
-            units = [u for u in consume_events(kafka_bootstrap, declarations.units(namespace, "rt"),
-                                               1, RolloutUnit)]
-            letters = [d for d in consume_events(kafka_bootstrap, declarations.dead_letters(namespace),
-                                                 4, DeadLetter) if d.stage == "processor"]
+
+        def outcomes() -> bool:
+            units[:] = consume_events(kafka_bootstrap, declarations.units(namespace, "rt"), 1,
+                                      RolloutUnit)
+            letters[:] = [d for d in consume_events(kafka_bootstrap, declarations.dead_letters(
+                namespace), 4, DeadLetter) if d.stage == "processor"]
+            return bool(units) and len(letters) >= 4
+
+        wait_until(outcomes, deadline - time.monotonic(), lambda: "a unit and the four stale "
+                   f"generations' dead letters; read {len(units)} units and "
+                   f"{[(d.error_type, d.reason) for d in letters]}", poll_s=0.5)
     finally:
         runtime.stop()
         thread.join(30)

@@ -324,8 +324,11 @@ def test_a_bound_of_one_step_never_stops_the_loop(kafka_bootstrap, namespace, sk
     try:
         wait_for(lambda: runtime.newest_checkpoint == 1, 60, "the checkpoint")
         sender.start()
-        deadline = time.monotonic() + 90
-        while steps < 9 and time.monotonic() < deadline and thread.is_alive():
+
+        def trained() -> bool:
+            """One round of the trainer: take what came and train every full step; true once
+            9 steps are trained or the processor's thread has ended."""
+            nonlocal steps, held, skipped, skips
             held += [m for m in trainer.consume(50, timeout=0.5) if m.error() is None]
             if skips and held:
                 skips, skipped, held = 0, held[:1], held[1:]
@@ -337,6 +340,10 @@ def test_a_bound_of_one_step_never_stops_the_loop(kafka_bootstrap, namespace, sk
                 skipped = []
                 steps += 1
                 _checkpoint_at(kafka_bootstrap, namespace, steps, at)
+            return steps >= 9 or not thread.is_alive()
+
+        wait_until(trained, 90, lambda: f"9 trained steps; {steps} trained, {len(held)} held, "
+                   f"{runtime.counts}, backlog {runtime.backlog}", poll_s=0)
         # Never more than a step waited (what the trainer held counts: it is not trained yet).
         assert steps == 9, (steps, len(held), runtime.counts, runtime.backlog)
         assert runtime.counts["generations.shed"] > 0, runtime.counts  # the bound did bind

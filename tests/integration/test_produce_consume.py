@@ -8,27 +8,26 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.core.errors import CorruptRecordError, UnknownSchemaError
-from reef_stream.core.events import FinishReason, Generation, SamplingParams, events_equal
+from reef_stream.core.events import Generation, SamplingParams, events_equal
 from reef_stream.core.serde import FINGERPRINT_HEADER, decode, encode
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import declare_topics, generations
+from tests import factories
 from tests.helpers import consume_all
 
 
 def _generation(i: int) -> Generation:
+    """The factory's generation (tests/factories.py) with seeded random tokens, 1 to 199."""
     rng = np.random.default_rng(i)
     length = int(rng.integers(1, 200))
-    return Generation(
-        generation_id=f"gen-{i:05d}", request_id=f"req-{i}", prompt_id=f"prompt-{i % 7}",
-        group_id=f"group-{i // 4}", group_size=4, model="tiny", policy_version=i // 50,
-        replica_id="replica-a",
+    return factories.generation(
+        f"gen-{i:05d}", request_id=f"req-{i}", prompt_id=f"prompt-{i % 7}",
+        group_id=f"group-{i // 4}", group_size=4, policy_version=i // 50,
         prompt_token_ids=rng.integers(0, 50_000, 16, dtype=np.int32),
         completion_token_ids=rng.integers(0, 50_000, length, dtype=np.int32),
-        completion_logprobs=-rng.random(length, dtype=np.float32),
-        finish_reason=FinishReason.STOP, created_at=1_795_000_000_000 + i,
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=256),
-    )
+        completion_logprobs=-rng.random(length, dtype=np.float32), created_at=factories.T0 + i,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=256))
 
 
 @pytest.fixture

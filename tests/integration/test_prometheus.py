@@ -5,7 +5,6 @@ as Metric events. (The name and label mapping and a taken port: tests/unit/test_
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 import pytest
@@ -20,7 +19,7 @@ from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import declare_topics, generations
 from reef_stream.topics.declarations import metrics as metrics_topic
-from tests.helpers import consume_events
+from tests.helpers import consume_events, wait_until
 from tests.integration.test_reward_workers import _finish, _produce, _start
 
 COUNT = 8
@@ -56,15 +55,19 @@ def test_a_reward_worker_serves_its_counters_and_writes_the_same_to_the_metrics_
                     "--retries", "1", "--backoff", "0.01", "--idle-exit", "3",
                     "--metrics-port", str(port))
 
-    served, deadline = {}, time.monotonic() + 60
-    while served.get(metric_names.REWARD_REWARDED) != COUNT:  # while it runs: it idles 3 s at the end
-        assert worker.poll() is None and time.monotonic() < deadline, \
-            f"worker exited or timed out; /metrics had {served}\n{worker.communicate()}"
+    served: dict = {}
+
+    def all_rewarded() -> bool:  # while it runs: it idles 3 s at the end
+        nonlocal served
+        assert worker.poll() is None, \
+            f"worker exited; /metrics had {served}\n{worker.communicate()}"
         try:
             served = scrape(port, group)
         except OSError:  # not listening yet
             pass
-        time.sleep(0.1)
+        return served.get(metric_names.REWARD_REWARDED) == COUNT
+
+    wait_until(all_rewarded, 60, lambda: f"{COUNT} rewarded on /metrics; it had {served}")
     served = scrape(port, group)  # one write sets every counter; scrape once more to be sure
     counts = _finish(worker)
 

@@ -13,15 +13,15 @@ import subprocess
 import sys
 from collections import defaultdict
 
-import numpy as np
 
-from reef_stream.core.events import FinishReason, Generation, RolloutUnit, SamplingParams, now_ms
+from reef_stream.core.events import Generation, RolloutUnit, SamplingParams, now_ms
 from reef_stream.core.settings import load_settings
 from reef_stream.demo.run import unit_ledger
 from reef_stream.demo.verify import GenerationOutcomes
 from reef_stream.intake.producer import RecordProducer
 from reef_stream.topics.cursors import committed_offsets, resolve_topic
 from reef_stream.topics.declarations import feedback, units
+from tests import factories
 from tests.helpers import events_to_end, reef, wait_until
 from tests.recipes import rescoring
 from tests.unit_log import create_topics
@@ -33,14 +33,11 @@ _SUMMARY = re.compile(r"reward worker \S+: records=(\d+) rewarded=(\d+)")
 
 def _generations() -> list[Generation]:
     """8 groups of 4; completions starting with tokens 2..33 (half even: half right)."""
-    return [Generation(
-        generation_id=f"gen-{i:03d}", request_id=f"req-{i}", prompt_id=f"p-{i // GROUP_SIZE}",
+    return [factories.generation(
+        f"gen-{i:03d}", request_id=f"req-{i}", prompt_id=f"p-{i // GROUP_SIZE}",
         group_id=f"g-{i // GROUP_SIZE}", group_size=GROUP_SIZE, model="policy",
-        policy_version=0, replica_id="replica-a",
-        prompt_token_ids=np.array([1, 2, 3], dtype=np.int32),
-        completion_token_ids=np.array([2 + i, 40], dtype=np.int32),
-        completion_logprobs=np.array([-1.5, -0.5], dtype=np.float32),
-        finish_reason=FinishReason.STOP, created_at=now_ms(),
+        completion_token_ids=factories.ids([2 + i, 40]),
+        completion_logprobs=factories.logprobs([-1.5, -0.5]), created_at=now_ms(),
         sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=2))
         for i in range(GROUPS * GROUP_SIZE)]
 

@@ -30,7 +30,7 @@ from reef_stream.core.settings import load_settings
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import dead_letters, declare_topics
-from tests.helpers import consume_events
+from tests.helpers import consume_events, wait_until
 from tests.integration.test_reward_workers import _produce
 from tests.integration.undecodable import metric_values
 from tests.recipes.rewards import quick
@@ -152,13 +152,16 @@ def test_an_overtime_call_is_replaced_in_the_fast_lane_and_still_rewarded(
 
 
 def _fast_threads_settled(expected: int, within: float = 10.0) -> int:
-    """The fast lane's live threads, once they are ``expected`` (or after ``within`` s)."""
-    deadline = time.monotonic() + within
-    while True:
-        alive = sum(1 for t in threading.enumerate() if t.name == "reef-reward-fast")
-        if alive == expected or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
+    """The fast lane's live threads, once they are ``expected`` (failing after ``within`` s)."""
+    def alive() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "reef-reward-fast")
+
+    def settled() -> list[int] | None:  # in a list: zero threads is an answer too
+        count = alive()
+        return [count] if count == expected else None
+
+    return wait_until(settled, within, lambda: f"{expected} fast-lane threads; {alive()} alive",
+                      poll_s=0.05)[0]
 
 
 def test_a_hanging_call_makes_room_in_the_full_slow_lane_for_a_slow_healthy_one(

@@ -35,6 +35,7 @@ from reef_stream.core.processes import free_ports, log_tail, reap
 from reef_stream.core.settings import KAFKA_ENV_PREFIX, KAFKA_INFRA_DIR, load_settings
 from reef_stream.servers.kafka_local import _kafka_cluster_id, check_java, kafka_classpath
 from reef_stream.topics.connect import client_config
+from tests.helpers import wait_until
 
 USER, PASSWORD = "reef-trainer", "s3cret-Trainer-pw"
 BROKER_USER, BROKER_PASSWORD = "broker", "s3cret-Broker-pw"
@@ -111,18 +112,17 @@ class SecureBroker:
         admin = AdminClient(client_config(self.bootstrap,
                                           {"socket.connection.setup.timeout.ms": 2000},
                                           settings=settings))
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def answering() -> bool:
             assert self.process.poll() is None, (
                 f"the SASL_SSL broker exited:\n{log_tail(self.directory / 'server.log')}")
             try:
-                if admin.list_topics(timeout=2).brokers:
-                    return
+                return bool(admin.list_topics(timeout=2).brokers)
             except Exception:  # noqa: BLE001 - not answering yet
-                pass
-            assert time.monotonic() < deadline, (
-                f"the SASL_SSL broker did not answer:\n{log_tail(self.directory / 'server.log')}")
-            time.sleep(0.3)
+                return False
+
+        wait_until(answering, timeout, lambda: "the SASL_SSL broker to answer:\n"
+                   f"{log_tail(self.directory / 'server.log')}", poll_s=0.3)
 
     def stop(self) -> None:
         if self.process.poll() is None:

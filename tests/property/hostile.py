@@ -28,6 +28,7 @@ from reef_stream.core.events import (
     Checkpoint, Feedback, FinishReason, Generation, Metric, SamplingParams,
 )
 from reef_stream.core.serde import FINGERPRINT_HEADER, SCHEMA_NAME_HEADER, SchemaRegistry
+from tests import factories
 
 INT32_MAX = 2**31 - 1
 #: The last millisecond of the year 9999: a timestamp-millis a reader can still decode.
@@ -263,24 +264,15 @@ def mutated_feedback(draw) -> Mutation:
 # ----------------------------------------------------------------------------- SDK events
 
 
-def generation_event(generation_id: str = "g-1", **overrides: Any) -> Generation:
-    fields = dict(
-        generation_id=generation_id, request_id="r-1", prompt_id="p-1", model="tiny",
-        policy_version=0, replica_id="replica-a",
-        prompt_token_ids=np.array([1, 2, 3], dtype=np.int32),
-        completion_token_ids=np.array([4, 5], dtype=np.int32),
-        completion_logprobs=np.array([-0.5, -1.25], dtype=np.float32),
-        finish_reason=FinishReason.STOP, sampling=SamplingParams(max_tokens=16),
-        created_at=1_795_000_000_000)
-    fields.update(overrides)
-    return Generation(**fields)
+#: a valid generation (tests/factories.py), the base every hostile generation breaks one field of
+generation_event = factories.generation
 
 
 def feedback_event(generation_id: str = "g-1", **overrides: Any) -> Feedback:
-    fields = dict(feedback_id=f"{generation_id}:judge", generation_id=generation_id,
-                  source="judge", reward=1.0, created_at=1_795_000_000_000)
-    fields.update(overrides)
-    return Feedback(**fields)
+    """A valid feedback (tests/factories.py) whose id stays ``<generation_id>:judge`` whatever
+    source a hostile draw gives it."""
+    return factories.feedback(generation_id, **{"feedback_id": f"{generation_id}:judge",
+                                                **overrides})
 
 
 python_junk = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=4),

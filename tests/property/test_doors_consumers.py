@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 
 import numpy as np
 from confluent_kafka import Producer
@@ -58,7 +57,7 @@ from tests.integration.test_processor_runtime import RECIPE, feedback, generatio
 from tests.integration.test_processor_runtime import create_topics as create_processor_topics
 from tests.property.hostile import RawMessage, feedback_event, generation_event, raw_message
 from tests.unit_log import create_topics as create_unit_topics
-from tests.unit_log import rollout_unit
+from tests.unit_log import after_stamp, rollout_unit
 
 ONCE = settings(max_examples=1, deadline=None, database=None,
                 phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
@@ -85,11 +84,13 @@ def produce(bootstrap: str, items: list[tuple[str, object]], key_of=None,
     ``one_by_one``, each is acknowledged before the next is sent (a later broker time each)."""
     producer = Producer(client_config(bootstrap, {"acks": "all", "enable.idempotence": True}))
     landed: list[Where | None] = [None] * len(items)
+    stamped: list[int] = []  # the broker's timestamps (LogAppendTime where the topic says so)
 
     def delivered(i):
         def report(error, message):
             assert error is None, error
             landed[i] = (message.topic(), message.partition(), message.offset())
+            stamped.append(message.timestamp()[1])
         return report
 
     for i, (topic, item) in enumerate(items):
@@ -104,7 +105,7 @@ def produce(bootstrap: str, items: list[tuple[str, object]], key_of=None,
             assert producer.flush(30) == 0
             # Two records appended in one millisecond tie on LogAppendTime, and the trainer
             # orders ties by partition: a later broker millisecond each keeps "this order".
-            time.sleep(0.002)
+            after_stamp(stamped[-1])
     assert producer.flush(30) == 0
     return landed
 

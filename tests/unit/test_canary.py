@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import numpy as np
 import pytest
 
 from reef_stream.api.canary import Action, Arm, MeanDifference, Staged
@@ -16,13 +15,14 @@ from reef_stream.consumers.evaluator.canary import (
 )
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.events import (
-    Checkpoint, Decision, Feedback, FinishReason, Generation, Publication, SamplingParams,
+    Checkpoint, Decision, Feedback, Generation, Publication, SamplingParams,
 )
 from reef_stream.publishing.decisions import approval, rejection
 from reef_stream.publishing.decisions import rollback as rollback_of
 from reef_stream.publishing.publications import (
     PublicationLedger, canary_slot, publication_key, takes_canary,
 )
+from tests import factories
 from tests.recipes.evaluators import HeldOutScore
 
 
@@ -140,18 +140,16 @@ def test_canary_cohorts_are_deterministic_and_exact_with_numbered_slots():
 
 
 def _generation(gid: str, version: int, created_at: int = 5000, model: str = "m") -> Generation:
-    return Generation(
-        generation_id=gid, request_id=gid, prompt_id="p", model=model, policy_version=version,
-        replica_id="r", prompt_token_ids=np.array([1], dtype=np.int32),
-        completion_token_ids=np.array([2], dtype=np.int32),
-        completion_logprobs=np.array([-0.1], dtype=np.float32),
-        finish_reason=FinishReason.STOP, sampling=SamplingParams(max_tokens=1),
+    return factories.generation(
+        gid, request_id=gid, prompt_id="p", model=model, policy_version=version, replica_id="r",
+        prompt_token_ids=factories.ids([1]), completion_token_ids=factories.ids([2]),
+        completion_logprobs=factories.logprobs([-0.1]), sampling=SamplingParams(max_tokens=1),
         created_at=created_at)
 
 
 def _feedback(gid: str, reward: float, source: str = "exact") -> Feedback:
-    return Feedback(feedback_id=f"f-{gid}-{source}", generation_id=gid, source=source,
-                    reward=reward, created_at=6000)
+    return factories.feedback(gid, feedback_id=f"f-{gid}-{source}", source=source, reward=reward,
+                              created_at=6000)
 
 
 def test_the_tally_joins_in_any_order_once_per_generation_and_only_in_the_window():

@@ -11,44 +11,32 @@ import pytest
 
 from reef_stream.core.errors import CorruptRecordError, InvalidRecord
 from reef_stream.core.events import (
-    Checkpoint, Decision, FinishReason, Generation, Metric, Publication, RolloutUnit, Sample,
+    Checkpoint, Decision, Generation, Metric, Publication, RolloutUnit, Sample,
     SamplingParams, TopicOffset, events_equal, from_avro, now_ms, to_avro,
 )
+from tests import factories
 
 T0 = 1_732_885_200_123
 
 
 def sample(**overrides) -> Sample:
-    fields = dict(
-        generation_id="gen-1",
-        prompt_id="p-1",
-        policy_version=3,
-        prompt_token_ids=np.array([10, 11], dtype=np.int32),
-        completion_token_ids=np.array([12, 13, 14], dtype=np.int32),
-        completion_logprobs=np.array([-0.5, -0.25, -2.0], dtype=np.float32),
-        reward=1.0,
-    )
+    """The factory's sample (tests/factories.py) at policy version 3 with other tokens."""
+    fields = dict(generation_id="gen-1", policy_version=3, prompt_token_ids=factories.ids([10, 11]),
+                  completion_token_ids=factories.ids([12, 13, 14]),
+                  completion_logprobs=factories.logprobs([-0.5, -0.25, -2.0]))
     fields.update(overrides)
-    return Sample(**fields)
+    return factories.sample(**fields)
 
 
 def generation(**overrides) -> Generation:
-    fields = dict(
-        generation_id="gen-1",
-        request_id="req-1",
-        prompt_id="p-1",
-        model="tiny",
-        policy_version=3,
-        replica_id="r-0",
-        prompt_token_ids=np.array([10, 11], dtype=np.int32),
-        completion_token_ids=np.array([12], dtype=np.int32),
-        completion_logprobs=np.array([-0.5], dtype=np.float32),
-        finish_reason=FinishReason.STOP,
-        sampling=SamplingParams(temperature=0.5, max_tokens=8),
-        created_at=T0,
-    )
+    """The factory's generation (tests/factories.py) at policy version 3 with other tokens."""
+    fields = dict(generation_id="gen-1", request_id="req-1", policy_version=3, replica_id="r-0",
+                  prompt_token_ids=factories.ids([10, 11]),
+                  completion_token_ids=factories.ids([12]),
+                  completion_logprobs=factories.logprobs([-0.5]),
+                  sampling=SamplingParams(temperature=0.5, max_tokens=8), created_at=T0)
     fields.update(overrides)
-    return Generation(**fields)
+    return factories.generation(**fields)
 
 
 def test_nested_records_become_dicts_and_lists_and_come_back_as_dataclasses_and_tuples():

@@ -21,42 +21,42 @@ from reef_stream.api.recipe import Backend, Recipe, check_recipe, load_recipe
 from reef_stream.api.schedule import Schedule
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.events import (
-    Feedback, FinishReason, Generation, RolloutUnit, Sample, SamplingParams,
+    Feedback, Generation, RolloutUnit, Sample, SamplingParams,
 )
 from reef_stream.engine.join import Outcome
 from reef_stream.engine.models import TinyCausalLM
 from reef_stream.engine.testing import Advance, run_processor
 from reef_stream.engine.training import TorchBackend
+from tests import factories
 
 #: The source the tests' feedback comes from (the demo task's reward, as it happens).
 REWARD_SOURCE = "exact_match"
 processor = grpo_processor((REWARD_SOURCE,))
 
 def unit(key: str, *rewards: float) -> RolloutUnit:
-    members = tuple(Sample(generation_id=f"{key}-{i}", prompt_id=key, policy_version=0,
-                           prompt_token_ids=np.array([1], np.int32),
-                           completion_token_ids=np.array([2], np.int32),
-                           completion_logprobs=np.array([-1.0], np.float32), reward=reward)
+    members = tuple(factories.sample(f"{key}-{i}", prompt_id=key,
+                                     prompt_token_ids=factories.ids([1]),
+                                     completion_token_ids=factories.ids([2]),
+                                     completion_logprobs=factories.logprobs([-1.0]), reward=reward)
                     for i, reward in enumerate(rewards))
-    return RolloutUnit(unit_id=unit_id("grpo", [m.generation_id for m in members]), recipe="grpo",
-                       group_key=key, members=members, created_at=0)
+    return factories.rollout_unit(*members, recipe="grpo", group_key=key, created_at=0)
 
 
 # --------------------------------------------------------------------------- processor
 
 
 def generation(gid: str, group: str, size: int) -> Generation:
-    return Generation(
-        generation_id=gid, request_id=f"req-{group}", prompt_id=f"prompt-{group}", group_id=group,
-        group_size=size, model="tiny", policy_version=2, replica_id="replica-a",
-        prompt_token_ids=np.array([1, 2], np.int32), completion_token_ids=np.array([5], np.int32),
-        completion_logprobs=np.array([-0.5], np.float32), finish_reason=FinishReason.STOP,
+    """The factory's generation (tests/factories.py), shorter, grouped, at policy version 2."""
+    return factories.generation(
+        gid, request_id=f"req-{group}", prompt_id=f"prompt-{group}", group_id=group,
+        group_size=size, policy_version=2, prompt_token_ids=factories.ids([1, 2]),
+        completion_token_ids=factories.ids([5]), completion_logprobs=factories.logprobs([-0.5]),
         sampling=SamplingParams(max_tokens=4), created_at=1_000)
 
 
 def feedback(gid: str, reward: float, group: str) -> Feedback:
-    return Feedback(feedback_id=f"{gid}:{REWARD_SOURCE}", generation_id=gid, group_id=group,
-                    source=REWARD_SOURCE, reward=reward, created_at=2_000)
+    return factories.feedback(gid, group_id=group, source=REWARD_SOURCE, reward=reward,
+                              created_at=2_000)
 
 
 def test_a_group_is_one_unit_only_once_its_declared_size_is_scored():

@@ -11,11 +11,12 @@ import pytest
 
 from reef_stream.core.errors import InvalidRecord
 from reef_stream.core.events import (
-    FinishReason, Generation, RolloutUnit, Sample, SamplingParams, Segment, SegmentSource,
+    Generation, RolloutUnit, Sample, SamplingParams, Segment, SegmentSource,
     events_equal, mask_problem, to_avro,
 )
 from reef_stream.core.serde import SchemaRegistry, schema_fingerprint
 from reef_stream.core.settings import SCHEMAS_DIR
+from tests import factories
 
 POLICY, ENVIRONMENT = SegmentSource.POLICY, SegmentSource.ENVIRONMENT
 
@@ -25,13 +26,10 @@ def history(event: str, version: int) -> dict:
 
 
 def generation(segments=(), completion=(4, 5, 6, 7), logprobs=(-0.5, 0.0, 0.0, -1.0)) -> Generation:
-    return Generation(
-        generation_id="gen-1", request_id="req-1", prompt_id="prompt-1", model="tiny",
-        policy_version=7, replica_id="replica-0",
-        prompt_token_ids=np.array([1, 2, 3], dtype=np.int32),
-        completion_token_ids=np.array(completion, dtype=np.int32),
-        completion_logprobs=np.array(logprobs, dtype=np.float32),
-        finish_reason=FinishReason.STOP, sampling=SamplingParams(max_tokens=8),
+    return factories.generation(
+        "gen-1", request_id="req-1", prompt_id="prompt-1", policy_version=7, replica_id="replica-0",
+        completion_token_ids=factories.ids(completion),
+        completion_logprobs=factories.logprobs(logprobs), sampling=SamplingParams(max_tokens=8),
         created_at=1_732_885_200_123, segments=tuple(segments))
 
 
@@ -115,16 +113,16 @@ def test_a_segment_source_this_reader_does_not_know_reads_as_environment(tmp_pat
 
 def sample(mask=None) -> Sample:
     extra = {} if mask is None else {"policy_mask": np.array(mask, dtype=np.uint8)}
-    return Sample(generation_id="gen-1", prompt_id="prompt-1", policy_version=3,
-                  prompt_token_ids=np.array([1, 2], dtype=np.int32),
-                  completion_token_ids=np.array([4, 5, 6, 7], dtype=np.int32),
-                  completion_logprobs=np.array([-0.5, 0, 0, -1], dtype=np.float32),
-                  reward=1.0, created_at=1_732_885_200_000, **extra)
+    return factories.sample("gen-1", prompt_id="prompt-1", policy_version=3,
+                            prompt_token_ids=factories.ids([1, 2]),
+                            completion_token_ids=factories.ids([4, 5, 6, 7]),
+                            completion_logprobs=factories.logprobs([-0.5, 0, 0, -1]),
+                            created_at=1_732_885_200_000, **extra)
 
 
 def unit(member: Sample) -> RolloutUnit:
-    return RolloutUnit(unit_id="u-1", recipe="r", group_key="prompt-1", members=(member,),
-                       created_at=1_732_885_201_000)
+    return factories.rollout_unit(member, unit_id="u-1", recipe="r",
+                                  created_at=1_732_885_201_000)
 
 
 def test_a_rollout_unit_written_with_v3_reads_with_an_empty_policy_mask():

@@ -14,11 +14,12 @@ from reef_stream.api.objective import PerSampleAdvantages
 from reef_stream.api.parts import ComposedProcessor, RequireSources, Ungrouped
 from reef_stream.core.errors import FatalError
 from reef_stream.core.events import (
-    Feedback, FinishReason, Generation, Sample, SamplingParams, Segment, SegmentSource,
+    Feedback, Sample, SamplingParams, Segment, SegmentSource,
 )
 from reef_stream.engine.outcomes import Outcome
 from reef_stream.engine.testing import Restart, run_processor
 from reef_stream.engine.training import collate, completion_logprobs, policy_gradient_inputs
+from tests import factories
 
 VOCAB = 11
 
@@ -29,10 +30,9 @@ def sample(completion, mask=None, prompt=(1, 2, 3), generation_id="g") -> Sample
     if mask is not None:
         extra["policy_mask"] = np.array(mask, dtype=np.uint8)
         logprobs[np.array(mask) == 0] = 0.0  # environment tokens carry no logprob
-    return Sample(generation_id=generation_id, prompt_id="p", policy_version=0,
-                  prompt_token_ids=np.array(prompt, dtype=np.int32),
-                  completion_token_ids=np.array(completion, dtype=np.int32),
-                  completion_logprobs=logprobs, reward=1.0, **extra)
+    return factories.sample(generation_id, prompt_id="p", prompt_token_ids=factories.ids(prompt),
+                            completion_token_ids=factories.ids(completion),
+                            completion_logprobs=logprobs, **extra)
 
 
 class Logits(torch.nn.Module):
@@ -103,12 +103,11 @@ def test_collate_refuses_a_mask_that_does_not_fit(mask):
 
 
 def generation(generation_id, segments=()):
-    return Generation(
-        generation_id=generation_id, request_id="r", prompt_id="p", model="m", policy_version=0,
-        replica_id="x", prompt_token_ids=np.array([1, 2], dtype=np.int32),
-        completion_token_ids=np.array([4, 5, 6, 7], dtype=np.int32),
-        completion_logprobs=np.array([-1, 0, 0, -1], dtype=np.float32),
-        finish_reason=FinishReason.STOP, sampling=SamplingParams(max_tokens=4), created_at=1,
+    return factories.generation(
+        generation_id, request_id="r", prompt_id="p", model="m", replica_id="x",
+        prompt_token_ids=factories.ids([1, 2]), completion_token_ids=factories.ids([4, 5, 6, 7]),
+        completion_logprobs=factories.logprobs([-1, 0, 0, -1]),
+        sampling=SamplingParams(max_tokens=4), created_at=1,
         segments=tuple(Segment(source=SegmentSource[source], length=n) for source, n in segments))
 
 

@@ -6,37 +6,36 @@ import itertools
 import json
 import random
 
-import numpy as np
 import pytest
 
 from reef_stream.api.parts import ByGroupId, ComposedProcessor, RequireSources, Ungrouped
 from reef_stream.api.processor import MissingFeedback, Origin, unit_id
 from reef_stream.core.errors import ConfigurationError, FatalError, InvalidRecord
-from reef_stream.core.events import Feedback, FinishReason, Generation, RolloutUnit, SamplingParams
+from reef_stream.core.events import Feedback, Generation, RolloutUnit, SamplingParams
 from reef_stream.engine.join import FeedbackFate, Outcome, ProcessorState
 from reef_stream.engine.ledger import segment_key
 from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
 from reef_stream.engine.testing import Advance, NewCheckpoint, Restart, run_processor
+from tests import factories
 
 TIMEOUT = 1_000
 
 
 def generation(gid: str, group: str | None = None, size: int = 1, *, version: int = 5,
                created_at: int = 1_000) -> Generation:
-    return Generation(
-        generation_id=gid, request_id=f"req-{group or gid}", prompt_id=f"prompt-{group or gid}",
-        group_id=group, group_size=size, model="tiny", policy_version=version,
-        replica_id="replica-a", prompt_token_ids=np.array([1, 2, 3], np.int32),
-        completion_token_ids=np.array([4, len(gid)], np.int32),
-        completion_logprobs=np.array([-0.5, -0.25], np.float32),
-        finish_reason=FinishReason.STOP, sampling=SamplingParams(max_tokens=8),
-        created_at=created_at, metadata={"$odd": "key"})
+    """The factory's generation (tests/factories.py) with a completion that depends on ``gid``
+    and a metadata key that needs escaping."""
+    return factories.generation(
+        gid, request_id=f"req-{group or gid}", prompt_id=f"prompt-{group or gid}", group_id=group,
+        group_size=size, policy_version=version, completion_token_ids=factories.ids([4, len(gid)]),
+        completion_logprobs=factories.logprobs([-0.5, -0.25]),
+        sampling=SamplingParams(max_tokens=8), created_at=created_at, metadata={"$odd": "key"})
 
 
 def feedback(gid: str, source: str = "exact", reward: float = 1.0, *, group: str | None = None,
              created_at: int = 2_000) -> Feedback:
-    return Feedback(feedback_id=f"{gid}:{source}", generation_id=gid, group_id=group, source=source,
-                    reward=reward, components={"correct": reward}, created_at=created_at)
+    return factories.feedback(gid, group_id=group, source=source, reward=reward,
+                              components={"correct": reward}, created_at=created_at)
 
 
 def processor(grouping=None, sources=("exact",), **policy):

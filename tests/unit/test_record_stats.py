@@ -13,6 +13,7 @@ from reef_stream.consumers.processor.record_stats import Distribution, RecordSta
 from reef_stream.core import metric_names
 from reef_stream.core.events import Feedback, FinishReason, Generation, SamplingParams
 from reef_stream.engine.join import FeedbackFate, FeedbackOutcome, GenerationOutcome, Outcome, Step
+from tests import factories
 
 
 class RecordingWriter:
@@ -26,13 +27,13 @@ class RecordingWriter:
 
 
 def generation(gid: str, version: int, length: int, finish=FinishReason.STOP) -> Generation:
-    return Generation(
-        generation_id=gid, request_id=gid, prompt_id="p", group_id=None, group_size=1,
-        model="tiny", policy_version=version, replica_id="r",
+    """The factory's generation (tests/factories.py) with ``length`` completion tokens."""
+    return factories.generation(
+        gid, request_id=gid, prompt_id="p", policy_version=version, replica_id="r",
         prompt_token_ids=np.arange(4, dtype=np.int32),
         completion_token_ids=np.arange(length, dtype=np.int32),
-        completion_logprobs=np.zeros(length, dtype=np.float32), finish_reason=finish,
-        created_at=1, sampling=SamplingParams(max_tokens=64))
+        completion_logprobs=np.zeros(length, dtype=np.float32), finish_reason=finish, created_at=1,
+        sampling=SamplingParams(max_tokens=64))
 
 
 def used(gid: str, source: str, reward: float, version: int | None,

@@ -23,6 +23,7 @@ from reef_stream.core.histograms import (
 from reef_stream.core.metric_names import TRAINER_SAMPLE_AGE_SAMPLES
 from reef_stream.core.serde import SchemaRegistry
 from reef_stream.engine.testing import run_processor
+from tests import factories
 from tests.recipes import second_task
 from tests.recipes.second_task import Successor, generation
 
@@ -99,13 +100,12 @@ def test_a_sample_built_without_created_at_has_0_unknown():
 
 def unit(unit_id: str, created_at: int, *member_created_at: int) -> RolloutUnit:
     members = tuple(
-        Sample(generation_id=f"{unit_id}-{i}", prompt_id="p", policy_version=0,
-               prompt_token_ids=np.array([1], np.int32),
-               completion_token_ids=np.array([2], np.int32),
-               completion_logprobs=np.array([-1.0], np.float32), reward=1.0, created_at=at)
+        factories.sample(f"{unit_id}-{i}", prompt_id="p", prompt_token_ids=factories.ids([1]),
+                         completion_token_ids=factories.ids([2]),
+                         completion_logprobs=factories.logprobs([-1.0]), created_at=at)
         for i, at in enumerate(member_created_at))
-    return RolloutUnit(unit_id=unit_id, recipe="r", group_key="p", members=members,
-                       created_at=created_at)
+    return factories.rollout_unit(*members, unit_id=unit_id, recipe="r", group_key="p",
+                                  created_at=created_at)
 
 
 def test_step_ages_split_each_known_sample_s_age_at_its_unit():

@@ -23,6 +23,7 @@ from reef_stream.consumers.reward.sandbox.code_reward import CodeExecutionReward
 from reef_stream.consumers.reward.sandbox.pool import SandboxPool, Ticket
 from reef_stream.core.errors import ConfigurationError
 from tests.faults.records import generation
+from tests.helpers import wait_until
 
 _ROOT = Path(__file__).resolve().parents[2]
 LIMITS = Limits(cpu_s=1, memory_mb=256, file_mb=8, open_files=64, processes=16)
@@ -64,11 +65,13 @@ def _healthy(pool: SandboxPool) -> None:
 
 
 def _no_leaks(pool: SandboxPool, fds: int) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (_calls_processes(pool) or
-                                           len(os.listdir("/proc/self/fd")) != fds
-                                           or os.listdir(pool._tmp)):
-        time.sleep(0.05)
+    def left() -> str:
+        return (f"no call's process, {fds} descriptors and an empty {pool._tmp}; left: processes "
+                f"{_calls_processes(pool)}, {len(os.listdir('/proc/self/fd'))} descriptors, "
+                f"files {os.listdir(pool._tmp)}")
+
+    wait_until(lambda: not (_calls_processes(pool) or len(os.listdir("/proc/self/fd")) != fds
+                            or os.listdir(pool._tmp)), 10, left, poll_s=0.05)
     assert _calls_processes(pool) == []
     assert len(os.listdir("/proc/self/fd")) == fds
     assert os.listdir(pool._tmp) == []
@@ -94,9 +97,8 @@ def test_hostile_calls_end_in_their_category_and_the_next_call_succeeds(pool, do
     assert failure.value.error_type == f"sandbox.{category}"
     if do == "sleep":  # killed at the wall-clock timeout; its worker answered and serves on
         assert failure.value.wall and failure.value.retryable
-        deadline = time.monotonic() + 10
-        while pool.recycled == recycled and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: pool.recycled != recycled, 10, "the timed-out call's worker to be "
+                   "recycled", poll_s=0.02)
         assert pool.recycled == recycled + 1
     else:
         assert not failure.value.retryable and pool.recycled == recycled
@@ -144,7 +146,12 @@ def test_a_killed_call_frees_its_caller_at_once_and_counts(pool):
 
 def test_a_kill_from_another_thread_frees_the_caller_and_a_dead_worker_is_replaced(pool):
     ticket = Ticket()
-    threading.Timer(0.5, lambda: ticket.kill("killed by the test")).start()
+
+    def kill_once_running() -> None:  # the call's process has started: its pid is known
+        wait_until(lambda: ticket._call_pid, 10, "the call's process to start", poll_s=0.01)
+        ticket.kill("killed by the test")
+
+    threading.Thread(target=kill_once_running, daemon=True).start()
     started = time.monotonic()
     with pytest.raises(SandboxFailure, match="killed by the test") as failure:
         pool.call(_gen("sleep"), timeout=30, ticket=ticket)
@@ -153,13 +160,16 @@ def test_a_kill_from_another_thread_frees_the_caller_and_a_dead_worker_is_replac
     restarts = pool.restarts
     for worker in list(pool._live.values()):  # a worker killed outside any call
         os.killpg(worker.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+
+    def healthy_again() -> bool:
         try:
             _healthy(pool)
-            break
+            return True
         except SandboxFailure as error:
             assert error.category == "sandbox_unavailable"
+            return False
+
+    wait_until(healthy_again, 120, "a call to succeed on the replaced workers", poll_s=0)
     assert pool.restarts >= restarts + 1
     _healthy(pool)
 

@@ -19,9 +19,10 @@ import pytest
 
 from reef_stream.api.rewards import NamedReward, Reward
 from reef_stream.consumers.reward.sandbox.categories import Limits
-from reef_stream.consumers.reward.sandbox.pool import SandboxPool
+from reef_stream.consumers.reward.sandbox.pool import SandboxPool, Ticket
 from reef_stream.consumers.reward.sandbox.reference import worker_target
 from tests.faults.records import generation
+from tests.helpers import wait_until
 
 _ROOT = Path(__file__).resolve().parents[2]
 LIMITS = Limits(cpu_s=2, memory_mb=512, file_mb=8, open_files=64, processes=16)
@@ -159,36 +160,33 @@ def test_a_reward_the_parent_cannot_name_makes_the_worker_import_the_recipe_and_
 
 def test_a_call_in_flight_when_the_pool_closes_is_neither_a_restart_nor_a_failure():
     import threading
-    import time
 
     from reef_stream.consumers.reward.sandbox.categories import SandboxFailure
 
     pool = _started("tests.recipes.sandbox_rewards:hostile")
     outcome: list[BaseException] = []
+    ticket = Ticket()  # only to see the call's process start
 
     def hang() -> None:
         try:
-            pool.call(dataclasses.replace(generation(1), metadata={"do": "sleep"}), timeout=30)
+            pool.call(dataclasses.replace(generation(1), metadata={"do": "sleep"}), timeout=30,
+                      ticket=ticket)
         except SandboxFailure as error:
             outcome.append(error)
 
     caller = threading.Thread(target=hang)
     caller.start()
-    deadline = time.monotonic() + 10
-    while pool.warm_starts < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.3)  # the call is sleeping in its process
+    wait_until(lambda: ticket._call_pid, 10, "the call to be running in its process",
+               poll_s=0.01)
     pool.close()
     caller.join(10)
     assert not caller.is_alive() and len(outcome) == 1
     assert "closed during the call" in str(outcome[0])
     assert pool.restarts == 0 and dict(pool.failures) == {}
     if pool.uid_base is not None:  # as root the call ran as a user of its own: it was killed
-        deadline = time.monotonic() + 5
-        while (alive := _alive(range(pool.uid_base, pool.uid_base + pool.size))) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert alive == []
+        uids = range(pool.uid_base, pool.uid_base + pool.size)
+        wait_until(lambda: not _alive(uids), 5,
+                   lambda: f"the call's processes to die; alive: {_alive(uids)}", poll_s=0.05)
 
 
 def _alive(uids: range) -> list[str]:

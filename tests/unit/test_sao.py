@@ -23,22 +23,23 @@ from reef_stream.api.recipe import Backend, Recipe, load_recipe
 from reef_stream.api.schedule import Schedule
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.events import (
-    Feedback, FinishReason, Generation, RolloutUnit, Sample, SamplingParams,
+    Feedback, Generation, RolloutUnit, Sample, SamplingParams,
 )
 from reef_stream.engine.join import Outcome
 from reef_stream.engine.models import TinyCausalLM
 from reef_stream.engine.testing import Advance, run_processor
 from reef_stream.engine.training import TorchBackend, inputs_builder, policy_gradient_inputs
+from tests import factories
 
 #: The source the tests' feedback comes from (the demo task's reward, as it happens).
 REWARD_SOURCE = "exact_match"
 processor = sao_processor((REWARD_SOURCE,))
 
 def sample(prompt_id: str, reward: float, gid: str | None = None) -> Sample:
-    return Sample(generation_id=gid or f"{prompt_id}-{reward}", prompt_id=prompt_id,
-                  policy_version=0, prompt_token_ids=np.array([1], np.int32),
-                  completion_token_ids=np.array([2], np.int32),
-                  completion_logprobs=np.array([-1.0], np.float32), reward=reward)
+    return factories.sample(gid or f"{prompt_id}-{reward}", prompt_id=prompt_id,
+                            prompt_token_ids=factories.ids([1]),
+                            completion_token_ids=factories.ids([2]),
+                            completion_logprobs=factories.logprobs([-1.0]), reward=reward)
 
 
 def units_of(*samples: Sample) -> list[RolloutUnit]:
@@ -51,17 +52,16 @@ def units_of(*samples: Sample) -> list[RolloutUnit]:
 
 
 def generation(gid: str, group: str | None = None, size: int = 1) -> Generation:
-    return Generation(
-        generation_id=gid, request_id=f"req-{gid}", prompt_id="prompt-7", group_id=group,
-        group_size=size, model="tiny", policy_version=3, replica_id="replica-a",
-        prompt_token_ids=np.array([1, 2], np.int32), completion_token_ids=np.array([5], np.int32),
-        completion_logprobs=np.array([-0.5], np.float32), finish_reason=FinishReason.STOP,
+    """The factory's generation (tests/factories.py), shorter, at policy version 3."""
+    return factories.generation(
+        gid, request_id=f"req-{gid}", prompt_id="prompt-7", group_id=group, group_size=size,
+        policy_version=3, prompt_token_ids=factories.ids([1, 2]),
+        completion_token_ids=factories.ids([5]), completion_logprobs=factories.logprobs([-0.5]),
         sampling=SamplingParams(max_tokens=4), created_at=1_000)
 
 
 def feedback(gid: str, reward: float = 1.0, source: str = REWARD_SOURCE) -> Feedback:
-    return Feedback(feedback_id=f"{gid}:{source}", generation_id=gid, source=source,
-                    reward=reward, created_at=2_000)
+    return factories.feedback(gid, source=source, reward=reward, created_at=2_000)
 
 
 def test_one_generation_and_its_reward_make_one_unit_of_one_sample():

@@ -20,6 +20,7 @@ from reef_stream.core.events import (
 )
 from reef_stream.core.serde import SchemaRegistry, schema_fingerprint
 from reef_stream.core.settings import SCHEMAS_DIR
+from tests import factories
 
 T0 = 1_732_885_200_123
 CURRENT_FILES = sorted(SCHEMAS_DIR.glob("*.avsc"))
@@ -51,25 +52,15 @@ def registry_with(tmp_path: Path, *versions: dict) -> SchemaRegistry:
 
 
 def generation(**overrides) -> Generation:
+    """The factory's generation (tests/factories.py), grouped, cut at its length, with metadata:
+    every optional field set."""
     fields = dict(
-        generation_id="gen-1",
-        request_id="req-1",
-        prompt_id="prompt-1",
-        group_id="grp-1",
-        group_size=4,
-        model="tiny",
-        policy_version=7,
-        replica_id="replica-0",
-        prompt_token_ids=np.array([1, 2, 3], dtype=np.int32),
-        completion_token_ids=np.array([4, 5], dtype=np.int32),
-        completion_logprobs=np.array([-0.5, -1.0], dtype=np.float32),
-        finish_reason=FinishReason.LENGTH,
-        sampling=SamplingParams(max_tokens=2, seed=3),
-        created_at=T0,
-        metadata={"k": "v"},
-    )
+        generation_id="gen-1", request_id="req-1", prompt_id="prompt-1", group_id="grp-1",
+        group_size=4, policy_version=7, replica_id="replica-0",
+        completion_logprobs=factories.logprobs([-0.5, -1.0]), finish_reason=FinishReason.LENGTH,
+        sampling=SamplingParams(max_tokens=2, seed=3), created_at=T0, metadata={"k": "v"})
     fields.update(overrides)
-    return Generation(**fields)
+    return factories.generation(**fields)
 
 
 def record_without(event: Generation, name: str) -> dict:

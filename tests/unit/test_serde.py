@@ -23,6 +23,7 @@ from reef_stream.core.serde import (
     schema_fingerprint,
 )
 from reef_stream.core.settings import SCHEMAS_DIR
+from tests import factories
 
 T0 = 1_732_885_200_123  # 2024-11-29T13:00:00.123Z
 WHERE = {"topic": "reef.generations", "partition": 3, "offset": 41}
@@ -37,6 +38,7 @@ def logprobs(*values: float) -> np.ndarray:
 
 
 def generation(**overrides) -> Generation:
+    """A realistic generation through the factory (tests/factories.py): every field its own."""
     fields = dict(
         generation_id="gen-0001",
         request_id="req-17",
@@ -55,20 +57,13 @@ def generation(**overrides) -> Generation:
         metadata={"dataset": "gsm8k", "prompt_key": "√2 ≈ 1.414 — 日本語"},
     )
     fields.update(overrides)
-    return Generation(**fields)
+    return factories.generation(**fields)
 
 
 def sample(generation_id: str, reward: float) -> Sample:
-    return Sample(
-        generation_id=generation_id,
-        prompt_id="gsm8k/train/42",
-        policy_version=11,
-        prompt_token_ids=ids(1, 2, 3),
-        completion_token_ids=ids(4, 5),
-        completion_logprobs=logprobs(-0.5, -0.25),
-        reward=reward,
-        reward_components={"format": 0.5, "correct": reward - 0.5},
-    )
+    return factories.sample(generation_id, prompt_id="gsm8k/train/42", policy_version=11,
+                            completion_logprobs=logprobs(-0.5, -0.25), reward=reward,
+                            reward_components={"format": 0.5, "correct": reward - 0.5})
 
 
 EXAMPLES = [

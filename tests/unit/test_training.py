@@ -13,17 +13,16 @@ from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages
 from reef_stream.api.recipe import Backend, Recipe
 from reef_stream.api.schedule import Schedule
 from reef_stream.core.errors import ConfigurationError
-from reef_stream.core.events import Sample
 from reef_stream.engine.training import TorchBackend, collate, completion_logprobs
+from tests import factories
 from tests.recipes.trainable import recipe
 from tests.unit_log import rollout_unit
 
 
 def _sample(prompt, completion):
-    return Sample(generation_id="g", prompt_id="p", policy_version=0,
-                  prompt_token_ids=np.array(prompt, dtype=np.int32),
-                  completion_token_ids=np.array(completion, dtype=np.int32),
-                  completion_logprobs=np.full(len(completion), -1.0, dtype=np.float32), reward=1.0)
+    return factories.sample("g", prompt_id="p", prompt_token_ids=factories.ids(prompt),
+                            completion_token_ids=factories.ids(completion),
+                            completion_logprobs=np.full(len(completion), -1.0, dtype=np.float32))
 
 
 def test_collate_pads_and_completion_logprobs_read_the_predicting_position():

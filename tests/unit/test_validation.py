@@ -3,32 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import numpy as np
 import pytest
 
 from reef_stream.core.errors import InvalidRecord
-from reef_stream.core.events import Feedback, FinishReason, Generation, SamplingParams
+from reef_stream.core.events import Feedback, SamplingParams
 from reef_stream.intake.validation import check_size, validate
+from tests import factories
 
-
-def generation(**overrides) -> Generation:
-    fields = dict(
-        generation_id="g1", request_id="r1", prompt_id="p1", model="tiny", policy_version=3,
-        replica_id="replica-a", prompt_token_ids=np.array([1, 2, 3], dtype=np.int32),
-        completion_token_ids=np.array([4, 5], dtype=np.int32),
-        completion_logprobs=np.array([-0.5, -1.25], dtype=np.float32),
-        finish_reason=FinishReason.STOP, created_at=1_795_000_000_000,
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=16))
-    fields.update(overrides)
-    return Generation(**fields)
+#: this file's generation and feedback: the factories' (tests/factories.py) with short ids, policy
+#: version 3, top_k 0; feedback from ``exact_match`` with a ``correct`` component
+generation = partial(factories.generation, generation_id="g1", request_id="r1", prompt_id="p1",
+                     policy_version=3, sampling=SamplingParams(top_k=0, max_tokens=16))
 
 
 def feedback(**overrides) -> Feedback:
-    fields = dict(feedback_id="f1", generation_id="g1", source="exact_match", reward=1.0,
-                  components={"correct": 1.0}, created_at=1_795_000_000_000)
+    fields = dict(generation_id="g1", feedback_id="f1", source="exact_match",
+                  components={"correct": 1.0})
     fields.update(overrides)
-    return Feedback(**fields)
+    return factories.feedback(**fields)
 
 
 def test_valid_records_pass():
