@@ -23,6 +23,9 @@ worker's watchdog). A worker that dies is replaced the same way.
 ``SandboxFailure`` (``reef_stream.consumers.reward.sandbox.categories``). It never returns a reward for a
 failure.
 
+A worker starts with ``-P`` in ``/`` (no module from the working directory runs in it) and
+an environment of its own (``worker_environment``: ``ALLOWED_ENV`` only, no credentials).
+
 Network: each worker tries a network namespace of its own at start; when that is refused
 the pool logs a warning at start-up, ``network`` says why and ``stats()`` reports
 ``network_isolated`` 0. When the pool runs as root, each worker's calls run as a user of
@@ -60,13 +63,19 @@ from reef_stream.consumers.reward.sandbox.worker import write_frame
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.serde import encode
 
-__all__ = ["AUTO", "DEFAULT_UID_BASE", "SandboxPool", "Ticket"]
+__all__ = ["ALLOWED_ENV", "AUTO", "DEFAULT_UID_BASE", "SandboxPool", "Ticket", "import_path",
+           "worker_environment"]
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
 #: The first user id of the calls of a pool run as root (one per worker).
 DEFAULT_UID_BASE = 61000
+#: The variables a worker (and so a call) takes from this process's environment; nothing
+#: else reaches it (``worker_environment``).
+ALLOWED_ENV = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
+#: A worker's ``PATH``: system directories only.
+SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Seconds a worker has to answer for a call killed at its deadline before it is replaced.
 RECYCLE_S = 10.0
 #: Seconds between two tries to start a worker after one failed to.
@@ -154,8 +163,8 @@ class Ticket:
 
 class SandboxPool:
     """See the module docstring. ``target``: ``module:attribute`` naming a ``Recipe`` (its
-    reward function is used, after ``overrides``) or a reward function, importable by a fresh
-    Python started in the current directory. ``uid_base``: the calls' first user id when run
+    reward function is used, after ``overrides``) or a reward function, importable in this
+    process (a worker gets the directories that hold it: ``import_path``). ``uid_base``: the calls' first user id when run
     as root (``AUTO``: ``DEFAULT_UID_BASE`` as root, none otherwise; None: never change user).
     """
 
@@ -180,6 +189,7 @@ class SandboxPool:
         self._live: dict[int, _Worker] = {}  # index -> worker, started or starting
         self._closed = False
         self._tmp = ""  # the workers' calls' directories are made under it
+        self._import_path: list[str] = []  # the workers' PYTHONPATH (``import_path``)
         #: Why the network is not isolated ("" until a worker said; "isolated" when it is).
         self.network = ""
         #: The Python installation's directory, when the calls' users cannot read it.
@@ -200,6 +210,7 @@ class SandboxPool:
         """Start ``size`` workers and wait until they are ready (up to ``start_timeout``).
         Raises ``ConfigurationError`` when none could start (naming why)."""
         self.worker_target = worker_target(self.target, self.overrides)
+        self._import_path = import_path(self.target, self.worker_target["target"])
         self._tmp = tempfile.mkdtemp(prefix="reef-sandbox-")
         if self.uid_base is not None:
             os.chmod(self._tmp, 0o711)  # the calls' users reach their own directories
@@ -424,9 +435,10 @@ class SandboxPool:
         spawned = time.monotonic()
         try:
             popen = subprocess.Popen(
-                [self.python, "-m", "reef_stream.consumers.reward.sandbox.worker", json.dumps(config)],
+                [self.python, "-P", "-s", "-m", "reef_stream.consumers.reward.sandbox.worker",
+                 json.dumps(config)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-                close_fds=True)
+                close_fds=True, cwd="/", env=worker_environment(self._import_path))
         except OSError as error:
             return None, f"{type(error).__name__}: {error}"
         worker = _Worker(popen, index, spawned)
@@ -447,6 +459,36 @@ class SandboxPool:
         self.worker_torch = bool(ready.get("torch"))
         self.unreadable = str(ready.get("unreadable") or "")
         return worker, ""
+
+
+def worker_environment(path: list[str]) -> dict[str, str]:
+    """A worker's whole environment: ``ALLOWED_ENV`` from this process's (never a credential:
+    no ``REEF_*``), a fixed ``PATH`` and ``PYTHONPATH`` = ``path``."""
+    env = {name: os.environ[name] for name in ALLOWED_ENV if name in os.environ}
+    env["PATH"] = SAFE_PATH
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    return env
+
+
+def import_path(*targets: str) -> list[str]:
+    """Absolute directories a worker needs on ``sys.path`` (it starts with ``-P`` in ``/``,
+    so never the caller's working directory): the one holding ``reef_stream``, then those
+    holding the top-level packages of ``targets`` (``module:attribute``) as this process
+    imported them, then this process's ``PYTHONPATH`` entries that are absolute."""
+    import reef_stream
+
+    found = [os.path.dirname(os.path.dirname(os.path.abspath(reef_stream.__file__)))]
+    for target in targets:
+        module = sys.modules.get(target.partition(":")[0].split(".")[0])
+        for location in [getattr(module, "__file__", None),
+                         *list(getattr(module, "__path__", None) or [])]:
+            if location:
+                location = os.path.abspath(location)
+                if os.path.basename(location) == "__init__.py":
+                    location = os.path.dirname(location)
+                found.append(os.path.dirname(location))
+    found += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
+    return list(dict.fromkeys(found))
 
 
 def _killpg(pgid: int) -> None:

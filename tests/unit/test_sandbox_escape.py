@@ -1,0 +1,130 @@
+"""The sandbox against reward code that tries to get out (issue 28's review), as root.
+
+Each test is one attack made through ``SandboxPool`` with the reward functions of
+tests/recipes/sandbox_attacks.py; each failed on the sandbox before the change that closed
+it. These tests need root (as CI runs): without it they fail, never skip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from reef_stream.consumers.reward.sandbox.categories import (
+    Limits, RaisedInSandbox, SandboxFailure,
+)
+from reef_stream.consumers.reward.sandbox.pool import SandboxPool
+from tests.faults.records import generation
+
+LIMITS = Limits(cpu_s=5, memory_mb=512, file_mb=8, open_files=64, processes=32)
+TARGET = "tests.recipes.sandbox_attacks:attack"
+SECRETS = {"REEF_KAFKA_SASL_PASSWORD": "hunter2-sasl", "REEF_INTAKE_TOKEN": "hunter2-token"}
+
+
+def _gen(do: str, **metadata: object):
+    return dataclasses.replace(generation(5), metadata={"do": do, **{k: str(v) for k, v in
+                                                                     metadata.items()}})
+
+
+def _pool(size: int = 1, limits: Limits = LIMITS) -> SandboxPool:
+    assert os.geteuid() == 0, "the sandbox escape tests run as root (as CI does)"
+    pool = SandboxPool(TARGET, size=size, limits=limits)
+    pool.start()
+    return pool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    saved = {name: os.environ.get(name) for name in SECRETS}
+    os.environ.update(SECRETS)  # the reward worker's credentials, as a deployment has them
+    try:
+        pool = _pool()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    yield pool
+    pool.close()
+
+
+def _healthy(pool: SandboxPool) -> None:
+    assert pool.call(_gen("score"), timeout=20).reward == 1.0
+
+
+def test_the_calls_environment_is_an_allow_list_without_credentials(pool):
+    with pytest.raises(RaisedInSandbox) as raised:
+        pool.call(_gen("environ"), timeout=20)
+    names = set(str(raised.value).removeprefix("environ: ").split(","))
+    assert not names & set(SECRETS)
+    assert {n for n in names if n.startswith("REEF_")} <= {"REEF_SANDBOXED_CALL"}
+    assert names <= {"PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH", "HOME", "TMPDIR",
+                     "TMP", "TEMP", "REEF_SANDBOXED_CALL"}, names
+    (worker,) = pool._live.values()
+    with open(f"/proc/{worker.pid}/environ", "rb") as f:
+        assert b"hunter2" not in f.read()
+
+
+def _failure_text(pool: SandboxPool, do: str, timeout: float = 10, **metadata: object) -> str:
+    """What a caller learns of a call: its failure's text (it must end within ``timeout``,
+    as the function's failure or the sandbox's, never as a wall-clock timeout)."""
+    started = time.monotonic()
+    with pytest.raises((RaisedInSandbox, SandboxFailure)) as failed:
+        pool.call(_gen(do, **metadata), timeout=timeout)
+    assert getattr(failed.value, "category", "") != "timeout", failed.value
+    assert time.monotonic() - started < timeout
+    return str(failed.value)
+
+
+def test_a_symlinked_stderr_does_not_read_a_root_only_file(pool, tmp_path):
+    secret = tmp_path / "root-only"
+    secret.write_text("TOPSECRET-" * 20)
+    secret.chmod(0o600)
+    os.chmod(tmp_path, 0o755)
+    assert "TOPSECRET" not in _failure_text(pool, "stderr_link", target=secret)
+    (worker,) = pool._live.values()
+    for path in (f"/proc/{worker.pid}/environ", f"/proc/{os.getpid()}/environ"):
+        assert "PATH=" not in _failure_text(pool, "stderr_link", target=path)
+    _healthy(pool)
+
+
+def test_a_fifo_for_stderr_does_not_hang_the_worker(pool):
+    _failure_text(pool, "stderr_fifo", timeout=5)
+    assert pool.restarts == 0
+    _healthy(pool)
+
+
+def test_a_stderr_linked_to_dev_zero_is_read_bounded(pool):
+    assert len(_failure_text(pool, "stderr_link", timeout=10, target="/dev/zero")) < 4000
+    _healthy(pool)
+
+
+def test_workers_ignore_modules_planted_in_a_world_writable_working_directory(tmp_path):
+    planted = tmp_path / "cwd"
+    planted.mkdir()
+    planted.chmod(0o777)
+    marker = tmp_path / "ran-as"
+    # the worker imports these after start; from the cwd they would run as root
+    for name in ("pprint", "difflib", "statistics"):
+        (planted / f"{name}.py").write_text(
+            f"import os\nopen({str(marker)!r}, 'a').write(str(os.getuid()))\n")
+    here = os.getcwd()
+    os.chdir(planted)
+    try:
+        pool = _pool()
+    finally:
+        os.chdir(here)
+    try:
+        _healthy(pool)
+        (worker,) = pool._live.values()
+        cwd = os.readlink(f"/proc/{worker.pid}/cwd")
+        assert os.stat(cwd).st_uid == 0 and not os.stat(cwd).st_mode & stat.S_IWOTH
+    finally:
+        pool.close()
+    assert not marker.exists(), f"planted code ran as uid {marker.read_text()}"
