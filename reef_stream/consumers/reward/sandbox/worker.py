@@ -17,9 +17,10 @@ fork of the reward worker and its Kafka clients). At start it:
    many modules were), then serves calls one at a time until its stdin closes.
 
 Each call: the request frame carries the generation as its Avro record (value and headers,
-base64 in JSON); the worker decodes it, makes a fresh temporary directory and forks the call's
-process, which makes a process group of its own, points stdin at /dev/null and stdout and
-stderr at files of that directory, works in it (``HOME`` and ``TMPDIR`` too), sets the
+base64 in JSON); the worker decodes it, makes a fresh temporary directory of its own, opens
+the call's stdout and stderr files there (it later reads only these descriptors, bounded)
+and forks the call's process, which makes a process group of its own, points stdin at
+/dev/null and stdout and stderr at those files, works in a directory of its own (``HOME`` and ``TMPDIR`` too), sets the
 ``Limits``, drops to the call's user (``uid``, when the worker runs as root), runs the reward
 function (a coroutine on a fresh event loop) and writes its result as JSON to a pipe. The
 worker writes a frame with the call's pid (the pool kills that process group on a wall-clock
@@ -46,6 +47,7 @@ import resource
 import select
 import shutil
 import signal
+import stat
 import struct
 import sys
 import tempfile
@@ -187,9 +189,10 @@ def _set_limits(limits: Limits, uid: int | None) -> None:
         resource.setrlimit(which, (soft, soft if hard is None else hard))
 
 
-def _child(reward: Any, generation: Any, workdir: str, result_fd: int, limits: Limits,
-           uid: int | None) -> None:
-    """The call's process (after the fork). Never returns."""
+def _child(reward: Any, generation: Any, workdir: str, result_fd: int, outputs: tuple[int, int],
+           limits: Limits, uid: int | None) -> None:
+    """The call's process (after the fork): ``outputs`` are its stdout and stderr, opened by
+    the worker. Never returns."""
     me = os.getpid()
     memory_result = _MEMORY_RESULT
     try:
@@ -198,13 +201,8 @@ def _child(reward: Any, generation: Any, workdir: str, result_fd: int, limits: L
             signal.signal(number, signal.SIG_DFL)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            out = os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-                          0o600)
-            if uid is not None:
-                os.fchown(out, uid, uid)
-            os.dup2(out, fd)
-            os.close(out)
+        os.dup2(outputs[0], 1)
+        os.dup2(outputs[1], 2)
         os.closerange(3, result_fd)
         os.closerange(result_fd + 1, 1 << 16)
         os.chdir(workdir)
@@ -336,12 +334,22 @@ def _reap() -> None:
             return
 
 
-def _tail(path: str) -> str:
+def _open_output(directory: str, name: str) -> int:
+    """A new regular file ``name`` in the worker's own ``directory``, for reading and
+    appending (never a path the call chose: ``O_EXCL | O_NOFOLLOW``)."""
+    return os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT | os.O_EXCL
+                   | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC, 0o600)
+
+
+def _tail(fd: int) -> str:
+    """At most the last ``STDERR_TAIL`` bytes of the regular file open on ``fd`` (the
+    worker's own descriptor: whatever the call did to the file's name, it reads this file)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - STDERR_TAIL))
-            return f.read().decode(errors="replace").strip()
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return ""
+        return os.pread(fd, STDERR_TAIL, max(0, info.st_size - STDERR_TAIL)) \
+            .decode(errors="replace").strip()
     except OSError:
         return ""
 
@@ -349,16 +357,20 @@ def _tail(path: str) -> str:
 def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
              out_fd: int, tmp: str | None = None) -> dict:
     """One call in a forked process (see the module docstring); the answer frame."""
-    workdir = tempfile.mkdtemp(prefix="call-", dir=tmp)
+    own = tempfile.mkdtemp(prefix="call-", dir=tmp)  # the worker's: 0700, its user's
+    outputs: tuple[int, ...] = ()
     try:
+        workdir = os.path.join(own, "work")
+        os.mkdir(workdir, 0o700)
         if uid is not None:
             os.chown(workdir, uid, uid)
+        outputs = (_open_output(own, "stdout"), _open_output(own, "stderr"))
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
                 os.close(read_fd)
-                _child(reward, generation, workdir, write_fd, limits, uid)
+                _child(reward, generation, workdir, write_fd, outputs, limits, uid)
             finally:
                 os._exit(70)
         os.close(write_fd)
@@ -366,16 +378,17 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
             os.setpgid(pid, pid)
         except OSError:
             pass
-        write_frame(out_fd, {"pid": pid, "dir": workdir})
+        write_frame(out_fd, {"pid": pid, "dir": own})
         try:
             data, status, cpu, too_big = _collect(read_fd, pid)
             _clean_group(pid)
         finally:
             os.close(read_fd)
-        return _answer(data, status, cpu, too_big, _tail(os.path.join(workdir, "stderr")),
-                       limits)
+        return _answer(data, status, cpu, too_big, _tail(outputs[1]), limits)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        for fd in outputs:
+            os.close(fd)
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def _answer(data: bytes, status: int, cpu: float, too_big: bool, stderr: str,
