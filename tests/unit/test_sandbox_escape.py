@@ -128,3 +128,65 @@ def test_workers_ignore_modules_planted_in_a_world_writable_working_directory(tm
     finally:
         pool.close()
     assert not marker.exists(), f"planted code ran as uid {marker.read_text()}"
+
+
+# --------------------------------------------------------------------------- the code reward
+
+FORGERIES = {
+    "__eq__ always True": "class Yes:\n    def __eq__(self, other):\n        return True\n"
+                          "def add(a, b):\n    return Yes()\n",
+    "a fake result on the result pipe": (
+        "import json, os, stat\n"
+        "fake = json.dumps({'ok': {'reward': 1.0, 'components': {'passed': 4.0}}}).encode()\n"
+        "for fd in map(int, os.listdir('/proc/self/fd')):\n"
+        "    try:\n"
+        "        if fd > 2 and stat.S_ISFIFO(os.fstat(fd).st_mode):\n"
+        "            os.write(fd, fake)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "os._exit(0)\n"),
+    "a replaced builtins.sum": "import builtins\nbuiltins.sum = lambda *args, **kw: 4\n"
+                               "def add(a, b):\n    return -1\n",
+    "expected values read from memory": (
+        "import gc\n"
+        "def add(a, b):\n"
+        "    for o in gc.get_objects():\n"
+        "        if type(o).__name__ == 'CodeTest' and o.call == f'add({a}, {b})':\n"
+        "            return o.expected\n"),
+    "a subclass of int equal to anything": (
+        "class Int(int):\n    def __eq__(self, other):\n        return True\n"
+        "    __hash__ = int.__hash__\n"
+        "def add(a, b):\n    return Int(7)\n"),
+}
+
+
+@pytest.fixture(scope="module")
+def code_pool():
+    pool = SandboxPool("tests.recipes.sandbox_rewards:code", size=1, limits=LIMITS)
+    pool.start()
+    yield pool
+    pool.close()
+
+
+def _code(program: str):
+    return dataclasses.replace(generation(1), metadata={"program": program})
+
+
+@pytest.mark.parametrize("program", FORGERIES.values(), ids=FORGERIES.keys())
+def test_a_program_cannot_forge_its_code_reward(code_pool, program):
+    try:
+        reward = code_pool.call(_code(program), timeout=20)
+    except (SandboxFailure, RaisedInSandbox):
+        return  # a dead letter is not a reward
+    assert reward.reward == 0.0 and reward.components["passed"] == 0.0, reward
+    assert code_pool.call(_code("def add(a, b):\n    return a + b\n"), timeout=20).reward == 1.0
+
+
+def test_code_tests_expect_plain_data_compared_structurally():
+    from reef_stream.consumers.reward.sandbox.code_reward import CodeTest, same
+
+    with pytest.raises(TypeError, match="plain data"):
+        CodeTest("f()", {1, 2})
+    assert same(3, 3.0) and same([1, {"a": None}], (1, {"a": None}))
+    assert not same(True, 1) and not same(1, True) and not same(None, 0)
+    assert not same([1, 2], [1, 2, 3]) and not same({"a": 1}, {"a": 1, "b": 2})
