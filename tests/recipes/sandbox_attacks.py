@@ -8,7 +8,8 @@ tests/unit/test_sandbox_escape.py. What it does is named by ``metadata["do"]``:
   a file it could not write is skipped;
 - ``read``: reward 1.0 if every file of ``metadata["paths"]`` holds ``metadata["text"]``, else 0;
 - ``connect_unix``: connects to the unix socket ``metadata["path"]`` (raises if refused);
-- ``daemon``: starts a ``setsid`` grandchild that sleeps 600 s, then scores;
+- ``daemon``: starts a ``setsid`` grandchild that runs ``sleep 600.<metadata["token"]>``,
+  then scores (or, with ``metadata["then_sleep"]``, sleeps that many seconds first);
 - ``killer``: starts a ``setsid`` grandchild that kills every process its user may signal,
   every 10 ms for ``metadata["seconds"]``, then scores;
 - ``children``: forks ``metadata["n"]`` children that each touch ``metadata["mb"]`` MB and
@@ -99,7 +100,8 @@ def _attack(generation: Generation) -> Reward:
         with socket.socket(socket.AF_UNIX) as client:
             client.connect(meta["path"])
     if what == "daemon":
-        _daemon(lambda: time.sleep(600))
+        _daemon(lambda: os.execv("/bin/sleep", ["sleep", f"600.{meta['token']}"]))
+        time.sleep(float(meta.get("then_sleep", 0)))
     if what == "killer":
         _daemon(lambda: _killer(float(meta["seconds"])))
     if what == "children":

@@ -53,7 +53,7 @@ def _calls_processes(pool: SandboxPool) -> list[int]:
         except OSError:
             continue
         uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
-        if pool.uid_base is not None and pool.uid_base <= uid < pool.uid_base + pool.size:
+        if uid in pool.uids:
             found.append(int(entry))
     return found
 

@@ -190,3 +190,73 @@ def test_code_tests_expect_plain_data_compared_structurally():
     assert same(3, 3.0) and same([1, {"a": None}], (1, {"a": None}))
     assert not same(True, 1) and not same(1, True) and not same(None, 0)
     assert not same([1, 2], [1, 2, 3]) and not same({"a": 1}, {"a": 1, "b": 2})
+
+
+# --------------------------------------------------------------------------- survivors, uids
+
+def _sleepers(token: str) -> list[int]:
+    """Live processes running ``sleep 600.<token>`` (the ``daemon`` attack's)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().split(b"\0")[1:2] == [f"600.{token}".encode()]:
+                    with open(f"/proc/{pid}/stat") as stat_file:
+                        if stat_file.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            found.append(int(pid))
+        except (OSError, IndexError):
+            pass
+    return found
+
+
+def _wait_none(token: str, seconds: float = 3.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (alive := _sleepers(token)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def test_a_setsid_daemon_does_not_outlive_its_call(pool):
+    token = str(time.monotonic_ns())
+    _healthy(pool)
+    assert pool.call(_gen("daemon", token=token), timeout=20).reward == 1.0
+    try:
+        assert _sleepers(token) == []  # killed before the call answered
+    finally:
+        for pid in _sleepers(token):
+            os.kill(pid, 9)
+
+
+def test_a_daemon_of_a_call_in_flight_does_not_outlive_the_pools_close():
+    import threading
+
+    pool = _pool()
+    token = str(time.monotonic_ns())
+    caller = threading.Thread(target=lambda: pytest.raises(
+        SandboxFailure, pool.call, _gen("daemon", token=token, then_sleep=30), timeout=60))
+    caller.start()
+    deadline = time.monotonic() + 10
+    while not _sleepers(token) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _sleepers(token), "the daemon did not start"
+    pool.close()
+    caller.join(10)
+    try:
+        assert _wait_none(token) == []
+    finally:
+        for pid in _sleepers(token):
+            os.kill(pid, 9)
+
+
+def test_pools_never_share_a_uid_and_one_pools_daemon_cannot_kill_anothers_calls():
+    first, second = _pool(size=2), _pool(size=2)
+    try:
+        assert first.call(_gen("killer", seconds=3), timeout=20).reward == 1.0
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            _healthy(second)
+            _healthy(first)
+        assert len(first.uids | second.uids) == 4
+    finally:
+        first.close()
+        second.close()

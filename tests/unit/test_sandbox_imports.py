@@ -185,13 +185,13 @@ def test_a_call_in_flight_when_the_pool_closes_is_neither_a_restart_nor_a_failur
     assert pool.restarts == 0 and dict(pool.failures) == {}
     if pool.uid_base is not None:  # as root the call ran as a user of its own: it was killed
         deadline = time.monotonic() + 5
-        while (alive := _alive(range(pool.uid_base, pool.uid_base + pool.size))) \
+        while (alive := _alive(pool.uids)) \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert alive == []
 
 
-def _alive(uids: range) -> list[str]:
+def _alive(uids: set[int]) -> list[str]:
     """The processes of ``uids`` that are not dead (a zombie waits for init to reap it)."""
     alive = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -29,8 +29,10 @@ an environment of its own (``worker_environment``: ``ALLOWED_ENV`` only, no cred
 Network: each worker tries a network namespace of its own at start; when that is refused
 the pool logs a warning at start-up, ``network`` says why and ``stats()`` reports
 ``network_isolated`` 0. When the pool runs as root, each worker's calls run as a user of
-their own (``uid_base + the worker's index``), so the process limit is the call's and the
-call cannot write to files it does not own.
+their own, a uid of ``uid_base .. uid_base + UID_COUNT - 1`` the worker holds for its life (a
+lock file, ``worker.claim_uid``: never another worker's, in this pool or another), so the
+process limit is the call's and the call cannot write to files it does not own; at each
+call's end, and at ``close``, every process of that uid is killed.
 
 Thread-safe: any number of threads may call at once (one worker each).
 """
@@ -59,11 +61,11 @@ from reef_stream.consumers.reward.sandbox.categories import (
 )
 from reef_stream.consumers.reward.sandbox.latency import LatencyWindow
 from reef_stream.consumers.reward.sandbox.reference import worker_target
-from reef_stream.consumers.reward.sandbox.worker import write_frame
+from reef_stream.consumers.reward.sandbox.worker import kill_user, write_frame
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.serde import encode
 
-__all__ = ["ALLOWED_ENV", "AUTO", "DEFAULT_UID_BASE", "SandboxPool", "Ticket", "import_path",
+__all__ = ["ALLOWED_ENV", "AUTO", "DEFAULT_UID_BASE", "UID_COUNT", "SandboxPool", "Ticket", "import_path",
            "worker_environment"]
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 #: The first user id of the calls of a pool run as root (one per worker).
 DEFAULT_UID_BASE = 61000
+#: How many user ids from ``uid_base`` the workers of every pool on this machine share.
+UID_COUNT = 4000
 #: The variables a worker (and so a call) takes from this process's environment; nothing
 #: else reaches it (``worker_environment``).
 ALLOWED_ENV = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
@@ -96,6 +100,7 @@ class _Worker:
         self.into = popen.stdin.fileno()
         self.buffer = b""
         self.call_dir = ""  # the running (or last) call's directory
+        self.uid: int | None = None  # the user its calls run as
         self.network = ""
         self.dead = False
 
@@ -192,6 +197,8 @@ class SandboxPool:
         self._import_path: list[str] = []  # the workers' PYTHONPATH (``import_path``)
         #: Why the network is not isolated ("" until a worker said; "isolated" when it is).
         self.network = ""
+        #: The user ids the calls of this pool's workers have run as.
+        self.uids: set[int] = set()
         #: The Python installation's directory, when the calls' users cannot read it.
         self.unreadable = ""
         self.last_start_error = ""
@@ -292,6 +299,9 @@ class SandboxPool:
         if "raised" in answer:
             raised = answer["raised"]
             raise RaisedInSandbox(str(raised.get("type")), str(raised.get("message")))
+        if self._closed:  # close() killed it (every process of its uid): not its failure
+            raise SandboxFailure(SANDBOX_UNAVAILABLE, "the sandbox pool was closed during the "
+                                                      "call")
         failure = answer.get("failure") or {}
         raise self._failed(SandboxFailure(failure.get("category", "output_invalid"),
                                           str(failure.get("detail"))))
@@ -320,6 +330,8 @@ class SandboxPool:
             self._idle.clear()
             self._lock.notify_all()
         for worker in workers:
+            if worker.uid is not None:  # while its worker still holds the uid
+                kill_user(worker.uid, reap=False)
             _killpg(worker.pid)
             _reap(worker)
         if self._tmp:
@@ -430,7 +442,7 @@ class SandboxPool:
     def _spawn(self, index: int) -> tuple[_Worker | None, str]:
         config = {**self.worker_target,
                   "limits": vars(self.limits), "isolate_network": self.isolate_network,
-                  "uid": None if self.uid_base is None else self.uid_base + index,
+                  "uid_range": None if self.uid_base is None else [self.uid_base, UID_COUNT],
                   "tmp": self._tmp or None}
         spawned = time.monotonic()
         try:
@@ -456,6 +468,10 @@ class SandboxPool:
             return None, str(ready.get("error"))
         self.start_latency.add(time.monotonic() - spawned)
         worker.network = self.network = str(ready.get("network"))
+        if ready.get("uid") is not None:
+            worker.uid = int(ready["uid"])
+            with self._lock:
+                self.uids.add(worker.uid)
         self.worker_torch = bool(ready.get("torch"))
         self.unreadable = str(ready.get("unreadable") or "")
         return worker, ""

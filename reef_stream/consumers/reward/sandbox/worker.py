@@ -21,10 +21,12 @@ base64 in JSON); the worker decodes it, makes a fresh temporary directory of its
 the call's stdout and stderr files there (it later reads only these descriptors, bounded)
 and forks the call's process, which makes a process group of its own, points stdin at
 /dev/null and stdout and stderr at those files, works in a directory of its own (``HOME`` and ``TMPDIR`` too), sets the
-``Limits``, drops to the call's user (``uid``, when the worker runs as root), runs the reward
+``Limits``, drops to the call's user (as root: a uid of ``uid_range`` the worker holds for
+its life, ``claim_uid``; never another pool's), runs the reward
 function (a coroutine on a fresh event loop) and writes its result as JSON to a pipe. The
 worker writes a frame with the call's pid (the pool kills that process group on a wall-clock
-timeout), waits for the call's process, kills what is left of its group, reaps, removes the
+timeout), waits for the call's process, kills what is left of its group and every process
+of its uid (``kill_user``: a ``setsid`` daemon too), reaps, removes the
 directory and answers with one frame: ``{"ok": {"reward", "components"}}``, ``{"raised":
 {"type", "message"}}``, or ``{"failure": {"category", "detail"}}``
 (``reef_stream.consumers.reward.sandbox.categories``).
@@ -37,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import ctypes
+import fcntl
 import importlib
 import inspect
 import json
@@ -58,11 +61,13 @@ from reef_stream.consumers.reward.sandbox.categories import (
     CRASHED, EXIT, MEMORY, OUTPUT_INVALID, TIMEOUT, Limits, signal_name,
 )
 
-__all__ = ["read_frame", "write_frame"]
+__all__ = ["claim_uid", "kill_user", "read_frame", "write_frame"]
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 PR_SET_CHILD_SUBREAPER = 36
+#: Where workers lock the user ids they run calls as (one file per uid, root's alone).
+UID_LOCKS = "/run/reef-sandbox/uids"
 #: The largest result a call may write.
 MAX_RESULT_BYTES = 1 << 20
 #: Standard modules imported lazily by common calls (``socket.create_connection`` needs
@@ -157,6 +162,57 @@ def resolve(target: str, overrides: list[str], build: dict | None = None) -> Any
     if value is None or not callable(value):
         raise SystemExit(f"sandbox worker: {target} has no reward function")
     return value
+
+
+def claim_uid(first: int, count: int) -> tuple[int, int]:
+    """The lowest user id of ``first .. first + count - 1`` that no other worker on this machine
+    holds, with whatever still runs as it killed: ``(uid, fd)``, where ``fd`` holds its lock
+    (``UID_LOCKS``/<uid>, flock'd until this process dies). Raises ``OSError`` when every one
+    is held or the lock directory is not root's alone."""
+    os.makedirs(UID_LOCKS, mode=0o700, exist_ok=True)
+    for directory in (os.path.dirname(UID_LOCKS), UID_LOCKS):
+        info = os.lstat(directory)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
+            raise OSError(f"{directory} must be a directory of root's that only root writes")
+    for uid in range(first, first + count):
+        fd = os.open(os.path.join(UID_LOCKS, str(uid)),
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        kill_user(uid)
+        return uid, fd
+    raise OSError(f"every sandbox user id of {first}..{first + count - 1} is held")
+
+
+def kill_user(uid: int, seconds: float = 1.0, reap: bool = True) -> bool:
+    """SIGKILL every process of ``uid`` (``kill(-1)`` from a child that became ``uid``), again
+    until none is left or ``seconds`` passed; with ``reap``, reaps this process's children
+    between tries (a subreaper's orphans). Blocks; True when none was left. As root only."""
+    deadline = time.monotonic() + seconds
+    while True:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                os.kill(-1, signal.SIGKILL)
+            except ProcessLookupError:
+                os._exit(1)
+            except BaseException:  # noqa: BLE001 - said by the status
+                os._exit(2)
+            os._exit(0)
+        status = os.waitpid(pid, 0)[1]
+        if reap:
+            _reap()
+        if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
+            return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 1
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
 
 
 # --------------------------------------------------------------------------- one call
@@ -382,6 +438,8 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
         try:
             data, status, cpu, too_big = _collect(read_fd, pid)
             _clean_group(pid)
+            if uid is not None:  # and what left its group (a setsid daemon)
+                kill_user(uid)
         finally:
             os.close(read_fd)
         return _answer(data, status, cpu, too_big, _tail(outputs[1]), limits)
@@ -458,6 +516,12 @@ def main() -> None:
     os.dup2(2, 1)
     limits = Limits(**config["limits"])
     uid = config.get("uid")
+    if config.get("uid_range"):
+        try:
+            uid, _lock = claim_uid(*config["uid_range"])
+        except OSError as error:
+            write_frame(out_fd, {"ready": False, "error": f"no sandbox user id: {error}"})
+            return
     network = isolate_network() if config.get("isolate_network", True) else "not isolated: off"
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     from reef_stream.core.events import Generation
