@@ -7,6 +7,8 @@ tests/unit/test_sandbox_escape.py. What it does is named by ``metadata["do"]``:
 - ``write``: writes ``metadata["text"]`` into the files ``metadata["paths"]`` (``:``-separated);
   a file it could not write is skipped;
 - ``read``: reward 1.0 if every file of ``metadata["paths"]`` holds ``metadata["text"]``, else 0;
+- ``fill``: writes ``metadata["n"]`` files of ``metadata["mb"]`` MB as ``/tmp/<token>-<i>``
+  until one fails; reward: the MB written;
 - ``connect_unix``: connects to the unix socket ``metadata["path"]`` (raises if refused);
 - ``daemon``: starts a ``setsid`` grandchild that runs ``sleep 600.<metadata["token"]>``,
   then scores (or, with ``metadata["then_sleep"]``, sleeps that many seconds first);
@@ -96,6 +98,18 @@ def _attack(generation: Generation) -> Reward:
             except OSError:
                 pass
         return Reward(reward=float(found == len(meta["paths"].split(":"))))
+    if what == "fill":
+        written = 0
+        for i in range(int(meta["n"])):
+            try:
+                with open(f"/tmp/{meta['token']}-{i}", "wb") as f:
+                    for _ in range(int(meta["mb"])):
+                        f.write(b"x" * (1 << 20))
+                        f.flush()
+                        written += 1
+            except OSError:
+                break
+        return Reward(reward=float(written))
     if what == "connect_unix":
         with socket.socket(socket.AF_UNIX) as client:
             client.connect(meta["path"])

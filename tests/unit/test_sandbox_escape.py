@@ -260,3 +260,45 @@ def test_pools_never_share_a_uid_and_one_pools_daemon_cannot_kill_anothers_calls
     finally:
         first.close()
         second.close()
+
+
+# --------------------------------------------------------------------------- the filesystem
+
+def test_tmp_files_are_neither_shared_nor_left_after_the_call(pool):
+    token = f"reef-escape-{time.monotonic_ns()}"
+    paths = [f"{d}/{token}" for d in ("/tmp", "/var/tmp", "/dev/shm")]
+    try:
+        assert pool.call(_gen("write", paths=":".join(paths), text=token), timeout=20).reward
+        assert [p for p in paths if os.path.exists(p)] == []
+        assert pool.call(_gen("read", paths=":".join(paths), text=token), timeout=20).reward \
+            == 0.0
+    finally:
+        for path in paths:
+            Path(path).unlink(missing_ok=True)
+    assert pool.filesystem == "private"
+
+
+def test_the_calls_tmp_is_size_limited(pool):
+    token = f"reef-fill-{time.monotonic_ns()}"
+    try:  # four files of 6 MB, each under RLIMIT_FSIZE (8 MB), but not all in an 8 MB tmpfs
+        written = pool.call(_gen("fill", n=4, mb=6, token=token), timeout=30).reward
+        assert written <= LIMITS.file_mb
+    finally:
+        for path in Path("/tmp").glob(f"{token}-*"):
+            path.unlink()
+    _healthy(pool)
+
+
+def test_a_unix_socket_in_tmp_is_out_of_reach(pool):
+    import socket
+
+    path = f"/tmp/reef-sock-{time.monotonic_ns()}"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        os.chmod(path, 0o777)
+        server.listen(1)
+        try:
+            with pytest.raises(RaisedInSandbox, match="No such file"):
+                pool.call(_gen("connect_unix", path=path), timeout=20)
+        finally:
+            os.unlink(path)

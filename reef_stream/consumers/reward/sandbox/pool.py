@@ -197,6 +197,8 @@ class SandboxPool:
         self._import_path: list[str] = []  # the workers' PYTHONPATH (``import_path``)
         #: Why the network is not isolated ("" until a worker said; "isolated" when it is).
         self.network = ""
+        #: ``private`` when each call gets its own tmp mounts; else why not (a worker says).
+        self.filesystem = ""
         #: The user ids the calls of this pool's workers have run as.
         self.uids: set[int] = set()
         #: The Python installation's directory, when the calls' users cannot read it.
@@ -238,6 +240,9 @@ class SandboxPool:
             log.warning("sandbox: the calls' users cannot read the Python installation (%s): "
                         "a reward can import only what its module (or the worker) imported "
                         "before the call", self.unreadable)
+        if self.filesystem != "private":
+            log.warning("sandbox: reward calls share /tmp, /var/tmp, /dev/shm and /run with "
+                        "this machine (%s)", self.filesystem)
         if self.network != "isolated":
             log.warning("sandbox: the network of reward calls is NOT isolated (%s)", self.network)
         else:
@@ -468,6 +473,7 @@ class SandboxPool:
             return None, str(ready.get("error"))
         self.start_latency.add(time.monotonic() - spawned)
         worker.network = self.network = str(ready.get("network"))
+        self.filesystem = str(ready.get("filesystem"))
         if ready.get("uid") is not None:
             worker.uid = int(ready["uid"])
             with self._lock:

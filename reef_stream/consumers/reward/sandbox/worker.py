@@ -20,7 +20,8 @@ Each call: the request frame carries the generation as its Avro record (value an
 base64 in JSON); the worker decodes it, makes a fresh temporary directory of its own, opens
 the call's stdout and stderr files there (it later reads only these descriptors, bounded)
 and forks the call's process, which makes a process group of its own, points stdin at
-/dev/null and stdout and stderr at those files, works in a directory of its own (``HOME`` and ``TMPDIR`` too), sets the
+/dev/null and stdout and stderr at those files, gets private tmp mounts (``_private_tmp``;
+where refused, a directory of its own instead) and works in its /tmp (``HOME`` and ``TMPDIR`` too), sets the
 ``Limits``, drops to the call's user (as root: a uid of ``uid_range`` the worker holds for
 its life, ``claim_uid``; never another pool's), runs the reward
 function (a coroutine on a fresh event loop) and writes its result as JSON to a pipe. The
@@ -64,6 +65,12 @@ from reef_stream.consumers.reward.sandbox.categories import (
 __all__ = ["claim_uid", "kill_user", "read_frame", "write_frame"]
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
+#: The directories each call gets a private, size-limited tmpfs on (the first is its working
+#: directory, ``HOME`` and ``TMPDIR``); ``/run`` hides the host's unix sockets.
+PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 CLONE_NEWUSER = 0x10000000
 PR_SET_CHILD_SUBREAPER = 36
 #: Where workers lock the user ids they run calls as (one file per uid, root's alone).
@@ -217,6 +224,42 @@ def kill_user(uid: int, seconds: float = 1.0, reap: bool = True) -> bool:
 
 # --------------------------------------------------------------------------- one call
 
+def _private_tmp(limits: Limits) -> bool:
+    """In the call's process, as root: a mount namespace (and an IPC namespace) of its own,
+    every mount private, and a fresh tmpfs of ``limits.file_mb`` MB (nosuid, nodev) on each
+    of ``PRIVATE_TMP`` that exists: nothing written there is shared with another call or
+    outlives this one, and a unix socket there on the host is out of reach. False when the
+    namespace is refused (the call then works in a directory of the worker's); raises
+    ``OSError`` when a mount fails after it was granted."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS | CLONE_NEWIPC) != 0 and libc.unshare(CLONE_NEWNS) != 0:
+        return False
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+    options = f"size={limits.file_mb}m,mode=1777".encode()
+    for path in PRIVATE_TMP:
+        if os.path.isdir(path) and not os.path.islink(path):
+            if libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
+                          options) != 0:
+                raise OSError(ctypes.get_errno(), f"mount tmpfs on {path}")
+    return True
+
+
+def _filesystem(limits: Limits) -> str:
+    """``private`` when a call's process gets its own tmp mounts (``_private_tmp``, tried in
+    a child); otherwise why not."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if _private_tmp(limits) else 1)
+        except BaseException:  # noqa: BLE001 - said by the status
+            os._exit(2)
+    status = os.waitpid(pid, 0)[1]
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+        return "private"
+    return ("not private: unshare(CLONE_NEWNS) was refused" if os.WIFEXITED(status)
+            and os.WEXITSTATUS(status) == 1 else "not private: a tmpfs mount failed")
+
 def _user_processes(uid: int) -> int:
     count = 0
     for entry in os.listdir("/proc"):
@@ -261,6 +304,12 @@ def _child(reward: Any, generation: Any, workdir: str, result_fd: int, outputs: 
         os.dup2(outputs[1], 2)
         os.closerange(3, result_fd)
         os.closerange(result_fd + 1, 1 << 16)
+        if _private_tmp(limits):
+            workdir = PRIVATE_TMP[0]
+        else:
+            os.makedirs(workdir, 0o700, exist_ok=True)
+            if uid is not None:
+                os.chown(workdir, uid, uid)
         os.chdir(workdir)
         os.environ.update(HOME=workdir, TMPDIR=workdir, TMP=workdir, TEMP=workdir,
                           REEF_SANDBOXED_CALL="1")
@@ -416,10 +465,8 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
     own = tempfile.mkdtemp(prefix="call-", dir=tmp)  # the worker's: 0700, its user's
     outputs: tuple[int, ...] = ()
     try:
-        workdir = os.path.join(own, "work")
-        os.mkdir(workdir, 0o700)
-        if uid is not None:
-            os.chown(workdir, uid, uid)
+        os.chmod(own, 0o711)  # its files stay the worker's (0600)
+        workdir = os.path.join(own, "work")  # made by the call where /tmp is not its own
         outputs = (_open_output(own, "stdout"), _open_output(own, "stderr"))
         read_fd, write_fd = os.pipe()
         pid = os.fork()
@@ -534,7 +581,8 @@ def main() -> None:
         write_frame(out_fd, {"ready": False, "error": f"{type(error).__name__}: {error}"})
         return
     write_frame(out_fd, {"ready": True, "network": network, "pid": os.getpid(), "uid": uid,
-                         "unreadable": _unreadable(uid), "torch": "torch" in sys.modules,
+                         "unreadable": _unreadable(uid), "filesystem": _filesystem(limits),
+                         "torch": "torch" in sys.modules,
                          "modules": len(sys.modules)})
     while (request := read_frame(0)) is not None:
         _reap()
