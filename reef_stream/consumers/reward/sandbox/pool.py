@@ -65,8 +65,8 @@ from reef_stream.consumers.reward.sandbox.worker import kill_user, write_frame
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.serde import encode
 
-__all__ = ["ALLOWED_ENV", "AUTO", "DEFAULT_UID_BASE", "UID_COUNT", "SandboxPool", "Ticket", "import_path",
-           "worker_environment"]
+__all__ = ["ALLOWED_ENV", "AUTO", "DEFAULT_UID_BASE", "UID_COUNT", "SandboxPool", "Ticket",
+           "import_path", "worker_environment"]
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +169,9 @@ class Ticket:
 class SandboxPool:
     """See the module docstring. ``target``: ``module:attribute`` naming a ``Recipe`` (its
     reward function is used, after ``overrides``) or a reward function, importable in this
-    process (a worker gets the directories that hold it: ``import_path``). ``uid_base``: the calls' first user id when run
-    as root (``AUTO``: ``DEFAULT_UID_BASE`` as root, none otherwise; None: never change user).
+    process (a worker gets the directories that hold it: ``import_path``). ``uid_base``: the
+    first of the ``UID_COUNT`` user ids the calls may run as when run as root (``AUTO``:
+    ``DEFAULT_UID_BASE`` as root, none otherwise; None: never change user).
     """
 
     def __init__(self, target: str, *, overrides: tuple[str, ...] = (), size: int = 4,

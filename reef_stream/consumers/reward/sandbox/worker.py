@@ -21,10 +21,10 @@ base64 in JSON); the worker decodes it, makes a fresh temporary directory of its
 the call's stdout and stderr files there (it later reads only these descriptors, bounded)
 and forks the call's process, which makes a process group of its own, points stdin at
 /dev/null and stdout and stderr at those files, gets private tmp mounts (``_private_tmp``;
-where refused, a directory of its own instead) and works in its /tmp (``HOME`` and ``TMPDIR`` too), sets the
-``Limits``, drops to the call's user (as root: a uid of ``uid_range`` the worker holds for
-its life, ``claim_uid``; never another pool's), runs the reward
-function (a coroutine on a fresh event loop) and writes its result as JSON to a pipe. The
+where refused, a directory of its own instead) and works in its /tmp (``HOME`` and
+``TMPDIR`` too), sets the ``Limits``, drops to the call's user (as root: a uid of
+``uid_range`` the worker holds for its life, ``claim_uid``; never another pool's), runs the
+reward function (a coroutine on a fresh event loop) and writes its result as JSON to a pipe. The
 worker writes a frame with the call's pid (the pool kills that process group on a wall-clock
 timeout), waits for the call's process, kills what is left of its group and every process
 of its uid (``kill_user``: a ``setsid`` daemon too), reaps, removes the
