@@ -302,3 +302,29 @@ def test_a_unix_socket_in_tmp_is_out_of_reach(pool):
                 pool.call(_gen("connect_unix", path=path), timeout=20)
         finally:
             os.unlink(path)
+
+
+# --------------------------------------------------------------------------- limits per call
+
+def test_memory_is_limited_per_call_not_per_process():
+    pool = _pool(limits=dataclasses.replace(LIMITS, memory_mb=128))
+    try:  # four children of 100 MB each: each under RLIMIT_AS, not together under 128 MB
+        try:
+            reward = pool.call(_gen("children", n=4, mb=100), timeout=30)
+            assert reward.reward == 0.0, "all four children got their 100 MB"
+        except SandboxFailure as failure:
+            assert failure.category == "memory", failure
+        assert pool.cgroup in ("v1", "v2")
+        _healthy(pool)
+        workers = [worker.pid for worker in pool._live.values()]
+    finally:
+        pool.close()
+    assert [d for d in _call_groups() for pid in workers if f"reef-call-{pid}-" in d] == []
+
+
+def _call_groups() -> list[str]:
+    """The calls' cgroups left on this machine (``reef-call-*``)."""
+    found = []
+    for top, dirs, _ in os.walk("/sys/fs/cgroup"):
+        found += [os.path.join(top, d) for d in dirs if d.startswith("reef-call-")]
+    return found

@@ -59,6 +59,8 @@ from reef_stream.api.rewards import Reward
 from reef_stream.consumers.reward.sandbox.categories import (
     SANDBOX_UNAVAILABLE, TIMEOUT, Limits, RaisedInSandbox, SandboxFailure,
 )
+from reef_stream.consumers.reward.sandbox.cgroups import find as find_cgroups
+from reef_stream.consumers.reward.sandbox.cgroups import remove_stale
 from reef_stream.consumers.reward.sandbox.latency import LatencyWindow
 from reef_stream.consumers.reward.sandbox.reference import worker_target
 from reef_stream.consumers.reward.sandbox.worker import kill_user, write_frame
@@ -198,6 +200,8 @@ class SandboxPool:
         self._import_path: list[str] = []  # the workers' PYTHONPATH (``import_path``)
         #: Why the network is not isolated ("" until a worker said; "isolated" when it is).
         self.network = ""
+        #: ``v1``/``v2`` when each call runs in a cgroup of its own; else ``none (why)``.
+        self.cgroup = ""
         #: ``private`` when each call gets its own tmp mounts; else why not (a worker says).
         self.filesystem = ""
         #: The user ids the calls of this pool's workers have run as.
@@ -241,6 +245,9 @@ class SandboxPool:
             log.warning("sandbox: the calls' users cannot read the Python installation (%s): "
                         "a reward can import only what its module (or the worker) imported "
                         "before the call", self.unreadable)
+        if not self.cgroup.startswith("v"):
+            log.warning("sandbox: memory and processes are limited per process, not per call: "
+                        "no cgroup for the calls (%s)", self.cgroup)
         if self.filesystem != "private":
             log.warning("sandbox: reward calls share /tmp, /var/tmp, /dev/shm and /run with "
                         "this machine (%s)", self.filesystem)
@@ -342,6 +349,8 @@ class SandboxPool:
             _reap(worker)
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
+        if workers and self.cgroup.startswith("v"):  # a call killed with its worker left its own
+            remove_stale(find_cgroups())
 
     # ----------------------------------------------------------------- workers
 
@@ -475,6 +484,7 @@ class SandboxPool:
         self.start_latency.add(time.monotonic() - spawned)
         worker.network = self.network = str(ready.get("network"))
         self.filesystem = str(ready.get("filesystem"))
+        self.cgroup = str(ready.get("cgroup"))
         if ready.get("uid") is not None:
             worker.uid = int(ready["uid"])
             with self._lock:

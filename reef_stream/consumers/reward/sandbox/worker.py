@@ -43,6 +43,7 @@ import ctypes
 import fcntl
 import importlib
 import inspect
+import itertools
 import json
 import math
 import numbers
@@ -59,8 +60,9 @@ import time
 from typing import Any
 
 from reef_stream.consumers.reward.sandbox.categories import (
-    CRASHED, EXIT, MEMORY, OUTPUT_INVALID, TIMEOUT, Limits, signal_name,
+    CRASHED, EXIT, MEMORY, OUTPUT_INVALID, SANDBOX_UNAVAILABLE, TIMEOUT, Limits, signal_name,
 )
+from reef_stream.consumers.reward.sandbox.cgroups import CallGroup, Groups, find, remove_stale
 
 __all__ = ["claim_uid", "kill_user", "read_frame", "write_frame"]
 
@@ -90,6 +92,7 @@ PRELOADED = ("encodings.idna", "encodings.punycode", "json", "asyncio", "tempfil
 #: How much of a call's stderr goes into the reason of its failure.
 STDERR_TAIL = 1500
 _MEMORY_RESULT = b'{"memory": true}'
+_CALLS = itertools.count()
 
 
 def write_frame(fd: int, payload: dict) -> None:
@@ -289,12 +292,14 @@ def _set_limits(limits: Limits, uid: int | None) -> None:
 
 
 def _child(reward: Any, generation: Any, workdir: str, result_fd: int, outputs: tuple[int, int],
-           limits: Limits, uid: int | None) -> None:
+           limits: Limits, uid: int | None, group: CallGroup | None) -> None:
     """The call's process (after the fork): ``outputs`` are its stdout and stderr, opened by
-    the worker. Never returns."""
+    the worker; ``group`` its cgroup, joined first. Never returns."""
     me = os.getpid()
     memory_result = _MEMORY_RESULT
     try:
+        if group is not None:
+            group.join()
         os.setpgid(0, 0)
         for number in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(number, signal.SIG_DFL)
@@ -460,8 +465,18 @@ def _tail(fd: int) -> str:
 
 
 def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
-             out_fd: int, tmp: str | None = None) -> dict:
-    """One call in a forked process (see the module docstring); the answer frame."""
+             out_fd: int, tmp: str | None = None, groups: Groups | None = None) -> dict:
+    """One call in a forked process (see the module docstring), in a cgroup of its own where
+    ``groups`` has a version (memory and processes limited per call); the answer frame."""
+    group = None
+    if groups is not None and groups.version:
+        group = CallGroup(groups, f"reef-call-{os.getpid()}-{next(_CALLS)}")
+        try:
+            group.create(limits.memory_mb << 20, limits.processes)
+        except OSError as error:
+            group.remove(0)
+            return {"failure": {"category": SANDBOX_UNAVAILABLE,
+                                "detail": f"the call's cgroup could not be made: {error}"}}
     own = tempfile.mkdtemp(prefix="call-", dir=tmp)  # the worker's: 0700, its user's
     outputs: tuple[int, ...] = ()
     try:
@@ -473,7 +488,7 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
         if pid == 0:
             try:
                 os.close(read_fd)
-                _child(reward, generation, workdir, write_fd, outputs, limits, uid)
+                _child(reward, generation, workdir, write_fd, outputs, limits, uid, group)
             finally:
                 os._exit(70)
         os.close(write_fd)
@@ -489,15 +504,18 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
                 kill_user(uid)
         finally:
             os.close(read_fd)
-        return _answer(data, status, cpu, too_big, _tail(outputs[1]), limits)
+        oom = group.oom_kills() if group is not None else 0
+        return _answer(data, status, cpu, too_big, _tail(outputs[1]), limits, oom)
     finally:
         for fd in outputs:
             os.close(fd)
         shutil.rmtree(own, ignore_errors=True)
+        if group is not None:
+            group.remove()
 
 
 def _answer(data: bytes, status: int, cpu: float, too_big: bool, stderr: str,
-            limits: Limits) -> dict:
+            limits: Limits, oom: int = 0) -> dict:
     said = f"; its stderr ends: {stderr[-STDERR_TAIL:]}" if stderr else ""
 
     def failure(category: str, detail: str) -> dict:
@@ -508,6 +526,9 @@ def _answer(data: bytes, status: int, cpu: float, too_big: bool, stderr: str,
         if number == signal.SIGXCPU or (number == signal.SIGKILL and cpu >= limits.cpu_s):
             return failure(TIMEOUT, f"the CPU limit of {limits.cpu_s} s ran out "
                                     f"({signal_name(number)}){said}")
+        if number == signal.SIGKILL and oom:
+            return failure(MEMORY, f"the call's processes together passed the memory limit "
+                                   f"of {limits.memory_mb} MB (its cgroup's OOM killer){said}")
         return failure(CRASHED, f"the call's process was killed by {signal_name(number)}{said}")
     if too_big:
         return failure(OUTPUT_INVALID, f"the result was larger than {MAX_RESULT_BYTES} bytes")
@@ -570,6 +591,8 @@ def main() -> None:
             write_frame(out_fd, {"ready": False, "error": f"no sandbox user id: {error}"})
             return
     network = isolate_network() if config.get("isolate_network", True) else "not isolated: off"
+    groups = find()
+    remove_stale(groups)
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     from reef_stream.core.events import Generation
     from reef_stream.core.serde import decode
@@ -582,6 +605,7 @@ def main() -> None:
         return
     write_frame(out_fd, {"ready": True, "network": network, "pid": os.getpid(), "uid": uid,
                          "unreadable": _unreadable(uid), "filesystem": _filesystem(limits),
+                         "cgroup": groups.state,
                          "torch": "torch" in sys.modules,
                          "modules": len(sys.modules)})
     while (request := read_frame(0)) is not None:
@@ -595,7 +619,8 @@ def main() -> None:
                                              "detail": f"the generation did not decode in the "
                                                        f"sandbox: {error}"}})
             continue
-        write_frame(out_fd, run_call(reward, generation, limits, uid, out_fd, config.get("tmp")))
+        write_frame(out_fd, run_call(reward, generation, limits, uid, out_fd, config.get("tmp"),
+                                     groups))
 
 
 if __name__ == "__main__":
