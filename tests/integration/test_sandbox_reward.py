@@ -57,7 +57,7 @@ def _run(kafka_bootstrap, namespace, tmp_path, recipe: str, *args: str,
     env = {"PATH": "/usr/bin:/bin", "REEF_BOOTSTRAP_SERVERS": kafka_bootstrap,
            "REEF_NAMESPACE": namespace, "REEF_HOME": str(tmp_path / "home")}
     process = subprocess.run(
-        [sys.executable, "-m", "reef_stream.consumers.reward.worker",
+        [sys.executable, "-m", "reef_stream.cli", "reward",
          "--recipe", f"tests.recipes.sandbox_rewards:{recipe}", *args],
         env=env, cwd=_ROOT, capture_output=True, text=True, timeout=timeout)
     counts = {}
