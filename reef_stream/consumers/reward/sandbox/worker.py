@@ -477,7 +477,7 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
             group.remove(0)
             return {"failure": {"category": SANDBOX_UNAVAILABLE,
                                 "detail": f"the call's cgroup could not be made: {error}"}}
-    own = tempfile.mkdtemp(prefix="call-", dir=tmp)  # the worker's: 0700, its user's
+    own = tempfile.mkdtemp(prefix="call-", dir=tmp)  # the worker's; the call cannot change it
     outputs: tuple[int, ...] = ()
     try:
         os.chmod(own, 0o711)  # its files stay the worker's (0600)
