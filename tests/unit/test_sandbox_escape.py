@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from reef_stream.consumers.reward.sandbox.categories import (
-    Limits, RaisedInSandbox, SandboxFailure,
+    Limits,
+    RaisedInSandbox,
+    SandboxFailure,
 )
 from reef_stream.consumers.reward.sandbox.pool import SandboxPool
 from tests.faults.records import generation

@@ -82,10 +82,10 @@ def same(got: Any, expected: Any) -> bool:
         return type(got) in (int, float) and got == expected
     if type(expected) in (list, tuple):
         return type(got) is list and len(got) == len(expected) and \
-            all([same(g, e) for g, e in zip(got, expected)])
+            all(same(g, e) for g, e in zip(got, expected))
     if type(expected) is dict:
         return type(got) is dict and set(got) == set(expected) and \
-            all([same(got[k], e) for k, e in expected.items()])
+            all(same(got[k], e) for k, e in expected.items())
     return False
 
 

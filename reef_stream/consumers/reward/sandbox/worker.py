@@ -241,10 +241,9 @@ def _private_tmp(limits: Limits) -> bool:
         raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
     options = f"size={limits.file_mb}m,mode=1777".encode()
     for path in PRIVATE_TMP:
-        if os.path.isdir(path) and not os.path.islink(path):
-            if libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
-                          options) != 0:
-                raise OSError(ctypes.get_errno(), f"mount tmpfs on {path}")
+        if os.path.isdir(path) and not os.path.islink(path) and \
+                libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
+            raise OSError(ctypes.get_errno(), f"mount tmpfs on {path}")
     return True
 
 
