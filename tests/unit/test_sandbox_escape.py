@@ -184,6 +184,16 @@ def test_a_program_cannot_forge_its_code_reward(code_pool, program):
     assert code_pool.call(_code("def add(a, b):\n    return a + b\n"), timeout=20).reward == 1.0
 
 
+def test_a_program_cannot_open_its_judges_memory(code_pool):
+    # A guard for the design above (the judge is the program's parent, as the same user):
+    # not dumpable (it dropped from root; elsewhere it makes itself so), its memory is closed.
+    program = ("import os\n"
+               "def add(a, b):\n"
+               "    open(f'/proc/{os.getppid()}/mem', 'rb').close()\n"
+               "    return a + b\n")
+    assert code_pool.call(_code(program), timeout=20).reward == 0.0
+
+
 def test_code_tests_expect_plain_data_compared_structurally():
     from reef_stream.consumers.reward.sandbox.code_reward import CodeTest, same
 
