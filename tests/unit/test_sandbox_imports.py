@@ -184,12 +184,12 @@ def test_a_call_in_flight_when_the_pool_closes_is_neither_a_restart_nor_a_failur
     assert "closed during the call" in str(outcome[0])
     assert pool.restarts == 0 and dict(pool.failures) == {}
     if pool.uid_base is not None:  # as root the call ran as a user of its own: it was killed
-        uids = range(pool.uid_base, pool.uid_base + pool.size)
-        wait_until(lambda: not _alive(uids), 5,
-                   lambda: f"the call's processes to die; alive: {_alive(uids)}", poll_s=0.05)
+        wait_until(lambda: not _alive(pool.uids), 5,
+                   lambda: f"the call's processes to die; alive: {_alive(pool.uids)}",
+                   poll_s=0.05)
 
 
-def _alive(uids: range) -> list[str]:
+def _alive(uids: set[int]) -> list[str]:
     """The processes of ``uids`` that are not dead (a zombie waits for init to reap it)."""
     alive = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -80,11 +80,15 @@ class Limits:
 
     ``cpu_s``: CPU seconds (RLIMIT_CPU; SIGXCPU, then SIGKILL a second later). ``memory_mb``:
     address space beyond what the worker had mapped at the fork (RLIMIT_AS; the worker's own
-    imports are not counted against the reward). ``file_mb``: the largest file it may write
-    (RLIMIT_FSIZE; writing more fails with EFBIG). ``open_files``: RLIMIT_NOFILE.
+    imports are not counted against the reward), and, where the call has a cgroup
+    (``reef_stream.consumers.reward.sandbox.cgroups``), the memory of all its processes and
+    its tmp files together (past it the OOM killer: ``memory``). ``file_mb``: the largest
+    file it may write (RLIMIT_FSIZE; writing more fails with EFBIG) and the size of each of
+    its private tmp mounts. ``open_files``: RLIMIT_NOFILE.
     ``processes``: RLIMIT_NPROC, counted per user: a worker started as root runs each call
     as an unprivileged user of its own (``SandboxPool``'s ``uid_base``), so the count is the
-    call's; otherwise it is added to the processes the user already runs.
+    call's; otherwise it is added to the processes the user already runs; and the cgroup's
+    ``pids.max``.
     """
 
     cpu_s: int = 10

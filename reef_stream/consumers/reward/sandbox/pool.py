@@ -23,11 +23,16 @@ worker's watchdog). A worker that dies is replaced the same way.
 ``SandboxFailure`` (``reef_stream.consumers.reward.sandbox.categories``). It never returns a reward for a
 failure.
 
+A worker starts with ``-P`` in ``/`` (no module from the working directory runs in it) and
+an environment of its own (``worker_environment``: ``ALLOWED_ENV`` only, no credentials).
+
 Network: each worker tries a network namespace of its own at start; when that is refused
 the pool logs a warning at start-up, ``network`` says why and ``stats()`` reports
 ``network_isolated`` 0. When the pool runs as root, each worker's calls run as a user of
-their own (``uid_base + the worker's index``), so the process limit is the call's and the
-call cannot write to files it does not own.
+their own, a uid of ``uid_base .. uid_base + UID_COUNT - 1`` the worker holds for its life (a
+lock file, ``worker.claim_uid``: never another worker's, in this pool or another), so the
+process limit is the call's and the call cannot write to files it does not own; at each
+call's end, and at ``close``, every process of that uid is killed.
 
 Thread-safe: any number of threads may call at once (one worker each).
 """
@@ -54,19 +59,29 @@ from reef_stream.api.rewards import Reward
 from reef_stream.consumers.reward.sandbox.categories import (
     SANDBOX_UNAVAILABLE, TIMEOUT, Limits, RaisedInSandbox, SandboxFailure,
 )
+from reef_stream.consumers.reward.sandbox.cgroups import find as find_cgroups
+from reef_stream.consumers.reward.sandbox.cgroups import remove_stale
 from reef_stream.consumers.reward.sandbox.latency import LatencyWindow
 from reef_stream.consumers.reward.sandbox.reference import worker_target
-from reef_stream.consumers.reward.sandbox.worker import write_frame
+from reef_stream.consumers.reward.sandbox.worker import kill_user, write_frame
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.serde import encode
 
-__all__ = ["AUTO", "DEFAULT_UID_BASE", "SandboxPool", "Ticket"]
+__all__ = ["ALLOWED_ENV", "AUTO", "DEFAULT_UID_BASE", "UID_COUNT", "SandboxPool", "Ticket",
+           "import_path", "worker_environment"]
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
 #: The first user id of the calls of a pool run as root (one per worker).
 DEFAULT_UID_BASE = 61000
+#: How many user ids from ``uid_base`` the workers of every pool on this machine share.
+UID_COUNT = 4000
+#: The variables a worker (and so a call) takes from this process's environment; nothing
+#: else reaches it (``worker_environment``).
+ALLOWED_ENV = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
+#: A worker's ``PATH``: system directories only.
+SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Seconds a worker has to answer for a call killed at its deadline before it is replaced.
 RECYCLE_S = 10.0
 #: Seconds between two tries to start a worker after one failed to.
@@ -87,6 +102,7 @@ class _Worker:
         self.into = popen.stdin.fileno()
         self.buffer = b""
         self.call_dir = ""  # the running (or last) call's directory
+        self.uid: int | None = None  # the user its calls run as
         self.network = ""
         self.dead = False
 
@@ -154,9 +170,10 @@ class Ticket:
 
 class SandboxPool:
     """See the module docstring. ``target``: ``module:attribute`` naming a ``Recipe`` (its
-    reward function is used, after ``overrides``) or a reward function, importable by a fresh
-    Python started in the current directory. ``uid_base``: the calls' first user id when run
-    as root (``AUTO``: ``DEFAULT_UID_BASE`` as root, none otherwise; None: never change user).
+    reward function is used, after ``overrides``) or a reward function, importable in this
+    process (a worker gets the directories that hold it: ``import_path``). ``uid_base``: the
+    first of the ``UID_COUNT`` user ids the calls may run as when run as root (``AUTO``:
+    ``DEFAULT_UID_BASE`` as root, none otherwise; None: never change user).
     """
 
     def __init__(self, target: str, *, overrides: tuple[str, ...] = (), size: int = 4,
@@ -180,8 +197,15 @@ class SandboxPool:
         self._live: dict[int, _Worker] = {}  # index -> worker, started or starting
         self._closed = False
         self._tmp = ""  # the workers' calls' directories are made under it
+        self._import_path: list[str] = []  # the workers' PYTHONPATH (``import_path``)
         #: Why the network is not isolated ("" until a worker said; "isolated" when it is).
         self.network = ""
+        #: ``v1``/``v2`` when each call runs in a cgroup of its own; else ``none (why)``.
+        self.cgroup = ""
+        #: ``private`` when each call gets its own tmp mounts; else why not (a worker says).
+        self.filesystem = ""
+        #: The user ids the calls of this pool's workers have run as.
+        self.uids: set[int] = set()
         #: The Python installation's directory, when the calls' users cannot read it.
         self.unreadable = ""
         self.last_start_error = ""
@@ -200,6 +224,7 @@ class SandboxPool:
         """Start ``size`` workers and wait until they are ready (up to ``start_timeout``).
         Raises ``ConfigurationError`` when none could start (naming why)."""
         self.worker_target = worker_target(self.target, self.overrides)
+        self._import_path = import_path(self.target, self.worker_target["target"])
         self._tmp = tempfile.mkdtemp(prefix="reef-sandbox-")
         if self.uid_base is not None:
             os.chmod(self._tmp, 0o711)  # the calls' users reach their own directories
@@ -220,6 +245,12 @@ class SandboxPool:
             log.warning("sandbox: the calls' users cannot read the Python installation (%s): "
                         "a reward can import only what its module (or the worker) imported "
                         "before the call", self.unreadable)
+        if not self.cgroup.startswith("v"):
+            log.warning("sandbox: memory and processes are limited per process, not per call: "
+                        "no cgroup for the calls (%s)", self.cgroup)
+        if self.filesystem != "private":
+            log.warning("sandbox: reward calls share /tmp, /var/tmp, /dev/shm and /run with "
+                        "this machine (%s)", self.filesystem)
         if self.network != "isolated":
             log.warning("sandbox: the network of reward calls is NOT isolated (%s)", self.network)
         else:
@@ -281,6 +312,9 @@ class SandboxPool:
         if "raised" in answer:
             raised = answer["raised"]
             raise RaisedInSandbox(str(raised.get("type")), str(raised.get("message")))
+        if self._closed:  # close() killed it (every process of its uid): not its failure
+            raise SandboxFailure(SANDBOX_UNAVAILABLE, "the sandbox pool was closed during the "
+                                                      "call")
         failure = answer.get("failure") or {}
         raise self._failed(SandboxFailure(failure.get("category", "output_invalid"),
                                           str(failure.get("detail"))))
@@ -309,10 +343,14 @@ class SandboxPool:
             self._idle.clear()
             self._lock.notify_all()
         for worker in workers:
+            if worker.uid is not None:  # while its worker still holds the uid
+                kill_user(worker.uid, reap=False)
             _killpg(worker.pid)
             _reap(worker)
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
+        if workers and self.cgroup.startswith("v"):  # a call killed with its worker left its own
+            remove_stale(find_cgroups())
 
     # ----------------------------------------------------------------- workers
 
@@ -419,14 +457,15 @@ class SandboxPool:
     def _spawn(self, index: int) -> tuple[_Worker | None, str]:
         config = {**self.worker_target,
                   "limits": vars(self.limits), "isolate_network": self.isolate_network,
-                  "uid": None if self.uid_base is None else self.uid_base + index,
+                  "uid_range": None if self.uid_base is None else [self.uid_base, UID_COUNT],
                   "tmp": self._tmp or None}
         spawned = time.monotonic()
         try:
             popen = subprocess.Popen(
-                [self.python, "-m", "reef_stream.consumers.reward.sandbox.worker", json.dumps(config)],
+                [self.python, "-P", "-s", "-m", "reef_stream.consumers.reward.sandbox.worker",
+                 json.dumps(config)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-                close_fds=True)
+                close_fds=True, cwd="/", env=worker_environment(self._import_path))
         except OSError as error:
             return None, f"{type(error).__name__}: {error}"
         worker = _Worker(popen, index, spawned)
@@ -444,9 +483,45 @@ class SandboxPool:
             return None, str(ready.get("error"))
         self.start_latency.add(time.monotonic() - spawned)
         worker.network = self.network = str(ready.get("network"))
+        self.filesystem = str(ready.get("filesystem"))
+        self.cgroup = str(ready.get("cgroup"))
+        if ready.get("uid") is not None:
+            worker.uid = int(ready["uid"])
+            with self._lock:
+                self.uids.add(worker.uid)
         self.worker_torch = bool(ready.get("torch"))
         self.unreadable = str(ready.get("unreadable") or "")
         return worker, ""
+
+
+def worker_environment(path: list[str]) -> dict[str, str]:
+    """A worker's whole environment: ``ALLOWED_ENV`` from this process's (never a credential:
+    no ``REEF_*``), a fixed ``PATH`` and ``PYTHONPATH`` = ``path``."""
+    env = {name: os.environ[name] for name in ALLOWED_ENV if name in os.environ}
+    env["PATH"] = SAFE_PATH
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    return env
+
+
+def import_path(*targets: str) -> list[str]:
+    """Absolute directories a worker needs on ``sys.path`` (it starts with ``-P`` in ``/``,
+    so never the caller's working directory): the one holding ``reef_stream``, then those
+    holding the top-level packages of ``targets`` (``module:attribute``) as this process
+    imported them, then this process's ``PYTHONPATH`` entries that are absolute."""
+    import reef_stream
+
+    found = [os.path.dirname(os.path.dirname(os.path.abspath(reef_stream.__file__)))]
+    for target in targets:
+        module = sys.modules.get(target.partition(":")[0].split(".")[0])
+        for location in [getattr(module, "__file__", None),
+                         *list(getattr(module, "__path__", None) or [])]:
+            if location:
+                location = os.path.abspath(location)
+                if os.path.basename(location) == "__init__.py":
+                    location = os.path.dirname(location)
+                found.append(os.path.dirname(location))
+    found += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
+    return list(dict.fromkeys(found))
 
 
 def _killpg(pgid: int) -> None:

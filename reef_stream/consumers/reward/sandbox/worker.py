@@ -17,13 +17,17 @@ fork of the reward worker and its Kafka clients). At start it:
    many modules were), then serves calls one at a time until its stdin closes.
 
 Each call: the request frame carries the generation as its Avro record (value and headers,
-base64 in JSON); the worker decodes it, makes a fresh temporary directory and forks the call's
-process, which makes a process group of its own, points stdin at /dev/null and stdout and
-stderr at files of that directory, works in it (``HOME`` and ``TMPDIR`` too), sets the
-``Limits``, drops to the call's user (``uid``, when the worker runs as root), runs the reward
-function (a coroutine on a fresh event loop) and writes its result as JSON to a pipe. The
+base64 in JSON); the worker decodes it, makes a fresh temporary directory of its own, opens
+the call's stdout and stderr files there (it later reads only these descriptors, bounded)
+and forks the call's process, which makes a process group of its own, points stdin at
+/dev/null and stdout and stderr at those files, gets private tmp mounts (``_private_tmp``;
+where refused, a directory of its own instead) and works in its /tmp (``HOME`` and
+``TMPDIR`` too), sets the ``Limits``, drops to the call's user (as root: a uid of
+``uid_range`` the worker holds for its life, ``claim_uid``; never another pool's), runs the
+reward function (a coroutine on a fresh event loop) and writes its result as JSON to a pipe. The
 worker writes a frame with the call's pid (the pool kills that process group on a wall-clock
-timeout), waits for the call's process, kills what is left of its group, reaps, removes the
+timeout), waits for the call's process, kills what is left of its group and every process
+of its uid (``kill_user``: a ``setsid`` daemon too), reaps, removes the
 directory and answers with one frame: ``{"ok": {"reward", "components"}}``, ``{"raised":
 {"type", "message"}}``, or ``{"failure": {"category", "detail"}}``
 (``reef_stream.consumers.reward.sandbox.categories``).
@@ -36,8 +40,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import ctypes
+import fcntl
 import importlib
 import inspect
+import itertools
 import json
 import math
 import numbers
@@ -46,6 +52,7 @@ import resource
 import select
 import shutil
 import signal
+import stat
 import struct
 import sys
 import tempfile
@@ -53,14 +60,23 @@ import time
 from typing import Any
 
 from reef_stream.consumers.reward.sandbox.categories import (
-    CRASHED, EXIT, MEMORY, OUTPUT_INVALID, TIMEOUT, Limits, signal_name,
+    CRASHED, EXIT, MEMORY, OUTPUT_INVALID, SANDBOX_UNAVAILABLE, TIMEOUT, Limits, signal_name,
 )
+from reef_stream.consumers.reward.sandbox.cgroups import CallGroup, Groups, find, remove_stale
 
-__all__ = ["read_frame", "write_frame"]
+__all__ = ["claim_uid", "kill_user", "read_frame", "write_frame"]
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
+#: The directories each call gets a private, size-limited tmpfs on (the first is its working
+#: directory, ``HOME`` and ``TMPDIR``); ``/run`` hides the host's unix sockets.
+PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 CLONE_NEWUSER = 0x10000000
 PR_SET_CHILD_SUBREAPER = 36
+#: Where workers lock the user ids they run calls as (one file per uid, root's alone).
+UID_LOCKS = "/run/reef-sandbox/uids"
 #: The largest result a call may write.
 MAX_RESULT_BYTES = 1 << 20
 #: Standard modules imported lazily by common calls (``socket.create_connection`` needs
@@ -76,6 +92,7 @@ PRELOADED = ("encodings.idna", "encodings.punycode", "json", "asyncio", "tempfil
 #: How much of a call's stderr goes into the reason of its failure.
 STDERR_TAIL = 1500
 _MEMORY_RESULT = b'{"memory": true}'
+_CALLS = itertools.count()
 
 
 def write_frame(fd: int, payload: dict) -> None:
@@ -157,7 +174,93 @@ def resolve(target: str, overrides: list[str], build: dict | None = None) -> Any
     return value
 
 
+def claim_uid(first: int, count: int) -> tuple[int, int]:
+    """The lowest user id of ``first .. first + count - 1`` that no other worker on this machine
+    holds, with whatever still runs as it killed: ``(uid, fd)``, where ``fd`` holds its lock
+    (``UID_LOCKS``/<uid>, flock'd until this process dies). Raises ``OSError`` when every one
+    is held or the lock directory is not root's alone."""
+    os.makedirs(UID_LOCKS, mode=0o700, exist_ok=True)
+    for directory in (os.path.dirname(UID_LOCKS), UID_LOCKS):
+        info = os.lstat(directory)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
+            raise OSError(f"{directory} must be a directory of root's that only root writes")
+    for uid in range(first, first + count):
+        fd = os.open(os.path.join(UID_LOCKS, str(uid)),
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        kill_user(uid)
+        return uid, fd
+    raise OSError(f"every sandbox user id of {first}..{first + count - 1} is held")
+
+
+def kill_user(uid: int, seconds: float = 1.0, reap: bool = True) -> bool:
+    """SIGKILL every process of ``uid`` (``kill(-1)`` from a child that became ``uid``), again
+    until none is left or ``seconds`` passed; with ``reap``, reaps this process's children
+    between tries (a subreaper's orphans). Blocks; True when none was left. As root only."""
+    deadline = time.monotonic() + seconds
+    while True:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                os.kill(-1, signal.SIGKILL)
+            except ProcessLookupError:
+                os._exit(1)
+            except BaseException:  # noqa: BLE001 - said by the status
+                os._exit(2)
+            os._exit(0)
+        status = os.waitpid(pid, 0)[1]
+        if reap:
+            _reap()
+        if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
+            return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 1
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+
+
 # --------------------------------------------------------------------------- one call
+
+def _private_tmp(limits: Limits) -> bool:
+    """In the call's process, as root: a mount namespace (and an IPC namespace) of its own,
+    every mount private, and a fresh tmpfs of ``limits.file_mb`` MB (nosuid, nodev) on each
+    of ``PRIVATE_TMP`` that exists: nothing written there is shared with another call or
+    outlives this one, and a unix socket there on the host is out of reach. False when the
+    namespace is refused (the call then works in a directory of the worker's); raises
+    ``OSError`` when a mount fails after it was granted."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS | CLONE_NEWIPC) != 0 and libc.unshare(CLONE_NEWNS) != 0:
+        return False
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+    options = f"size={limits.file_mb}m,mode=1777".encode()
+    for path in PRIVATE_TMP:
+        if os.path.isdir(path) and not os.path.islink(path) and \
+                libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
+            raise OSError(ctypes.get_errno(), f"mount tmpfs on {path}")
+    return True
+
+
+def _filesystem(limits: Limits) -> str:
+    """``private`` when a call's process gets its own tmp mounts (``_private_tmp``, tried in
+    a child); otherwise why not."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if _private_tmp(limits) else 1)
+        except BaseException:  # noqa: BLE001 - said by the status
+            os._exit(2)
+    status = os.waitpid(pid, 0)[1]
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+        return "private"
+    return ("not private: unshare(CLONE_NEWNS) was refused" if os.WIFEXITED(status)
+            and os.WEXITSTATUS(status) == 1 else "not private: a tmpfs mount failed")
 
 def _user_processes(uid: int) -> int:
     count = 0
@@ -187,26 +290,30 @@ def _set_limits(limits: Limits, uid: int | None) -> None:
         resource.setrlimit(which, (soft, soft if hard is None else hard))
 
 
-def _child(reward: Any, generation: Any, workdir: str, result_fd: int, limits: Limits,
-           uid: int | None) -> None:
-    """The call's process (after the fork). Never returns."""
+def _child(reward: Any, generation: Any, workdir: str, result_fd: int, outputs: tuple[int, int],
+           limits: Limits, uid: int | None, group: CallGroup | None) -> None:
+    """The call's process (after the fork): ``outputs`` are its stdout and stderr, opened by
+    the worker; ``group`` its cgroup, joined first. Never returns."""
     me = os.getpid()
     memory_result = _MEMORY_RESULT
     try:
+        if group is not None:
+            group.join()
         os.setpgid(0, 0)
         for number in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(number, signal.SIG_DFL)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            out = os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-                          0o600)
-            if uid is not None:
-                os.fchown(out, uid, uid)
-            os.dup2(out, fd)
-            os.close(out)
+        os.dup2(outputs[0], 1)
+        os.dup2(outputs[1], 2)
         os.closerange(3, result_fd)
         os.closerange(result_fd + 1, 1 << 16)
+        if _private_tmp(limits):
+            workdir = PRIVATE_TMP[0]
+        else:
+            os.makedirs(workdir, 0o700, exist_ok=True)
+            if uid is not None:
+                os.chown(workdir, uid, uid)
         os.chdir(workdir)
         os.environ.update(HOME=workdir, TMPDIR=workdir, TMP=workdir, TEMP=workdir,
                           REEF_SANDBOXED_CALL="1")
@@ -336,29 +443,51 @@ def _reap() -> None:
             return
 
 
-def _tail(path: str) -> str:
+def _open_output(directory: str, name: str) -> int:
+    """A new regular file ``name`` in the worker's own ``directory``, for reading and
+    appending (never a path the call chose: ``O_EXCL | O_NOFOLLOW``)."""
+    return os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT | os.O_EXCL
+                   | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC, 0o600)
+
+
+def _tail(fd: int) -> str:
+    """At most the last ``STDERR_TAIL`` bytes of the regular file open on ``fd`` (the
+    worker's own descriptor: whatever the call did to the file's name, it reads this file)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - STDERR_TAIL))
-            return f.read().decode(errors="replace").strip()
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return ""
+        return os.pread(fd, STDERR_TAIL, max(0, info.st_size - STDERR_TAIL)) \
+            .decode(errors="replace").strip()
     except OSError:
         return ""
 
 
 def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
-             out_fd: int, tmp: str | None = None) -> dict:
-    """One call in a forked process (see the module docstring); the answer frame."""
-    workdir = tempfile.mkdtemp(prefix="call-", dir=tmp)
+             out_fd: int, tmp: str | None = None, groups: Groups | None = None) -> dict:
+    """One call in a forked process (see the module docstring), in a cgroup of its own where
+    ``groups`` has a version (memory and processes limited per call); the answer frame."""
+    group = None
+    if groups is not None and groups.version:
+        group = CallGroup(groups, f"reef-call-{os.getpid()}-{next(_CALLS)}")
+        try:
+            group.create(limits.memory_mb << 20, limits.processes)
+        except OSError as error:
+            group.remove(0)
+            return {"failure": {"category": SANDBOX_UNAVAILABLE,
+                                "detail": f"the call's cgroup could not be made: {error}"}}
+    own = tempfile.mkdtemp(prefix="call-", dir=tmp)  # the worker's; the call cannot change it
+    outputs: tuple[int, ...] = ()
     try:
-        if uid is not None:
-            os.chown(workdir, uid, uid)
+        os.chmod(own, 0o711)  # its files stay the worker's (0600)
+        workdir = os.path.join(own, "work")  # made by the call where /tmp is not its own
+        outputs = (_open_output(own, "stdout"), _open_output(own, "stderr"))
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
                 os.close(read_fd)
-                _child(reward, generation, workdir, write_fd, limits, uid)
+                _child(reward, generation, workdir, write_fd, outputs, limits, uid, group)
             finally:
                 os._exit(70)
         os.close(write_fd)
@@ -366,20 +495,26 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
             os.setpgid(pid, pid)
         except OSError:
             pass
-        write_frame(out_fd, {"pid": pid, "dir": workdir})
+        write_frame(out_fd, {"pid": pid, "dir": own})
         try:
             data, status, cpu, too_big = _collect(read_fd, pid)
             _clean_group(pid)
+            if uid is not None:  # and what left its group (a setsid daemon)
+                kill_user(uid)
         finally:
             os.close(read_fd)
-        return _answer(data, status, cpu, too_big, _tail(os.path.join(workdir, "stderr")),
-                       limits)
+        oom = group.oom_kills() if group is not None else 0
+        return _answer(data, status, cpu, too_big, _tail(outputs[1]), limits, oom)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        for fd in outputs:
+            os.close(fd)
+        shutil.rmtree(own, ignore_errors=True)
+        if group is not None:
+            group.remove()
 
 
 def _answer(data: bytes, status: int, cpu: float, too_big: bool, stderr: str,
-            limits: Limits) -> dict:
+            limits: Limits, oom: int = 0) -> dict:
     said = f"; its stderr ends: {stderr[-STDERR_TAIL:]}" if stderr else ""
 
     def failure(category: str, detail: str) -> dict:
@@ -390,6 +525,9 @@ def _answer(data: bytes, status: int, cpu: float, too_big: bool, stderr: str,
         if number == signal.SIGXCPU or (number == signal.SIGKILL and cpu >= limits.cpu_s):
             return failure(TIMEOUT, f"the CPU limit of {limits.cpu_s} s ran out "
                                     f"({signal_name(number)}){said}")
+        if number == signal.SIGKILL and oom:
+            return failure(MEMORY, f"the call's processes together passed the memory limit "
+                                   f"of {limits.memory_mb} MB (its cgroup's OOM killer){said}")
         return failure(CRASHED, f"the call's process was killed by {signal_name(number)}{said}")
     if too_big:
         return failure(OUTPUT_INVALID, f"the result was larger than {MAX_RESULT_BYTES} bytes")
@@ -445,7 +583,15 @@ def main() -> None:
     os.dup2(2, 1)
     limits = Limits(**config["limits"])
     uid = config.get("uid")
+    if config.get("uid_range"):
+        try:
+            uid, _lock = claim_uid(*config["uid_range"])
+        except OSError as error:
+            write_frame(out_fd, {"ready": False, "error": f"no sandbox user id: {error}"})
+            return
     network = isolate_network() if config.get("isolate_network", True) else "not isolated: off"
+    groups = find()
+    remove_stale(groups)
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     from reef_stream.core.events import Generation
     from reef_stream.core.serde import decode
@@ -457,7 +603,9 @@ def main() -> None:
         write_frame(out_fd, {"ready": False, "error": f"{type(error).__name__}: {error}"})
         return
     write_frame(out_fd, {"ready": True, "network": network, "pid": os.getpid(), "uid": uid,
-                         "unreadable": _unreadable(uid), "torch": "torch" in sys.modules,
+                         "unreadable": _unreadable(uid), "filesystem": _filesystem(limits),
+                         "cgroup": groups.state,
+                         "torch": "torch" in sys.modules,
                          "modules": len(sys.modules)})
     while (request := read_frame(0)) is not None:
         _reap()
@@ -470,7 +618,8 @@ def main() -> None:
                                              "detail": f"the generation did not decode in the "
                                                        f"sandbox: {error}"}})
             continue
-        write_frame(out_fd, run_call(reward, generation, limits, uid, out_fd, config.get("tmp")))
+        write_frame(out_fd, run_call(reward, generation, limits, uid, out_fd, config.get("tmp"),
+                                     groups))
 
 
 if __name__ == "__main__":

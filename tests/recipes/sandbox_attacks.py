@@ -1,0 +1,126 @@
+"""Reward code that attacks the sandbox (``tests.recipes.sandbox_attacks:attack``), for
+tests/unit/test_sandbox_escape.py. What it does is named by ``metadata["do"]``:
+
+- ``environ``: raises ``ValueError`` listing the names of its environment variables;
+- ``stderr_link``: replaces its stderr file by a symlink to ``metadata["target"]``, exits 3;
+- ``stderr_fifo``: replaces its stderr file by a FIFO, exits 3;
+- ``write``: writes ``metadata["text"]`` into the files ``metadata["paths"]`` (``:``-separated);
+  a file it could not write is skipped;
+- ``read``: reward 1.0 if every file of ``metadata["paths"]`` holds ``metadata["text"]``, else 0;
+- ``fill``: writes ``metadata["n"]`` files of ``metadata["mb"]`` MB as ``/tmp/<token>-<i>``
+  until one fails; reward: the MB written;
+- ``connect_unix``: connects to the unix socket ``metadata["path"]`` (raises if refused);
+- ``daemon``: starts a ``setsid`` grandchild that runs ``sleep 600.<metadata["token"]>``,
+  then scores (or, with ``metadata["then_sleep"]``, sleeps that many seconds first);
+- ``killer``: starts a ``setsid`` grandchild that kills every process its user may signal,
+  every 10 ms for ``metadata["seconds"]``, then scores;
+- ``children``: forks ``metadata["n"]`` children that each touch ``metadata["mb"]`` MB and
+  wait 1 s; reward 1.0 if every one of them exited 0, else 0;
+- anything else: reward 1.0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+
+from reef_stream.api.rewards import NamedReward, Reward
+from reef_stream.core.events import Generation
+
+
+def _daemon(body) -> None:
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            try:
+                body()
+            finally:
+                os._exit(0)
+        os._exit(0)
+
+
+def _killer(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass
+        time.sleep(0.01)
+
+
+def _children(n: int, mb: int) -> bool:
+    pids = []
+    for _ in range(n):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                block = bytearray(mb << 20)
+                for i in range(0, len(block), 4096):
+                    block[i] = 1
+                time.sleep(1)
+            except BaseException:  # noqa: BLE001 - the limit refused it: say so by status
+                os._exit(1)
+            os._exit(0)
+        pids.append(pid)
+    return all(os.waitpid(pid, 0)[1] == 0 for pid in pids)
+
+
+def _attack(generation: Generation) -> Reward:
+    meta = generation.metadata
+    what = meta.get("do", "")
+    if what == "environ":
+        raise ValueError("environ: " + ",".join(sorted(os.environ)))
+    if what in ("stderr_link", "stderr_fifo"):
+        path = os.readlink("/proc/self/fd/2")
+        os.unlink(path)
+        if what == "stderr_link":
+            os.symlink(meta["target"], path)
+        else:
+            os.mkfifo(path)
+        sys.exit(3)
+    if what == "write":
+        for path in meta["paths"].split(":"):
+            try:
+                with open(path, "w") as f:
+                    f.write(meta["text"])
+            except OSError:
+                pass
+    if what == "read":
+        found = 0
+        for path in meta["paths"].split(":"):
+            try:
+                with open(path) as f:
+                    found += f.read() == meta["text"]
+            except OSError:
+                pass
+        return Reward(reward=float(found == len(meta["paths"].split(":"))))
+    if what == "fill":
+        written = 0
+        for i in range(int(meta["n"])):
+            try:
+                with open(f"/tmp/{meta['token']}-{i}", "wb") as f:
+                    for _ in range(int(meta["mb"])):
+                        f.write(b"x" * (1 << 20))
+                        f.flush()
+                        written += 1
+            except OSError:
+                break
+        return Reward(reward=float(written))
+    if what == "connect_unix":
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(meta["path"])
+    if what == "daemon":
+        _daemon(lambda: os.execv("/bin/sleep", ["sleep", f"600.{meta['token']}"]))
+        time.sleep(float(meta.get("then_sleep", 0)))
+    if what == "killer":
+        _daemon(lambda: _killer(float(meta["seconds"])))
+    if what == "children":
+        return Reward(reward=float(_children(int(meta["n"]), int(meta["mb"]))))
+    return Reward(reward=1.0)
+
+
+attack = NamedReward("attack", _attack)
