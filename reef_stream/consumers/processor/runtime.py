@@ -2,7 +2,7 @@
 
 ``ProcessorRuntime`` (``reef process --recipe X``) runs ``reef_stream.engine.join.ProcessorState``
 as a transactional consume-transform-produce stage on the stage loop (strategy
-``_Processing``, ``strategy_commits``): the loop fetches up to ``BATCH`` records (waiting at
+``_Processing``, ``CommitsItself``): the loop fetches up to ``BATCH`` records (waiting at
 most ``POLL_TIMEOUT_S``), and per fetch one Kafka transaction (``_commit``, the one place the
 order is written) holds, atomically: the units, a dead letter for every non-unit outcome,
 the changed state keys on the compacted changelog ``<ns>.processor-state.<recipe>``, and the
@@ -160,7 +160,7 @@ class ProcessorRuntime:
         #: every partition's state has observed (None: apply it at the next batch).
         self.newest_checkpoint: int | None = None
         self._observed: int | None = None
-        #: The units waiting for the trainer (``consumers.backlog``), the figure the states got
+        #: The units waiting for the trainer (``processor.backlog``), the figure the states got
         #: at the last batch (None: no bound, or no checkpoint yet), when the metric was last
         #: written, when the newest checkpoint came (monotonic) and the last intervals between
         #: checkpoints.
@@ -180,7 +180,7 @@ class ProcessorRuntime:
 
     @property
     def metrics_dropped(self) -> int:
-        """Metric events the client refused or the broker did not take (``processor_metrics``)."""
+        """Metric events the client refused or the broker did not take (``processor.metrics``)."""
         return self._metrics.dropped if self._metrics is not None else 0
 
     def run(self, *, ready: threading.Event | None = None) -> None:

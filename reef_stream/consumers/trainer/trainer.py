@@ -18,7 +18,7 @@ written durably in a directory of this process's own (``CheckpointStore``'s writ
 ``schedule.checkpoint_every`` steps (and ``checkpoint_every_s``, at ``max_steps``, before a
 rollback, at stop); any failure sends the trainer back to the group's newest committed
 checkpoint (``_resume``, ``committed_checkpoint``), and it retrains from the log to the same
-weights. The stage loop runs it with a manual assignment and ``strategy_commits`` (strategy
+weights. The stage loop runs it with a manual assignment and ``CommitsItself`` (strategy
 ``_Steps``, ``CONSUME_BATCH`` records a fetch). Rank 0 checks ``<ns>.publications`` for a
 stall every ``CHECK_EVERY_S`` and rolls back (``reef_stream.publishing.rollback``).
 
