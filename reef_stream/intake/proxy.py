@@ -295,7 +295,8 @@ class RecordingProxy:
         self._groups: OrderedDict[str, str] = OrderedDict()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024,
+                              middlewares=[self._unreachable_upstream])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/feedback", self._feedback)
@@ -304,6 +305,16 @@ class RecordingProxy:
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
+
+    @web.middleware
+    async def _unreachable_upstream(self, request: web.Request, handler) -> web.StreamResponse:
+        """A 502 saying so when the upstream cannot be reached (nothing was sent to it)."""
+        try:
+            return await handler(request)
+        except aiohttp.ClientConnectorError as error:
+            self._unrecorded("upstream_unreachable")
+            return web.json_response({"error": f"the upstream {self.upstream} cannot be "
+                                               f"reached: {error}"}, status=502)
 
     async def _start(self, _: web.Application) -> None:
         self._session = aiohttp.ClientSession(

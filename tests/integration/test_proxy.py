@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -24,13 +28,15 @@ import pytest
 from aiohttp import web
 from confluent_kafka.admin import AdminClient
 
-from reef_stream.core.events import Feedback, Generation
+from reef_stream.core.events import Feedback, Generation, Metric
+from reef_stream.core.metric_names import PROXY_DROPPED, STAGE_INTAKE
 from reef_stream.core.processes import free_ports
 from reef_stream.core.settings import load_settings
 from reef_stream.intake.aio import AsyncRecordProducer
 from reef_stream.intake.producer import RecordProducer
 from reef_stream.intake.proxy import (
     GENERATION_IDS_HEADER,
+    ProxyMetrics,
     ProxyOptions,
     RecordingProxy,
     Versions,
@@ -38,6 +44,7 @@ from reef_stream.intake.proxy import (
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import declare_topics, feedback, generations
+from reef_stream.topics.declarations import metrics as metrics_topic
 from tests.helpers import events_to_end, wait_until
 
 CREATED = 1_795_000_000
@@ -265,16 +272,16 @@ class Proxy:
 
 @pytest.fixture
 def proxy(kafka_bootstrap, namespace, tmp_path, upstream) -> Iterator:
-    """``proxy(bootstrap=None, spool_max_bytes=1 GiB, **options)``: a proxy in front of
-    ``upstream`` recording to the session's broker (or ``bootstrap``), with ``ProxyOptions``
-    ``options``; stopped after the test."""
+    """``proxy(bootstrap=None, spool_max_bytes=1 GiB, metrics=None, **options)``: a proxy in
+    front of ``upstream`` recording to the session's broker (or ``bootstrap``), with
+    ``ProxyOptions`` ``options``; stopped after the test."""
     ensure_topics(AdminClient(client_config(kafka_bootstrap)), declare_topics(namespace))
     settings = load_settings({"REEF_BOOTSTRAP_SERVERS": kafka_bootstrap,
                               "REEF_NAMESPACE": namespace, "REEF_HOME": str(tmp_path / "home")})
     started: list[Proxy] = []
 
     def start(bootstrap: str | None = None, spool_max_bytes: int = 1 << 30,
-              **options) -> Proxy:
+              metrics: ProxyMetrics | None = None, **options) -> Proxy:
         holder: dict[str, Any] = {}
 
         async def make() -> web.Application:
@@ -282,7 +289,8 @@ def proxy(kafka_bootstrap, namespace, tmp_path, upstream) -> Iterator:
                                            settings=settings, spool_dir=tmp_path / "spool",
                                            spool_max_bytes=spool_max_bytes, block_timeout=0,
                                            metrics_every_s=None, client="proxy")
-            recording = RecordingProxy(producer, ProxyOptions(upstream=upstream, **options))
+            recording = RecordingProxy(producer, ProxyOptions(upstream=upstream, **options),
+                                       metrics=metrics)
             holder.update(producer=producer, recording=recording)
             return recording.app()
 
@@ -568,9 +576,11 @@ def test_with_the_broker_down_clients_are_served_records_spooled_then_delivered(
 
 
 def test_with_the_spool_full_the_client_is_served_and_the_record_dropped_and_counted(
-        upstream, proxy):
+        upstream, proxy, kafka_bootstrap, namespace):
     nobody = f"127.0.0.1:{free_ports(1)[0]}"
-    server = proxy(bootstrap=nobody, spool_max_bytes=1)   # no record fits
+    # records go nowhere and no record fits the spool; the metrics reach the real broker
+    server = proxy(bootstrap=nobody, spool_max_bytes=1,
+                   metrics=ProxyMetrics(kafka_bootstrap, namespace, every_s=0.2))
     body = {"model": "tiny", "prompt": "full", "max_tokens": 2}
 
     def served_one_dropped() -> bool:
@@ -580,3 +590,49 @@ def test_with_the_spool_full_the_client_is_served_and_the_record_dropped_and_cou
 
     wait_until(served_one_dropped, 60, "a record dropped for a full spool", poll_s=0.2)
     assert call(server.url + "/reef/stats").json()["dropped"]["spool_full"] >= 1
+
+    def dropped_metric() -> list[Metric]:
+        return [m for m in events_to_end(kafka_bootstrap, metrics_topic(namespace), Metric)
+                if (m.stage, m.name) == (STAGE_INTAKE, PROXY_DROPPED)
+                and m.labels.get("reason") == "spool_full" and m.value >= 1]
+
+    assert wait_until(dropped_metric, 30, "the proxy_dropped metric")[0].labels["client"] == \
+        "proxy"
+
+
+def test_reef_intake_proxy_serves_records_and_reports_at_sigterm(
+        upstream, kafka_bootstrap, namespace, tmp_path):
+    ensure_topics(AdminClient(client_config(kafka_bootstrap)), declare_topics(namespace))
+    port = free_ports(1)[0]
+    (tmp_path / "version").write_text("7")
+    env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": kafka_bootstrap, "REEF_NAMESPACE": namespace,
+           "REEF_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+    command = [sys.executable, "-m", "reef_stream.cli", "intake", "proxy", "--upstream",
+               upstream, "--listen", f"127.0.0.1:{port}", "--model", "my-model",
+               "--policy-version-file", str(tmp_path / "version"), "--redact", "prompt"]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def answers() -> Reply | None:
+            assert server.poll() is None, server.communicate()[0]
+            try:
+                return call(url + "/reef/stats")
+            except OSError:
+                return None
+
+        wait_until(answers, 60, "the proxy to answer")
+        reply = call(url + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                     request_id="cli")
+        assert reply.status == 200
+        gid = reply.headers[GENERATION_IDS_HEADER]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        output, _ = server.communicate(timeout=60)
+    assert server.returncode == 0, output
+    assert "proxy closed: 1 recorded, 0 dropped" in output and "1 acknowledged" in output
+    (g,) = [g for g in events_to_end(kafka_bootstrap, generations(namespace), Generation)
+            if g.generation_id == gid]
+    assert (g.model, g.policy_version, g.replica_id) == ("my-model", 7,
+                                                         f"proxy@{upstream[len('http://'):]}")
+    assert "prompt" not in g.metadata
