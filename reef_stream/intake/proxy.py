@@ -413,18 +413,15 @@ class RecordingProxy:
 
     async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse, plan: _Plan,
                       context: _Context) -> web.StreamResponse:
-        """Relay an SSE stream event by event (rewritten only when the plan strips), collecting
-        the choices; record those that finished once the stream ends."""
+        """Relay an SSE stream as it arrives (the events of one read in one write; rewritten
+        only when the plan strips), collecting the choices; record those that finished once
+        the stream ends."""
         collected = _Collected(plan.kind)
         response: web.StreamResponse | None = None
         broken: BaseException | None = None
         try:
-            async for event in _sse_events(upstream.content):
-                out = event
-                for payload in _data_lines(event):
-                    collected.add(payload)
-                if plan.changes:
-                    out = _rewrite_event(event, plan)
+            async for events in _sse_events(upstream.content):
+                out = b"".join([_relay(event, plan, collected) for event in events])
                 if response is None:
                     response = await self._start_stream(request, upstream, plan, collected)
                 await response.write(out)
@@ -672,41 +669,48 @@ def _forwarded(headers: Any) -> dict[str, str]:
 # --------------------------------------------------------------------------- server-sent events
 
 
-async def _sse_events(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The events of an SSE body, each with its terminating blank line; a last event without
-    one (a truncated stream) as it came."""
-    event: list[bytes] = []
-    async for line in content:
-        event.append(line)
-        if line in (b"\n", b"\r\n"):
-            yield b"".join(event)
-            event = []
-    if event:
-        yield b"".join(event)
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
 
 
-def _data_lines(event: bytes) -> list[bytes]:
-    return [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
+async def _sse_events(content: aiohttp.StreamReader) -> AsyncIterator[list[bytes]]:
+    """The events of an SSE body as they arrive, those of one read together, each with its
+    terminating blank line; a last event without one (a truncated stream) as it came."""
+    rest = b""
+    async for data in content.iter_any():
+        rest += data
+        events, start = [], 0
+        for end in _EVENT_END.finditer(rest):
+            events.append(rest[start:end.end()])
+            start = end.end()
+        rest = rest[start:]
+        if events:
+            yield events
+    if rest:
+        yield [rest]
 
 
-def _rewrite_event(event: bytes, plan: _Plan) -> bytes:
-    """``event`` with each JSON ``data:`` line stripped by ``plan``; other lines as they are."""
-    lines = event.splitlines(keepends=True)
-    out = []
-    for line in lines:
-        if line.startswith(b"data:"):
-            payload = line[5:].strip()
-            try:
-                value = json.loads(payload)
-            except ValueError:
-                value = None
-            if isinstance(value, dict):
-                ending = b"\r\n" if line.endswith(b"\r\n") else b"\n" if line.endswith(b"\n") \
-                    else b""
-                line = b"data: " + json.dumps(plan.strip(value), ensure_ascii=False,
-                                              separators=(",", ":")).encode() + ending
-        out.append(line)
-    return b"".join(out)
+def _relay(event: bytes, plan: _Plan, collected: _Collected) -> bytes:
+    """``event`` as the client gets it (its JSON ``data:`` lines stripped by ``plan``); each
+    data line is parsed once and added to ``collected``."""
+    if not event.startswith(b"data:") or event.count(b"\n") > 2:
+        lines = event.splitlines(keepends=True)   # several lines: each on its own
+        if len(lines) > 1:
+            return b"".join([_relay(line, plan, collected) if line.startswith(b"data:")
+                             else line for line in lines])
+        return event
+    body = event.rstrip(b"\r\n")
+    payload = body[5:].strip()
+    if payload == b"[DONE]":
+        return event
+    try:
+        value = json.loads(payload)
+    except ValueError:
+        value = None
+    collected.add(value)
+    if not plan.changes or not isinstance(value, dict):
+        return event
+    return (b"data: " + json.dumps(plan.strip(value), ensure_ascii=False,
+                                   separators=(",", ":")).encode() + event[len(body):])
 
 
 class _Collected:
@@ -721,14 +725,8 @@ class _Collected:
         self.choices: dict[int, dict[str, Any]] = {}
         self.malformed = False
 
-    def add(self, payload: bytes) -> None:
-        if payload == b"[DONE]":
-            return
-        try:
-            chunk = json.loads(payload)
-        except ValueError:
-            self.malformed = True
-            return
+    def add(self, chunk: Any) -> None:
+        """Add one parsed ``data:`` payload (None: it was not JSON)."""
         if not isinstance(chunk, dict) or "error" in chunk:
             self.malformed = True
             return
