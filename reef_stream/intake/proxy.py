@@ -223,8 +223,10 @@ class _Plan:
 
     @classmethod
     def of(cls, kind: Kind, body: dict[str, Any]) -> _Plan:
-        wants_logprobs = (body.get("logprobs") not in (None, False) if kind == "completions"
-                          else body.get("logprobs") is True)
+        asked = body.get("logprobs")
+        # completions: an int (0 asks for the sampled token's logprob only); chat: true
+        wants_logprobs = (asked is not None and asked is not False if kind == "completions"
+                          else asked is True)
         wants_ids = body.get("return_token_ids") is True
         return cls(kind, body, not wants_logprobs, not wants_ids)
 

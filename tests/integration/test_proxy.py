@@ -289,7 +289,8 @@ def proxy(kafka_bootstrap, namespace, tmp_path, upstream) -> Iterator:
                                            settings=settings, spool_dir=tmp_path / "spool",
                                            spool_max_bytes=spool_max_bytes, block_timeout=0,
                                            metrics_every_s=None, client="proxy")
-            recording = RecordingProxy(producer, ProxyOptions(upstream=upstream, **options),
+            recording = RecordingProxy(producer, ProxyOptions(**{"upstream": upstream,
+                                                                 **options}),
                                        metrics=metrics)
             holder.update(producer=producer, recording=recording)
             return recording.app()
@@ -426,6 +427,10 @@ def test_what_the_client_asked_for_it_still_gets(upstream, proxy):
     assert proxied.json() == direct.json()
     assert proxied.json()["choices"][0]["token_ids"] == [100, 200]
     assert proxied.json()["choices"][0]["logprobs"]["top_logprobs"] is not None
+    # logprobs=0 asks for the sampled tokens' logprobs (0 is not false here)
+    direct, proxied = both(upstream, server, "/v1/completions", {**body, "logprobs": 0})
+    assert proxied.json() == direct.json()
+    assert proxied.json()["choices"][0]["logprobs"]["token_logprobs"] == [-0.5, -0.25]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -481,6 +486,13 @@ def test_an_upstream_error_passes_through_and_nothing_is_recorded(
               request_id="after")
     wait_recorded(server, 1)
     assert set(recorded(kafka_bootstrap, namespace, server)) == {f"{ok.json()['id']}:0"}
+
+
+def test_an_upstream_that_cannot_be_reached_is_a_502(proxy):
+    server = proxy(upstream=f"http://127.0.0.1:{free_ports(1)[0]}")   # nobody listens
+    reply = call(server.url + "/v1/completions", {"model": "tiny", "prompt": "x"})
+    assert reply.status == 502 and "cannot be reached" in reply.json()["error"]
+    assert server.recording.counts.unrecorded["upstream_unreachable"] == 1
 
 
 def test_a_truncated_stream_passes_through_and_records_nothing(
