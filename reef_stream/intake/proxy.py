@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -209,12 +210,15 @@ def _write_counts(counts: ProxyCounts, writer: MetricsWriter, _state: Any) -> No
 # ------------------------------------------------------------------------- what is asked, stripped
 
 
+_DECODER = json.JSONDecoder()
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What the proxy adds to a request and so strips from its response.
 
     The upstream answers fields it was not asked for with null (vLLM's shape), so a stripped
-    field is set to null, never removed."""
+    field is set to null, never removed; the rest of the body keeps its bytes."""
 
     kind: Kind
     body: dict[str, Any]
@@ -242,28 +246,34 @@ class _Plan:
             body["return_token_ids"] = True
         return body
 
-    def strip(self, response: dict[str, Any]) -> dict[str, Any]:
-        """``response`` (a whole response or a stream chunk) as the client asked for it."""
-        if not self.changes:
-            return response
-        response = dict(response)
-        if self.add_token_ids and "prompt_token_ids" in response:
-            response["prompt_token_ids"] = None
-        choices = response.get("choices")
-        if isinstance(choices, list):
-            response["choices"] = [self._strip_choice(c) if isinstance(c, dict) else c
-                                   for c in choices]
-        return response
+    def strip(self, raw: bytes) -> bytes:
+        """``raw`` (a whole response or a stream chunk, JSON) as the client asked for it: the
+        value of every key the plan added (``logprobs``, ``token_ids``,
+        ``prompt_token_ids``) replaced by ``null``, every other byte as the upstream sent it.
+        A key inside a JSON string is escaped, so only real keys match."""
+        if self._added is None:
+            return raw
+        text = raw.decode("utf-8", errors="surrogateescape")
+        out, done = [], 0
+        for key in self._added.finditer(text):
+            if key.start() < done:
+                continue   # inside a value already replaced
+            try:
+                _, end = _DECODER.raw_decode(text, key.end())
+            except ValueError:
+                return raw   # not JSON after all: the client gets it as it came
+            out += (text[done:key.end()], "null")
+            done = end
+        if not out:
+            return raw
+        out.append(text[done:])
+        return "".join(out).encode("utf-8", errors="surrogateescape")
 
-    def _strip_choice(self, choice: dict[str, Any]) -> dict[str, Any]:
-        choice = dict(choice)
-        if self.add_logprobs and "logprobs" in choice:
-            choice["logprobs"] = None
-        if self.add_token_ids:
-            for name in ("token_ids", "prompt_token_ids"):
-                if name in choice:
-                    choice[name] = None
-        return choice
+    @functools.cached_property
+    def _added(self) -> re.Pattern[str] | None:
+        names = (["logprobs"] if self.add_logprobs else []) + (
+            ["token_ids", "prompt_token_ids"] if self.add_token_ids else [])
+        return re.compile(rf'"(?:{"|".join(names)})"\s*:\s*') if names else None
 
     def recordable(self) -> str | None:
         """Why this request's choices cannot be recorded, or None."""
@@ -407,8 +417,7 @@ class RecordingProxy:
             return web.Response(status=200, body=data, headers=headers)
         generations = self._generations(response, plan, context)
         if plan.changes:
-            data = json.dumps(plan.strip(response), ensure_ascii=False,
-                              separators=(",", ":")).encode()
+            data = plan.strip(data)
         headers[GENERATION_IDS_HEADER] = ",".join(g.generation_id for g in generations)
         self._record(generations)
         return web.Response(status=200, body=data, headers=headers)
@@ -711,8 +720,7 @@ def _relay(event: bytes, plan: _Plan, collected: _Collected) -> bytes:
     collected.add(value)
     if not plan.changes or not isinstance(value, dict):
         return event
-    return (b"data: " + json.dumps(plan.strip(value), ensure_ascii=False,
-                                   separators=(",", ":")).encode() + event[len(body):])
+    return plan.strip(event)
 
 
 class _Collected:

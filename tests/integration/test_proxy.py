@@ -386,6 +386,7 @@ def test_non_streamed_completions_and_chat_are_unchanged_and_each_choice_is_reco
 
     assert proxied_c.status == direct_c.status == 200
     assert proxied_c.json() == direct_c.json(), "the client sees what it asked for, no more"
+    assert proxied_c.body == direct_c.body, "byte for byte"
     assert proxied_c.json()["choices"][0]["logprobs"] is None
     assert proxied_h.json() == direct_h.json()
     assert proxied_h.headers["content-type"].startswith("application/json")
@@ -446,6 +447,7 @@ def test_a_stream_is_relayed_unchanged_and_its_choices_recorded(
     assert proxied.status == 200 and proxied.headers["content-type"].startswith(
         "text/event-stream")
     assert proxied.events() == direct.events()
+    assert proxied.body == direct.body, "byte for byte"
     assert proxied.events()[-1] == "[DONE]"
     rid = direct.events()[0]["id"]
     assert proxied.headers[GENERATION_IDS_HEADER] == f"{rid}:0,{rid}:1"
@@ -648,3 +650,24 @@ def test_reef_intake_proxy_serves_records_and_reports_at_sigterm(
     assert (g.model, g.policy_version, g.replica_id) == ("my-model", 7,
                                                          f"proxy@{upstream[len('http://'):]}")
     assert "prompt" not in g.metadata
+
+
+def test_stripping_nulls_only_the_added_keys_never_text_that_looks_like_them():
+    from reef_stream.intake.proxy import _Plan
+
+    plan = _Plan.of("chat", {"model": "m", "messages": []})
+    text = 'he said "logprobs": [1] and "token_ids":[2]'
+    raw = json.dumps({"id": "c", "prompt_token_ids": [1, 2], "choices": [{
+        "index": 0, "message": {"content": text, "tool_calls": [{"function": {
+            "arguments": json.dumps({"logprobs": {"x": 1}})}}]},
+        "logprobs": {"content": [{"token": "}", "logprob": -1e-05, "top_logprobs": []}]},
+        "token_ids": [5, 6]}]}, separators=(",", ":")).encode()
+
+    stripped = plan.strip(raw)
+
+    expected = {"id": "c", "prompt_token_ids": None, "choices": [{
+        "index": 0, "message": json.loads(raw)["choices"][0]["message"], "logprobs": None,
+        "token_ids": None}]}
+    assert stripped == json.dumps(expected, separators=(",", ":")).encode()  # byte for byte
+    asked = _Plan.of("chat", {"logprobs": True, "return_token_ids": True})
+    assert asked.strip(raw) is raw
