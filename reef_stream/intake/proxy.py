@@ -79,6 +79,9 @@ UNKNOWN_VERSION = "unknown"
 #: messages), ``completion`` (the text and tool calls served), ``user`` (the OpenAI ``user``;
 #: a group id taken from it is replaced by its digest). Token ids always stay.
 REDACTABLE = ("prompt", "completion", "user")
+#: The longest text kept in a record's metadata (prompt, completion, tool calls), in characters;
+#: a longer one is cut and ``reef.truncated.<key>`` gives its length.
+TEXT_MAX_CHARS = 256 * 1024
 #: Generation ids remembered for the feedback's group id (so it shares the generation's key).
 GROUPS_REMEMBERED = 100_000
 #: Headers never forwarded either way (hop by hop, or recomputed by aiohttp).
@@ -418,7 +421,8 @@ class RecordingProxy:
         generations = self._generations(response, plan, context)
         if plan.changes:
             data = plan.strip(data)
-        headers[GENERATION_IDS_HEADER] = ",".join(g.generation_id for g in generations)
+        if generations:
+            headers[GENERATION_IDS_HEADER] = ",".join(g.generation_id for g in generations)
         self._record(generations)
         return web.Response(status=200, body=data, headers=headers)
 
@@ -496,6 +500,7 @@ class RecordingProxy:
             if version is None:
                 metadata["reef.policy_version"] = UNKNOWN_VERSION
             metadata.update(texts.get(index, {}))
+            _cap_texts(metadata)
             for name in self.options.redact:
                 for key in _REDACTED_KEYS[name]:
                     metadata.pop(key, None)
@@ -577,6 +582,16 @@ class RecordingProxy:
             self.counts.feedback += 1
             results.append({"id": event.feedback_id, "status": handle.state.value})
         return web.json_response({"results": results})
+
+
+def _cap_texts(metadata: dict[str, str]) -> None:
+    """Cut each text of ``metadata`` to ``TEXT_MAX_CHARS``, saying so: a record is never lost
+    to its text (token ids are what training needs)."""
+    for key in ("prompt", "completion", "tool_calls"):
+        text = metadata.get(key)
+        if text is not None and len(text) > TEXT_MAX_CHARS:
+            metadata[key] = text[:TEXT_MAX_CHARS]
+            metadata[f"reef.truncated.{key}"] = str(len(text))
 
 
 _REDACTED_KEYS = {"prompt": ("prompt",), "completion": ("completion", "tool_calls"),
