@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aiohttp import web
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.core.events import Feedback, Generation, Metric
@@ -351,10 +352,24 @@ def both(upstream: str, proxy: Proxy, path: str, body: dict) -> tuple[Reply, Rep
             call(proxy.url + path, body, request_id=rid))
 
 
+def read_all(bootstrap: str, topic: str, reader: type) -> list:
+    """``events_to_end``, once every partition of the new topic has a leader (right after
+    creation a partition may have none yet, and reading its end fails)."""
+    def attempt() -> list | None:
+        try:
+            return [events_to_end(bootstrap, topic, reader)]
+        except KafkaException as error:
+            if error.args[0].code() != KafkaError.NOT_LEADER_FOR_PARTITION:
+                raise
+            return None
+
+    return wait_until(attempt, 30, f"every partition of {topic} to have a leader")[0]
+
+
 def recorded(kafka_bootstrap: str, namespace: str, proxy: Proxy) -> dict[str, Generation]:
     proxy.flush()
-    return {g.generation_id: g for g in events_to_end(kafka_bootstrap, generations(namespace),
-                                                      Generation)}
+    return {g.generation_id: g for g in read_all(kafka_bootstrap, generations(namespace),
+                                                 Generation)}
 
 
 def wait_recorded(proxy: Proxy, count: int) -> None:
@@ -528,8 +543,8 @@ def test_feedback_for_the_header_ids_becomes_feedback_with_the_conversation_as_g
     wait_recorded(server, 2)
     stored = recorded(kafka_bootstrap, namespace, server)
     assert {(stored[i].group_id, stored[i].group_size) for i in ids} == {("conv-9", 2)}
-    scores = {f.generation_id: f for f in events_to_end(kafka_bootstrap, feedback(namespace),
-                                                          Feedback)}
+    scores = {f.generation_id: f for f in read_all(kafka_bootstrap, feedback(namespace),
+                                                     Feedback)}
     assert set(scores) == set(ids)
     assert {(f.source, f.reward, f.group_id) for f in scores.values()} == {
         ("thumbs", 1.0, "conv-9")}
@@ -585,7 +600,7 @@ def test_with_the_broker_down_clients_are_served_records_spooled_then_delivered(
                         settings=load_settings({"REEF_HOME": str(tmp_path / "home")}),
                         metrics_every_s=None) as later:
         assert later.flush(60).complete
-    assert ids <= {g.generation_id for g in events_to_end(
+    assert ids <= {g.generation_id for g in read_all(
         kafka_bootstrap, generations(namespace), Generation)}
 
 
@@ -606,7 +621,7 @@ def test_with_the_spool_full_the_client_is_served_and_the_record_dropped_and_cou
     assert call(server.url + "/reef/stats").json()["dropped"]["spool_full"] >= 1
 
     def dropped_metric() -> list[Metric]:
-        return [m for m in events_to_end(kafka_bootstrap, metrics_topic(namespace), Metric)
+        return [m for m in read_all(kafka_bootstrap, metrics_topic(namespace), Metric)
                 if (m.stage, m.name) == (STAGE_INTAKE, PROXY_DROPPED)
                 and m.labels.get("reason") == "spool_full" and m.value >= 1]
 
@@ -645,7 +660,7 @@ def test_reef_intake_proxy_serves_records_and_reports_at_sigterm(
         output, _ = server.communicate(timeout=60)
     assert server.returncode == 0, output
     assert "proxy closed: 1 recorded, 0 dropped" in output and "1 acknowledged" in output
-    (g,) = [g for g in events_to_end(kafka_bootstrap, generations(namespace), Generation)
+    (g,) = [g for g in read_all(kafka_bootstrap, generations(namespace), Generation)
             if g.generation_id == gid]
     assert (g.model, g.policy_version, g.replica_id) == ("my-model", 7,
                                                          f"proxy@{upstream[len('http://'):]}")
