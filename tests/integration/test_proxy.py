@@ -82,8 +82,9 @@ def _chat_logprobs(tokens: list[int], logprobs: list[float]) -> dict:
 
 
 class Upstream:
-    """The vLLM-shaped server's handlers. Model ``fail`` answers 500; model ``truncate``
-    streams one chunk and drops the connection."""
+    """The vLLM-shaped server's handlers. Model ``fail`` answers 500; ``garbled`` answers 200
+    with a body that is not JSON; streamed, ``truncate`` sends one chunk and drops the
+    connection, ``midfail`` sends one chunk, an error event and the end."""
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -102,6 +103,9 @@ class Upstream:
 
     async def _answer(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await request.json()
+        if body.get("model") == "garbled":
+            return web.Response(body=b'{"id": "cmpl-x", "choices": [',
+                                content_type="application/json")
         if body.get("model") == "fail":
             return web.json_response({"object": "error", "message": "engine dead",
                                       "type": "InternalServerError", "code": 500}, status=500)
@@ -187,6 +191,12 @@ class Upstream:
                               "finish_reason": finish, "token_ids": [token] if with_ids else None}
                 await send({"id": rid, "object": obj, "created": CREATED,
                             "model": body["model"], "choices": [choice]})
+                if body["model"] == "midfail":   # vLLM's error event, then the end
+                    await response.write(b'data: {"error": {"object": "error", "message": '
+                                         b'"engine died", "code": 500}}\n\n')
+                    await response.write(b"data: [DONE]\n\n")
+                    await response.write_eof()
+                    return response
                 if body["model"] == "truncate":
                     assert request.transport is not None
                     request.transport.close()   # the connection drops mid-stream
@@ -499,6 +509,23 @@ def test_an_upstream_error_passes_through_and_nothing_is_recorded(
     assert (proxied.status, proxied.json()) == (500, direct.json())
     assert GENERATION_IDS_HEADER not in proxied.headers
     assert server.recording.counts.unrecorded["upstream_error"] == 1
+    ok = call(server.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2},
+              request_id="after")
+    wait_recorded(server, 1)
+    assert set(recorded(kafka_bootstrap, namespace, server)) == {f"{ok.json()['id']}:0"}
+
+
+def test_a_garbled_body_or_an_error_mid_stream_passes_through_and_nothing_is_recorded(
+        upstream, proxy, kafka_bootstrap, namespace):
+    server = proxy()
+    garbled = {"model": "garbled", "prompt": "x", "max_tokens": 2}
+    direct, proxied = both(upstream, server, "/v1/completions", garbled)
+    assert (proxied.status, proxied.body) == (200, direct.body)
+    midfail = {"model": "midfail", "prompt": "x", "max_tokens": 4, "stream": True}
+    direct, proxied = both(upstream, server, "/v1/completions", midfail)
+    assert proxied.events() == direct.events() and "error" in proxied.events()[1]
+    assert (server.recording.counts.unrecorded["malformed_response"],
+            server.recording.counts.unrecorded["unfinished_choice"]) == (1, 1)
     ok = call(server.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2},
               request_id="after")
     wait_recorded(server, 1)
