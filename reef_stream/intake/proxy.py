@@ -767,7 +767,7 @@ class _Collected:
     def _add_choice(self, choice: dict[str, Any]) -> None:
         into = self.choices.setdefault(choice["index"], {
             "token_ids": [], "logprobs": [], "finish_reason": None, "text": [],
-            "prompt_token_ids": None, "tool_calls": False})
+            "prompt_token_ids": None, "tool_calls": {}})
         if choice.get("prompt_token_ids"):
             into["prompt_token_ids"] = choice["prompt_token_ids"]
         into["token_ids"] += choice.get("token_ids") or []
@@ -777,7 +777,9 @@ class _Collected:
                                  if isinstance(entry, dict)]
             delta = choice.get("delta") or {}
             text = delta.get("content")
-            into["tool_calls"] = into["tool_calls"] or bool(delta.get("tool_calls"))
+            for call in delta.get("tool_calls") or ():
+                if isinstance(call, dict):
+                    _add_tool_call(into["tool_calls"], call)
         else:
             into["logprobs"] += logprobs.get("token_logprobs") or []
             text = choice.get("text")
@@ -814,4 +816,27 @@ class _Collected:
         return response
 
     def texts(self) -> dict[int, dict[str, str]]:
-        return {index: {"completion": "".join(c["text"])} for index, c in self.choices.items()}
+        """Per choice index, the text streamed and the tool calls its deltas assembled."""
+        texts = {}
+        for index, c in self.choices.items():
+            texts[index] = {"completion": "".join(c["text"])}
+            if c["tool_calls"]:
+                texts[index]["tool_calls"] = json.dumps(
+                    [c["tool_calls"][i] for i in sorted(c["tool_calls"])])
+        return texts
+
+
+def _add_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+    """Add one streamed tool-call delta (OpenAI's shape: ``index``, then ``id``, ``type`` and
+    the function's ``name`` once, its ``arguments`` in pieces) to ``calls`` by index."""
+    call = calls.setdefault(_int(delta.get("index"), len(calls)),
+                            {"id": None, "type": "function",
+                             "function": {"name": None, "arguments": ""}})
+    for name in ("id", "type"):
+        if delta.get(name):
+            call[name] = delta[name]
+    function = delta.get("function") if isinstance(delta.get("function"), dict) else {}
+    if function.get("name"):
+        call["function"]["name"] = function["name"]
+    if isinstance(function.get("arguments"), str):
+        call["function"]["arguments"] += function["arguments"]

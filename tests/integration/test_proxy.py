@@ -120,7 +120,7 @@ class Upstream:
         tools = bool(body.get("tools"))
         if body.get("stream"):
             return await self._stream(request, kind, body, rid, ids, n, max_tokens, with_ids,
-                                      wants_logprobs)
+                                      wants_logprobs, tools)
         choices = []
         for i in range(n):
             tokens, values = completion_of(i, max_tokens)
@@ -156,7 +156,7 @@ class Upstream:
         return web.json_response(response)
 
     async def _stream(self, request, kind, body, rid, ids, n, max_tokens, with_ids,
-                      wants_logprobs) -> web.StreamResponse:
+                      wants_logprobs, tools) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         obj = "text_completion" if kind == "completions" else "chat.completion.chunk"
@@ -184,6 +184,16 @@ class Upstream:
                               "finish_reason": finish, "stop_reason": None,
                               "prompt_token_ids": ids if with_ids and j == 0 else None,
                               "token_ids": [token] if with_ids else None}
+                elif tools:   # a tool call, its arguments in pieces as vLLM streams them
+                    call = {"index": 0, "function": {"arguments": "{\"a\": 1" if j == 0
+                                                      else "" if not last else "}"}}
+                    if j == 0:
+                        call.update(id=f"call-{i}", type="function")
+                        call["function"]["name"] = "add"
+                    choice = {"index": i, "delta": {"tool_calls": [call]},
+                              "logprobs": _chat_logprobs([token], [value])
+                              if wants_logprobs else None,
+                              "finish_reason": finish, "token_ids": [token] if with_ids else None}
                 else:
                     choice = {"index": i, "delta": {"content": token_text(token)},
                               "logprobs": _chat_logprobs([token], [value])
@@ -489,6 +499,22 @@ def test_a_stream_is_relayed_unchanged_and_its_choices_recorded(
         assert g.prompt_token_ids.tolist() == prompt_ids("stream me")
         assert g.finish_reason.name == choice["finish_reason"].upper() == "LENGTH"
         assert g.metadata["completion"] == "".join(token_text(t) for t in choice["token_ids"])
+
+
+def test_a_streamed_tool_call_is_relayed_and_recorded_whole(
+        upstream, proxy, kafka_bootstrap, namespace):
+    server = proxy()
+    body = {"model": "tiny", "max_tokens": 3, "stream": True,
+            "messages": [{"role": "user", "content": "add"}],
+            "tools": [{"type": "function", "function": {"name": "add", "parameters": {}}}]}
+    direct, proxied = both(upstream, server, "/v1/chat/completions", body)
+    assert proxied.body == direct.body
+    wait_recorded(server, 1)
+    (g,) = recorded(kafka_bootstrap, namespace, server).values()
+    assert json.loads(g.metadata["tool_calls"]) == [{"id": "call-0", "type": "function",
+                                                     "function": {"name": "add",
+                                                                  "arguments": "{\"a\": 1}"}}]
+    assert g.completion_token_ids.tolist() == [100, 200, 300]
 
 
 def test_models_and_other_paths_pass_through_untouched(upstream, proxy):
