@@ -118,6 +118,10 @@ def _listen(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[s
 @click.option("--version-from-model", default=None, metavar="REGEX",
               help="A regular expression whose first group is the policy version in the model "
                    "name a request names (a LoRA adapter per version), e.g. 'lora-v(\\d+)'.")
+@click.option("--unknown-version", type=click.Choice(["mark", "skip"]), default="mark",
+              show_default=True,
+              help="When the served version cannot be told: record it marked "
+                   "reef.policy_version=unknown (version 0), or record nothing (counted).")
 @click.option("--redact", type=click.Choice(["prompt", "completion", "user"]), multiple=True,
               help="Do not record this (repeatable): the prompt text, the completion text and "
                    "tool calls, the OpenAI user. Token ids are always recorded.")
@@ -135,8 +139,9 @@ def _listen(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[s
 @click.pass_context
 def proxy(ctx: click.Context, upstream: str, listen: tuple[str, int], model: str | None,
           policy_version_file: Path | None, version_from_model: str | None,
-          redact: tuple[str, ...], replica_id: str | None, feedback_source: str,
-          spool: Path | None, spool_max_bytes: int, metrics_port: int | None) -> None:
+          unknown_version: str, redact: tuple[str, ...], replica_id: str | None,
+          feedback_source: str, spool: Path | None, spool_max_bytes: int,
+          metrics_port: int | None) -> None:
     """Forward OpenAI requests to --upstream and record each choice as a Generation.
 
     Serves /v1/chat/completions and /v1/completions (streamed or not) with the header
@@ -162,7 +167,8 @@ def proxy(ctx: click.Context, upstream: str, listen: tuple[str, int], model: str
     spool_dir = spool or settings.home / "spool" / f"{settings.namespace}-proxy"
     options = ProxyOptions(upstream=upstream, model=model, replica_id=replica_id,
                            versions=Versions(policy_version_file, version_from_model),
-                           redact=frozenset(redact), feedback_source=feedback_source)
+                           redact=frozenset(redact), feedback_source=feedback_source,
+                           unknown_version=unknown_version)
 
     async def app() -> web.Application:
         producer = AsyncRecordProducer(settings=settings, spool_dir=spool_dir,

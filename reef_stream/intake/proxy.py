@@ -162,6 +162,9 @@ class ProxyOptions:
     redact: frozenset[str] = frozenset()
     redactor: Callable[[Generation], Generation | None] | None = None
     feedback_source: str = "user"
+    #: What to do with a Generation whose version the proxy cannot tell: ``mark`` records it
+    #: with ``reef.policy_version=unknown`` (version 0), ``skip`` records nothing (counted).
+    unknown_version: Literal["mark", "skip"] = "mark"
     feedback_timeout_s: float = 30.0
     upstream_timeout_s: float = 600.0
 
@@ -476,6 +479,9 @@ class RecordingProxy:
             if not response.get("choices"):
                 return []
         version, source = context.version(self.options.versions, response.get("model"))
+        if version is None and self.options.unknown_version == "skip":
+            self._unrecorded("version_unknown", len(response.get("choices") or ()))
+            return []
         envelope: dict[str, Any] = {
             "policy_version": version if version is not None else 0,
             "replica_id": self.replica_id, "sampling": _sampling(plan),
