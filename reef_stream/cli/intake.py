@@ -1,6 +1,8 @@
-"""``reef intake serve``: the HTTP intake for fleets not written in Python.
+"""``reef intake serve``: the HTTP intake for fleets not written in Python; ``reef intake
+proxy``: a recording proxy in front of OpenAI-compatible servers (docs/proxy.md).
 
     REEF_INTAKE_TOKEN=s3cret reef intake serve --host 0.0.0.0 --port 8080
+    reef intake proxy --upstream http://127.0.0.1:8000 --listen 0.0.0.0:8001 --model my-model
 
 The endpoints, body forms and status codes are documented in
 ``reef_stream.intake.http``. ``REEF_INTAKE_TOKEN``, when set, is the bearer
@@ -31,7 +33,7 @@ SPOOL_BLOCK_TIMEOUT_S = 5.0
 
 @click.group()
 def intake() -> None:
-    """The HTTP intake: POST /v1/generations, POST /v1/feedback, GET /healthz."""
+    """The HTTP intake (serve) and the recording proxy for OpenAI-compatible servers (proxy)."""
 
 
 @intake.command("serve")
@@ -91,6 +93,105 @@ def serve(ctx: click.Context, host: str, port: int, max_request_bytes: int | Non
     console.print(f"intake for namespace [bold]{escape(settings.namespace)}[/bold] on "
                   f"http://{escape(host)}:{port} (broker {escape(bootstrap)}, "
                   f"{'bearer token required' if token else 'no token'})")
+    web.run_app(app(), host=host, port=port, print=None)
+
+
+def _listen(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"{value!r} is not HOST:PORT, e.g. 127.0.0.1:8001")
+    return host.strip("[]"), int(port)
+
+
+@intake.command("proxy")
+@click.option("--upstream", required=True, metavar="URL",
+              help="The OpenAI-compatible server to forward to, e.g. http://127.0.0.1:8000.")
+@click.option("--listen", default="127.0.0.1:8001", show_default=True, callback=_listen,
+              metavar="HOST:PORT", help="Where the proxy listens.")
+@click.option("--model", default=None, metavar="NAME",
+              help="The model name recorded (the one 'reef follow --model' follows) "
+                   "[default: the name in each response].")
+@click.option("--policy-version-file", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, metavar="PATH",
+              help="A file holding the policy version the upstream serves (decimal, or JSON "
+                   "with policy_version), rewritten on each reload.")
+@click.option("--version-from-model", default=None, metavar="REGEX",
+              help="A regular expression whose first group is the policy version in the model "
+                   "name a request names (a LoRA adapter per version), e.g. 'lora-v(\\d+)'.")
+@click.option("--unknown-version", type=click.Choice(["mark", "skip"]), default="mark",
+              show_default=True,
+              help="When the served version cannot be told: record it marked "
+                   "reef.policy_version=unknown (version 0), or record nothing (counted).")
+@click.option("--redact", type=click.Choice(["prompt", "completion", "user"]), multiple=True,
+              help="Do not record this (repeatable): the prompt text, the completion text and "
+                   "tool calls, the OpenAI user. Token ids are always recorded.")
+@click.option("--replica-id", default=None,
+              help="The replica id recorded [default: proxy@<upstream host:port>].")
+@click.option("--feedback-source", default="user", show_default=True,
+              help="The source of POST /v1/feedback records that name none.")
+@click.option("--spool", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Spool directory for records the broker has not acknowledged "
+                   "[default: $REEF_HOME/spool/<namespace>-proxy]. One per proxy.")
+@click.option("--spool-max-bytes", type=click.IntRange(min=1), default=1 << 30,
+              show_default=True,
+              help="The spool's bound; past it, records are dropped (counted), never waited for.")
+@metrics_port_option
+@click.pass_context
+def proxy(ctx: click.Context, upstream: str, listen: tuple[str, int], model: str | None,
+          policy_version_file: Path | None, version_from_model: str | None,
+          unknown_version: str, redact: tuple[str, ...], replica_id: str | None,
+          feedback_source: str, spool: Path | None, spool_max_bytes: int,
+          metrics_port: int | None) -> None:
+    """Forward OpenAI requests to --upstream and record each choice as a Generation.
+
+    Serves /v1/chat/completions and /v1/completions (streamed or not) with the header
+    x-reef-generation-ids, POST /v1/feedback for scores, and passes anything else through.
+    Serving never waits for the broker: records are spooled while it is away, and dropped
+    (counted) when the spool is full. A record's policy version is the one the upstream
+    served (--policy-version-file, --version-from-model), or marked unknown.
+    """
+    from aiohttp import web
+
+    from reef_stream.intake.aio import AsyncRecordProducer
+    from reef_stream.intake.proxy import (
+        ProxyMetrics,
+        ProxyOptions,
+        RecordingProxy,
+        Versions,
+    )
+
+    settings: Settings = ctx.obj
+    serve_metrics(metrics_port)
+    host, port = listen
+    bootstrap = bootstrap_servers(settings)
+    spool_dir = spool or settings.home / "spool" / f"{settings.namespace}-proxy"
+    options = ProxyOptions(upstream=upstream, model=model, replica_id=replica_id,
+                           versions=Versions(policy_version_file, version_from_model),
+                           redact=frozenset(redact), feedback_source=feedback_source,
+                           unknown_version=unknown_version)
+
+    async def app() -> web.Application:
+        producer = AsyncRecordProducer(settings=settings, spool_dir=spool_dir,
+                                       spool_max_bytes=spool_max_bytes, block_timeout=0,
+                                       client="proxy")
+        recording = RecordingProxy(producer, options,
+                                   metrics=ProxyMetrics(bootstrap, settings.namespace))
+        application = recording.app()
+
+        async def close_producer(_: web.Application) -> None:
+            report = await producer.close()
+            counts = recording.counts
+            console.print(f"proxy closed: {counts.recorded} recorded, "
+                          f"{sum(counts.dropped.values())} dropped (spool full); producer: "
+                          f"{report.acknowledged} acknowledged, {report.spooled} left in the "
+                          f"spool {escape(str(spool_dir))}")
+
+        application.on_cleanup.append(close_producer)
+        return application
+
+    console.print(f"proxy for {escape(upstream)} on http://{escape(host)}:{port}, recording to "
+                  f"namespace [bold]{escape(settings.namespace)}[/bold] (broker "
+                  f"{escape(bootstrap)})")
     web.run_app(app(), host=host, port=port, print=None)
 
 

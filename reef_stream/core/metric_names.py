@@ -50,6 +50,18 @@ INTAKE_REJECTED = "rejected"                    # labels: reason
 #: Records held in the on-disk spool now (the broker unreachable or the client's queue full).
 INTAKE_SPOOLED = "spooled"
 
+# --------------------------------------------------------------------------- recording proxy
+
+#: ``reef intake proxy`` (stage ``intake``, label ``client=proxy``; running totals): choices
+#: recorded (handed to its producer), records dropped by ``reason`` (``spool_full``: the one
+#: deliberate drop, serving goes on), and choices or responses not recorded by ``reason``
+#: (``upstream_error``, ``malformed_response``, ``unfinished_choice``, ``invalid``, ...).
+PROXY_RECORDED = "proxy_recorded"
+PROXY_DROPPED = "proxy_dropped"                  # labels: reason
+PROXY_UNRECORDED = "proxy_unrecorded"            # labels: reason
+#: Feedback records ``POST /v1/feedback`` made durable.
+PROXY_FEEDBACK = "proxy_feedback"
+
 # --------------------------------------------------------------------------- processor
 
 #: Generations that ended in a unit / expired / too stale / invalid (running totals).

@@ -1,0 +1,759 @@
+"""The recording proxy against the real broker, in front of a real local HTTP server that
+answers as vLLM's OpenAI server does (token ids and logprobs in vLLM's shape).
+
+The stand-in upstream is deterministic: a response's id is ``cmpl-<X-Request-Id>`` (vLLM takes
+the request id from that header too) and ``created`` is fixed, so a direct call and a call
+through the proxy with the same request id must answer the same JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.client import IncompleteRead
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp import web
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient
+
+from reef_stream.core.events import Feedback, Generation, Metric
+from reef_stream.core.metric_names import PROXY_DROPPED, STAGE_INTAKE
+from reef_stream.core.processes import free_ports
+from reef_stream.core.settings import load_settings
+from reef_stream.intake.aio import AsyncRecordProducer
+from reef_stream.intake.producer import RecordProducer
+from reef_stream.intake.proxy import (
+    GENERATION_IDS_HEADER,
+    ProxyMetrics,
+    ProxyOptions,
+    RecordingProxy,
+    Versions,
+)
+from reef_stream.topics.admin import ensure_topics
+from reef_stream.topics.connect import client_config
+from reef_stream.topics.declarations import declare_topics, feedback, generations
+from reef_stream.topics.declarations import metrics as metrics_topic
+from tests.helpers import events_to_end, wait_until
+
+CREATED = 1_795_000_000
+
+
+# --------------------------------------------------------------------------- the stand-in upstream
+
+
+def prompt_ids(text: str) -> list[int]:
+    return [ord(c) % 1000 + 1 for c in text]
+
+
+def completion_of(choice: int, max_tokens: int) -> tuple[list[int], list[float]]:
+    tokens = [100 + choice, 200 + choice, 300 + choice, 400 + choice][:max_tokens]
+    logprobs = [-0.5, -0.25 - choice / 8, -1.0, -0.0625][:max_tokens]
+    return tokens, logprobs
+
+
+def token_text(token: int) -> str:
+    return f" t{token}"
+
+
+def _completion_logprobs(tokens: list[int], logprobs: list[float], top: int) -> dict:
+    texts = [token_text(t) for t in tokens]
+    return {"text_offset": [4 * j for j in range(len(tokens))], "token_logprobs": logprobs,
+            "tokens": texts, "top_logprobs": [{s: v} if top else None
+                                              for s, v in zip(texts, logprobs)]}
+
+
+def _chat_logprobs(tokens: list[int], logprobs: list[float]) -> dict:
+    return {"content": [{"token": token_text(t), "logprob": v,
+                         "bytes": list(token_text(t).encode()), "top_logprobs": []}
+                        for t, v in zip(tokens, logprobs)]}
+
+
+class Upstream:
+    """The vLLM-shaped server's handlers. Model ``fail`` answers 500; ``garbled`` answers 200
+    with a body that is not JSON; streamed, ``truncate`` sends one chunk and drops the
+    connection, ``midfail`` sends one chunk, an error event and the end."""
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": "tiny", "object": "model", "created": CREATED, "owned_by": "vllm",
+             "root": "/models/tiny", "parent": None, "max_model_len": 2048}]})
+
+    async def other(self, request: web.Request) -> web.Response:
+        return web.Response(status=418, text=f"teapot at {request.path_qs}",
+                            headers={"x-upstream": "yes"})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, "completions")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, "chat")
+
+    async def _answer(self, request: web.Request, kind: str) -> web.StreamResponse:
+        body = await request.json()
+        if body.get("model") == "garbled":
+            return web.Response(body=b'{"id": "cmpl-x", "choices": [',
+                                content_type="application/json")
+        if body.get("model") == "fail":
+            return web.json_response({"object": "error", "message": "engine dead",
+                                      "type": "InternalServerError", "code": 500}, status=500)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request.headers['X-Request-Id']}"
+        prompt = (body["prompt"] if kind == "completions"
+                  else "".join(m.get("content") or "" for m in body["messages"]))
+        ids = prompt_ids(prompt)
+        n, max_tokens = body.get("n", 1), body.get("max_tokens", 16)
+        with_ids = body.get("return_token_ids") is True
+        logprobs = body.get("logprobs")
+        wants_logprobs = logprobs is not None if kind == "completions" else logprobs is True
+        tools = bool(body.get("tools"))
+        if body.get("stream"):
+            return await self._stream(request, kind, body, rid, ids, n, max_tokens, with_ids,
+                                      wants_logprobs, tools)
+        choices = []
+        for i in range(n):
+            tokens, values = completion_of(i, max_tokens)
+            finish = "tool_calls" if tools else ("length" if max_tokens <= len(tokens) else "stop")
+            text = "".join(token_text(t) for t in tokens)
+            if kind == "completions":
+                choices.append({
+                    "index": i, "text": text,
+                    "logprobs": _completion_logprobs(tokens, values, logprobs)
+                    if wants_logprobs else None,
+                    "finish_reason": finish, "stop_reason": None, "prompt_logprobs": None,
+                    "prompt_token_ids": ids if with_ids else None,
+                    "token_ids": tokens if with_ids else None})
+            else:
+                calls = [{"id": f"call-{i}", "type": "function", "function": {
+                    "name": "add", "arguments": "{\"a\": 17, \"b\": 25}"}}] if tools else []
+                choices.append({
+                    "index": i, "message": {"role": "assistant",
+                                            "content": None if tools else text,
+                                            "tool_calls": calls, "reasoning_content": None},
+                    "logprobs": _chat_logprobs(tokens, values) if wants_logprobs else None,
+                    "finish_reason": finish, "stop_reason": None,
+                    "token_ids": tokens if with_ids else None})
+        completion_tokens = sum(len(completion_of(i, max_tokens)[0]) for i in range(n))
+        response = {
+            "id": rid, "object": "text_completion" if kind == "completions" else "chat.completion",
+            "created": CREATED, "model": body["model"], "choices": choices,
+            "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids) + completion_tokens,
+                      "completion_tokens": completion_tokens, "prompt_tokens_details": None},
+            "service_tier": None, "system_fingerprint": None, "kv_transfer_params": None}
+        if kind == "chat":
+            response.update(prompt_logprobs=None, prompt_token_ids=ids if with_ids else None)
+        return web.json_response(response)
+
+    async def _stream(self, request, kind, body, rid, ids, n, max_tokens, with_ids,
+                      wants_logprobs, tools) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        obj = "text_completion" if kind == "completions" else "chat.completion.chunk"
+
+        async def send(chunk: dict) -> None:
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        if kind == "chat":
+            for i in range(n):
+                await send({"id": rid, "object": obj, "created": CREATED,
+                            "model": body["model"],
+                            "choices": [{"index": i, "delta": {"role": "assistant",
+                                                               "content": ""},
+                                         "logprobs": None, "finish_reason": None}],
+                            "prompt_token_ids": ids if with_ids else None})
+        for i in range(n):
+            tokens, values = completion_of(i, max_tokens)
+            for j, (token, value) in enumerate(zip(tokens, values)):
+                last = j == len(tokens) - 1
+                finish = ("length" if max_tokens <= len(tokens) else "stop") if last else None
+                if kind == "completions":
+                    choice = {"index": i, "text": token_text(token),
+                              "logprobs": _completion_logprobs([token], [value], 0)
+                              if wants_logprobs else None,
+                              "finish_reason": finish, "stop_reason": None,
+                              "prompt_token_ids": ids if with_ids and j == 0 else None,
+                              "token_ids": [token] if with_ids else None}
+                elif tools:   # a tool call, its arguments in pieces as vLLM streams them
+                    call = {"index": 0, "function": {"arguments": "{\"a\": 1" if j == 0
+                                                      else "" if not last else "}"}}
+                    if j == 0:
+                        call.update(id=f"call-{i}", type="function")
+                        call["function"]["name"] = "add"
+                    choice = {"index": i, "delta": {"tool_calls": [call]},
+                              "logprobs": _chat_logprobs([token], [value])
+                              if wants_logprobs else None,
+                              "finish_reason": finish, "token_ids": [token] if with_ids else None}
+                else:
+                    choice = {"index": i, "delta": {"content": token_text(token)},
+                              "logprobs": _chat_logprobs([token], [value])
+                              if wants_logprobs else None,
+                              "finish_reason": finish, "token_ids": [token] if with_ids else None}
+                await send({"id": rid, "object": obj, "created": CREATED,
+                            "model": body["model"], "choices": [choice]})
+                if body["model"] == "midfail":   # vLLM's error event, then the end
+                    await response.write(b'data: {"error": {"object": "error", "message": '
+                                         b'"engine died", "code": 500}}\n\n')
+                    await response.write(b"data: [DONE]\n\n")
+                    await response.write_eof()
+                    return response
+                if body["model"] == "truncate":
+                    assert request.transport is not None
+                    request.transport.close()   # the connection drops mid-stream
+                    return response
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+# --------------------------------------------------------------------------- servers in threads
+
+
+@dataclass
+class Running:
+    url: str
+    loop: asyncio.AbstractEventLoop
+    runner: web.AppRunner
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def run_app(make) -> Running:
+    """Serve the app ``make()`` builds (called on the server's loop) on a free port."""
+    port = free_ports(1)[0]
+    loop = asyncio.new_event_loop()
+
+    async def setup() -> web.AppRunner:
+        runner = web.AppRunner(await make())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    runner = loop.run_until_complete(setup())
+    thread = threading.Thread(target=loop.run_forever, name="proxy-test", daemon=True)
+    thread.start()
+    return Running(f"http://127.0.0.1:{port}", loop, runner, thread)
+
+
+@pytest.fixture
+def upstream() -> Iterator[str]:
+    handlers = Upstream()
+
+    async def make() -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", handlers.models)
+        app.router.add_post("/v1/completions", handlers.completions)
+        app.router.add_post("/v1/chat/completions", handlers.chat)
+        app.router.add_route("*", "/{tail:.*}", handlers.other)
+        return app
+
+    running = run_app(make)
+    yield running.url
+    running.stop()
+
+
+@dataclass
+class Proxy:
+    url: str
+    recording: RecordingProxy
+    producer: AsyncRecordProducer
+    running: Running
+    stopped: bool = False
+
+    def flush(self) -> None:
+        report = asyncio.run_coroutine_threadsafe(self.producer.flush(30),
+                                                  self.running.loop).result(60)
+        assert report.complete, report
+
+    def stop(self, close_timeout: float = 30) -> None:
+        """Stop serving, then close the producer (what is not acknowledged stays spooled)."""
+        if not self.stopped:
+            self.stopped = True
+            asyncio.run_coroutine_threadsafe(self.running.runner.cleanup(),
+                                             self.running.loop).result(60)
+            asyncio.run_coroutine_threadsafe(self.producer.close(close_timeout),
+                                             self.running.loop).result(close_timeout + 60)
+            self.running.loop.call_soon_threadsafe(self.running.loop.stop)
+            self.running.thread.join(10)
+
+
+@pytest.fixture
+def proxy(kafka_bootstrap, namespace, tmp_path, upstream) -> Iterator:
+    """``proxy(bootstrap=None, spool_max_bytes=1 GiB, metrics=None, **options)``: a proxy in
+    front of ``upstream`` recording to the session's broker (or ``bootstrap``), with
+    ``ProxyOptions`` ``options``; stopped after the test."""
+    ensure_topics(AdminClient(client_config(kafka_bootstrap)), declare_topics(namespace))
+    settings = load_settings({"REEF_BOOTSTRAP_SERVERS": kafka_bootstrap,
+                              "REEF_NAMESPACE": namespace, "REEF_HOME": str(tmp_path / "home")})
+    started: list[Proxy] = []
+
+    def start(bootstrap: str | None = None, spool_max_bytes: int = 1 << 30,
+              metrics: ProxyMetrics | None = None, **options) -> Proxy:
+        holder: dict[str, Any] = {}
+
+        async def make() -> web.Application:
+            producer = AsyncRecordProducer(bootstrap=bootstrap or kafka_bootstrap,
+                                           settings=settings, spool_dir=tmp_path / "spool",
+                                           spool_max_bytes=spool_max_bytes, block_timeout=0,
+                                           metrics_every_s=None, client="proxy")
+            recording = RecordingProxy(producer, ProxyOptions(**{"upstream": upstream,
+                                                                 **options}),
+                                       metrics=metrics)
+            holder.update(producer=producer, recording=recording)
+            return recording.app()
+
+        running = run_app(make)
+        started.append(Proxy(running.url, holder["recording"], holder["producer"], running))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop(close_timeout=1)
+
+
+# --------------------------------------------------------------------------- a client
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def events(self) -> list[Any]:
+        """The ``data:`` payloads of an SSE body, JSON decoded (``[DONE]`` as it is)."""
+        payloads = [line[5:].strip() for line in self.body.splitlines()
+                    if line.startswith(b"data:")]
+        return [p.decode() if p == b"[DONE]" else json.loads(p) for p in payloads]
+
+
+def call(url: str, body: Any = None, *, request_id: str | None = None,
+         headers: dict[str, str] | None = None, method: str | None = None) -> Reply:
+    """One HTTP request; a truncated body is returned as far as it came."""
+    sent = {"Content-Type": "application/json", **(headers or {})}
+    if request_id is not None:
+        sent["X-Request-Id"] = request_id
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers=sent,
+                                 method=method or ("GET" if body is None else "POST"))
+    try:
+        with urllib.request.urlopen(req, timeout=60) as response:
+            try:
+                content = response.read()
+            except IncompleteRead as partial:
+                content = partial.partial
+            return Reply(response.status, {k.lower(): v for k, v in response.headers.items()},
+                         content)
+    except urllib.error.HTTPError as error:
+        return Reply(error.code, {k.lower(): v for k, v in error.headers.items()}, error.read())
+
+
+def both(upstream: str, proxy: Proxy, path: str, body: dict) -> tuple[Reply, Reply]:
+    """The same request sent directly and through the proxy (one request id)."""
+    rid = uuid.uuid4().hex[:12]
+    return (call(upstream + path, body, request_id=rid),
+            call(proxy.url + path, body, request_id=rid))
+
+
+def read_all(bootstrap: str, topic: str, reader: type) -> list:
+    """``events_to_end``, once every partition of the new topic has a leader (right after
+    creation a partition may have none yet, and reading its end fails)."""
+    def attempt() -> list | None:
+        try:
+            return [events_to_end(bootstrap, topic, reader)]
+        except KafkaException as error:
+            if error.args[0].code() != KafkaError.NOT_LEADER_FOR_PARTITION:
+                raise
+            return None
+
+    return wait_until(attempt, 30, f"every partition of {topic} to have a leader")[0]
+
+
+def recorded(kafka_bootstrap: str, namespace: str, proxy: Proxy) -> dict[str, Generation]:
+    proxy.flush()
+    return {g.generation_id: g for g in read_all(kafka_bootstrap, generations(namespace),
+                                                 Generation)}
+
+
+def wait_recorded(proxy: Proxy, count: int) -> None:
+    wait_until(lambda: proxy.recording.counts.recorded >= count, 30,
+               f"{count} choices handed to the producer")
+
+
+def full(upstream: str, path: str, body: dict) -> dict:
+    """What the upstream returns with token ids and logprobs asked for."""
+    extra = {"logprobs": 0 if path.endswith("/v1/completions") else True,
+             "return_token_ids": True}
+    return call(upstream + path, {**body, **extra}, request_id=uuid.uuid4().hex).json()
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+def test_non_streamed_completions_and_chat_are_unchanged_and_each_choice_is_recorded(
+        upstream, proxy, kafka_bootstrap, namespace):
+    server = proxy()
+    completion = {"model": "tiny", "prompt": "17+25=", "max_tokens": 3, "n": 2,
+                  "temperature": 0.7, "top_p": 0.9, "seed": 5}
+    chat = {"model": "tiny", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "add 17 and 25"}],
+            "tools": [{"type": "function", "function": {"name": "add", "parameters": {}}}]}
+
+    direct_c, proxied_c = both(upstream, server, "/v1/completions", completion)
+    direct_h, proxied_h = both(upstream, server, "/v1/chat/completions", chat)
+
+    assert proxied_c.status == direct_c.status == 200
+    assert proxied_c.json() == direct_c.json(), "the client sees what it asked for, no more"
+    assert proxied_c.body == direct_c.body, "byte for byte"
+    assert proxied_c.json()["choices"][0]["logprobs"] is None
+    assert proxied_h.json() == direct_h.json()
+    assert proxied_h.headers["content-type"].startswith("application/json")
+    c_ids = proxied_c.headers[GENERATION_IDS_HEADER].split(",")
+    h_ids = proxied_h.headers[GENERATION_IDS_HEADER].split(",")
+    assert c_ids == [f"{direct_c.json()['id']}:0", f"{direct_c.json()['id']}:1"]
+    assert h_ids == [f"{direct_h.json()['id']}:0"]
+    assert GENERATION_IDS_HEADER not in direct_c.headers
+
+    wait_recorded(server, 3)
+    stored = recorded(kafka_bootstrap, namespace, server)
+    served = full(upstream, "/v1/completions", completion)
+    for i, gid in enumerate(c_ids):
+        g = stored[gid]
+        assert g.prompt_token_ids.tolist() == served["choices"][i]["prompt_token_ids"]
+        assert g.completion_token_ids.tolist() == served["choices"][i]["token_ids"]
+        assert np.array_equal(g.completion_logprobs, np.array(
+            served["choices"][i]["logprobs"]["token_logprobs"], dtype=np.float32))
+        assert (g.group_id, g.group_size) == (direct_c.json()["id"], 2)
+        assert (g.sampling.temperature, g.sampling.top_p, g.sampling.max_tokens,
+                g.sampling.seed) == (pytest.approx(0.7), pytest.approx(0.9), 3, 5)
+        assert g.metadata["prompt"] == "17+25="
+        assert g.metadata["reef.policy_version"] == "unknown" and g.policy_version == 0
+    chat_served = full(upstream, "/v1/chat/completions", chat)
+    g = stored[h_ids[0]]
+    assert g.prompt_token_ids.tolist() == chat_served["prompt_token_ids"]
+    assert g.completion_token_ids.tolist() == chat_served["choices"][0]["token_ids"]
+    assert g.completion_logprobs.tolist() == [
+        e["logprob"] for e in chat_served["choices"][0]["logprobs"]["content"]]
+    assert json.loads(g.metadata["tool_calls"])[0]["function"]["name"] == "add"
+    assert g.sampling.max_tokens == 4 and g.finish_reason.name == "STOP"
+
+
+def test_what_the_client_asked_for_it_still_gets(upstream, proxy):
+    server = proxy()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 1,
+            "return_token_ids": True}
+    direct, proxied = both(upstream, server, "/v1/completions", body)
+    assert proxied.json() == direct.json()
+    assert proxied.json()["choices"][0]["token_ids"] == [100, 200]
+    assert proxied.json()["choices"][0]["logprobs"]["top_logprobs"] is not None
+    # logprobs=0 asks for the sampled tokens' logprobs (0 is not false here)
+    direct, proxied = both(upstream, server, "/v1/completions", {**body, "logprobs": 0})
+    assert proxied.json() == direct.json()
+    assert proxied.json()["choices"][0]["logprobs"]["token_logprobs"] == [-0.5, -0.25]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_is_relayed_unchanged_and_its_choices_recorded(
+        upstream, proxy, kafka_bootstrap, namespace, path):
+    server = proxy()
+    body = {"model": "tiny", "max_tokens": 4, "n": 2, "stream": True}
+    body.update({"prompt": "stream me"} if path == "/v1/completions"
+                else {"messages": [{"role": "user", "content": "stream me"}]})
+
+    direct, proxied = both(upstream, server, path, body)
+
+    assert proxied.status == 200 and proxied.headers["content-type"].startswith(
+        "text/event-stream")
+    assert proxied.events() == direct.events()
+    assert proxied.body == direct.body, "byte for byte"
+    assert proxied.events()[-1] == "[DONE]"
+    rid = direct.events()[0]["id"]
+    assert proxied.headers[GENERATION_IDS_HEADER] == f"{rid}:0,{rid}:1"
+    wait_recorded(server, 2)
+    stored = recorded(kafka_bootstrap, namespace, server)
+    served = full(upstream, path, {k: v for k, v in body.items() if k != "stream"})
+    for i in range(2):
+        g = stored[f"{rid}:{i}"]
+        choice = served["choices"][i]
+        assert g.completion_token_ids.tolist() == choice["token_ids"]
+        values = (choice["logprobs"]["token_logprobs"] if path == "/v1/completions"
+                  else [e["logprob"] for e in choice["logprobs"]["content"]])
+        assert np.array_equal(g.completion_logprobs, np.array(values, dtype=np.float32))
+        assert g.prompt_token_ids.tolist() == prompt_ids("stream me")
+        assert g.finish_reason.name == choice["finish_reason"].upper() == "LENGTH"
+        assert g.metadata["completion"] == "".join(token_text(t) for t in choice["token_ids"])
+
+
+def test_a_streamed_tool_call_is_relayed_and_recorded_whole(
+        upstream, proxy, kafka_bootstrap, namespace):
+    server = proxy()
+    body = {"model": "tiny", "max_tokens": 3, "stream": True,
+            "messages": [{"role": "user", "content": "add"}],
+            "tools": [{"type": "function", "function": {"name": "add", "parameters": {}}}]}
+    direct, proxied = both(upstream, server, "/v1/chat/completions", body)
+    assert proxied.body == direct.body
+    wait_recorded(server, 1)
+    (g,) = recorded(kafka_bootstrap, namespace, server).values()
+    assert json.loads(g.metadata["tool_calls"]) == [{"id": "call-0", "type": "function",
+                                                     "function": {"name": "add",
+                                                                  "arguments": "{\"a\": 1}"}}]
+    assert g.completion_token_ids.tolist() == [100, 200, 300]
+
+
+def test_models_and_other_paths_pass_through_untouched(upstream, proxy):
+    server = proxy()
+    direct, proxied = call(upstream + "/v1/models"), call(server.url + "/v1/models")
+    assert (proxied.status, proxied.json()) == (200, direct.json())
+    other = call(server.url + "/v1/whatever?x=1", {"a": 1})
+    assert (other.status, other.body, other.headers["x-upstream"]) == (
+        418, b"teapot at /v1/whatever?x=1", "yes")
+    assert server.recording.counts.recorded == 0
+
+
+def test_an_upstream_error_passes_through_and_nothing_is_recorded(
+        upstream, proxy, kafka_bootstrap, namespace):
+    server = proxy()
+    body = {"model": "fail", "prompt": "x", "max_tokens": 2}
+    direct, proxied = both(upstream, server, "/v1/completions", body)
+    assert (proxied.status, proxied.json()) == (500, direct.json())
+    assert GENERATION_IDS_HEADER not in proxied.headers
+    assert server.recording.counts.unrecorded["upstream_error"] == 1
+    ok = call(server.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2},
+              request_id="after")
+    wait_recorded(server, 1)
+    assert set(recorded(kafka_bootstrap, namespace, server)) == {f"{ok.json()['id']}:0"}
+
+
+def test_with_unknown_version_skip_a_record_whose_version_is_unknown_is_not_made(
+        upstream, proxy, kafka_bootstrap, namespace, tmp_path):
+    version_file = tmp_path / "served-version"
+    server = proxy(versions=Versions(version_file), unknown_version="skip")
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "n": 2}
+    unknown = call(server.url + "/v1/completions", body, request_id="unknown")
+    version_file.write_text('{"policy_version": 4}')
+    known = call(server.url + "/v1/completions", body, request_id="known")
+    assert unknown.status == known.status == 200
+    assert GENERATION_IDS_HEADER not in unknown.headers
+    wait_recorded(server, 2)
+    stored = recorded(kafka_bootstrap, namespace, server)
+    assert set(stored) == set(known.headers[GENERATION_IDS_HEADER].split(","))
+    assert {g.policy_version for g in stored.values()} == {4}
+    assert server.recording.counts.unrecorded["version_unknown"] == 2
+
+
+def test_a_garbled_body_or_an_error_mid_stream_passes_through_and_nothing_is_recorded(
+        upstream, proxy, kafka_bootstrap, namespace):
+    server = proxy()
+    garbled = {"model": "garbled", "prompt": "x", "max_tokens": 2}
+    direct, proxied = both(upstream, server, "/v1/completions", garbled)
+    assert (proxied.status, proxied.body) == (200, direct.body)
+    midfail = {"model": "midfail", "prompt": "x", "max_tokens": 4, "stream": True}
+    direct, proxied = both(upstream, server, "/v1/completions", midfail)
+    assert proxied.events() == direct.events() and "error" in proxied.events()[1]
+    unrecorded = server.recording.counts.unrecorded   # counted once the stream ended
+    wait_until(lambda: unrecorded["unfinished_choice"] == 1, 10, "the unfinished choice counted")
+    assert unrecorded["malformed_response"] == 1
+    ok = call(server.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2},
+              request_id="after")
+    wait_recorded(server, 1)
+    assert set(recorded(kafka_bootstrap, namespace, server)) == {f"{ok.json()['id']}:0"}
+
+
+def test_an_upstream_that_cannot_be_reached_is_a_502(proxy):
+    server = proxy(upstream=f"http://127.0.0.1:{free_ports(1)[0]}")   # nobody listens
+    reply = call(server.url + "/v1/completions", {"model": "tiny", "prompt": "x"})
+    assert reply.status == 502 and "cannot be reached" in reply.json()["error"]
+    assert server.recording.counts.unrecorded["upstream_unreachable"] == 1
+
+
+def test_a_truncated_stream_passes_through_and_records_nothing(
+        upstream, proxy, kafka_bootstrap, namespace):
+    server = proxy()
+    body = {"model": "truncate", "prompt": "x", "max_tokens": 4, "stream": True}
+    direct, proxied = both(upstream, server, "/v1/completions", body)
+    assert direct.events() and "[DONE]" not in direct.events()
+    assert proxied.events() == direct.events()
+    # a whole request after it is recorded, and is the only one
+    ok = call(server.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2},
+              request_id="after")
+    wait_recorded(server, 1)
+    assert set(recorded(kafka_bootstrap, namespace, server)) == {f"{ok.json()['id']}:0"}
+    assert server.recording.counts.unrecorded["upstream_broke_stream"] == 1
+
+
+def test_feedback_for_the_header_ids_becomes_feedback_with_the_conversation_as_group(
+        upstream, proxy, kafka_bootstrap, namespace):
+    server = proxy(feedback_source="thumbs")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    turns = [call(server.url + "/v1/chat/completions", body, request_id=f"turn-{i}",
+                  headers={"x-reef-conversation-id": "conv-9", "x-reef-group-size": "2"})
+             for i in range(2)]
+    ids = [t.headers[GENERATION_IDS_HEADER] for t in turns]
+
+    reply = call(server.url + "/v1/feedback", {"generation_ids": ids, "reward": 1.0})
+
+    assert reply.status == 200, reply.body
+    assert [r["status"] for r in reply.json()["results"]] == ["acknowledged"] * 2
+    wait_recorded(server, 2)
+    stored = recorded(kafka_bootstrap, namespace, server)
+    assert {(stored[i].group_id, stored[i].group_size) for i in ids} == {("conv-9", 2)}
+    scores = {f.generation_id: f for f in read_all(kafka_bootstrap, feedback(namespace),
+                                                     Feedback)}
+    assert set(scores) == set(ids)
+    assert {(f.source, f.reward, f.group_id) for f in scores.values()} == {
+        ("thumbs", 1.0, "conv-9")}
+    bad = call(server.url + "/v1/feedback", {"generation_ids": ids})
+    assert bad.status == 400 and "reward" in bad.json()["error"]
+
+
+def test_the_version_is_what_the_upstream_served_and_redaction_drops_text(
+        upstream, proxy, kafka_bootstrap, namespace, tmp_path):
+    version_file = tmp_path / "served-version"
+    version_file.write_text("12\n")
+    server = proxy(versions=Versions(version_file, r"-lora-v(\d+)$"),
+                   redact=frozenset({"prompt", "user", "completion"}))
+    body = {"prompt": "secret", "max_tokens": 2, "user": "alice@example.com"}
+
+    from_file = call(server.url + "/v1/completions", {**body, "model": "tiny"}, request_id="f")
+    from_name = call(server.url + "/v1/completions", {**body, "model": "reef-lora-v3"},
+                     request_id="n")
+    version_file.write_text("not a version")
+    unknown = call(server.url + "/v1/completions", {**body, "model": "tiny"}, request_id="u")
+
+    wait_recorded(server, 3)
+    stored = recorded(kafka_bootstrap, namespace, server)
+    g_file, g_name, g_unknown = (stored[r.headers[GENERATION_IDS_HEADER]]
+                                 for r in (from_file, from_name, unknown))
+    assert (g_file.policy_version, g_file.metadata["reef.version_source"]) == (12, "file")
+    assert (g_name.policy_version, g_name.metadata["reef.version_source"]) == (3, "model")
+    assert "reef.policy_version" not in g_file.metadata
+    assert (g_unknown.policy_version, g_unknown.metadata["reef.policy_version"]) == (
+        0, "unknown")
+    for g in (g_file, g_name, g_unknown):
+        assert not {"prompt", "user", "completion"} & set(g.metadata)
+        assert g.prompt_token_ids.tolist() == prompt_ids("secret")
+        assert g.group_id.startswith("user:sha256:") and "alice" not in g.group_id
+
+
+def test_with_the_broker_down_clients_are_served_records_spooled_then_delivered(
+        upstream, proxy, kafka_bootstrap, namespace, tmp_path):
+    nobody = f"127.0.0.1:{free_ports(1)[0]}"   # no broker listens there
+    server = proxy(bootstrap=nobody)
+    body = {"model": "tiny", "prompt": "offline", "max_tokens": 2}
+    replies = [call(server.url + "/v1/completions", body, request_id=f"off-{i}")
+               for i in range(3)]
+    assert [r.status for r in replies] == [200] * 3
+    ids = {r.headers[GENERATION_IDS_HEADER] for r in replies}
+    wait_recorded(server, 3)
+    wait_until(lambda: server.producer.sync.report().spooled == 3, 60,
+               "the three records in the spool")
+    server.stop(close_timeout=1)
+
+    # the next producer on the same spool, with the broker back, delivers every one
+    with RecordProducer(kafka_bootstrap, namespace=namespace, spool_dir=tmp_path / "spool",
+                        settings=load_settings({"REEF_HOME": str(tmp_path / "home")}),
+                        metrics_every_s=None) as later:
+        assert later.flush(60).complete
+    assert ids <= {g.generation_id for g in read_all(
+        kafka_bootstrap, generations(namespace), Generation)}
+
+
+def test_with_the_spool_full_the_client_is_served_and_the_record_dropped_and_counted(
+        upstream, proxy, kafka_bootstrap, namespace):
+    nobody = f"127.0.0.1:{free_ports(1)[0]}"
+    # records go nowhere and no record fits the spool; the metrics reach the real broker
+    server = proxy(bootstrap=nobody, spool_max_bytes=1,
+                   metrics=ProxyMetrics(kafka_bootstrap, namespace, every_s=0.2))
+    body = {"model": "tiny", "prompt": "full", "max_tokens": 2}
+
+    def served_one_dropped() -> bool:
+        reply = call(server.url + "/v1/completions", body, request_id=uuid.uuid4().hex)
+        assert reply.status == 200 and reply.headers[GENERATION_IDS_HEADER]
+        return server.recording.counts.dropped["spool_full"] >= 1
+
+    wait_until(served_one_dropped, 60, "a record dropped for a full spool", poll_s=0.2)
+    assert call(server.url + "/reef/stats").json()["dropped"]["spool_full"] >= 1
+
+    def dropped_metric() -> list[Metric]:
+        return [m for m in read_all(kafka_bootstrap, metrics_topic(namespace), Metric)
+                if (m.stage, m.name) == (STAGE_INTAKE, PROXY_DROPPED)
+                and m.labels.get("reason") == "spool_full" and m.value >= 1]
+
+    assert wait_until(dropped_metric, 30, "the proxy_dropped metric")[0].labels["client"] == \
+        "proxy"
+
+
+def test_reef_intake_proxy_serves_records_and_reports_at_sigterm(
+        upstream, kafka_bootstrap, namespace, tmp_path):
+    ensure_topics(AdminClient(client_config(kafka_bootstrap)), declare_topics(namespace))
+    port = free_ports(1)[0]
+    (tmp_path / "version").write_text("7")
+    env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": kafka_bootstrap, "REEF_NAMESPACE": namespace,
+           "REEF_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+    command = [sys.executable, "-m", "reef_stream.cli", "intake", "proxy", "--upstream",
+               upstream, "--listen", f"127.0.0.1:{port}", "--model", "my-model",
+               "--policy-version-file", str(tmp_path / "version"), "--redact", "prompt"]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def answers() -> Reply | None:
+            assert server.poll() is None, server.communicate()[0]
+            try:
+                return call(url + "/reef/stats")
+            except OSError:
+                return None
+
+        wait_until(answers, 60, "the proxy to answer")
+        reply = call(url + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                     request_id="cli")
+        assert reply.status == 200
+        gid = reply.headers[GENERATION_IDS_HEADER]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        output, _ = server.communicate(timeout=60)
+    assert server.returncode == 0, output
+    assert "proxy closed: 1 recorded, 0 dropped" in output and "1 acknowledged" in output
+    (g,) = [g for g in read_all(kafka_bootstrap, generations(namespace), Generation)
+            if g.generation_id == gid]
+    assert (g.model, g.policy_version, g.replica_id) == ("my-model", 7,
+                                                         f"proxy@{upstream[len('http://'):]}")
+    assert "prompt" not in g.metadata
+
+
+def test_stripping_nulls_only_the_added_keys_never_text_that_looks_like_them():
+    from reef_stream.intake.proxy import _Plan
+
+    plan = _Plan.of("chat", {"model": "m", "messages": []})
+    text = 'he said "logprobs": [1] and "token_ids":[2]'
+    raw = json.dumps({"id": "c", "prompt_token_ids": [1, 2], "choices": [{
+        "index": 0, "message": {"content": text, "tool_calls": [{"function": {
+            "arguments": json.dumps({"logprobs": {"x": 1}})}}]},
+        "logprobs": {"content": [{"token": "}", "logprob": -1e-05, "top_logprobs": []}]},
+        "token_ids": [5, 6]}]}, separators=(",", ":")).encode()
+
+    stripped = plan.strip(raw)
+
+    expected = {"id": "c", "prompt_token_ids": None, "choices": [{
+        "index": 0, "message": json.loads(raw)["choices"][0]["message"], "logprobs": None,
+        "token_ids": None}]}
+    assert stripped == json.dumps(expected, separators=(",", ":")).encode()  # byte for byte
+    asked = _Plan.of("chat", {"logprobs": True, "return_token_ids": True})
+    assert asked.strip(raw) is raw
