@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,19 @@ def reap(pid: int | None) -> None:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
+
+
+def terminate(pid: int, alive: Callable[[], bool], timeout: float) -> None:
+    """Stop a server process: SIGTERM, then SIGKILL if ``alive()`` still holds after
+    ``timeout`` seconds; its exit status is collected. Blocks until it is gone."""
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while alive() and time.monotonic() < deadline:
+        reap(pid)
+        time.sleep(0.1)
+    if alive():
+        os.kill(pid, signal.SIGKILL)
+    reap(pid)
 
 
 def log_tail(path: Path, lines: int = 25) -> str:

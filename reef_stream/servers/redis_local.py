@@ -12,9 +12,7 @@ finds it.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -24,7 +22,7 @@ from typing import Callable
 import redis
 
 from reef_stream.core.errors import ConfigurationError, FatalError
-from reef_stream.core.processes import log_tail, port_is_free, process_matches, reap
+from reef_stream.core.processes import log_tail, port_is_free, process_matches, terminate
 
 DEFAULT_PORT = 16379
 
@@ -127,15 +125,7 @@ class LocalRedis:
         if not state or not self.is_alive():
             progress("Redis is not running")
             return
-        pid = state["pid"]
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while self.is_alive() and time.monotonic() < deadline:
-            reap(pid)
-            time.sleep(0.1)
-        if self.is_alive():
-            os.kill(pid, signal.SIGKILL)
-        reap(pid)
+        terminate(state["pid"], self.is_alive, timeout)
         self._save({**state, "pid": None})
         progress("Stopped Redis")
 

@@ -13,9 +13,7 @@ log line carries no secret. For tests and development only, never production.
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import signal
 import subprocess
 import time
 import urllib.error
@@ -25,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from reef_stream.core.errors import ConfigurationError, FatalError
-from reef_stream.core.processes import log_tail, port_is_free, process_matches, reap
+from reef_stream.core.processes import log_tail, port_is_free, process_matches, terminate
 from reef_stream.core.settings import S3_INFRA_DIR
 from reef_stream.servers.kafka_local import check_java
 from reef_stream.servers.maven import maven_classpath
@@ -166,15 +164,7 @@ class LocalS3:
         if not state or not self.is_alive():
             progress("The object store is not running")
             return
-        pid = state["pid"]
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while self.is_alive() and time.monotonic() < deadline:
-            reap(pid)
-            time.sleep(0.1)
-        if self.is_alive():
-            os.kill(pid, signal.SIGKILL)
-        reap(pid)
+        terminate(state["pid"], self.is_alive, timeout)
         self._save({**state, "pid": None})
         progress("Stopped the object store")
 
