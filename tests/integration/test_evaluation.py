@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,7 +178,7 @@ def test_a_tampered_candidate_or_a_failing_measure_is_rejected_with_the_reason(
         setup, kafka_bootstrap, namespace, tmp_path):
     settings, _ = setup
     tampered = write_checkpoint(tmp_path / "ckpt", 1, 0.9)
-    weights_file = tmp_path / "ckpt" / "step-00000001" / "model.safetensors"
+    weights_file = Path(tampered.uri) / "model.safetensors"
     data = bytearray(weights_file.read_bytes())
     data[-1] ^= 0xFF
     weights_file.write_bytes(bytes(data))

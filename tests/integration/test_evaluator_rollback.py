@@ -6,6 +6,7 @@ verification gets. The checkpoints are written here (no trainer), as in test_eva
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from reef_stream.core.events import Decision, Publication
 from reef_stream.topics.declarations import publications
@@ -23,7 +24,7 @@ def test_a_rollback_is_promoted_and_a_tampered_one_is_rejected(
     # Rollbacks to version 1: its very weights; the second's weights file then corrupted.
     back = dataclasses.replace(write_checkpoint(tmp_path / "ckpt", 2, 0.5), rolled_back_to=1)
     tampered = dataclasses.replace(write_checkpoint(tmp_path / "bad", 3, 0.5), rolled_back_to=1)
-    weights_file = tmp_path / "bad" / "step-00000003" / "model.safetensors"
+    weights_file = Path(tampered.uri) / "model.safetensors"
     data = bytearray(weights_file.read_bytes())
     data[-1] ^= 0xFF
     weights_file.write_bytes(bytes(data))

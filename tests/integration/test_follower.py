@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -59,7 +60,7 @@ def test_a_tampered_checkpoint_is_refused_and_the_previous_version_keeps_serving
         assert replica.wait_ready(30) == 1
 
         # v2: a byte of its weights changed after it was published.
-        weights_file = store / "step-00000002" / "model.safetensors"
+        weights_file = Path(v2.uri) / "model.safetensors"
         data = bytearray(weights_file.read_bytes())
         data[len(data) // 2] ^= 0x01
         weights_file.write_bytes(bytes(data))
@@ -153,7 +154,7 @@ def test_reef_follow_once_reports_the_verified_version(setup, cli_env, kafka_boo
     assert "replica r-1: serving version 2 of tiny" in result.stdout
     assert "loaded version 1" not in result.stdout
 
-    (tmp_path / "ckpt" / "step-00000002" / "meta.json").write_text("{}")
+    (Path(v2.uri) / "meta.json").write_text("{}")
     refused = reef("follow", "--model", "tiny", "--once", env=cli_env, check=False)
     assert refused.returncode == 1
     assert "refused version 2 of model tiny" in refused.stderr and "meta.json" in refused.stderr
