@@ -95,6 +95,14 @@ _MEMORY_RESULT = b'{"memory": true}'
 _CALLS = itertools.count()
 
 
+def become(uid: int) -> None:
+    """Drop every group and become ``uid`` (group ``uid`` too), for good: the one way a forked
+    child of the root worker leaves root. Raises ``OSError`` when it cannot."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
 def write_frame(fd: int, payload: dict) -> None:
     data = json.dumps(payload).encode()
     data = struct.pack(">I", len(data)) + data
@@ -206,9 +214,7 @@ def kill_user(uid: int, seconds: float = 1.0, reap: bool = True) -> bool:
         pid = os.fork()
         if pid == 0:
             try:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
+                become(uid)
                 os.kill(-1, signal.SIGKILL)
             except ProcessLookupError:
                 os._exit(1)
@@ -320,9 +326,7 @@ def _child(reward: Any, generation: Any, workdir: str, result_fd: int, outputs: 
         tempfile.tempdir = workdir
         _set_limits(limits, uid)
         if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
+            become(uid)
     except BaseException as error:  # noqa: BLE001 - the sandbox could not be set up
         _write_all(result_fd, json.dumps({"setup": f"{type(error).__name__}: {error}"}).encode())
         os._exit(0)
@@ -567,9 +571,7 @@ def _unreadable(uid: int | None) -> str:
     pid = os.fork()
     if pid == 0:
         try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
+            become(uid)
             os.listdir(stdlib)
         except OSError:
             os._exit(1)
