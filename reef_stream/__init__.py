@@ -23,7 +23,7 @@ from typing import Any
 #: Module of each public name.
 _MODULES: dict[str, tuple[str, ...]] = {
     "reef_stream.api.recipe": ("Recipe", "Backend", "load_recipe"),
-    "reef_stream.api.rewards": ("Reward", "RewardFunction", "NamedReward"),
+    "reef_stream.api.rewards": ("Reward", "RewardFunction", "NamedReward", "Transient"),
     "reef_stream.api.schedule": ("Schedule",),
     "reef_stream.api.processor": ("Processor", "Grouping", "FeedbackPolicy", "UnitBuilder",
                                   "Score", "Scored", "MissingFeedback"),

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from reef_stream.core.events import Generation
 
-__all__ = ["NamedReward", "Reward", "RewardFunction"]
+__all__ = ["NamedReward", "Reward", "RewardFunction", "Transient", "is_transient"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,30 @@ class Reward:
 
     reward: float
     components: Mapping[str, float] = field(default_factory=dict)
+
+
+class Transient(Exception):
+    """Raise it (or a subclass, or ``raise Transient(...) from error``) to say a failure is
+    not the generation's fault and may pass: a rate limit, a grading service that is down.
+
+    The worker retries a transient failure up to ``--retries`` times, each after a backoff
+    that holds no call slot; when most calls fail transiently at once, its circuit opens
+    (``docs/stages.md``). Any other exception is the generation's: it is tried once more, and
+    not again if it fails the same way. ``ConnectionError`` and ``TimeoutError`` count as
+    transient too.
+    """
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether ``error`` says the failure may pass (``Transient``, ``ConnectionError``,
+    ``TimeoutError``, or raised from one of them)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, (Transient, ConnectionError, TimeoutError)):
+            return True
+        seen.add(id(error))
+        error = error.__cause__
+    return False
 
 
 @runtime_checkable
