@@ -89,6 +89,14 @@ from reef_stream.cli.recipe_options import set_option
 @click.option("--sandbox-processes", type=click.IntRange(min=1), default=64, show_default=True,
               help="Processes one sandboxed call may run (its user's; docs/security.md).")
 @metrics_port_option
+@click.option("--faults", default=None, metavar="SPEC",
+              help="Inject reward faults, for tests and benches: comma-separated, each "
+                   "optional: raise=P (that share of the generations raises on every try), "
+                   "hang=P (sleeps hang_s=S seconds, default 300, then scores), "
+                   "outage=START:SECONDS (every call raises Transient from START to "
+                   "START+SECONDS seconds after this command starts; outage_at=T:SECONDS with "
+                   "T a unix time). Which generations fail is fixed by their ids, the same in "
+                   "every process and run. Works with either --sandbox.")
 @click.pass_context
 def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
            group: str | None, timeout: float, retries: int, backoff: float, grace: float,
@@ -97,7 +105,7 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
            sandbox_workers: int | None, sandbox_cpu: int,
            sandbox_memory: int, sandbox_file_size: int, sandbox_open_files: int,
            sandbox_processes: int, metrics_port: int | None,
-           overrides: tuple[str, ...] = ()) -> None:
+           overrides: tuple[str, ...] = (), faults: str | None = None) -> None:
     """Score generations with a recipe's reward function and emit Feedback.
 
     Consumes <namespace>.generations as a consumer group and sends one
@@ -127,6 +135,7 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
     from reef_stream.consumers.reward.sandbox.categories import Limits
     from reef_stream.consumers.reward.worker import RewardOptions, RewardWorker
     from reef_stream.core.settings import load_settings
+    from reef_stream.demo import reward_faults
 
     logging.getLogger("reef_stream.consumers.reward").setLevel(logging.INFO)  # progress
     settings = ctx.obj if ctx.obj is not None else load_settings()
@@ -142,6 +151,7 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
                                                   file_mb=sandbox_file_size,
                                                   open_files=sandbox_open_files,
                                                   processes=sandbox_processes))
+    recipe, options = reward_faults.applied(faults, recipe, options, path, tuple(overrides))
     worker = RewardWorker(recipe, settings=settings, options=options)
     serve_metrics(metrics_port)
     # SIGTERM/SIGINT stop the worker cleanly; a second one stops it without the grace period.
