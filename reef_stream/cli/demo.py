@@ -76,11 +76,17 @@ from reef_stream.cli.recipe_options import set_option
               show_default=True,
               help="Where the reward worker runs the reward function: on a thread, or in a pool "
                    "of sandbox processes (reef reward --sandbox process).")
+@click.option("--reward-faults", default=None, metavar="SPEC",
+              help="Faults injected into the reward function (reef reward --faults): "
+                   "raise=P,hang=P,hang_s=S,outage=START:SECONDS, every part optional; the "
+                   "outage's START counts from the demo's start. Which generations fail is "
+                   "fixed by their ids (e.g. raise=0.05,hang=0.01,hang_s=300).")
 @click.pass_context
 def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate: float | None,
          partitions: int, target: float, time_limit: float, chaos: bool, run_dir: Path | None,
          seed: int, overrides: tuple[str, ...] = (), task: str = "arithmetic",
-         canary: float | None = None, sandbox: str = "thread") -> None:
+         canary: float | None = None, sandbox: str = "thread",
+         reward_faults: str | None = None) -> None:
     """Run the whole loop until the policy learns the toy task from reward alone.
 
     Replicas sample answers to "a+b=" (the last digit of the sum) from the
@@ -132,7 +138,7 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
     options = DemoOptions(recipe=path, replicas=replicas, rate=rate, partitions=partitions,
                           target=target, time_limit=time_limit, chaos=chaos, run_dir=run_dir,
                           seed=seed, overrides=overrides, engine=engine, task=task,
-                          canary=canary, sandbox=sandbox)
+                          canary=canary, sandbox=sandbox, reward_faults=reward_faults)
     runner = Demo(options, settings=settings, bootstrap=bootstrap_servers(settings),
                   redis_url=redis_url(settings), show=DemoProgress())
     click.echo(f"demo {runner.ns}: {path}, {replicas} replicas"
@@ -140,6 +146,7 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
                + (", the tool task" if task == "tool" else "")
                + (f", canary share {canary:g}" if canary else "")
                + (", rewards in sandbox processes" if sandbox == "process" else "")
+               + (f", reward faults {reward_faults}" if reward_faults else "")
                + f", target {target:.2f}, logs in {runner.run_dir / 'logs'}")
     interrupt_on_sigterm()    # SIGTERM stops the stages (and nothing else) as Ctrl-C does
     result = runner.run()

@@ -135,6 +135,10 @@ class DemoOptions:
     #: Where the reward worker runs the reward function (``reef reward --sandbox``):
     #: ``"thread"`` or ``"process"`` (a pool of sandbox processes, ``reef_stream.consumers.reward.sandbox``).
     sandbox: str = "thread"
+    #: Faults injected into the reward function (``reef reward --faults``:
+    #: ``reef_stream.demo.reward_faults``), or None. An ``outage=START:SECONDS`` counts from
+    #: the demo's start (the reward stage is given ``outage_at``, a unix time).
+    reward_faults: str | None = None
 
 
 #: The engines ``DemoOptions.engine`` may name.
@@ -268,6 +272,7 @@ class Demo:
         from reef_stream.api.recipe import load_recipe
         from reef_stream.core.errors import ConfigurationError
         from reef_stream.demo.recipes import stage_recipe
+        from reef_stream.demo.reward_faults import RewardFaults
 
         self.options, self.settings, self.bootstrap = options, settings, bootstrap
         if options.engine not in ENGINES:
@@ -351,6 +356,9 @@ class Demo:
 
             self.engine = DemoEngine(settings, self.run_dir / "engine",
                                      progress=lambda line: self.show({"line": line}))
+        #: The reward stage's ``--faults``: the options' spec, its outage anchored now.
+        self.reward_faults = "" if not options.reward_faults else \
+            RewardFaults.parse(options.reward_faults).anchored(time.time()).text()
         self.stages = self._stages()
 
     # ----------------------------------------------------------------- the stages
@@ -362,7 +370,8 @@ class Demo:
         logs = self.run_dir / "logs"
         stages = {
             "reward": Stage("reward", [*reef, "reward", *recipe, *(
-                ("--sandbox", self.options.sandbox) if self.options.sandbox != "thread" else ())],
+                ("--sandbox", self.options.sandbox) if self.options.sandbox != "thread" else ()),
+                *(("--faults", self.reward_faults) if self.reward_faults else ())],
                 self.env, logs / "reward.log"),
             "processor": Stage("processor", [*reef, "process", *recipe], self.env,
                                logs / "processor.log"),
