@@ -71,6 +71,22 @@ class RewardFaults:
     outage_start: float | None = None
     outage_at: float | None = None
 
+    def __post_init__(self) -> None:
+        """Raises one ``ConfigurationError`` naming every field out of its range."""
+        problems = [f"reward faults: {name} is a rate in [0, 1], not {value}"
+                    for name, value in (("raise", self.raise_p), ("hang", self.hang_p))
+                    if not 0 <= value <= 1]
+        problems += [f"reward faults: {name} must be finite seconds, 0 or more, not {value}"
+                     for name, value in (("hang_s", self.hang_s), ("the outage's seconds",
+                                                                   self.outage_s),
+                                         ("the outage's start", self.outage_start))
+                     if value is not None and not (math.isfinite(value) and value >= 0)]
+        if self.outage_start is not None and self.outage_at is not None:
+            problems.append("reward faults: an outage is relative (outage_start) or absolute "
+                            "(outage_at), not both")
+        if problems:
+            raise ConfigurationError(problems)
+
     @classmethod
     def parse(cls, spec: str) -> RewardFaults:
         """The faults of ``spec`` (comma-separated ``KEY=VALUE``, every key optional; ""
@@ -132,11 +148,9 @@ class RewardFaults:
             raise ValueError("the outage is relative: anchor it first (RewardFaults.anchored)")
         if self.outage_at is not None and self.outage_at <= now < self.outage_at + self.outage_s:
             return OUTAGE
-        if self.raise_p and draw(generation_id, RAISE) < self.raise_p:
+        if self.raises(generation_id):
             return RAISE
-        if self.hang_p and draw(generation_id, HANG) < self.hang_p:
-            return HANG
-        return None
+        return HANG if self.hangs(generation_id) else None
 
     def raises(self, generation_id: str) -> bool:
         """Whether every try of ``generation_id`` raises (outside an outage)."""

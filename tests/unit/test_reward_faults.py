@@ -63,6 +63,9 @@ def test_every_bad_part_is_named_in_one_error():
         assert any(words in p for p in problems), (words, problems)
     with pytest.raises(ConfigurationError, match="not both"):
         RewardFaults.parse("outage=1:2,outage_at=3:4")
+    with pytest.raises(ConfigurationError) as error:  # built directly, checked the same
+        RewardFaults(raise_p=1.5, hang_s=float("inf"))
+    assert len(error.value.problems) == 2, error.value.problems
 
 
 def test_draws_are_fixed_by_kind_and_id_in_every_process():
