@@ -68,6 +68,10 @@ PROXY_FEEDBACK = "proxy_feedback"
 PROCESSOR_GENERATIONS = "generations"            # labels: outcome
 #: Feedback records by fate: used, ignored, duplicate, late, unused, orphaned.
 PROCESSOR_FEEDBACK = "feedback"                  # labels: fate
+#: Generations whose policy version is unknown (``Generation.policy_version_known``), by the
+#: outcome the schedule's ``unknown_version`` rule gave them (running totals; also counted in
+#: ``generations``).
+PROCESSOR_UNKNOWN_VERSION_GENERATIONS = "unknown_version_generations"  # labels: outcome
 #: Duplicate generations dropped.
 PROCESSOR_DUPLICATE_GENERATIONS = "duplicate_generations"
 PROCESSOR_UNITS = "units"
@@ -85,7 +89,8 @@ PROCESSOR_TRAINER_BACKLOG = "trainer_backlog"
 #: Distributions of what the processor joined (``reef_stream.consumers.processor.record_stats``), each written as
 #: ``<name>.count``, ``.mean``, ``.std`` and a cumulative ``<name>.bucket`` per upper bound
 #: ``le`` (Prometheus' histogram convention; the last bound is ``+Inf``), running totals since
-#: the process started, labelled by the generation's ``policy_version``:
+#: the process started, labelled by the generation's ``policy_version`` (``unknown`` where its
+#: producer could not tell it):
 #: the rewards of used feedback, per feedback ``source``;
 PROCESSOR_REWARD = "reward"                      # labels: source, policy_version
 #: the completion lengths in tokens of generations that ended in a unit;
