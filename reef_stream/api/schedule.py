@@ -16,7 +16,7 @@ reshuffled with ``seed`` when ``shuffle`` is set.
   while every version is within ``max_staleness`` of the newest checkpoint, so the bound holds
   whatever its true version was; afterwards it is too stale. Either way it is counted apart
   (``unknown_version_generations``, by outcome) and labelled ``unknown`` in the per-version
-  metrics. Why ``reject`` by default: ``docs/proxy.md`` ("Versions").
+  metrics; a trained one is left out of the trainer's staleness (``Sample.policy_version_known``). Why ``reject`` by default: ``docs/proxy.md`` ("Versions").
 - ``checkpoint_every``: the acknowledgement cadence, in steps (a checkpoint, its offsets and
   its ``Checkpoint`` event); the steps between are replayed from the log after a crash. It
   must be at most ``max_staleness + 1``.

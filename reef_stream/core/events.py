@@ -297,6 +297,10 @@ class Sample:
     ``completion_logprobs`` are 0): a multi-turn generation's ``policy_mask()``. Empty (the
     default, single-turn samples, units written before the field): all are the policy's.
     ``mask_problem`` says when one does not fit its tokens.
+
+    ``policy_version_known`` is False for a generation whose producer could not tell its version
+    (``Generation.policy_version_known``), trained under ``schedule.unknown_version`` ``stalest``:
+    its ``policy_version`` is then 0, the stalest it can be, and staleness metrics leave it out.
     """
 
     generation_id: str
@@ -311,6 +315,7 @@ class Sample:
     temperature: float = 1.0
     created_at: EpochMillis = EpochMillis(0)
     policy_mask: np.ndarray = field(default_factory=empty_mask, metadata={"dtype": UINT8})
+    policy_version_known: bool = True
 
 
 @_event_with_arrays

@@ -113,8 +113,12 @@ TRAINER_UNITS_INVALID = "units_invalid"
 TRAINER_STALENESS_MEAN = "staleness_mean"
 TRAINER_STALENESS_MAX = "staleness_max"
 #: The off-policy degree's distribution: trained samples by staleness (running totals since the
-#: process started; label ``staleness``, the number of versions).
+#: process started; label ``staleness``, the number of versions, or ``UNKNOWN_STALENESS`` for
+#: samples of unknown policy version: ``Sample.policy_version_known`` False, trained under
+#: ``schedule.unknown_version`` ``stalest``; they are left out of the mean and max above and of
+#: the logprob gaps below, and count as trained samples all the same).
 TRAINER_STALENESS_SAMPLES = "staleness_samples"  # labels: staleness
+UNKNOWN_STALENESS = "unknown"
 #: Where a trained sample's age comes from, in seconds (``Sample.created_at``, the generation's
 #: creation; the unit's ``created_at``; the step's wall-clock time, taken once per step).
 #: Histograms of trained samples, running totals since the process started, label ``le``: a

@@ -172,3 +172,12 @@ def test_the_processor_metric_counts_them_by_outcome():
     clean = run_processor(PROCESSOR, [generation("k"), feedback("k")])
     metrics.emit_counts(Counter(clean.counts), 1, 0, RecordStats())
     assert not any(key[0] == unknown for key in none.written)
+
+
+def test_under_stalest_the_unit_says_the_version_is_unknown_and_0():
+    out = run_processor(PROCESSOR, [generation("u", version=7, unknown=True), feedback("u"),
+                                    generation("k", version=2), feedback("k")],
+                        unknown_version=STALEST)
+    samples = {u.unit.members[0].generation_id: u.unit.members[0] for u in out.units}
+    assert (samples["u"].policy_version, samples["u"].policy_version_known) == (0, False)
+    assert (samples["k"].policy_version, samples["k"].policy_version_known) == (2, True)
