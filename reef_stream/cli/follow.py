@@ -6,7 +6,7 @@
     reef follow --model llm --engine vllm --url http://127.0.0.1:18000
     reef follow --model llm --engine command --exec 'my-reload --dir {path} --version {version}'
     reef follow --model llm --engine vllm --url http://127.0.0.1:18000 \
-        --version-file /run/reef/served-version     # for `reef intake proxy --policy-version-file`
+        --version-file /run/reef/served-version     # for `reef intake proxy --version-file`
 
 It runs ``reef_stream.serving.follower.Follower`` with a callback that only
 reports each verified version (tensor count and size); serving code uses the
@@ -69,7 +69,7 @@ from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
 @click.option("--version-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               metavar="PATH",
               help="Keep PATH naming the version the engine serves (JSON, replaced atomically), "
-                   "for `reef intake proxy --policy-version-file PATH`: 'reloading' (no "
+                   "for `reef intake proxy --version-file PATH`: 'reloading' (no "
                    "version) from before each load until the engine serves the new one.")
 @metrics_port_option
 @click.pass_context
