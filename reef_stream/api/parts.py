@@ -151,7 +151,10 @@ class RolloutUnits:
               created_at: EpochMillis) -> RolloutUnit:
         samples = tuple(
             Sample(generation_id=m.generation.generation_id, prompt_id=m.generation.prompt_id,
-                   policy_version=m.generation.policy_version,
+                   # an unknown version is the stalest it can be (schedule.unknown_version)
+                   policy_version=m.generation.policy_version
+                   if m.generation.policy_version_known else 0,
+                   policy_version_known=m.generation.policy_version_known,
                    prompt_token_ids=m.generation.prompt_token_ids,
                    completion_token_ids=m.generation.completion_token_ids,
                    completion_logprobs=m.generation.completion_logprobs,

@@ -9,6 +9,14 @@ reshuffled with ``seed`` when ``shuffle`` is set.
   behind the newest checkpoint is dropped as too stale (a dead letter), never trained.
 - ``max_backlog_steps``: beyond ``max_backlog_steps * units_per_step`` units no checkpoint
   has taken, the processor sheds the units it completes (SHED, a dead letter); None: no bound.
+- ``unknown_version``: what becomes of a generation whose producer could not tell its policy
+  version (``Generation.policy_version_known`` False: ``reef intake proxy`` marks one recorded
+  across a reload). ``reject`` (the default) dead-letters it (``processor.unknown_version``),
+  never trained. ``stalest`` takes its version as 0, the oldest it can be: it is trained only
+  while every version is within ``max_staleness`` of the newest checkpoint, so the bound holds
+  whatever its true version was; afterwards it is too stale. Either way it is counted apart
+  (``unknown_version_generations``, by outcome) and labelled ``unknown`` in the per-version
+  metrics; a trained one is left out of the trainer's staleness (``Sample.policy_version_known``). Why ``reject`` by default: ``docs/proxy.md`` ("Versions").
 - ``checkpoint_every``: the acknowledgement cadence, in steps (a checkpoint, its offsets and
   its ``Checkpoint`` event); the steps between are replayed from the log after a crash. It
   must be at most ``max_staleness + 1``.
@@ -23,6 +31,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from reef_stream.core.errors import ConfigurationError
+
+#: ``Schedule.unknown_version``: dead-letter a generation of unknown version, or take its
+#: version as the stalest (0). See the module docstring.
+REJECT, STALEST = "reject", "stalest"
+UNKNOWN_VERSION_RULES = (REJECT, STALEST)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +59,8 @@ class Schedule:
     max_backlog_steps: int | None = None
     #: Steps per checkpoint: the trainer acknowledges every this many (module docstring).
     checkpoint_every: int = 1
+    #: A generation of unknown policy version: ``reject`` or ``stalest`` (module docstring).
+    unknown_version: str = REJECT
 
     def __post_init__(self) -> None:
         problems = schedule_problems(self)
@@ -77,6 +92,8 @@ class Schedule:
                f"{'' if self.max_backlog_steps == 1 else 's'} of units")
             + ("" if self.checkpoint_every == 1 else
                f", a checkpoint every {self.checkpoint_every} steps")
+            + ("" if self.unknown_version == REJECT else
+               ", unknown policy versions taken as the stalest")
         )
 
     @property
@@ -113,6 +130,10 @@ def schedule_problems(schedule: Schedule) -> list[str]:
             f"schedule.checkpoint_every ({schedule.checkpoint_every}) must be at most "
             f"max_staleness + 1 ({schedule.max_staleness + 1}): versions reach serving only at "
             "checkpoints, so every sample would be too stale before the next one")
+    if schedule.unknown_version not in UNKNOWN_VERSION_RULES:
+        problems.append(f"schedule.unknown_version must be one of "
+                        f"{', '.join(map(repr, UNKNOWN_VERSION_RULES))}, got "
+                        f"{schedule.unknown_version!r}")
     if not isinstance(schedule.shuffle, bool):
         problems.append(f"schedule.shuffle must be True or False, got {schedule.shuffle!r}")
     for larger, smaller in (("units_per_step", "optimizer_batch_size"),

@@ -5,6 +5,8 @@
     reef follow --model sao-small --until-version 12 --timeout 600
     reef follow --model llm --engine vllm --url http://127.0.0.1:18000
     reef follow --model llm --engine command --exec 'my-reload --dir {path} --version {version}'
+    reef follow --model llm --engine vllm --url http://127.0.0.1:18000 \
+        --version-file /run/reef/served-version     # for `reef intake proxy --version-file`
 
 It runs ``reef_stream.serving.follower.Follower`` with a callback that only
 reports each verified version (tensor count and size); serving code uses the
@@ -20,6 +22,7 @@ configured) and into ``<ns>.metrics``, so ``reef fleet`` lists it.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import click
 
@@ -63,12 +66,18 @@ from reef_stream.cli.metrics_port import metrics_port_option, serve_metrics
                    "is taken by the replicas whose slot falls in an arc of length s that each "
                    "version places anew (replica i of n at i/n: each canary takes an exact "
                    "share) [default: $REEF_CANARY_SLOT, else derived from the replica id].")
+@click.option("--version-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              metavar="PATH",
+              help="Keep PATH naming the version the engine serves (JSON, replaced atomically), "
+                   "for `reef intake proxy --version-file PATH`: 'reloading' (no "
+                   "version) from before each load until the engine serves the new one.")
 @metrics_port_option
 @click.pass_context
 def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
            until_version: int | None, timeout: float | None, heartbeat: float,
            retry: float, engine: str, url: str | None, command: str | None, lora_name: str,
-           canary_slot: float | None, metrics_port: int | None) -> None:
+           canary_slot: float | None, version_file: Path | None,
+           metrics_port: int | None) -> None:
     """Follow a model's publications: load and verify the newest promoted version.
 
     Reads <namespace>.publications from the start, loads the newest PROMOTED
@@ -89,6 +98,9 @@ def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
     adapter) is verified against its sha256 and loaded into the engine; a
     version the engine does not load is refused and the engine keeps serving
     the previous one. A version published without an artifact is refused.
+
+    With --version-file, PATH says which version is served (docs/proxy.md):
+    a recording proxy in front of the engine stamps what it records with it.
     """
     from reef_stream.core.settings import load_settings
     from reef_stream.serving.follower import ARTIFACT, WEIGHTS, Follower
@@ -115,7 +127,8 @@ def follow(ctx: click.Context, model: str, replica_id: str | None, once: bool,
     # keeps serving).
     follower = Follower(model, on_version=report, settings=settings, replica_id=replica_id,
                         heartbeat_s=heartbeat, retry_s=retry,
-                        loads=WEIGHTS if adapter is None else ARTIFACT, canary_slot=canary_slot)
+                        loads=WEIGHTS if adapter is None else ARTIFACT, canary_slot=canary_slot,
+                        version_file=version_file)
     click.echo(f"replica {follower.replica_id} following {model} in "
                f"{follower.namespace}.publications")
     serve_metrics(metrics_port)

@@ -111,10 +111,11 @@ def _listen(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[s
 @click.option("--model", default=None, metavar="NAME",
               help="The model name recorded (the one 'reef follow --model' follows) "
                    "[default: the name in each response].")
-@click.option("--policy-version-file", type=click.Path(dir_okay=False, path_type=Path),
-              default=None, metavar="PATH",
+@click.option("--policy-version-file", "--version-file", "policy_version_file",
+              type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="PATH",
               help="A file holding the policy version the upstream serves (decimal, or JSON "
-                   "with policy_version), rewritten on each reload.")
+                   "with policy_version), rewritten on each reload: `reef follow "
+                   "--version-file PATH` keeps one.")
 @click.option("--version-from-model", default=None, metavar="REGEX",
               help="A regular expression whose first group is the policy version in the model "
                    "name a request names (a LoRA adapter per version), e.g. 'lora-v(\\d+)'.")

@@ -144,6 +144,13 @@ class Turn:
     logprobs: np.ndarray | None
 
 
+#: ``Generation.metadata[POLICY_VERSION_KEY] == UNKNOWN_POLICY_VERSION``: the producer could
+#: not tell which version sampled the generation (``reef intake proxy`` during a reload); its
+#: ``policy_version`` (0: the schema has no null) then names no version.
+POLICY_VERSION_KEY = "reef.policy_version"
+UNKNOWN_POLICY_VERSION = "unknown"
+
+
 @_event_with_arrays
 class Generation:
     """One completion sampled by a serving replica.
@@ -165,7 +172,8 @@ class Generation:
     (masked out of the loss; their ``completion_logprobs`` are 0). ``segments=()`` (single-turn,
     and every generation written before the field): the whole completion is the policy's.
     ``turns()`` splits the completion by segment; ``policy_mask()`` is the per-token mask a
-    ``Sample`` carries.
+    ``Sample`` carries. ``policy_version_known`` is False when the producer marked the version
+    unknown (``POLICY_VERSION_KEY``); the recipe's ``Schedule.unknown_version`` decides.
     """
 
     SCHEMA: ClassVar[str] = "reef.events.Generation"
@@ -186,6 +194,11 @@ class Generation:
     created_at: EpochMillis
     metadata: dict[str, str] = field(default_factory=dict)
     segments: tuple[Segment, ...] = ()
+
+    @property
+    def policy_version_known(self) -> bool:
+        """False when ``metadata`` marks the policy version unknown (``POLICY_VERSION_KEY``)."""
+        return self.metadata.get(POLICY_VERSION_KEY) != UNKNOWN_POLICY_VERSION
 
     def policy_mask(self) -> np.ndarray:
         """``uint8[completion_len]``: 1 on the tokens the policy generated, 0 on environment
@@ -284,6 +297,10 @@ class Sample:
     ``completion_logprobs`` are 0): a multi-turn generation's ``policy_mask()``. Empty (the
     default, single-turn samples, units written before the field): all are the policy's.
     ``mask_problem`` says when one does not fit its tokens.
+
+    ``policy_version_known`` is False for a generation whose producer could not tell its version
+    (``Generation.policy_version_known``), trained under ``schedule.unknown_version`` ``stalest``:
+    its ``policy_version`` is then 0, the stalest it can be, and staleness metrics leave it out.
     """
 
     generation_id: str
@@ -298,6 +315,7 @@ class Sample:
     temperature: float = 1.0
     created_at: EpochMillis = EpochMillis(0)
     policy_mask: np.ndarray = field(default_factory=empty_mask, metadata={"dtype": UINT8})
+    policy_version_known: bool = True
 
 
 @_event_with_arrays

@@ -68,6 +68,10 @@ PROXY_FEEDBACK = "proxy_feedback"
 PROCESSOR_GENERATIONS = "generations"            # labels: outcome
 #: Feedback records by fate: used, ignored, duplicate, late, unused, orphaned.
 PROCESSOR_FEEDBACK = "feedback"                  # labels: fate
+#: Generations whose policy version is unknown (``Generation.policy_version_known``), by the
+#: outcome the schedule's ``unknown_version`` rule gave them (running totals; also counted in
+#: ``generations``).
+PROCESSOR_UNKNOWN_VERSION_GENERATIONS = "unknown_version_generations"  # labels: outcome
 #: Duplicate generations dropped.
 PROCESSOR_DUPLICATE_GENERATIONS = "duplicate_generations"
 PROCESSOR_UNITS = "units"
@@ -85,7 +89,8 @@ PROCESSOR_TRAINER_BACKLOG = "trainer_backlog"
 #: Distributions of what the processor joined (``reef_stream.consumers.processor.record_stats``), each written as
 #: ``<name>.count``, ``.mean``, ``.std`` and a cumulative ``<name>.bucket`` per upper bound
 #: ``le`` (Prometheus' histogram convention; the last bound is ``+Inf``), running totals since
-#: the process started, labelled by the generation's ``policy_version``:
+#: the process started, labelled by the generation's ``policy_version`` (``unknown`` where its
+#: producer could not tell it):
 #: the rewards of used feedback, per feedback ``source``;
 PROCESSOR_REWARD = "reward"                      # labels: source, policy_version
 #: the completion lengths in tokens of generations that ended in a unit;
@@ -108,8 +113,12 @@ TRAINER_UNITS_INVALID = "units_invalid"
 TRAINER_STALENESS_MEAN = "staleness_mean"
 TRAINER_STALENESS_MAX = "staleness_max"
 #: The off-policy degree's distribution: trained samples by staleness (running totals since the
-#: process started; label ``staleness``, the number of versions).
+#: process started; label ``staleness``, the number of versions, or ``UNKNOWN_STALENESS`` for
+#: samples of unknown policy version: ``Sample.policy_version_known`` False, trained under
+#: ``schedule.unknown_version`` ``stalest``; they are left out of the mean and max above and of
+#: the logprob gaps below, and count as trained samples all the same).
 TRAINER_STALENESS_SAMPLES = "staleness_samples"  # labels: staleness
+UNKNOWN_STALENESS = "unknown"
 #: Where a trained sample's age comes from, in seconds (``Sample.created_at``, the generation's
 #: creation; the unit's ``created_at``; the step's wall-clock time, taken once per step).
 #: Histograms of trained samples, running totals since the process started, label ``le``: a

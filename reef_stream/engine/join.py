@@ -8,7 +8,9 @@ never the wall clock. Its promises:
 
 - a generation seen before (within ``retention_ms``) is a duplicate, dropped and counted;
   every other one gets exactly one ``Outcome`` (UNIT, EXPIRED after ``timeout_ms``,
-  TOO_STALE beyond ``max_staleness``, SHED past ``max_backlog``, INVALID), with a reason;
+  TOO_STALE beyond ``max_staleness``, SHED past ``max_backlog``, INVALID, UNKNOWN_VERSION),
+  with a reason; a generation whose version its producer could not tell is handled by
+  ``unknown_version`` (``reef_stream.api.schedule``: rejected, or taken as the stalest);
 - feedback joins its generation by id in either order and gets exactly one
   ``FeedbackFate`` (USED, IGNORED, DUPLICATE, LATE, UNUSED, ORPHANED);
 - a group becomes one unit once its ``group_size`` members are scored (or a smaller one
@@ -36,6 +38,7 @@ from reef_stream.api.processor import (
     DEFAULT_RETENTION_MS, MissingFeedback, Origin, Processor, Score, Scored, processor_problems,
     unit_id,
 )
+from reef_stream.api.schedule import REJECT, STALEST, UNKNOWN_VERSION_RULES
 from reef_stream.core.errors import ConfigurationError, FatalError, InvalidRecord
 from reef_stream.core.events import EpochMillis, Feedback, Generation, RolloutUnit
 from reef_stream.engine.ledger import Ledger, segment_of
@@ -76,7 +79,8 @@ class _StepBuilder:
              generation: Generation | None = None) -> None:
         self.feedback.append(FeedbackOutcome(
             entry.feedback, fate, reason, entry.origin, at,
-            None if generation is None else generation.policy_version))
+            None if generation is None else generation.policy_version,
+            generation is None or generation.policy_version_known))
 
     def build(self) -> Step:
         return Step(tuple(self.units), tuple(self.generations), tuple(self.feedback),
@@ -120,12 +124,15 @@ class ProcessorState(Generic[UnitT]):
     ``retention_ms`` (None: the processor's, else ``DEFAULT_RETENTION_MS``): how
     long concluded generations and closed groups are remembered, by ledger
     entries without their records (``reef_stream.engine.ledger``).
-    ``max_backlog`` (None: no bound): see ``observe_backlog``.
+    ``max_backlog`` (None: no bound): see ``observe_backlog``. ``unknown_version``: what
+    becomes of a generation whose version is unknown (``Generation.policy_version_known``):
+    ``reject`` ends it UNKNOWN_VERSION, ``stalest`` takes its version as 0, the oldest it can
+    be, for ``max_staleness`` (``reef_stream.api.schedule``).
     """
 
     def __init__(self, processor: Processor[UnitT], *, recipe: str,
                  max_staleness: int | None = None, retention_ms: int | None = None,
-                 max_backlog: int | None = None):
+                 max_backlog: int | None = None, unknown_version: str = REJECT):
         problems = processor_problems(processor)
         timeout = getattr(getattr(processor, "feedback", None), "timeout_ms", 0)
         if retention_ms is None:
@@ -137,11 +144,14 @@ class ProcessorState(Generic[UnitT]):
             problems.append(f"max_staleness must be at least 0, got {max_staleness}")
         if max_backlog is not None and max_backlog < 1:
             problems.append(f"max_backlog must be at least 1 unit, got {max_backlog}")
+        if unknown_version not in UNKNOWN_VERSION_RULES:
+            problems.append(f"unknown_version must be one of {list(UNKNOWN_VERSION_RULES)}, got "
+                            f"{unknown_version!r}")
         if problems:
             raise ConfigurationError(problems)
         self.processor, self.recipe = processor, recipe
         self.max_staleness, self.retention_ms = max_staleness, retention_ms
-        self.max_backlog = max_backlog
+        self.max_backlog, self.unknown_version = max_backlog, unknown_version
         self._backlog = 0       # units waiting for the trainer, as last observed (+ emitted since)
         self._timeout: int = processor.feedback.timeout_ms
         self._clock = 0
@@ -158,10 +168,12 @@ class ProcessorState(Generic[UnitT]):
     @classmethod
     def for_recipe(cls, recipe: Any, *, retention_ms: int | None = None) -> ProcessorState:
         """The state machine of ``recipe``'s processor, with its name, its schedule's
-        ``max_staleness`` and backlog bound, and (unless given) its processor's retention."""
+        ``max_staleness``, backlog bound and ``unknown_version`` rule, and (unless given) its
+        processor's retention."""
         return cls(recipe.processor, recipe=recipe.name,
                    max_staleness=recipe.schedule.max_staleness, retention_ms=retention_ms,
-                   max_backlog=recipe.schedule.max_backlog_units)
+                   max_backlog=recipe.schedule.max_backlog_units,
+                   unknown_version=recipe.schedule.unknown_version)
 
     # ------------------------------------------------------------------- reading (pure)
 
@@ -269,8 +281,8 @@ class ProcessorState(Generic[UnitT]):
         bucket.size, bucket.admitted = size, bucket.admitted + 1
         bucket.first = bucket.first or gid
         bucket.deadline = max(bucket.deadline, member.deadline)
-        if stale := self._staleness(generation):
-            self._conclude(key, bucket, member, Outcome.TOO_STALE, stale, at, step)
+        if too_old := self._too_old(generation):
+            self._conclude(key, bucket, member, *too_old, at, step)
         else:
             bucket.members[gid] = member
             self._active.add(key)
@@ -337,7 +349,8 @@ class ProcessorState(Generic[UnitT]):
     def observe_checkpoint(self, policy_version: int) -> Step:
         """Learn that a checkpoint of ``policy_version`` exists. Non-blocking, idempotent.
         When it is the newest yet, every pending generation now more than
-        ``max_staleness`` versions behind it ends TOO_STALE."""
+        ``max_staleness`` versions behind it ends TOO_STALE (one of unknown version counts as
+        version 0 here: only ``stalest`` lets one be pending)."""
         step = _StepBuilder()
         if self._newest is not None and policy_version <= self._newest:
             return self._done(step)
@@ -345,9 +358,8 @@ class ProcessorState(Generic[UnitT]):
         for key in sorted(self._active) if self.max_staleness is not None else ():
             bucket = self._buckets[key]
             for gid in sorted(bucket.members):
-                if stale := self._staleness(bucket.members[gid].generation):
-                    self._conclude(key, bucket, bucket.members[gid], Outcome.TOO_STALE, stale,
-                                   self._clock, step)
+                if too_old := self._too_old(bucket.members[gid].generation):
+                    self._conclude(key, bucket, bucket.members[gid], *too_old, self._clock, step)
             self._check_group(key, bucket, self._clock, step)
         return self._done(step)
 
@@ -464,15 +476,29 @@ class ProcessorState(Generic[UnitT]):
             return Outcome.INVALID, f"group {key!r} has more generations than its group_size {size}"
         return None
 
-    def _staleness(self, generation: Generation) -> str:
-        """Why ``generation`` is too stale, or "" if it is not."""
+    def _too_old(self, generation: Generation) -> tuple[Outcome, str] | None:
+        """Why ``generation`` cannot be trained for its version: UNKNOWN_VERSION (``reject``)
+        or TOO_STALE, with the reason; None if it can."""
+        known = generation.policy_version_known
+        if not known and self.unknown_version == REJECT:
+            return Outcome.UNKNOWN_VERSION, (
+                "its policy version is unknown (metadata reef.policy_version=unknown: its "
+                "producer could not tell which version sampled it, e.g. a proxy during a "
+                "reload) and the schedule's unknown_version is 'reject'")
         if self.max_staleness is None or self._newest is None:
-            return ""
-        behind = self._newest - generation.policy_version
+            return None
+        version = generation.policy_version if known else 0
+        behind = self._newest - version
         if behind <= self.max_staleness:
-            return ""
-        return (f"policy_version {generation.policy_version} is {behind} versions behind the "
-                f"newest checkpoint {self._newest} (max staleness {self.max_staleness})")
+            return None
+        if not known:
+            return Outcome.TOO_STALE, (
+                f"its policy version is unknown, taken as the stalest (version 0, "
+                f"unknown_version '{STALEST}'): {behind} versions behind the newest checkpoint "
+                f"{self._newest} (max staleness {self.max_staleness})")
+        return Outcome.TOO_STALE, (
+            f"policy_version {generation.policy_version} is {behind} versions behind the "
+            f"newest checkpoint {self._newest} (max staleness {self.max_staleness})")
 
     def _adopt_orphans(self, member: Member, step: _StepBuilder) -> None:
         """Move feedback that arrived before ``member`` into it."""

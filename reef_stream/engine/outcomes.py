@@ -22,13 +22,17 @@ UnitT = TypeVar("UnitT")
 
 
 class Outcome(enum.Enum):
-    """How a generation ended. Every generation (duplicates aside) gets exactly one."""
+    """How a generation ended. Every generation (duplicates aside) gets exactly one.
+    ``UNKNOWN_VERSION``: its producer could not tell its policy version
+    (``Generation.policy_version_known``) and the schedule's ``unknown_version`` is
+    ``reject``."""
 
     UNIT = "unit"
     EXPIRED = "expired"
     TOO_STALE = "too_stale"
     SHED = "shed"
     INVALID = "invalid"
+    UNKNOWN_VERSION = "unknown_version"
 
     @property
     def dead_letter(self) -> bool:
@@ -81,7 +85,9 @@ class GenerationOutcome:
 @dataclass(frozen=True, slots=True, eq=False)
 class FeedbackOutcome:
     """The one fate of one feedback record, with the reason; ``policy_version``: the behaviour
-    version of the generation it was matched with, where it reached one (USED, UNUSED)."""
+    version of the generation it was matched with, where it reached one (USED, UNUSED), and
+    ``version_known`` False when that generation's version is unknown (its ``policy_version``
+    then names none)."""
 
     feedback: Feedback
     fate: FeedbackFate
@@ -89,6 +95,7 @@ class FeedbackOutcome:
     origin: Origin | None
     at: int
     policy_version: int | None = None
+    version_known: bool = True
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -118,7 +125,9 @@ class Step:
     touched: tuple[str, ...] = ()
 
     def counts(self) -> Counter[str]:
-        """By ``generations.<outcome>``, ``generations.duplicate``, ``feedback.<fate>``, ``units``."""
+        """By ``generations.<outcome>``, ``generations.duplicate``, ``feedback.<fate>``,
+        ``units``, and ``unknown_version.<outcome>`` for the generations among them whose
+        version is unknown."""
         counts: Counter[str] = Counter()
         self.count_into(counts)
         return counts
@@ -127,6 +136,8 @@ class Step:
         """Add ``counts()`` to ``counts`` (without building a ``Counter`` of its own)."""
         for outcome in self.generations:
             counts[_GENERATION_COUNT[outcome.outcome]] += 1
+            if not outcome.generation.policy_version_known:
+                counts[_UNKNOWN_VERSION_COUNT[outcome.outcome]] += 1
         for outcome in self.feedback:
             counts[_FEEDBACK_COUNT[outcome.fate]] += 1
         if self.duplicates:
@@ -136,4 +147,5 @@ class Step:
 
 
 _GENERATION_COUNT = {o: f"generations.{o.value}" for o in Outcome}
+_UNKNOWN_VERSION_COUNT = {o: f"unknown_version.{o.value}" for o in Outcome}
 _FEEDBACK_COUNT = {f: f"feedback.{f.value}" for f in FeedbackFate}

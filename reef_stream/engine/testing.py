@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reef_stream.api.processor import Processor
+from reef_stream.api.schedule import REJECT
 from reef_stream.core.errors import FatalError
 from reef_stream.core.events import Feedback, Generation
 from reef_stream.engine.join import (
@@ -120,12 +121,14 @@ def run_processor(
     tick: int = 1,
     finish: bool = False,
     retention_ms: int | None = None,
+    unknown_version: str | None = None,
 ) -> Outcomes:
     """Feed ``records`` (in order) through the processor of ``subject`` and return what it decided.
 
-    ``subject`` is a ``Recipe`` (its name and its schedule's max staleness
-    apply unless ``recipe_name`` / ``max_staleness`` are given) or a bare
-    ``Processor`` (recipe name "test", no staleness limit unless given).
+    ``subject`` is a ``Recipe`` (its name and its schedule's max staleness and
+    ``unknown_version`` apply unless ``recipe_name`` / ``max_staleness`` /
+    ``unknown_version`` are given) or a bare ``Processor`` (recipe name "test", no
+    staleness limit, unknown versions rejected, unless given).
     ``newest_checkpoint_version`` is observed before the first record.
     Raises ``FatalError`` if the state machine ever gives a generation id two
     outcomes (within ``retention_ms``: None, the processor's own, else
@@ -138,10 +141,13 @@ def run_processor(
         recipe_name = getattr(subject, "name", "test")
     if max_staleness is None and hasattr(subject, "schedule"):
         max_staleness = subject.schedule.max_staleness
+    if unknown_version is None:
+        unknown_version = subject.schedule.unknown_version if hasattr(subject, "schedule") \
+            else REJECT
 
     def fresh() -> ProcessorState[Any]:
         return ProcessorState(processor, recipe=recipe_name, max_staleness=max_staleness,
-                              retention_ms=retention_ms)
+                              retention_ms=retention_ms, unknown_version=unknown_version)
 
     state = fresh()
     steps: list[Step] = []

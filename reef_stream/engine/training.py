@@ -521,7 +521,8 @@ class TorchBackend:
         its noise). Per real completion token (padding masked), ``r = current - behaviour``
         (the logprob recorded at generation); sums: |r| and tokens of samples whose
         ``policy_version`` is ``step - 1``, |r| and tokens of older samples, ``exp(r) - 1 - r``
-        and tokens of all. Changes nothing but ``sums``.
+        and tokens of all (a sample of unknown version, ``Sample.policy_version_known`` False,
+        counts in the last only). Changes nothing but ``sums``.
         """
         if not isinstance(inputs, PolicyGradientInputs):
             return
@@ -529,7 +530,8 @@ class TorchBackend:
             mask = inputs.mask
             r = torch.where(mask, inputs.logprobs.detach() - inputs.behaviour_logprobs, 0.0
                             ).double()
-            versions = torch.tensor([s.policy_version for s in samples], device=r.device)
+            versions = torch.tensor([s.policy_version if s.policy_version_known else step
+                                     for s in samples], device=r.device)
             same = mask & (versions == step - 1)[:, None]
             older = mask & (versions < step - 1)[:, None]
             sums += torch.stack([

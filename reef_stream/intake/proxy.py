@@ -40,14 +40,18 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import aiohttp
 from aiohttp import web
 
 from reef_stream.core import metric_names
 from reef_stream.core.errors import ConfigurationError, InvalidRecord, ReefError
-from reef_stream.core.events import Generation
+from reef_stream.core.events import (
+    POLICY_VERSION_KEY,
+    UNKNOWN_POLICY_VERSION,
+    Generation,
+)
 from reef_stream.intake.aio import AsyncRecordProducer
 from reef_stream.intake.formats import parse_feedback, parse_generations
 from reef_stream.intake.spool import SpoolFull
@@ -59,6 +63,7 @@ __all__ = [
     "GROUP_SIZE_HEADER",
     "REDACTABLE",
     "UNKNOWN_VERSION",
+    "FileReading",
     "ProxyCounts",
     "ProxyMetrics",
     "ProxyOptions",
@@ -71,10 +76,11 @@ log = logging.getLogger(__name__)
 GENERATION_IDS_HEADER = "x-reef-generation-ids"
 CONVERSATION_HEADER = "x-reef-conversation-id"
 GROUP_SIZE_HEADER = "x-reef-group-size"
-#: ``metadata["reef.policy_version"]`` of a Generation whose version the proxy could not tell;
-#: its ``policy_version`` is then 0 (the oldest: any staleness bound treats it as the stalest).
+#: ``metadata["reef.policy_version"]`` of a Generation whose version the proxy could not tell
+#: (``core.events.UNKNOWN_POLICY_VERSION``); its ``policy_version`` is then 0 and the recipe's
+#: ``Schedule.unknown_version`` decides what training does with it.
 #: ``metadata["reef.version_source"]`` says where a version came from: file, model or unknown.
-UNKNOWN_VERSION = "unknown"
+UNKNOWN_VERSION = UNKNOWN_POLICY_VERSION
 #: What ``--redact`` may drop before recording: the metadata ``prompt`` (the request's prompt or
 #: messages), ``completion`` (the text and tool calls served), ``user`` (the OpenAI ``user``;
 #: a group id taken from it is replaced by its digest). Token ids always stay.
@@ -96,11 +102,14 @@ class Versions:
     """Which policy version the upstream served a request with; None when it cannot tell.
 
     ``file``: a file holding the version (decimal text, or JSON with ``policy_version``),
-    rewritten by whatever loads new weights; a request is stamped with it only when it read the
-    same before and after the request (a reload in between makes the version unknown).
+    rewritten by whatever loads new weights (``reef follow --version-file``); a request is
+    stamped with it only when the file's content was the same before and after the request (a
+    reload in between makes the version unknown, even one back to the same version: the
+    follower's file changes with every write).
     ``model_pattern``: a regular expression whose first group is the version in the model name
     a request names (a LoRA adapter per version, e.g. ``reef-lora-v(\\d+)``); it wins over the
-    file when it matches. Reading blocks on one ``stat`` (the file is re-read when it changed).
+    file when it matches. Reading blocks on one ``stat`` (the file is re-read when it changed:
+    another inode, size or time).
     """
 
     def __init__(self, file: Path | None = None, model_pattern: str | None = None):
@@ -109,21 +118,27 @@ class Versions:
         if self.pattern is not None and self.pattern.groups < 1:
             raise ConfigurationError(f"--version-from-model {model_pattern!r} has no group: "
                                      "put the version's digits in one, e.g. 'lora-v(\\d+)'")
-        self._seen: tuple[int, int] | None = None
-        self._value: int | None = None
+        self._seen: tuple[int, ...] | None = None
+        self._reading = FileReading(None, None)
 
     def from_file(self) -> int | None:
         """The version the file says now; None without a file or when it is unreadable."""
+        return self.read_file().version
+
+    def read_file(self) -> FileReading:
+        """The file's content now and the version it says (``FileReading``)."""
         if self.file is None:
-            return None
+            return self._reading
         try:
             stat = os.stat(self.file)
-            if (stat.st_mtime_ns, stat.st_size) != self._seen:
-                self._value = _parse_version(self.file.read_text())
-                self._seen = (stat.st_mtime_ns, stat.st_size)
+            seen = (stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_size)
+            if seen != self._seen:
+                text = self.file.read_text()
+                self._reading = FileReading(_parse_version(text), text)
+                self._seen = seen
         except OSError:
-            self._seen, self._value = None, None
-        return self._value
+            self._seen, self._reading = None, FileReading(None, None)
+        return self._reading
 
     def from_model(self, model: Any) -> int | None:
         """The version in the model name ``model``, or None."""
@@ -131,6 +146,14 @@ class Versions:
             return None
         match = self.pattern.search(model)
         return int(match.group(1)) if match and match.group(1).isdigit() else None
+
+
+class FileReading(NamedTuple):
+    """What a version file held when read: the version it says (None: none, or unreadable) and
+    its whole text (None: no file). Two readings are the same only if their texts are."""
+
+    version: int | None
+    text: str | None
 
 
 def _parse_version(text: str) -> int | None:
@@ -400,7 +423,7 @@ class RecordingProxy:
         if (why := plan.recordable()) is not None:
             self._unrecorded(why)
             return await self._forward_raw(request, raw)
-        context = _Context.of(request, plan, self.options.versions.from_file(),
+        context = _Context.of(request, plan, self.options.versions.read_file(),
                               hide_user="user" in self.options.redact)
         assert self._session is not None
         async with self._session.post(self.upstream + request.path_qs,
@@ -504,7 +527,7 @@ class RecordingProxy:
             metadata = dict(context.metadata)
             metadata["reef.version_source"] = source
             if version is None:
-                metadata["reef.policy_version"] = UNKNOWN_VERSION
+                metadata[POLICY_VERSION_KEY] = UNKNOWN_VERSION
             metadata.update(texts.get(index, {}))
             _cap_texts(metadata)
             for name in self.options.redact:
@@ -609,13 +632,13 @@ class _Context:
     """What a request contributes to its Generations beyond the response."""
 
     model: Any
-    file_version: int | None
+    before: FileReading
     group_id: str | None
     group_size: int
     metadata: dict[str, str]
 
     @classmethod
-    def of(cls, request: web.Request, plan: _Plan, file_version: int | None, *,
+    def of(cls, request: web.Request, plan: _Plan, before: FileReading, *,
            hide_user: bool) -> _Context:
         """``hide_user``: a group id taken from the OpenAI ``user`` is its digest."""
         body = plan.body
@@ -635,7 +658,7 @@ class _Context:
             group = None
         n = _int(body.get("n"), 1)
         size = _int(request.headers.get(GROUP_SIZE_HEADER), n)
-        return cls(body.get("model"), file_version, group, max(size, 1), metadata)
+        return cls(body.get("model"), before, group, max(size, 1), metadata)
 
     def version(self, versions: Versions, served_model: Any) -> tuple[int | None, str]:
         """(version, where it came from); None when the proxy cannot tell."""
@@ -643,9 +666,9 @@ class _Context:
             version = versions.from_model(model)
             if version is not None:
                 return version, "model"
-        after = versions.from_file()
-        if self.file_version is not None and after == self.file_version:
-            return after, "file"
+        after = versions.read_file()
+        if self.before.version is not None and after == self.before:
+            return after.version, "file"
         return None, UNKNOWN_VERSION
 
 

@@ -34,7 +34,7 @@ from reef_stream.core.histograms import AGE_BOUNDS_S
 from reef_stream.core.metric_names import (
     FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, PROCESS_CPU_SECONDS, STAGE_FOLLOWER, STAGE_PROCESSOR,
     STAGE_REWARD, STAGE_TRAINER, TRAINER_SAMPLE_AGE_SAMPLES, TRAINER_SAMPLE_TO_UNIT_SAMPLES,
-    TRAINER_STALENESS_SAMPLES, TRAINER_UNIT_TO_TRAIN_SAMPLES,
+    TRAINER_STALENESS_SAMPLES, TRAINER_UNIT_TO_TRAIN_SAMPLES, UNKNOWN_STALENESS,
 )
 from reef_stream.core.serde import SchemaRegistry
 from reef_stream.topics import declarations
@@ -352,8 +352,9 @@ def fold(namespace: str, recipe: str, *, generations: GenerationsSpan,
                 found[dict(labels)[label]] += counter_total(values)
         return found
 
-    staleness = {float(k): v for k, v in totals(STAGE_TRAINER, TRAINER_STALENESS_SAMPLES,
-                                                "staleness").items()}
+    by_staleness = totals(STAGE_TRAINER, TRAINER_STALENESS_SAMPLES, "staleness")
+    # samples of unknown version are trained, but have no staleness
+    staleness = {float(k): v for k, v in by_staleness.items() if k != UNKNOWN_STALENESS}
     cpu: dict[str, float] = defaultdict(float)
     for (stage, name, _), values in series.items():
         if name == PROCESS_CPU_SECONDS:
@@ -391,7 +392,7 @@ def fold(namespace: str, recipe: str, *, generations: GenerationsSpan,
         namespace=namespace, recipe=recipe, measure=measure, target=target,
         seconds=(last_ms - first) / 1000 if first is not None and last_ms is not None else 0.0,
         time_to_target_s=time_to_target, generated=generations.count,
-        trained=round(sum(staleness.values())),
+        trained=round(sum(by_staleness.values())),
         shed={k: n for k, n in sorted(kinds.items()) if is_shed(k)},
         dead_lettered=dict(sorted(kinds.items())),
         too_stale=sum(n for k, n in kinds.items() if k in TOO_STALE_KINDS),

@@ -18,7 +18,10 @@ thread, and only then changes ``policy_version``. A failed load is refused, repo
 previous version keeps serving. Intermediate versions are never loaded. An undecodable
 publication is counted (``FOLLOWER_PUBLICATIONS_UNDECODABLE``), never dead-lettered here.
 Every ``heartbeat_s`` the replica reports to the Redis projection and ``<ns>.metrics``;
-their failures never stop serving. As a ``GenerationGuard``, ``check`` refuses a generation
+their failures never stop serving. With ``version_file``, the follower keeps a file saying
+which version the engine serves, for a recording proxy beside it
+(``reef_stream.serving.version_file``: unknown from before ``on_version`` is called until it
+returned). As a ``GenerationGuard``, ``check`` refuses a generation
 of another model or of a version never served. ``policy_version``, ``check``, ``wait_*`` and
 ``stop`` may be called from any thread. The long form: ``docs/stages.md`` ("The follower").
 """
@@ -33,6 +36,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -55,6 +59,7 @@ from reef_stream.publishing.fleet import (
 )
 from reef_stream.publishing.publications import READ_TIMEOUT_S, PublicationLedger
 from reef_stream.publishing.publications import canary_slot as canary_slot_of
+from reef_stream.serving.version_file import ServedVersionFile
 from reef_stream.topics.connect import bootstrap_servers, new_producer, watermarks
 from reef_stream.topics.kafka import Message, Producer, TopicPartition
 from reef_stream.topics.metrics import MetricsWriter
@@ -108,8 +113,11 @@ class Follower:
     sha256 and handed over by URI, for an engine adapter, ``reef_stream.serving.adapters``; a
     version published without one is refused). ``canary_slot``: the replica's place in [0, 1)
     for canary cohorts (replica i of n: i / n, so a share takes exactly its part; default
-    ``$REEF_CANARY_SLOT``, else derived from the replica id). Constructing connects to nothing; raises
-    ``ConfigurationError`` for bad arguments.
+    ``$REEF_CANARY_SLOT``, else derived from the replica id). ``version_file``: a file kept
+    naming the version the engine serves (``reef_stream.serving.version_file``), rewritten
+    atomically around each load; ``run`` raises ``ConfigurationError`` when it cannot write it
+    at the start. Constructing connects to nothing; raises ``ConfigurationError`` for bad
+    arguments.
     """
 
     def __init__(self, model: str, on_version: Callable[[LoadedVersion], None], *,
@@ -120,7 +128,7 @@ class Follower:
                  retry_s: float = DEFAULT_RETRY_S,
                  on_refused: Callable[[Publication, Exception], None] | None = None,
                  consumer_config: dict | None = None, loads: str = WEIGHTS,
-                 canary_slot: float | None = None) -> None:
+                 canary_slot: float | None = None, version_file: Path | None = None) -> None:
         problems = []
         if loads not in (WEIGHTS, ARTIFACT):
             problems.append(f"loads must be {WEIGHTS!r} or {ARTIFACT!r}, not {loads!r}")
@@ -178,6 +186,10 @@ class Follower:
         self._metrics: MetricsWriter | None = None
         self._producer: Producer | None = None
         self._redis_warned = 0.0
+        self._version_file = None if version_file is None else ServedVersionFile(
+            Path(version_file), model=model, replica_id=self.replica_id)
+        #: The version file lags what is served (a write failed); rewritten on the next poll.
+        self._version_file_behind = False
 
     # ----------------------------------------------------------------- state
 
@@ -313,6 +325,7 @@ class Follower:
         beating = threading.Thread(target=self._heartbeats, daemon=True,
                                    name=f"reef-heartbeat-{self.model}")
         try:
+            self._start_version_file()
             following = _Following(self, ledger, beating)
             following.loop = StageLoop(following, StageOptions(
                 stage=STAGE_FOLLOWER, topics=(ledger.topic,), namespace=self.namespace,
@@ -375,12 +388,23 @@ class Follower:
         except CheckpointError as error:
             self._refuse(publication, error)
             return
+        if self._version_file is not None:
+            # Unknown before the engine is asked to load, so the file never names a version it
+            # does not serve (reef_stream.serving.version_file).
+            try:
+                self._version_file.reloading(publication, self.policy_version)
+            except OSError as error:
+                self._refuse(publication, ReefError(
+                    f"the version file {self._version_file.path} could not be marked reloading "
+                    f"({error}), so the engine was not asked to load this version"))
+                return
         try:
             self._on_version(LoadedVersion(policy_version=version, weights=weights,
                                            publication=publication, artifact=artifact))
         except Exception as error:  # noqa: BLE001 - the serving code's failure refuses this version
             self._refuse(publication, ReefError(f"on_version raised {type(error).__name__}: "
                                                 f"{error}"))
+            self._write_version_file()  # the version served before, again
             return
         with self._lock:
             previous = self._version
@@ -390,6 +414,7 @@ class Follower:
             self._refused.pop(version, None)
             self._loads += 1
             self._lock.notify_all()
+        self._write_version_file()
         seconds = time.monotonic() - started
         log.info("replica %s serves version %d of model %s (checkpoint %s, evaluator %s%s; "
                  "was %s; loaded in %.2f s)", self.replica_id, version, self.model,
@@ -404,6 +429,36 @@ class Follower:
             self._metric(FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS,
                          (serving_at - publication.checkpoint_created_at) / 1000)
         self._beat_now.set()
+
+    def _start_version_file(self) -> None:
+        """The version file's first content: the initial version, else unknown;
+        ``ConfigurationError`` naming the file when it cannot be written."""
+        if self._version_file is None:
+            return
+        try:
+            self._version_file.starting(self.policy_version)
+        except OSError as error:
+            raise ConfigurationError(f"cannot write the version file {self._version_file.path}: "
+                                     f"{error}") from None
+
+    def _write_version_file(self) -> None:
+        """Make the version file name the version served now. A failure is logged and leaves
+        the file saying less than is served (unknown, or the reload in progress), never more;
+        the next ``_Following.poll`` tries again. On the follower's thread only."""
+        if self._version_file is None:
+            return
+        with self._lock:
+            version, publication = self._version, self._publication
+        try:
+            self._version_file.serving(version, publication)
+        except OSError as error:
+            if not self._version_file_behind:
+                log.error("replica %s could not write the version file %s (%s): it says the "
+                          "version is unknown until a write succeeds", self.replica_id,
+                          self._version_file.path, error)
+            self._version_file_behind = True
+            return
+        self._version_file_behind = False
 
     def _refuse(self, publication: Publication, error: Exception) -> None:
         version = publication.policy_version
@@ -560,6 +615,8 @@ class _Following:
                                      "check that the cluster is reachable, then start again")
             return
         arrived, self._arrived = self._arrived, False
+        if follower._version_file_behind:
+            follower._write_version_file()
         if arrived or follower._retry_due():
             follower._converge(self.ledger)
 

@@ -42,11 +42,17 @@ from reef_stream.intake.proxy import (
     RecordingProxy,
     Versions,
 )
+from reef_stream.serving.follower import Follower
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import declare_topics, feedback, generations
 from reef_stream.topics.declarations import metrics as metrics_topic
-from tests.helpers import events_to_end, wait_until
+from tests.helpers import events_to_end, reef, wait_until
+from tests.integration.publishing import (
+    produce_publications,
+    promoted,
+    write_checkpoint,
+)
 
 CREATED = 1_795_000_000
 
@@ -650,6 +656,51 @@ def test_the_version_is_what_the_upstream_served_and_redaction_drops_text(
         assert not {"prompt", "user", "completion"} & set(g.metadata)
         assert g.prompt_token_ids.tolist() == prompt_ids("secret")
         assert g.group_id.startswith("user:sha256:") and "alice" not in g.group_id
+
+
+def test_the_version_file_of_a_real_follower_stamps_what_the_proxy_records(
+        upstream, proxy, kafka_bootstrap, namespace, tmp_path):
+    """`reef follow --version-file` names the version it loaded and the proxy records it; while
+    a follower's engine loads the next one, what the proxy records is unknown; then the new
+    version. The tests play the evaluator (tests/integration/publishing.py)."""
+    version_file = tmp_path / "served-version"
+    server = proxy(versions=Versions(version_file))
+    v1, v2 = (write_checkpoint(tmp_path / "published", step, 0.1 * step) for step in (1, 2))
+    produce_publications(kafka_bootstrap, namespace, promoted(v1))
+    env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": kafka_bootstrap, "REEF_NAMESPACE": namespace,
+           "REEF_HOME": str(tmp_path / "home")}
+    reef("follow", "--model", "tiny", "--until-version", "1", "--timeout", "60",
+         "--version-file", str(version_file), env=env)
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    on_v1 = call(server.url + "/v1/completions", body, request_id="v1")
+
+    loading, release = threading.Event(), threading.Event()
+
+    def engine(loaded) -> None:   # holds the reload of version 2 until the test releases it
+        if loaded.policy_version == 2:
+            loading.set()
+            assert release.wait(30)
+
+    settings = load_settings({"REEF_BOOTSTRAP_SERVERS": kafka_bootstrap,
+                              "REEF_NAMESPACE": namespace, "REEF_HOME": str(tmp_path / "home")})
+    with Follower("tiny", on_version=engine, settings=settings, fleet=None,
+                  version_file=version_file) as replica:
+        assert replica.wait_ready(30) == 1
+        produce_publications(kafka_bootstrap, namespace, promoted(v2))
+        assert loading.wait(30), "the follower never began loading version 2"
+        during = call(server.url + "/v1/completions", body, request_id="during")
+        release.set()
+        assert replica.wait_for_version(2, 30) == 2
+    on_v2 = call(server.url + "/v1/completions", body, request_id="v2")
+
+    wait_recorded(server, 3)
+    stored = recorded(kafka_bootstrap, namespace, server)
+    g1, g_during, g2 = (stored[r.headers[GENERATION_IDS_HEADER]] for r in (on_v1, during, on_v2))
+    assert (g1.policy_version, g1.metadata["reef.version_source"]) == (1, "file")
+    assert (g_during.policy_version, g_during.metadata["reef.policy_version"]) == (0, "unknown")
+    assert not g_during.policy_version_known
+    assert (g2.policy_version, g2.metadata["reef.version_source"]) == (2, "file")
+    assert json.loads(version_file.read_text())["checkpoint_id"] == v2.checkpoint_id
 
 
 def test_with_the_broker_down_clients_are_served_records_spooled_then_delivered(

@@ -107,7 +107,8 @@ class RandomEvents:
                       completion_token_ids=completion,
                       completion_logprobs=self.logprobs(len(completion)), reward=self.real(),
                       reward_components=self.real_map(), finish_reason=self.reason(),
-                      temperature=self.real(), created_at=self.millis())
+                      temperature=self.real(), created_at=self.millis(),
+                      policy_version_known=bool(self.rng.integers(0, 2)))
 
     def unit(self) -> RolloutUnit:
         members = tuple(self.sample() for _ in range(int(self.rng.choice([0, 1, 4, 9]))))

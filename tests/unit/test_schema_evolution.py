@@ -169,6 +169,7 @@ def test_a_rollout_unit_written_with_v2_reads_with_sample_created_at_zero():
     record = to_avro(rollout_unit(T0))
     del record["members"][0]["created_at"]
     del record["members"][0]["policy_mask"]  # added in v4
+    del record["members"][0]["policy_version_known"]  # added in v5
 
     decoded = registry.decode(*registry.encode_record(v2, record), RolloutUnit)
 
@@ -284,3 +285,24 @@ def dataclass_default(py_field: dataclasses.Field):
     if isinstance(default, tuple) and not default:
         return []  # an empty tuple of records: an empty Avro array
     return default
+
+
+# --- rollout_unit v4 -> v5 (Sample.policy_version_known), both ways -------------------------
+
+
+def test_a_rollout_unit_written_with_v4_reads_as_known_versions_and_v4_skips_the_field():
+    registry = SchemaRegistry.default()
+    v4 = registry.by_fingerprint(schema_fingerprint(json.loads(
+        (SCHEMAS_DIR / "history" / "rollout_unit" / "v4.avsc").read_text())))
+    assert not v4.current
+    record = to_avro(rollout_unit(T0))
+    del record["members"][0]["policy_version_known"]
+    decoded = registry.decode(*registry.encode_record(v4, record), RolloutUnit)
+    assert decoded.members[0].policy_version_known is True
+
+    written = rollout_unit(T0)
+    unknown = dataclasses.replace(written, members=(dataclasses.replace(
+        written.members[0], policy_version=0, policy_version_known=False),))
+    value, headers = registry.encode(unknown)
+    assert registry.decode(value, headers, RolloutUnit).members[0].policy_version_known is False
+    assert "policy_version_known" not in registry.decode_record(value, headers, v4)["members"][0]

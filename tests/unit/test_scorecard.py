@@ -16,7 +16,7 @@ from reef_stream.core.events import DeadLetter, Decision, Metric, Publication
 from reef_stream.core.metric_names import (
     FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, PROCESS_CPU_SECONDS, STAGE_EVALUATOR, STAGE_FOLLOWER,
     STAGE_PROCESSOR, STAGE_REWARD, STAGE_TRAINER, TRAINER_SAMPLE_AGE_SAMPLES,
-    TRAINER_STALENESS_SAMPLES,
+    TRAINER_STALENESS_SAMPLES, UNKNOWN_STALENESS,
 )
 from reef_stream.core.serde import SchemaRegistry
 from reef_stream.engine.join import Outcome
@@ -227,3 +227,10 @@ def test_an_empty_namespace_has_empty_figures_and_no_crash():
     assert card.ledger is None
     assert "goodput=na" in card.line() and "time_to_target_s=na" in card.line()
     assert len(card.lines()) > 10
+
+
+def test_samples_of_unknown_version_are_trained_but_have_no_staleness():
+    card = fold(NS, RECIPE, generations=SPAN, publications=[], dead_letters=[], metrics=[
+        staleness(3, 0), staleness(1, 2), staleness(4, UNKNOWN_STALENESS)])
+    assert card.trained == 8
+    assert card.staleness_versions.count == 4 and card.staleness_versions.mean == 0.5

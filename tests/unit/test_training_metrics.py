@@ -127,3 +127,14 @@ def test_a_family_without_behaviour_logprobs_reports_no_gap():
     metrics = TorchBackend(regression).train_step(units, result, STEP)
     assert TRAINER_KL_BEHAVIOUR not in metrics and TRAINER_LOGPROB_GAP_OLDER not in metrics
     assert metrics[TRAINER_UPDATE_RATIO] > 0
+
+
+def test_a_sample_of_unknown_version_is_in_no_gap_bucket_only_in_kl():
+    backend = TorchBackend(ONE_UPDATE)
+    units = _units(backend, [(2, 0.0), (0, -0.5), (2, 0.0), (2, 0.0)])
+    units[1] = dataclasses.replace(units[1], members=tuple(
+        dataclasses.replace(m, policy_version_known=False) for m in units[1].members))
+    metrics = _train(backend, units)
+    assert metrics[TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS] == 3 * TOKENS_PER_UNIT
+    assert TRAINER_LOGPROB_GAP_OLDER not in metrics  # version 0 here means "unknown"
+    assert metrics[TRAINER_KL_BEHAVIOUR] == pytest.approx((math.exp(0.5) - 1.5) / 4, rel=1e-4)

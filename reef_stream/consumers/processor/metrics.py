@@ -2,7 +2,7 @@
 
 ``ProcessorMetrics`` writes a ``ProcessorRuntime``'s running totals since the process
 started (names in ``reef_stream.core.metric_names``, labels ``recipe``, ``group``, ``instance``):
-generations by outcome, feedback by fate, duplicate generations, units, invalid records,
+generations by outcome (and those of unknown policy version apart), feedback by fate, duplicate generations, units, invalid records,
 transactions and aborted transactions, and the distributions of
 ``reef_stream.consumers.processor.record_stats`` (rewards per feedback source and policy version, completion
 lengths, truncation). The stage loop writes the consumer's lag per partition with the same
@@ -50,6 +50,10 @@ class ProcessorMetrics(metrics.PeriodicMetrics):
             writer.write_counts(metric_names.PROCESSOR_GENERATIONS,
                                 {o.value: counts[f"generations.{o.value}"] for o in Outcome},
                                 "outcome")
+            unknown = {o.value: counts[f"unknown_version.{o.value}"] for o in Outcome}
+            if any(unknown.values()):  # none where no producer marks a version unknown
+                writer.write_counts(metric_names.PROCESSOR_UNKNOWN_VERSION_GENERATIONS, unknown,
+                                    "outcome")
             writer.write_counts(metric_names.PROCESSOR_FEEDBACK,
                                 {f.value: counts[f"feedback.{f.value}"] for f in FeedbackFate},
                                 "fate")

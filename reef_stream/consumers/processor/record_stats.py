@@ -35,6 +35,9 @@ REWARD_BOUNDS: tuple[float, ...] = (-1.0, -0.5, 0.0, 0.25, 0.5, 0.75, 1.0)
 #: Upper bounds of the completion-length histogram's buckets, in tokens (+Inf implied).
 LENGTH_BOUNDS: tuple[float, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 MAX_VERSIONS = 64
+#: The version key of generations whose version is unknown (``Generation.policy_version_known``):
+#: below every version, written with the label ``policy_version=unknown``.
+UNKNOWN = -1
 
 
 @dataclass(slots=True)
@@ -95,14 +98,15 @@ class RecordStats:
         for step in steps:
             for fb in step.feedback:
                 if fb.fate is FeedbackFate.USED and fb.policy_version is not None:
-                    key = (fb.feedback.source, fb.policy_version)
+                    key = (fb.feedback.source, fb.policy_version if fb.version_known else UNKNOWN)
                     self._series(self.rewards, key, self.reward_bounds).add(fb.feedback.reward)
                     self._changed.add(("reward", key))
             for outcome in step.generations:
                 if outcome.outcome is not Outcome.UNIT:
                     continue
                 generation = outcome.generation
-                version = generation.policy_version
+                version = generation.policy_version if generation.policy_version_known \
+                    else UNKNOWN
                 self._series(self.lengths, version, self.length_bounds).add(
                     len(generation.completion_token_ids))
                 if generation.finish_reason is FinishReason.LENGTH:
@@ -117,14 +121,14 @@ class RecordStats:
                 source, version = key
                 if key in self.rewards:
                     _write(writer, PROCESSOR_REWARD, self.rewards[key],
-                           source=source, policy_version=str(version))
+                           source=source, policy_version=_label(version))
             elif key in self.lengths:
                 lengths = self.lengths[key]
-                _write(writer, PROCESSOR_RESPONSE_TOKENS, lengths, policy_version=str(key))
-                writer.write(PROCESSOR_TRUNCATION_RATE,
-                             self.truncated.get(key, 0) / lengths.count, policy_version=str(key))
+                _write(writer, PROCESSOR_RESPONSE_TOKENS, lengths, policy_version=_label(key))
+                writer.write(PROCESSOR_TRUNCATION_RATE, self.truncated.get(key, 0) / lengths.count,
+                             policy_version=_label(key))
                 writer.write(f"{PROCESSOR_TRUNCATION_RATE}.count", lengths.count,
-                             policy_version=str(key))
+                             policy_version=_label(key))
         self._changed.clear()
 
     def _series(self, series: dict[Any, Distribution], key: Any,
@@ -152,6 +156,10 @@ def _write(writer: MetricsWriter, name: str, dist: Distribution, **labels: str) 
     writer.write(f"{name}.std", dist.std, **labels)
     for le, count in dist.cumulative():
         writer.write(f"{name}.bucket", count, le=le, **labels)
+
+
+def _label(version: int) -> str:
+    return "unknown" if version == UNKNOWN else str(version)
 
 
 def _bound_label(bound: float) -> str:

@@ -61,7 +61,7 @@ from reef_stream.core.metric_names import (
     TRAINER_SAMPLE_AGE_SAMPLES, TRAINER_SAMPLE_TO_UNIT_SAMPLES, TRAINER_STALENESS_MAX,
     TRAINER_STALENESS_MEAN, TRAINER_STALENESS_SAMPLES, TRAINER_STEP_SECONDS, TRAINER_STEPS,
     TRAINER_UNIT_TO_TRAIN_SAMPLES, TRAINER_UNITS_DUPLICATE, TRAINER_UNITS_INVALID,
-    TRAINER_UNITS_STALE, TRAINER_UNITS_TRAINED,
+    TRAINER_UNITS_STALE, TRAINER_UNITS_TRAINED, UNKNOWN_STALENESS,
 )
 from reef_stream.core.serde import SchemaRegistry
 from reef_stream.core.settings import Settings, load_settings
@@ -148,8 +148,9 @@ class TrainerSummary:
     data_seconds: float = 0.0
     step_seconds: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
-    #: Trained samples by staleness (versions behind the trainer), over the run.
-    staleness: Counter[int] = field(default_factory=Counter)
+    #: Trained samples by staleness (versions behind the trainer), over the run; those of
+    #: unknown version (``Sample.policy_version_known``) under ``UNKNOWN_STALENESS``.
+    staleness: Counter[int | str] = field(default_factory=Counter)
     #: Trained samples with a known created_at by age bucket (``le``, seconds), over the run:
     #: generation -> step, generation -> unit, unit -> step (``reef_stream.core.histograms``).
     sample_age: Counter[str] = field(default_factory=Counter)
@@ -305,12 +306,15 @@ class Trainer:
             self.summary.invalid += 1
             self._dead_letter(message, problem, "UntrainableUnit")
             return
+        # An unknown version is 0 in the unit (the stalest: schedule.unknown_version).
         oldest = min((m.policy_version for m in unit_members(unit)), default=self.step)
         if self.step - oldest > self.recipe.schedule.max_staleness:
             self.summary.stale += 1
+            unknown = any(not m.policy_version_known for m in unit_members(unit))
             self._dead_letter(message, (
                 f"unit {unit.unit_id} is too stale: its oldest sample is from policy version "
-                f"{oldest}, {self.step - oldest} behind the trainer's {self.step} (max_staleness "
+                f"{oldest}{' (or of unknown version, taken as 0)' if unknown else ''}, "
+                f"{self.step - oldest} behind the trainer's {self.step} (max_staleness "
                 f"{self.recipe.schedule.max_staleness})"), "TooStale")
             return
         self.pending.append(unit)
@@ -348,7 +352,10 @@ class Trainer:
         else:
             local = result
         metrics = self.backend.train_step(mine, local, step)
-        staleness = [self.step - m.policy_version for u in units for m in unit_members(u)]
+        members = [m for u in units for m in unit_members(u)]
+        staleness = [self.step - m.policy_version for m in members if m.policy_version_known]
+        if len(staleness) < len(members):
+            self.summary.staleness[UNKNOWN_STALENESS] += len(members) - len(staleness)
         if staleness:
             metrics[TRAINER_STALENESS_MEAN] = float(np.mean(staleness))
             metrics[TRAINER_STALENESS_MAX] = float(max(staleness))
