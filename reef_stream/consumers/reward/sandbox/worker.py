@@ -29,7 +29,7 @@ worker writes a frame with the call's pid (the pool kills that process group on 
 timeout), waits for the call's process, kills what is left of its group and every process
 of its uid (``kill_user``: a ``setsid`` daemon too), reaps, removes the
 directory and answers with one frame: ``{"ok": {"reward", "components"}}``, ``{"raised":
-{"type", "message"}}``, or ``{"failure": {"category", "detail"}}``
+{"type", "message", "transient"}}``, or ``{"failure": {"category", "detail"}}``
 (``reef_stream.consumers.reward.sandbox.categories``).
 
 Frames: a 4-byte big-endian length, then that many bytes of JSON. Never pickle.
@@ -59,6 +59,7 @@ import tempfile
 import time
 from typing import Any
 
+from reef_stream.api.rewards import is_transient
 from reef_stream.consumers.reward.sandbox.categories import (
     CRASHED, EXIT, MEMORY, OUTPUT_INVALID, SANDBOX_UNAVAILABLE, TIMEOUT, Limits, signal_name,
 )
@@ -207,17 +208,22 @@ def claim_uid(first: int, count: int) -> tuple[int, int]:
 
 def kill_user(uid: int, seconds: float = 1.0, reap: bool = True) -> bool:
     """SIGKILL every process of ``uid`` (``kill(-1)`` from a child that became ``uid``), again
-    until none is left or ``seconds`` passed; with ``reap``, reaps this process's children
-    between tries (a subreaper's orphans). Blocks; True when none was left. As root only."""
+    until ``/proc`` shows none or ``seconds`` passed; with ``reap``, reaps this process's
+    children between tries (a subreaper's orphans). Blocks; True when none was left. As root
+    only.
+
+    ``kill(-1)``'s own answer cannot say when none is left: it fails with ESRCH only when no
+    other process exists at all (it counts the processes it may not signal too), so waiting
+    for that costs the whole ``seconds`` (measured: about 1 s per call)."""
     deadline = time.monotonic() + seconds
-    while True:
+    while _user_processes(uid):
         pid = os.fork()
         if pid == 0:
             try:
                 become(uid)
                 os.kill(-1, signal.SIGKILL)
             except ProcessLookupError:
-                os._exit(1)
+                os._exit(0)
             except BaseException:  # noqa: BLE001 - said by the status
                 os._exit(2)
             os._exit(0)
@@ -225,10 +231,11 @@ def kill_user(uid: int, seconds: float = 1.0, reap: bool = True) -> bool:
         if reap:
             _reap()
         if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
-            return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 1
-        if time.monotonic() > deadline:
             return False
+        if time.monotonic() > deadline:
+            return not _user_processes(uid)
         time.sleep(0.002)
+    return True
 
 
 # --------------------------------------------------------------------------- one call
@@ -347,7 +354,8 @@ def _child(reward: Any, generation: Any, workdir: str, result_fd: int, outputs: 
             os._exit(0)
         try:
             payload = json.dumps({"raised": {"type": type(error).__name__,
-                                             "message": str(error)[:2000]}}).encode()
+                                             "message": str(error)[:2000],
+                                             "transient": is_transient(error)}}).encode()
         except MemoryError:
             payload = memory_result
     if os.getpid() == me:
