@@ -41,10 +41,14 @@ from reef_stream.cli.recipe_options import set_option
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
               show_default=True, help="Seconds one try of the reward function may take.")
 @click.option("--retries", type=click.IntRange(min=0), default=2, show_default=True,
-              help="Tries after a failed one (raised or timed out). A generation whose every "
-                   "try failed goes to dead letters, never to feedback.")
+              help="Tries after a failed one (raised or timed out), at most. A failure that "
+                   "repeats the try before's (same error and message, or a second timeout) is "
+                   "not tried again, unless the reward raised reef_stream.Transient (or a "
+                   "ConnectionError). A generation whose every try failed goes to dead "
+                   "letters, never to feedback.")
 @click.option("--backoff", type=click.FloatRange(min=0), default=0.5, show_default=True,
-              help="Seconds before the first retry; doubled before each further one (at most 30).")
+              help="Seconds before the first retry; doubled before each further one (at most "
+                   "30). A retry waits on a timer, not in a call slot.")
 @click.option("--grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On stop, seconds running calls get to finish before their generations are "
                    "left uncommitted (the group reads them again).")
@@ -88,6 +92,15 @@ from reef_stream.cli.recipe_options import set_option
               show_default=True, help="Open files of one sandboxed call.")
 @click.option("--sandbox-processes", type=click.IntRange(min=1), default=64, show_default=True,
               help="Processes one sandboxed call may run (its user's; docs/security.md).")
+@click.option("--circuit/--no-circuit", default=True, show_default=True,
+              help="Whether an outage holds the generations: when 4 in 5 of the last 50 "
+                   "generations' first tries failed, no new generation is taken (the lag "
+                   "grows), failing ones are held, not dead-lettered, and one is tried again "
+                   "each second; the first success resumes (docs/stages.md).")
+@click.option("--abandoned-limit", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="In-thread calls that timed out and still run, at most (a sync call cannot "
+                   "be stopped; each costs a thread, about 16 KiB): at the limit no new call "
+                   "starts until one returns. --sandbox process kills a hung call instead.")
 @metrics_port_option
 @click.option("--faults", default=None, metavar="SPEC",
               help="Inject reward faults, for tests and benches: comma-separated, each "
@@ -104,7 +117,8 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
            adaptive_timeout: bool, fast_lane_floor: float, sandbox: str,
            sandbox_workers: int | None, sandbox_cpu: int,
            sandbox_memory: int, sandbox_file_size: int, sandbox_open_files: int,
-           sandbox_processes: int, metrics_port: int | None,
+           sandbox_processes: int, circuit: bool, abandoned_limit: int,
+           metrics_port: int | None,
            overrides: tuple[str, ...] = (), faults: str | None = None) -> None:
     """Score generations with a recipe's reward function and emit Feedback.
 
@@ -120,7 +134,10 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
     A try that timed out is tried again only in the slow lane (--slow-concurrency
     slots of its own), never in the fast one; a fast-lane call past the observed
     p99 is replaced in the fast lane, and past 1.5 x the p99 moves to the slow lane
-    (--adaptive-timeout), so a few hanging calls cannot fill the fast lane. With
+    (--adaptive-timeout), so a few hanging calls cannot fill the fast lane. A
+    retry waits out its backoff on a timer, holding no slot. When most calls fail
+    (the grading service is down) the circuit opens: the worker pauses and probes,
+    and the outage's generations are scored once it is back (--circuit). With
     --sandbox process each call runs in a pre-started sandbox process and is
     killed (its whole process group) at --timeout; the start-up log says whether
     the calls' network is isolated.
@@ -144,8 +161,8 @@ def reward(ctx: click.Context, path: str, concurrency: int, backlog: int | None,
                             retries=retries, backoff=backoff, grace=grace, group=group,
                             max_records=max_records, idle_exit=idle_exit,
                             slow_concurrency=slow_concurrency, adaptive=adaptive_timeout,
-                            fast_lane_floor=fast_lane_floor,
-                            sandbox=sandbox, sandbox_target=path,
+                            fast_lane_floor=fast_lane_floor, circuit=circuit,
+                            abandoned_limit=abandoned_limit, sandbox=sandbox, sandbox_target=path,
                             sandbox_overrides=tuple(overrides), sandbox_size=sandbox_workers,
                             sandbox_limits=Limits(cpu_s=sandbox_cpu, memory_mb=sandbox_memory,
                                                   file_mb=sandbox_file_size,

@@ -237,6 +237,13 @@ REWARD_SATURATION = "saturation"
 REWARD_CALL_P50 = "call_seconds_p50"
 REWARD_CALL_P99 = "call_seconds_p99"
 REWARD_SLOW_LANE = "slow_lane"
+#: In-thread tries that timed out and whose threads still run (``RewardOptions.abandoned_limit``);
+#: the circuit (``consumers.reward.circuit``): open (1) or closed (0), how many times it opened
+#: (a running total), and the generations it holds.
+REWARD_ABANDONED = "abandoned_calls"
+REWARD_CIRCUIT_OPEN = "circuit_open"
+REWARD_CIRCUIT_OPENINGS = "circuit_openings"
+REWARD_HELD = "held"
 #: The sandbox pool of ``reef reward --sandbox process`` (``reef_stream.consumers.reward.sandbox.pool``): its
 #: size and live workers, calls that found a worker idle (warm) or waited for one to start
 #: (cold), workers replaced after a kill, worker start and call latency (p50, p99, seconds),

@@ -40,7 +40,8 @@ from rich.table import Table
 from reef_stream.consumers.evaluator.superseding import SUPERSEDED
 from reef_stream.core.events import Checkpoint, DeadLetter, Decision, Metric, Publication
 from reef_stream.core.metric_names import (
-    FOLLOWER_POLICY_VERSION, REWARD_CALL_P50, REWARD_CALL_P99, REWARD_SATURATED_SLOTS,
+    FOLLOWER_POLICY_VERSION, REWARD_ABANDONED, REWARD_CALL_P50, REWARD_CALL_P99,
+    REWARD_CIRCUIT_OPEN, REWARD_HELD, REWARD_SATURATED_SLOTS,
     REWARD_SATURATION, REWARD_SLOW_LANE, SANDBOX_FAILURES, SANDBOX_LIVE, SANDBOX_NETWORK_ISOLATED,
     SANDBOX_POOL_SIZE, SANDBOX_RESTARTS, STAGE_FOLLOWER, STAGE_REWARD, STAGE_TRAINER,
     TRAINER_STALENESS_MEAN,
@@ -55,7 +56,8 @@ __all__ = ["TopView"]
 
 #: The reward workers' metrics ``reef top`` shows (their latest value per worker).
 REWARD_SHOWN = frozenset({REWARD_SATURATED_SLOTS, REWARD_SATURATION, REWARD_CALL_P50,
-                          REWARD_CALL_P99, REWARD_SLOW_LANE, SANDBOX_POOL_SIZE, SANDBOX_LIVE,
+                          REWARD_CALL_P99, REWARD_SLOW_LANE, REWARD_CIRCUIT_OPEN, REWARD_HELD,
+                          REWARD_ABANDONED, SANDBOX_POOL_SIZE, SANDBOX_LIVE,
                           SANDBOX_RESTARTS, SANDBOX_NETWORK_ISOLATED})
 
 
@@ -254,9 +256,12 @@ class TopView:
 
     def _rewards(self) -> Table:
         """The reward workers: saturation (slots busy past the p99), call latency, the slow
-        lane, and their sandbox pool (live / size, restarts, failures by category, network)."""
+        lane, the circuit (open: how many generations it holds), timed-out in-thread calls
+        still running, and their sandbox pool (live / size, restarts, failures by category,
+        network)."""
         table = Table(title="reward workers", title_justify="left")
-        for column in ("worker", "saturated", "call p50", "call p99", "slow lane", "sandbox",
+        for column in ("worker", "saturated", "call p50", "call p99", "slow lane", "circuit",
+                       "hung", "sandbox",
                        "restarts", "sandbox failures", "network"):
             table.add_column(column, justify="left" if column in (
                 "worker", "sandbox failures", "network") else "right")
@@ -270,6 +275,9 @@ class TopView:
                 f"{shown(REWARD_SATURATED_SLOTS)} ({shown(REWARD_SATURATION, '{:.0%}')})",
                 shown(REWARD_CALL_P50, "{:.3f} s"), shown(REWARD_CALL_P99, "{:.3f} s"),
                 shown(REWARD_SLOW_LANE),
+                "-" if REWARD_CIRCUIT_OPEN not in got else
+                f"OPEN ({shown(REWARD_HELD)} held)" if got[REWARD_CIRCUIT_OPEN] else "closed",
+                shown(REWARD_ABANDONED),
                 "-" if SANDBOX_POOL_SIZE not in got
                 else f"{shown(SANDBOX_LIVE)}/{shown(SANDBOX_POOL_SIZE)}",
                 shown(SANDBOX_RESTARTS),

@@ -151,6 +151,8 @@ def test_hostile_rewards_end_in_their_category_and_the_healthy_ones_flow(
         view.close()
     assert "reward workers" in shown and "crashed=1" in shown and "timeout=3" in shown
     assert "isolated" in shown and "NOT isolated" not in shown
+    # Its circuit stayed closed: the hostile minority is the generations', not an outage's.
+    assert "closed" in shown and "OPEN" not in shown
 
 
 def test_the_code_reward_scores_model_code_in_the_sandbox(kafka_bootstrap, namespace, topics,

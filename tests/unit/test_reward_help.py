@@ -17,3 +17,14 @@ def test_the_help_names_the_fast_lanes_deadline_the_code_uses():
     assert f"[default: {ADAPT_FLOOR_S:g};" in text.split("--fast-lane-floor SECONDS", 1)[1]
     assert RewardOptions().fast_lane_floor == ADAPT_FLOOR_S
     assert f"past {ADAPT_FACTOR:g} x the p99 moves to the slow lane" in text
+
+
+def test_the_help_names_the_circuit_and_abandoned_limits_the_code_uses():
+    from reef_stream.consumers.reward import circuit
+
+    result = CliRunner().invoke(reward, ["--help"], terminal_width=400)
+    text = " ".join(result.output.split())
+    shares = {0.8: "4 in 5"}
+    assert f"when {shares[circuit.OPEN_FRACTION]} of the last {circuit.WINDOW} generations'" in text
+    assert "one is tried again each second" in text and circuit.PROBE_EVERY_S == 1.0
+    assert f"[default: {RewardOptions().abandoned_limit};" in text.split("--abandoned-limit", 1)[1]

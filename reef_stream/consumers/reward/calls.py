@@ -38,14 +38,20 @@ settles work through its ``_succeeded``, ``_failed``, ``_dropped`` and ``_broken
 from __future__ import annotations
 
 import asyncio
+import heapq
 import inspect
+import itertools
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
+from reef_stream.api.rewards import is_transient
+from reef_stream.consumers.reward.circuit import CLOSED, OPEN, Circuit
 from reef_stream.consumers.reward.sandbox.categories import (
     CATEGORIES, TIMEOUT, Limits, SandboxFailure,
 )
@@ -53,7 +59,9 @@ from reef_stream.consumers.reward.sandbox.latency import LatencyWindow
 from reef_stream.consumers.reward.sandbox.pool import Ticket
 from reef_stream.core.events import Generation
 from reef_stream.core.metric_names import (
-    REWARD_CALL_P50, REWARD_CALL_P99, REWARD_SATURATED_SLOTS, REWARD_SATURATION, REWARD_SLOW_LANE,
+    REWARD_ABANDONED, REWARD_CALL_P50, REWARD_CALL_P99, REWARD_CIRCUIT_OPEN,
+    REWARD_CIRCUIT_OPENINGS, REWARD_HELD, REWARD_SATURATED_SLOTS, REWARD_SATURATION,
+    REWARD_SLOW_LANE,
     SANDBOX_CALL_P50, SANDBOX_CALL_P99, SANDBOX_COLD_STARTS, SANDBOX_FAILURES, SANDBOX_LIVE,
     SANDBOX_NETWORK_ISOLATED, SANDBOX_POOL_SIZE, SANDBOX_RESTARTS, SANDBOX_START_P50,
     SANDBOX_START_P99, SANDBOX_WARM_STARTS,
@@ -62,6 +70,8 @@ from reef_stream.topics.kafka import Message
 
 __all__ = ["FAST", "MAX_BACKOFF_S", "SLOW", "CallSlots", "RewardOptions", "Slot", "Work", "backoff_seconds", "cancel_all",
            "is_coroutine_function"]
+
+log = logging.getLogger(__name__)
 
 #: The longest wait between two tries of one generation.
 MAX_BACKOFF_S = 30.0
@@ -82,6 +92,11 @@ P99_EVERY_S = 0.5
 SLOW_QUEUE_PER_SLOT = 8
 #: The watchdog looks at the slots at least this often.
 WATCH_EVERY_S = 0.05
+#: The timer thread (delayed retries, the circuit's probes) looks at least this often.
+TIMER_IDLE_S = 0.5
+#: In-thread tries that timed out and whose threads still run, at most (``abandoned_limit``).
+#: A sleeping thread costs about 16 KiB of memory (measured: 4,000 threads, 62 MiB).
+ABANDONED_LIMIT = 4096
 #: The sandbox pool's ``stats()`` keys, as metrics.
 SANDBOX_STATS = {"size": SANDBOX_POOL_SIZE, "live": SANDBOX_LIVE, "warm_starts": SANDBOX_WARM_STARTS,
                  "cold_starts": SANDBOX_COLD_STARTS, "restarts": SANDBOX_RESTARTS,
@@ -129,6 +144,13 @@ class RewardOptions:
     slow_concurrency: int | None = None
     adaptive: bool = True
     fast_lane_floor: float = ADAPT_FLOOR_S
+    #: In-thread tries that timed out and still run (a sync call cannot be interrupted), at
+    #: most; at the bound, no new in-thread try starts until one of them returns (the lag
+    #: grows; ``--sandbox process`` kills a hung call instead).
+    abandoned_limit: int = ABANDONED_LIMIT
+    #: Whether the circuit (``reef_stream.consumers.reward.circuit``) holds the generations
+    #: while most calls fail, instead of dead-lettering them.
+    circuit: bool = True
 
     def slow_lanes(self) -> int:
         return max(1, self.concurrency // 4) if self.slow_concurrency is None \
@@ -153,6 +175,8 @@ class RewardOptions:
         if self.backlog is not None and self.backlog < self.concurrency:
             found.append(f"backlog must be at least the concurrency ({self.concurrency}), "
                          f"not {self.backlog}")
+        if self.abandoned_limit < 1:
+            found.append(f"abandoned limit must be at least 1, not {self.abandoned_limit}")
         if not self.fast_lane_floor > 0:
             found.append(f"fast lane floor must be more than 0 seconds, not {self.fast_lane_floor}")
         if not self.timeout > 0:
@@ -173,15 +197,20 @@ class RewardOptions:
 class Work:
     """One taken generation on its way to an outcome: its record (kept for a dead letter),
     where it came from, the decoded Generation, its entry among its partition's outcomes,
-    and its tries so far (``error``: the last try's, None before a try or after a success)."""
+    and its tries so far (``error``: the last try's, None before a try or after a success;
+    ``failure``: the last failure's signature, to see it repeat; ``repeated``: it did;
+    ``retry_ready``: its backoff was served; ``probe``: the open circuit's probe)."""
 
-    __slots__ = ("entry", "error", "generation", "message", "timeouts", "tries", "where")
+    __slots__ = ("entry", "error", "failure", "generation", "message", "probe", "repeated",
+                 "retry_ready", "timeouts", "tries", "where")
 
     def __init__(self, message: Message, where: tuple[str, int], generation: Generation,
                  entry: list) -> None:
         self.message, self.where, self.generation, self.entry = message, where, generation, entry
         self.tries = self.timeouts = 0
         self.error: BaseException | None = None
+        self.failure: tuple | None = None
+        self.probe = self.repeated = self.retry_ready = False
 
 
 class Slot:
@@ -222,6 +251,19 @@ class CallSlots:
         self.call_latency = LatencyWindow()  # of the tries that returned
         self._p99: float | None = None
         self._p99_at = 0.0
+        #: Retries waiting out their backoff: a heap of (due, sequence, work), for the timer
+        #: thread (``_timers``), which also probes the open circuit.
+        self._delayed: list[tuple[float, int, Work]] = []
+        self._delay_order = itertools.count()
+        self._timer_ready = threading.Condition()
+        self.circuit = Circuit() if options.circuit else None
+        self._held_works: deque[Work] = deque()  # while the circuit is open
+        self._probe_new = False
+        #: Open: whether the next generation the consumer offers is taken, as a probe.
+        self.admit_probe = False
+        self._abandoned = 0  # in-thread tries that timed out and still run
+        self._abandoned_room = threading.Condition(self._lock)
+        self._abandoned_warned = False
 
     # ----------------------------------------------------------------- sync calls (threads)
 
@@ -276,11 +318,13 @@ class CallSlots:
         while True:
             if work.error is not None and not self._again(work, slot.lane):
                 return self._goes_on(slot)
-            if self._dropped(work):
+            if self._dropped(work) or self._held(work, failed=False):
                 return self._goes_on(slot)
             work.tries += 1
-            started = time.monotonic()
             with self._lock:
+                if slot.ticket is None:
+                    self._wait_for_abandoned_room()
+                started = time.monotonic()
                 slot.work, slot.started = work, started
                 slot.deadline = started + options.timeout
                 slot.fast_done = slot.lane != FAST or slot.replaced
@@ -299,44 +343,186 @@ class CallSlots:
                 result, error = None, raised
             with self._lock:
                 if slot.abandoned:  # timed out: counted and taken over by the watchdog
+                    self._abandoned -= 1
+                    self._abandoned_room.notify()
                     return False
                 slot.work = None
             if error is None:
                 self.call_latency.add(time.monotonic() - started)
+                self._record_try(work, None)
                 self._succeeded(work, result)
                 return self._goes_on(slot)
             if isinstance(error, SandboxFailure) and error.category == TIMEOUT:
                 work.timeouts += 1
                 self.summary.add(timed_out=1)
             work.error = error
+            self._record_try(work, error)
 
-    def _again(self, work: Work, lane: str) -> bool:
-        """After a failed try: True to try again here (after the backoff); otherwise ``work``
-        was settled (dead-lettered) or moved to the slow lane. A sandbox failure that the same
-        generation would meet again is never retried; a try that timed out is tried again only
-        in the slow lane (when there is one, with room), never in the fast lane."""
+    def _wait_for_abandoned_room(self) -> None:
+        """Under the lock, before an in-thread try: wait while ``abandoned_limit`` timed-out
+        tries still run (their threads cannot be stopped; memory stays bounded, the lag grows)."""
+        limit = self.options.abandoned_limit
+        while self._abandoned >= limit and not self._closing:
+            if not self._abandoned_warned:
+                self._abandoned_warned = True
+                log.warning("%d reward calls timed out and still run (a sync call cannot be "
+                            "stopped): no new call starts until one returns; --sandbox process "
+                            "kills a hung call instead", self._abandoned)
+            self._abandoned_room.wait(1.0)
+
+    def _again(self, work: Work, lane: str | None) -> bool:
+        """After a failed try: True to try again now (its backoff was served); otherwise
+        ``work`` was held for the open circuit, settled (dead-lettered), moved to the slow lane,
+        or waits out its backoff on the timer thread, holding no slot. ``lane``: the failed
+        try's (None: an async call; there are no lanes).
+
+        Dead-lettered: a sandbox failure that the same generation would meet again; a try past
+        ``retries``; a failure that repeats the try before's (same type and message, or a
+        second timeout) unless it is transient (``reef_stream.api.rewards.Transient``). A try
+        that timed out in the fast lane is tried again only in the slow lane (when there is
+        one, with room)."""
+        if work.retry_ready:
+            work.retry_ready = False
+            return True
+        if self._held(work, failed=True):
+            return False
         error, options = work.error, self.options
+        timed_out = _timed_out(error)
         if isinstance(error, SandboxFailure) and not error.retryable \
                 or work.tries > options.retries:
             self._failed(work)
             return False
-        timed_out = isinstance(error, TimeoutError) or isinstance(error, SandboxFailure) \
-            and error.category == TIMEOUT
+        failure = ("timeout",) if timed_out else None \
+            if is_transient(error) or getattr(error, "transient", False) is True \
+            else (getattr(error, "error_type", type(error).__name__), str(error)[:500])
+        if failure is not None and failure == work.failure:
+            work.repeated = True
+            self._failed(work)
+            return False
+        work.failure = failure
         if timed_out and lane == FAST and self._slow_lanes:
             with self._slow_ready:
                 room = len(self._slow_queue) < SLOW_QUEUE_PER_SLOT * self._slow_lanes
-                if room:
+                if room:  # tried again at once when a slow-lane slot takes it
+                    work.retry_ready = True
                     self._slow_queue.append(work)
                     self._slow_ready.notify()
-            if not room:
+            if room:
+                self.summary.add(retried=1)
+            else:
                 full = "; the slow lane was full, so it was not tried again"
                 work.error = SandboxFailure(TIMEOUT, error.detail + full, wall=True) \
                     if isinstance(error, SandboxFailure) else TimeoutError(f"{error}{full}")
                 self._failed(work)
             return False
         self.summary.add(retried=1)
-        self._stop.wait(backoff_seconds(options, work.tries))  # a stop cuts it short
+        self._delay(work, backoff_seconds(options, work.tries))
+        return False
+
+    # ----------------------------------------------------------------- retries and the circuit
+
+    def _delay(self, work: Work, seconds: float) -> None:
+        """``work`` is tried again in ``seconds``, queued first; no slot waits for it."""
+        with self._timer_ready:
+            heapq.heappush(self._delayed, (time.monotonic() + seconds, next(self._delay_order),
+                                           work))
+            self._timer_ready.notify()
+
+    def _requeue(self, work: Work) -> None:
+        """Any thread: ``work`` goes first in the fast lane's queue, and a runner is woken."""
+        self._queue.appendleft(work)
+        if self._is_async:
+            self._loop.call_soon_threadsafe(self._work_ready.set)
+        else:
+            with self._ready:
+                self._ready.notify()
+
+    def _timers(self) -> None:
+        """The timer thread: queues each delayed retry once its backoff has passed, and sends
+        the open circuit's probes (``_probe``). Ends at close."""
+        while not self._closing:
+            with self._timer_ready:
+                now = time.monotonic()
+                due = []
+                while self._delayed and self._delayed[0][0] <= now:
+                    due.append(heapq.heappop(self._delayed)[2])
+                if not due:
+                    wait = self._delayed[0][0] - now if self._delayed else TIMER_IDLE_S
+                    probe = None if self.circuit is None else self.circuit.seconds_to_probe()
+                    self._timer_ready.wait(wait if probe is None else min(wait, probe))
+            for work in due:
+                work.retry_ready = True
+                self._requeue(work)
+            self._probe()
+
+    def _held(self, work: Work, *, failed: bool) -> bool:
+        """While the circuit is open: hold ``work`` (True) instead of trying it, or, after its
+        try ``failed``, instead of retrying or dead-lettering it; that try does not count. The
+        circuit's probe passes."""
+        if self.circuit is None or not self.circuit.is_open:
+            return False
+        if work.probe and not failed:
+            return False
+        if failed:
+            work.tries -= 1
+            if _timed_out(work.error):
+                work.timeouts -= 1
+            work.error, work.probe = None, False
+        elif work.error is not None:
+            work.retry_ready = True  # held before its retry: tried at once when released
+        self._held_works.append(work)
         return True
+
+    def _record_try(self, work: Work, error: BaseException | None) -> None:
+        """A try of ``work`` ended (``error`` None: it returned): tell the circuit if it was the
+        generation's first try or a probe. Retries are left out: they say again what the first
+        try said about one generation, not about the service. A sandbox failure the generation
+        would meet again is the generation's, never an outage."""
+        probe, work.probe = work.probe, False
+        if self.circuit is None or isinstance(error, SandboxFailure) and not error.retryable \
+                or work.tries > 1 and not probe:
+            return
+        change = self.circuit.record(error is None)
+        if change == OPEN:
+            log.warning("the reward circuit opened: most of the last %d tries failed (the last: "
+                        "%s: %s); no new generation is taken, failing ones are held, not "
+                        "dead-lettered, and one is tried again every %g s",
+                        self.circuit.window, type(error).__name__, error,
+                        self.circuit.probe_every)
+        elif change == CLOSED:
+            self._release_held("a try succeeded")
+
+    def _probe(self) -> None:
+        """Timer thread: when the open circuit's probe is due, try one held generation again
+        (the longest held first; a failed probe is held again at the back), or, every other
+        probe and when none is held, let one new generation in as the probe (``admit_probe``),
+        so a circuit opened on a run of bad inputs does not probe only them."""
+        if self.circuit is None or not self.circuit.probe_due():
+            return
+        self._probe_new = not self._probe_new
+        if self._probe_new or not self._held_works:
+            self.admit_probe = True
+            return
+        with suppress(IndexError):
+            work = self._held_works.popleft()
+            work.probe = True
+            self._requeue(work)
+
+    def _release_held(self, why: str) -> None:
+        """The circuit closed: the held generations are queued first, in their order."""
+        released = 0
+        with suppress(IndexError):
+            while True:
+                self._queue.appendleft(self._held_works.pop())
+                released += 1
+        self.admit_probe = False
+        log.info("the reward circuit closed (%s); %d held generations are tried again", why,
+                 released)
+        if self._is_async:
+            self._loop.call_soon_threadsafe(self._work_ready.set)
+        else:
+            with self._ready:
+                self._ready.notify(released)
 
     def _goes_on(self, slot: Slot) -> bool:
         """Whether the thread of ``slot`` takes another generation (not if another thread took
@@ -410,6 +596,7 @@ class CallSlots:
                 work.timeouts += 1
                 work.error = TimeoutError(why)
                 self.summary.add(timed_out=1)
+                self._record_try(work, work.error)
                 if slot.replaced:  # its fast-lane place was taken: to the slow lane's queue
                     self._again(work, FAST)  # (no backoff: replaced only when slow lanes exist)
                 else:  # a new thread in its place goes on with it (tried again, or moved)
@@ -457,8 +644,7 @@ class CallSlots:
                                f"the full slow lane, past {EVICT_FACTOR:g} x the observed p99, "
                                "stopped to make room for a newer one)", stopped)
 
-    @staticmethod
-    def _stop_try(slot: Slot, why: str, stopped: list) -> None:
+    def _stop_try(self, slot: Slot, why: str, stopped: list) -> None:
         """Under the lock: end ``slot``'s running try as timed out (``why``): in the sandbox it
         is killed once the lock is released; in-thread it is abandoned."""
         if slot.ticket is not None:
@@ -467,6 +653,7 @@ class CallSlots:
         else:
             stopped.append((slot, slot.work, why, 0))
             slot.abandoned, slot.work = True, None
+            self._abandoned += 1
 
     def _start_runner(self, work: Work | None, lane: str) -> None:
         threading.Thread(target=self._runner, args=(work, lane), name=f"reef-reward-{lane}",
@@ -492,6 +679,11 @@ class CallSlots:
             if value is not None:
                 writer.write(name, value)
         writer.write(REWARD_SLOW_LANE, len(self._slow_queue) + self._demoted)
+        writer.write(REWARD_ABANDONED, self._abandoned)
+        if self.circuit is not None:
+            writer.write(REWARD_CIRCUIT_OPEN, int(self.circuit.is_open))
+            writer.write(REWARD_CIRCUIT_OPENINGS, self.circuit.openings)
+            writer.write(REWARD_HELD, len(self._held_works))
         if self._pool is None:
             return
         stats = self._pool.stats()
@@ -525,17 +717,14 @@ class CallSlots:
                 self._broken(error)
 
     async def _run_async(self, work: Work) -> None:
-        """Try the reward function until ``work`` is settled or dropped; each try has
-        ``timeout`` seconds (``asyncio.timeout``: no task of its own per try)."""
+        """Try the reward function until ``work`` is settled, held, delayed (``_again``) or
+        dropped; each try has ``timeout`` seconds (``asyncio.timeout``: no task of its own per
+        try)."""
         options = self.options
         while True:
-            if work.error is not None:  # the last try failed
-                if work.tries > options.retries:
-                    self._failed(work)
-                    return
-                self.summary.add(retried=1)
-                await asyncio.sleep(backoff_seconds(options, work.tries))
-            if self._dropped(work):
+            if work.error is not None and not self._again(work, None):
+                return
+            if self._dropped(work) or self._held(work, failed=False):
                 return
             work.tries += 1
             try:
@@ -546,14 +735,22 @@ class CallSlots:
                 self.summary.add(timed_out=1)
                 work.error = error if str(error) else TimeoutError(
                     f"no result within {options.timeout:g} s")
+                self._record_try(work, work.error)
                 continue
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # noqa: BLE001 - the function's failure is the outcome
                 work.error = error
+                self._record_try(work, error)
                 continue
+            self._record_try(work, None)
             self._succeeded(work, result)
             return
+
+
+def _timed_out(error: BaseException | None) -> bool:
+    return isinstance(error, TimeoutError) \
+        or isinstance(error, SandboxFailure) and error.category == TIMEOUT
 
 
 def _within(seconds: float, timeout: float) -> str:

@@ -294,15 +294,17 @@ class RewardWorker(CallSlots):
                 self._tasks = [loop.create_task(self._arunner()) for _ in range(count)]
 
             asyncio.run_coroutine_threadsafe(start(), self._loop).result()
-            return
-        for lane, slots in ((FAST, count), (SLOW, self._slow_lanes)):
-            for _ in range(slots):
-                self._start_runner(None, lane)
-        threading.Thread(target=self._watch, name="reef-reward-watchdog", daemon=True).start()
+        else:
+            for lane, slots in ((FAST, count), (SLOW, self._slow_lanes)):
+                for _ in range(slots):
+                    self._start_runner(None, lane)
+            threading.Thread(target=self._watch, name="reef-reward-watchdog",
+                             daemon=True).start()
+        threading.Thread(target=self._timers, name="reef-reward-timers", daemon=True).start()
 
     # ----------------------------------------------------------------- taking records
 
-    def _take(self, message: Message) -> None:
+    def _take(self, message: Message, *, probe: bool = False) -> None:
         """Consumer thread: decode one record and queue it for a call slot (``_wake`` tells
         the idle runners, once per fetch), or dead-letter it at once if it is undecodable."""
         where = (message.topic(), message.partition())
@@ -325,7 +327,9 @@ class RewardWorker(CallSlots):
             self._emit(self._dead_letter(message, f"undecodable generation: {error}",
                                          type(error).__name__), entry, "undecodable")
             return
-        self._queue.append(Work(message, where, generation, entry))
+        work = Work(message, where, generation, entry)
+        work.probe = probe
+        self._queue.append(work)
         self._unwoken += 1
         if self._unwoken >= WAKE_EVERY:
             self._wake()
@@ -356,9 +360,12 @@ class RewardWorker(CallSlots):
         return self._in_flight <= target
 
     def _drop_queued(self) -> None:
-        """At a stop: drop the queued records at once (uncommitted: the group reads them again)."""
-        dropped = 0
-        for queue in (self._queue, self._slow_queue):
+        """At a stop: drop the queued records at once, the retries waiting out their backoff and
+        those the circuit holds (uncommitted: the group reads them again)."""
+        with self._timer_ready:
+            dropped = len(self._delayed)
+            self._delayed.clear()
+        for queue in (self._queue, self._slow_queue, self._held_works):
             with suppress(IndexError):
                 while True:  # popleft: a call slot may take one meanwhile
                     queue.popleft()
@@ -420,9 +427,11 @@ class RewardWorker(CallSlots):
         raised = tries - timeouts
         counts = f"{timeouts} timed out, {raised} raised" if timeouts and raised else \
             ("all timed out" if timeouts else "all raised")
+        repeated = ("; it failed the same way as the try before, so it was not tried again"
+                    if work.repeated else "")
         reason = (f"reward function {self.reward.source!r} failed on every one of "
                   f"{tries} tries ({counts}) for generation {work.generation.generation_id}; "
-                  f"last error: {error_type}: {last_error}")
+                  f"last error: {error_type}: {last_error}{repeated}")
         self._emit(self._dead_letter(work.message, reason, error_type), work.entry, "failed")
 
     def _dropped(self, work: Work) -> bool:
@@ -522,8 +531,12 @@ class RewardWorker(CallSlots):
                 writer.write(REWARD_MEAN, counters["reward_sum"] / counters["rewarded"],
                              source=self.reward.source)
 
+        circuit = self.circuit
         self._metrics.emit(lambda: (self.summary.counters(), self._saturated_slots(),
-                                    len(self._slow_queue) + self._demoted), write, final=final)
+                                    len(self._slow_queue) + self._demoted, self._abandoned,
+                                    len(self._held_works),
+                                    circuit and (circuit.is_open, circuit.openings)),
+                           write, final=final)
 
     # ----------------------------------------------------------------- offsets and rebalances
 
@@ -593,6 +606,10 @@ class RewardWorker(CallSlots):
             self._ready.notify_all()
         with self._slow_ready:
             self._slow_ready.notify_all()
+        with self._timer_ready:
+            self._timer_ready.notify_all()
+        with self._abandoned_room:
+            self._abandoned_room.notify_all()
         self._watch_stop.set()
         if abandoned:
             log.warning("%d generations had no stored outcome at stop; their offsets stay "
@@ -644,10 +661,15 @@ class _Rewards:
         elif in_flight >= self.backlog:
             worker._wake()
             self._full = not worker._wait_for_room(half, ROOM_WAIT_S)
-        if self._full:
+        probe = False
+        if worker.circuit is not None and worker.circuit.is_open:
+            if not worker.admit_probe:
+                raise MessageRejected  # open: no new generation but a probe until one succeeds
+            worker.admit_probe, probe = False, True
+        elif self._full:
             raise MessageRejected
         self._last_activity = time.monotonic()
-        worker._take(message)
+        worker._take(message, probe=probe)
         if worker.options.max_records is not None \
                 and worker.summary.records >= worker.options.max_records:
             worker._finish.set()

@@ -89,6 +89,8 @@ SUMMED_GAUGES = frozenset({(m.STAGE_INTAKE, m.INTAKE_SPOOLED),
                            (m.STAGE_PROCESSOR, m.PROCESSOR_TRAINER_BACKLOG),
                            (m.STAGE_REWARD, m.REWARD_SATURATED_SLOTS),
                            (m.STAGE_REWARD, m.REWARD_SLOW_LANE),
+                           (m.STAGE_REWARD, m.REWARD_ABANDONED),
+                           (m.STAGE_REWARD, m.REWARD_HELD),
                            (m.STAGE_REWARD, m.SANDBOX_POOL_SIZE),
                            (m.STAGE_REWARD, m.SANDBOX_LIVE)})
 #: Seconds a rate is taken over (at least the grid's step): several writes of the slowest

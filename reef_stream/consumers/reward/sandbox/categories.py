@@ -66,11 +66,12 @@ class SandboxFailure(Exception):
 
 class RaisedInSandbox(Exception):
     """The reward function raised inside the sandbox: ``error_type`` is its exception's class
-    name, the message its message (the exception object itself never crosses the pipe)."""
+    name, the message its message, ``transient`` whether it said the failure may pass
+    (``reef_stream.api.rewards.is_transient``); the exception object never crosses the pipe."""
 
-    def __init__(self, error_type: str, message: str) -> None:
+    def __init__(self, error_type: str, message: str, *, transient: bool = False) -> None:
         super().__init__(message)
-        self.error_type = error_type
+        self.error_type, self.transient = error_type, transient
 
 
 @dataclass(frozen=True)

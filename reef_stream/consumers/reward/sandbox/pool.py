@@ -311,7 +311,8 @@ class SandboxPool:
             return Reward(reward=ok["reward"], components=ok.get("components") or {})
         if "raised" in answer:
             raised = answer["raised"]
-            raise RaisedInSandbox(str(raised.get("type")), str(raised.get("message")))
+            raise RaisedInSandbox(str(raised.get("type")), str(raised.get("message")),
+                                  transient=raised.get("transient") is True)
         if self._closed:  # close() killed it (every process of its uid): not its failure
             raise SandboxFailure(SANDBOX_UNAVAILABLE, "the sandbox pool was closed during the "
                                                       "call")
