@@ -22,13 +22,14 @@ the Publication and the checkpoint's offset for the group (``send_offsets_to_tra
 dead-lettered, keyed by ``coordinates_key``.
 
 Fencing. Every transaction is under ``evaluator_transactional_id(ns, recipe)``: the member
-the group assigns the checkpoints initialises it (``_fence``, at its first assignment), which
-fences every older evaluator of the recipe and aborts its open transaction; a standby that
-was never assigned fences nothing and decides nothing, canaries included. A paused or
-partitioned zombie that wakes up fails at its first write (``EvaluatorFenced``, one line, the
-process exits); nothing it wrote counts for a read_committed reader, and it writes nothing to
-Redis (that follows a commit). ``run`` is called from one thread, which runs ``measure`` and
-``select``; ``stop`` from any thread. The long form: ``docs/stages.md`` ("The evaluator").
+the group assigns the checkpoints initialises it (``_fence``, at each assignment), which
+fences every other evaluator of the recipe and aborts its open transaction, and gives it up
+when they are revoked (``_unfence``); a standby fences nothing and decides nothing, canaries
+included. A paused or partitioned zombie that wakes up and writes before it learns it lost
+them fails at that write (``EvaluatorFenced``, one line, the process exits); nothing it wrote
+counts for a read_committed reader, and it writes nothing to Redis (that follows a commit).
+``run`` is called from one thread, which runs ``measure`` and ``select``; ``stop`` from any
+thread. The long form: ``docs/stages.md`` ("The evaluator").
 """
 
 from __future__ import annotations
@@ -277,6 +278,12 @@ class EvaluatorWorker:
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
+
+    @property
+    def active(self) -> bool:
+        """Whether this member holds the recipe's fence now (it is assigned the checkpoints):
+        the one evaluator of the recipe that decides. Safe from any thread."""
+        return self._fence_producer is not None
 
     def run(self) -> EvaluateSummary:
         """Decide on checkpoints until stopped; return the counters. Blocks.
@@ -537,8 +544,8 @@ class EvaluatorWorker:
     # ----------------------------------------------------------------- Kafka and Redis
 
     def _fence(self) -> None:
-        """Once, when this member is first assigned the checkpoints: the decisions'
-        transactional producer, initialised, which fences every older evaluator of the recipe
+        """When this member is assigned the checkpoints (and holds no fence): the decisions'
+        transactional producer, initialised, which fences every other evaluator of the recipe
         and aborts its open transaction. Blocks (up to 60 s)."""
         if self._fence_producer is not None:
             return
@@ -549,6 +556,14 @@ class EvaluatorWorker:
         self._fence_producer = identity.new_producer()
         log.info("evaluator %s: decides for recipe %s; any older evaluator of the recipe is "
                  "fenced", self.group, self.recipe.name)
+
+    def _unfence(self) -> None:
+        """This member's checkpoints were revoked: drop the producer, so that it writes nothing
+        more until it is assigned them again and fences whoever holds them then."""
+        if self._fence_producer is not None:
+            self._fence_producer = None
+            log.info("evaluator %s: no longer assigned the checkpoints, so it gave up the "
+                     "fence", self.group)
 
     def _write(self, publication: Publication | None, offsets: Positions,
                consumer: Consumer | None, what: str) -> None:
@@ -564,10 +579,13 @@ class EvaluatorWorker:
         Nothing else (ledger, Redis, pruning) happens before 4. Blocks for up to
         ``DELIVERY_TIMEOUT_S`` per broker call. Raises ``EvaluatorFenced`` when a newer
         evaluator of the recipe holds the transactional id, ``FatalError`` for any other
-        failure (aborted: a restart decides the checkpoint again).
+        failure (aborted: a restart decides the checkpoint again), or when this member holds
+        no fence (assigned nothing: it never writes).
         """
-        self._fence()
         producer = self._fence_producer
+        if producer is None:
+            raise FatalError(f"{what}: this evaluator is not assigned the checkpoints, so it "
+                             "holds no fence and writes nothing")
         try:
             producer.begin_transaction()
             if publication is not None:
@@ -655,6 +673,8 @@ class _Decisions:
         self._positions: dict[tuple[str, int], int] = {}
         #: The positions committed (in a transaction) so far.
         self._sent: dict[tuple[str, int], int] = {}
+        #: The partitions assigned to this member now.
+        self._owned: list[tuple[str, int]] = []
         #: Handed over, not decided yet, in log order; None: dead-lettered already.
         self._waiting: list[tuple[Message, Checkpoint | None]] = []
         self._last_activity = time.monotonic()
@@ -665,21 +685,26 @@ class _Decisions:
         self._consumer = consumer
 
     def on_assign(self, partitions: list[TopicPartition]) -> None:
-        """Fence older evaluators of the recipe at the first assignment (blocks the rebalance
-        while ``init_transactions`` runs)."""
-        self.worker._last_assigned = time.monotonic()
+        """Take the fence when assigned the checkpoints (``EvaluatorWorker._fence``: blocks
+        the rebalance while ``init_transactions`` runs)."""
+        self._owned += [(tp.topic, tp.partition) for tp in partitions]
         if partitions:
             self.worker._fence()
+        self.worker._last_assigned = time.monotonic()
 
     def on_revoke(self, partitions: list[TopicPartition]) -> None:
         """Forget the partitions' positions, which their next owner moves on, and drop their
-        waiting events (undecided, uncommitted: their next owner reads them again)."""
+        waiting events (undecided, uncommitted: their next owner reads them again). With none
+        left, give up the fence (``EvaluatorWorker._unfence``): the next owner takes it."""
         gone = {(tp.topic, tp.partition) for tp in partitions}
         for where in gone:
             self._positions.pop(where, None)
             self._sent.pop(where, None)
         self._waiting = [(message, checkpoint) for message, checkpoint in self._waiting
                          if (message.topic(), message.partition()) not in gone]
+        if not set(self._owned) - gone:
+            self.worker._unfence()
+        self._owned = [where for where in self._owned if where not in gone]
 
     def submit(self, message: Message) -> None:
         """Decode the event and let it wait (``fetched`` decides); ``InvalidRecord`` for one
