@@ -103,11 +103,14 @@ def new_producer(bootstrap: str, overrides: dict[str, Any] | None = None) -> Pro
 def new_consumer(bootstrap: str, group: str,
                  overrides: dict[str, Any] | None = None) -> Consumer:
     """A consumer in ``group`` that commits only when told to (``enable.auto.commit`` off:
-    offsets are committed by the step that says so, never in the background), with
-    ``overrides`` added (they win). A reader that only ``assign``s uses it too: its group is
-    then only a name, never committed to. Does not block."""
+    offsets are committed by the step that says so, never in the background) and reads only
+    committed records (``isolation.level=read_committed``: what an aborted or open transaction
+    wrote, a fenced writer's included, is never seen), with ``overrides`` added (they win). A
+    reader that only ``assign``s uses it too: its group is then only a name, never committed
+    to. Does not block."""
     return Consumer(client_config(bootstrap, {
-        "group.id": group, "enable.auto.commit": False, **(overrides or {})}))
+        "group.id": group, "enable.auto.commit": False, "isolation.level": "read_committed",
+        **(overrides or {})}))
 
 
 def new_admin(bootstrap: str, overrides: dict[str, Any] | None = None, *,

@@ -3,7 +3,8 @@
 Every writer whose records others act on writes through a Kafka transaction with a stable
 transactional id, so a newer instance fences every older one (``is_fenced`` tells the error
 that says so). The processor's is ``reef-process.<ns>.<recipe>.<group>.<instance>``, the
-trainer's ``reef-train.<ns>.<recipe>.<group>`` (``consumers.trainer``). A restarted
+trainer's ``reef-train.<ns>.<recipe>.<group>`` (``consumers.trainer``), the evaluator's
+``reef-evaluate.<ns>.<recipe>`` (``consumers.evaluator``). A restarted
 instance fences its predecessor and aborts its open transaction at ``init_transactions``
 (``TransactionalIdentity.new_producer``), so nothing waits for ``transaction.timeout.ms``.
 A fence this process can survive (its own consumer fenced as a static member after the

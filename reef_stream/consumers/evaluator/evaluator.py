@@ -15,11 +15,21 @@ the reason; a PROMOTED candidate is copied and verified into the ``PublicationSt
 serving artifact for a Hugging Face model). A rollback checkpoint is promoted unmeasured when
 its weights are the incumbent's (``reef_stream.publishing.rollback.check_rollback``).
 
-Durability order: publication acknowledged (``_publish``) -> checkpoint offset committed by
-the loop -> Redis projection updated and old copies pruned (``_after_commit``). A store or
-copy failure is a ``FatalError``. Undecodable publications are dead-lettered, keyed by
-``coordinates_key``. ``run`` is called from one thread, which runs ``measure`` and
-``select``; ``stop`` from any thread. The long form: ``docs/stages.md`` ("The evaluator").
+Durability order (``_write``, the one place it is written down): one Kafka transaction holds
+the Publication and the checkpoint's offset for the group (``send_offsets_to_transaction``)
+-> the ledger, counters, Redis projection and pruned copies follow its commit
+(``_after_commit``). A store or copy failure is a ``FatalError``. Undecodable publications are
+dead-lettered, keyed by ``coordinates_key``.
+
+Fencing. Every transaction is under ``evaluator_transactional_id(ns, recipe)``: the member
+the group assigns the checkpoints initialises it (``_fence``, at each assignment), which
+fences every other evaluator of the recipe and aborts its open transaction, and gives it up
+when they are revoked (``_unfence``); a standby fences nothing and decides nothing, canaries
+included. A paused or partitioned zombie that wakes up and writes before it learns it lost
+them fails at that write (``EvaluatorFenced``, one line, the process exits); nothing it wrote
+counts for a read_committed reader, and it writes nothing to Redis (that follows a commit).
+``run`` is called from one thread, which runs ``measure`` and ``select``; ``stop`` from any
+thread. The long form: ``docs/stages.md`` ("The evaluator").
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,10 +48,10 @@ from reef_stream.consumers.evaluator.canary import (
 )
 from reef_stream.consumers.evaluator.superseding import superseded_reason, superseding
 from reef_stream.consumers.stage import (
-    Committing, DeadLetters, FetchEnd, Group, Rebalancing, StageLoop, StageOptions, UsesConsumer,
+    CommitsItself, DeadLetters, FetchEnd, Group, Positions, Rebalancing, StageLoop, StageOptions,
     kafka_consumers,
 )
-from reef_stream.core.errors import ConfigurationError, InvalidRecord
+from reef_stream.core.errors import ConfigurationError, FatalError, InvalidRecord
 from reef_stream.core.events import Checkpoint, Decision, Publication, now_ms
 from reef_stream.core.metric_names import (
     EVALUATOR_CANDIDATE_VERSION, EVALUATOR_CANDIDATES_SKIPPED, EVALUATOR_CANDIDATES_SUPERSEDED,
@@ -58,6 +68,7 @@ from reef_stream.topics import declarations
 from reef_stream.topics.connect import bootstrap_servers, new_producer
 from reef_stream.topics.dead_letters import dead_letter
 from reef_stream.topics.delivery import DELIVERY_TIMEOUT_S, deliver
+from reef_stream.topics.fencing import TransactionalIdentity, is_fenced
 from reef_stream.topics.kafka import Consumer, KafkaException, Message, Producer, TopicPartition
 from reef_stream.topics.metrics import MetricsWriter
 
@@ -65,9 +76,9 @@ if TYPE_CHECKING:
     from reef_stream.engine.artifacts import ServingArtifact
     from reef_stream.publishing.fleet import Fleet
 
-__all__ = ["EvaluateOptions", "EvaluateSummary", "EvaluatorWorker", "PublicationLedger",
-           "PublicationStore", "coordinates_key", "default_group", "default_publication_url",
-           "publication_key"]
+__all__ = ["EvaluateOptions", "EvaluateSummary", "EvaluatorFenced", "EvaluatorWorker",
+           "PublicationLedger", "PublicationStore", "coordinates_key", "default_group",
+           "default_publication_url", "evaluator_transactional_id", "publication_key"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +90,21 @@ JOIN_GRACE_S = 30.0
 #: With ``supersede``: the most checkpoint events that wait before they are decided, even when
 #: the consumer holds more (a bound on what one newest candidate can supersede at once).
 MAX_WAITING = 1000
+#: The decision transaction's timeout: the broker aborts one left open this long (an evaluator
+#: that died inside it), and a newer evaluator's ``init_transactions`` aborts it at once.
+TRANSACTION_TIMEOUT_MS = 60_000
+
+
+class EvaluatorFenced(FatalError):
+    """A newer evaluator of this recipe took over (same transactional id): this process must
+    not publish anything more. Fatal: the process exits."""
+
+
+def evaluator_transactional_id(namespace: str, recipe: str) -> str:
+    """The transactional id every evaluator of ``recipe`` decides under, whatever its group:
+    stable across restarts and hosts, so the newest active one fences every older one (one
+    active evaluator per recipe)."""
+    return f"reef-evaluate.{namespace}.{recipe}"
 
 
 def default_group(recipe: Recipe, namespace: str) -> str:
@@ -233,6 +259,8 @@ class EvaluatorWorker:
         self._on_decision = on_decision
         self._stop = threading.Event()
         self._last_assigned: float | None = None
+        #: The transactional producer of decisions (``_fence``), once this member was assigned.
+        self._fence_producer: Producer | None = None
         #: Whether candidates are superseded: nothing to save without measuring.
         self._supersedes = options.supersede and bool(self.evaluator.evaluates)
 
@@ -251,15 +279,22 @@ class EvaluatorWorker:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    @property
+    def active(self) -> bool:
+        """Whether this member holds the recipe's fence now (it is assigned the checkpoints):
+        the one evaluator of the recipe that decides. Safe from any thread."""
+        return self._fence_producer is not None
+
     def run(self) -> EvaluateSummary:
         """Decide on checkpoints until stopped; return the counters. Blocks.
 
         Announces the evaluator's warning first, then reads ``<ns>.publications`` to its end
         (the incumbents; a record there that does not decode is dead-lettered) before the first
-        decision. Runs on the stage loop (``reef_stream.consumers.stage``), which commits each
-        checkpoint's offset once ``_Decisions`` says its publication is acknowledged. Raises
-        ``ConfigurationError`` for a missing topic and ``FatalError`` when a decision or a dead
-        letter cannot be stored (its offset stays uncommitted, so a restart decides it again).
+        decision. Runs on the stage loop (``reef_stream.consumers.stage``); each checkpoint's
+        offset is committed in the transaction of its decision (``_write``). Raises
+        ``ConfigurationError`` for a missing topic, ``EvaluatorFenced`` when a newer evaluator
+        of the recipe took over, and ``FatalError`` when a decision or a dead letter cannot be
+        stored (its offset stays uncommitted, so a restart decides it again).
         """
         started = time.monotonic()
         if self.warning:
@@ -283,7 +318,7 @@ class EvaluatorWorker:
                      ledger.read, {m: ledger.incumbent(m).policy_version for m in ledger.models()
                                    if ledger.incumbent(m) is not None} or "none")
             StageLoop(
-                _Decisions(self, producer, ledger, metrics), StageOptions(
+                _Decisions(self, ledger, metrics), StageOptions(
                     stage=STAGE, topics=(self.topic,), namespace=self.namespace,
                     reads="checkpoint event", membership=Group(self.group),
                     consumer_config={"max.poll.interval.ms": 3_600_000,
@@ -297,53 +332,50 @@ class EvaluatorWorker:
             self.summary.elapsed_s = time.monotonic() - started
         return self.summary
 
-    def _publish(self, checkpoint: Checkpoint, producer: Producer, ledger: PublicationLedger,
-                 metrics: MetricsWriter, superseded_by: int | None = None) -> Publication | None:
-        """Decide on ``checkpoint`` (or find it decided), produce the Publication and wait for
-        the broker's acknowledgement (``FatalError`` otherwise; nothing committed). The first
-        half of the durability order; ``_after_commit`` is the rest. ``superseded_by``: the
-        newer waiting version that supersedes it (``superseding``), if any."""
-        publication = self._decide(checkpoint, ledger, metrics, superseded_by)
-        if publication is not None:
-            value, headers = self._registry.encode(publication)
-            deliver(producer, self.publications_topic, publication_key(publication), value,
-                    headers, f"the publication of {checkpoint.checkpoint_id}")
-            ledger.record(publication)
-            if publication.decision is Decision.PROMOTED:
-                self.summary.promoted += 1
-            elif publication.decision is Decision.CANARY:
-                self.summary.canaries += 1
-            else:
-                self.summary.rejected += 1
-            metrics.write(EVALUATOR_DECISIONS, self.summary.promoted, decision="PROMOTED")
-            metrics.write(EVALUATOR_DECISIONS, self.summary.rejected, decision="REJECTED")
-            metrics.write(EVALUATOR_CANDIDATE_VERSION, publication.policy_version,
-                          model=publication.model, decision=publication.decision.value)
-            if superseded_by is not None and publication.reason == superseded_reason(
-                    superseded_by):
-                self.summary.superseded += 1
-                metrics.write(EVALUATOR_CANDIDATES_SUPERSEDED, self.summary.superseded)
-            for measure, value in sorted(publication.measurement.items()):
-                metrics.write(EVALUATOR_MEASUREMENT, value, model=publication.model,
-                              measure=measure)
-        return publication
+    def _publish(self, publication: Publication, offsets: Positions, consumer: Consumer,
+                 ledger: PublicationLedger, metrics: MetricsWriter,
+                 superseded_by: int | None = None) -> None:
+        """Write the decision on a checkpoint with ``offsets`` (the group's positions, its
+        checkpoint's included) in one transaction (``_write``), then fold it into the ledger,
+        count it and write its metrics. ``superseded_by``: the newer waiting version that
+        superseded it (``superseding``), if any. ``_after_commit`` is the rest."""
+        self._write(publication, offsets, consumer,
+                    f"the decision on checkpoint {publication.checkpoint_id}")
+        ledger.record(publication)
+        if publication.decision is Decision.PROMOTED:
+            self.summary.promoted += 1
+        elif publication.decision is Decision.CANARY:
+            self.summary.canaries += 1
+        else:
+            self.summary.rejected += 1
+        metrics.write(EVALUATOR_DECISIONS, self.summary.promoted, decision="PROMOTED")
+        metrics.write(EVALUATOR_DECISIONS, self.summary.rejected, decision="REJECTED")
+        metrics.write(EVALUATOR_CANDIDATE_VERSION, publication.policy_version,
+                      model=publication.model, decision=publication.decision.value)
+        if superseded_by is not None and publication.reason == superseded_reason(superseded_by):
+            self.summary.superseded += 1
+            metrics.write(EVALUATOR_CANDIDATES_SUPERSEDED, self.summary.superseded)
+        for measure, value in sorted(publication.measurement.items()):
+            metrics.write(EVALUATOR_MEASUREMENT, value, model=publication.model,
+                          measure=measure)
 
-    def _judge_canaries(self, producer: Producer, ledger: PublicationLedger) -> None:
+    def _judge_canaries(self, ledger: PublicationLedger) -> None:
         """Publish the canary decisions due (``CanaryRunner``) on the canaries this evaluator
-        opened (by its name), acknowledged one by one; no offset goes with them."""
+        opened (by its name), each in a transaction of its own (``_write``; no offset goes with
+        them). Only the member that holds the fence judges: a standby decides nothing."""
+        if self._fence_producer is None:
+            return
         for publication in self._canary.decisions(ledger, self.evaluator.name,
                                                   self.options.model):
-            value, headers = self._registry.encode(publication)
-            deliver(producer, self.publications_topic, publication_key(publication), value,
-                    headers, f"the canary decision on {publication.model} version "
-                             f"{publication.policy_version}")
+            self._write(publication, {}, None, f"the canary decision on {publication.model} "
+                                               f"version {publication.policy_version}")
             ledger.record(publication)
             self.summary.promoted += publication.decision is Decision.PROMOTED
             self.summary.rolled_back += publication.decision is Decision.ROLLED_BACK
             self._after_commit(publication)
 
     def _after_commit(self, publication: Publication) -> None:
-        """After the checkpoint's offset is committed: log, update the Redis projection,
+        """After the decision's transaction committed: log, update the Redis projection,
         prune old copies (best effort: both can be redone from the log), ``on_decision``."""
         log.info("%s version %d of model %s (checkpoint %s): %s", publication.decision.value,
                  publication.policy_version, publication.model, publication.checkpoint_id,
@@ -511,6 +543,79 @@ class EvaluatorWorker:
 
     # ----------------------------------------------------------------- Kafka and Redis
 
+    def _fence(self) -> None:
+        """When this member is assigned the checkpoints (and holds no fence): the decisions'
+        transactional producer, initialised, which fences every other evaluator of the recipe
+        and aborts its open transaction. Blocks (up to 60 s)."""
+        if self._fence_producer is not None:
+            return
+        identity = TransactionalIdentity(
+            self.bootstrap, evaluator_transactional_id(self.namespace, self.recipe.name),
+            timeout_ms=TRANSACTION_TIMEOUT_MS, probe_topic=self.publications_topic,
+            instance=self.group)
+        self._fence_producer = identity.new_producer()
+        log.info("evaluator %s: decides for recipe %s; any older evaluator of the recipe is "
+                 "fenced", self.group, self.recipe.name)
+
+    def _unfence(self) -> None:
+        """This member's checkpoints were revoked: drop the producer, so that it writes nothing
+        more until it is assigned them again and fences whoever holds them then."""
+        if self._fence_producer is not None:
+            self._fence_producer = None
+            log.info("evaluator %s: no longer assigned the checkpoints, so it gave up the "
+                     "fence", self.group)
+
+    def _write(self, publication: Publication | None, offsets: Positions,
+               consumer: Consumer | None, what: str) -> None:
+        """Write a decision, in this order, in one Kafka transaction; any failure aborts it.
+
+        1. Begin a transaction (``_fence``'s producer).
+        2. Produce ``publication`` (if any) to ``<ns>.publications``.
+        3. Add ``offsets`` for the group of ``consumer`` (``send_offsets_to_transaction``;
+           none for a canary's decision).
+        4. Commit. From here the decision exists for every read_committed reader, and the
+           group reads its checkpoint no more.
+
+        Nothing else (ledger, Redis, pruning) happens before 4. Blocks for up to
+        ``DELIVERY_TIMEOUT_S`` per broker call. Raises ``EvaluatorFenced`` when a newer
+        evaluator of the recipe holds the transactional id, ``FatalError`` for any other
+        failure (aborted: a restart decides the checkpoint again), or when this member holds
+        no fence (assigned nothing: it never writes).
+        """
+        producer = self._fence_producer
+        if producer is None:
+            raise FatalError(f"{what}: this evaluator is not assigned the checkpoints, so it "
+                             "holds no fence and writes nothing")
+        try:
+            producer.begin_transaction()
+            if publication is not None:
+                value, headers = self._registry.encode(publication)
+                producer.produce(self.publications_topic, key=publication_key(publication),
+                                 value=value, headers=headers)
+            if offsets:
+                producer.send_offsets_to_transaction(
+                    [TopicPartition(t, p, o) for (t, p), o in sorted(offsets.items())],
+                    consumer.consumer_group_metadata(), DELIVERY_TIMEOUT_S)
+            producer.commit_transaction(DELIVERY_TIMEOUT_S)
+        except KafkaException as exc:
+            error = exc.args[0]
+            if is_fenced(error):
+                raise EvaluatorFenced(
+                    f"evaluator {self.group} was fenced at {what}: a newer evaluator of recipe "
+                    f"{self.recipe.name} took over, so this one stops; nothing it wrote counts "
+                    f"({error.str()})") from exc
+            if error.txn_requires_abort():
+                try:
+                    producer.abort_transaction(DELIVERY_TIMEOUT_S)
+                except KafkaException as abort:
+                    log.warning("aborting the failed transaction: %s", abort.args[0])
+            raise FatalError(f"{what} was not committed ({error.str()}); nothing of it counts, "
+                             "and a restart decides the checkpoint again") from exc
+        except BufferError as exc:
+            producer.abort_transaction(DELIVERY_TIMEOUT_S)
+            raise FatalError(f"{what} could not be sent ({exc}); nothing of it counts, and a "
+                             "restart decides the checkpoint again") from exc
+
     def _undecodable_publication(self, producer: Producer, message: Message,
                                  error: InvalidRecord) -> None:
         """The ledger's ``on_undecodable``: dead-letter a record of ``<ns>.publications`` that
@@ -551,38 +656,55 @@ class _Decisions:
     """The evaluator's strategy on the stage loop. ``submit`` decodes a checkpoint event and
     adds it to the waiting ones; ``fetched`` decides every waiting one, in log order, once the
     loop's consumer holds nothing more (``_holds_more``; at once when nothing is superseded),
-    so that the newest waiting candidate supersedes the older ones. A position is committable
-    once its publication is acknowledged (or the event was skipped, or dead-lettered), and the
-    post-commit steps run in ``committed``. ``poll`` follows the publications topic while
-    idle and stops the worker at ``--max-candidates`` or ``--idle-exit``."""
+    so that the newest waiting candidate supersedes the older ones. It commits itself: each
+    decision goes in one transaction with its checkpoint's offset (``EvaluatorWorker._write``),
+    then the post-commit steps run; the offsets of events that got no decision (skipped,
+    already decided, dead-lettered) go in a transaction of their own after the batch. The
+    first assignment fences older evaluators of the recipe (``EvaluatorWorker._fence``).
+    ``poll`` follows the publications topic while idle and stops the worker at
+    ``--max-candidates`` or ``--idle-exit``."""
 
-    capabilities = frozenset({UsesConsumer, Rebalancing, Committing, DeadLetters, FetchEnd})
+    capabilities = frozenset({CommitsItself, Rebalancing, DeadLetters, FetchEnd})
 
-    def __init__(self, worker: EvaluatorWorker, producer: Producer, ledger: PublicationLedger,
+    def __init__(self, worker: EvaluatorWorker, ledger: PublicationLedger,
                  metrics: MetricsWriter) -> None:
-        self.worker, self.producer, self.ledger, self.metrics = worker, producer, ledger, metrics
+        self.worker, self.ledger, self.metrics = worker, ledger, metrics
         self._consumer: Consumer | None = None
         self._positions: dict[tuple[str, int], int] = {}
+        #: The positions committed (in a transaction) so far.
+        self._sent: dict[tuple[str, int], int] = {}
+        #: The partitions assigned to this member now.
+        self._owned: list[tuple[str, int]] = []
         #: Handed over, not decided yet, in log order; None: dead-lettered already.
         self._waiting: list[tuple[Message, Checkpoint | None]] = []
-        self._decided: list[Publication] = []  # acknowledged, their offsets not committed yet
         self._last_activity = time.monotonic()
 
     def on_start(self, consumer: Consumer) -> None:
-        """The loop's consumer: asked only whether it holds more records (``_holds_more``)."""
+        """The loop's consumer: asked whether it holds more records (``_holds_more``) and for
+        its group's metadata (the decisions' transactions)."""
         self._consumer = consumer
 
     def on_assign(self, partitions: list[TopicPartition]) -> None:
+        """Take the fence when assigned the checkpoints (``EvaluatorWorker._fence``: blocks
+        the rebalance while ``init_transactions`` runs)."""
+        self._owned += [(tp.topic, tp.partition) for tp in partitions]
+        if partitions:
+            self.worker._fence()
         self.worker._last_assigned = time.monotonic()
 
     def on_revoke(self, partitions: list[TopicPartition]) -> None:
         """Forget the partitions' positions, which their next owner moves on, and drop their
-        waiting events (undecided, uncommitted: their next owner reads them again)."""
+        waiting events (undecided, uncommitted: their next owner reads them again). With none
+        left, give up the fence (``EvaluatorWorker._unfence``): the next owner takes it."""
         gone = {(tp.topic, tp.partition) for tp in partitions}
         for where in gone:
             self._positions.pop(where, None)
+            self._sent.pop(where, None)
         self._waiting = [(message, checkpoint) for message, checkpoint in self._waiting
                          if (message.topic(), message.partition()) not in gone]
+        if not set(self._owned) - gone:
+            self.worker._unfence()
+        self._owned = [where for where in self._owned if where not in gone]
 
     def submit(self, message: Message) -> None:
         """Decode the event and let it wait (``fetched`` decides); ``InvalidRecord`` for one
@@ -617,7 +739,7 @@ class _Decisions:
             worker.stop()
             return
         self.ledger.poll(0)  # meanwhile: what others publish, and letters for what is bad
-        worker._judge_canaries(self.producer, self.ledger)
+        worker._judge_canaries(self.ledger)
         idle = options.idle_exit
         if idle is not None:
             if worker._last_assigned is None:  # still joining the group: allow for it
@@ -627,14 +749,6 @@ class _Decisions:
             if time.monotonic() - since >= idle:
                 log.info("no new checkpoint for %.1f s: stopping", idle)
                 worker.stop()
-
-    def committable(self) -> dict[tuple[str, int], int]:
-        return self._positions
-
-    def committed(self, positions: Mapping[tuple[str, int], int]) -> None:
-        decided, self._decided = self._decided, []
-        for publication in decided:
-            self.worker._after_commit(publication)
 
     def join(self, timeout: float | None) -> None:
         """Decide nothing more: the events still waiting stay undecided and uncommitted (read
@@ -663,8 +777,10 @@ class _Decisions:
 
     def _decide_waiting(self) -> None:
         """Decide the waiting events in log order, each with the version that supersedes it
-        (``superseding``, with ``supersede`` and an evaluator that measures). At a stop, or at
-        ``--max-candidates``, the rest stay undecided and uncommitted."""
+        (``superseding``, with ``supersede`` and an evaluator that measures), each decision
+        committed with its offset before the next is made; then commit the offsets of those
+        that got none. At a stop, or at ``--max-candidates``, the rest stay undecided and
+        uncommitted."""
         worker = self.worker
         waiting, self._waiting = self._waiting, []
         checkpoints = [checkpoint for _, checkpoint in waiting if checkpoint is not None]
@@ -675,22 +791,37 @@ class _Decisions:
         newer = iter(superseding(checkpoints) if worker._supersedes
                      else [None] * len(checkpoints))
         for done, (message, checkpoint) in enumerate(waiting):
+            publication = superseded_by = None
             if checkpoint is not None:
                 if worker.stopping or self._enough():
                     self._waiting = waiting[done:]  # dropped by join()
                     worker.stop()
-                    return
+                    break
+                superseded_by = next(newer)
                 try:
-                    publication = worker._publish(checkpoint, self.producer, self.ledger,
-                                                  self.metrics, next(newer))
+                    publication = worker._decide(checkpoint, self.ledger, self.metrics,
+                                                 superseded_by)
                 except _Stopped:  # stopped while measuring: undecided, uncommitted
                     self._waiting = waiting[done:]
                     worker.stop()
-                    return
-                if publication is not None:
-                    self._decided.append(publication)
+                    break
                 self._last_activity = time.monotonic()
             self._done(message)
+            if publication is not None:
+                worker._publish(publication, self._positions, self._consumer, self.ledger,
+                                self.metrics, superseded_by)
+                self._sent.update(self._positions)
+                worker._after_commit(publication)
+        self._commit_rest()
+
+    def _commit_rest(self) -> None:
+        """Commit the positions not committed yet (events that got no decision) in a
+        transaction of their own; nothing when there are none."""
+        rest = {where: offset for where, offset in self._positions.items()
+                if self._sent.get(where) != offset}
+        if rest:
+            self.worker._write(None, rest, self._consumer, f"the offsets {rest}")
+            self._sent.update(rest)
 
     def _enough(self) -> bool:
         """``--max-candidates`` decisions made."""

@@ -1,0 +1,106 @@
+"""A paused evaluator that wakes up after its replacement took over is fenced by Kafka itself.
+
+Evaluator A of recipe ``gated`` (tests.recipes.gated) is stopped (SIGSTOP, as a paused
+container or a long GC would be) in the middle of its first decision, while it measures
+version 1; a replacement B of the same recipe starts, fences A (``init_transactions`` with the
+recipe's transactional id, when it is assigned the checkpoints), and decides every candidate;
+then A is resumed (SIGCONT). A fails at its first write, says so in one line and exits
+non-zero. Every candidate has exactly one committed decision, and nothing A wrote after the
+fence is visible to a read_committed reader. Before decisions were transactions, A published
+its decision on version 1 when it woke, and on every later candidate, a second one each.
+
+B is started in a consumer group of its own so that it need not wait out A's session
+(librdkafka's 45 s): the fence is the recipe's, not the group's, so a replacement in A's group
+fences A the same way once the group hands it the checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+
+import pytest
+
+from reef_stream.core.events import Publication
+from reef_stream.publishing.publications import PublicationLedger
+from reef_stream.topics.declarations import publications
+from tests.helpers import events_to_end, wait_until
+from tests.integration.publishing import create_topics, produce_checkpoints, write_checkpoint
+
+RECIPE = "tests.recipes.gated"
+VERSIONS = 4
+
+
+@pytest.fixture
+def started():
+    """Every process a test starts; those still alive at its end are killed."""
+    processes: list[subprocess.Popen] = []
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)
+            process.kill()
+
+
+def _start(env: dict[str, str], *args: str, started: list) -> subprocess.Popen:
+    """A `reef evaluate` process of the gated recipe; its stderr lines are collected in
+    ``process.lines`` by a thread."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "reef_stream.cli", "evaluate", "--recipe", RECIPE,
+         "--no-supersede", *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.lines = []
+    process.reader = threading.Thread(target=lambda: process.lines.extend(process.stderr),
+                                      daemon=True)
+    process.reader.start()
+    started.append(process)
+    return process
+
+
+def test_a_paused_evaluator_is_fenced_by_its_replacement_and_publishes_nothing_more(
+        kafka_bootstrap, cli_env, namespace, tmp_path, started):
+    create_topics(kafka_bootstrap, namespace)
+    candidates = [write_checkpoint(tmp_path / "ckpt", v, 0.5 + v / 10, recipe="gated")
+                  for v in range(1, VERSIONS + 1)]
+    produce_checkpoints(kafka_bootstrap, namespace, *candidates)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = {**cli_env, "REEF_TEST_GATE": str(gate), "COLUMNS": "1000"}  # errors unwrapped
+
+    zombie = _start(env, "--idle-exit", "5", started=started)
+    wait_until(lambda: (gate / "measuring-v1").exists() or zombie.poll() is not None,
+               timeout=60, message=lambda: "evaluator A never measured version 1:\n"
+                                           + "".join(zombie.lines)[-3000:])
+    os.kill(zombie.pid, signal.SIGSTOP)
+    try:
+        assert zombie.poll() is None, "".join(zombie.lines)[-3000:]
+        (gate / "go").touch()
+        replacement = _start(env, "--group", f"{namespace}.evaluate.replacement",
+                             "--max-candidates", str(VERSIONS), started=started)
+        replacement.wait(timeout=120)
+        replacement.reader.join(5)
+        said_b = "".join(replacement.lines)
+        assert replacement.returncode == 0, said_b[-3000:]
+    finally:
+        os.kill(zombie.pid, signal.SIGCONT)
+    zombie.wait(timeout=60)
+    zombie.reader.join(5)
+    said = "".join(zombie.lines)
+
+    # What every reader sees (read_committed): one decision per candidate, B's.
+    decided = events_to_end(kafka_bootstrap, publications(namespace), Publication)
+    per_candidate = Counter(p.checkpoint_id for p in decided)
+    assert per_candidate == Counter({c.checkpoint_id: 1 for c in candidates}), \
+        [(p.policy_version, p.decision.value, p.created_at) for p in decided]
+    assert [p.policy_version for p in decided] == list(range(1, VERSIONS + 1))
+    with PublicationLedger(kafka_bootstrap, namespace) as ledger:  # as followers read them
+        ledger.catch_up()
+        assert ledger.read == VERSIONS and ledger.incumbent("tiny").policy_version == VERSIONS
+    # A stopped at its first write, with one line that says why, and a non-zero status.
+    assert zombie.returncode == 1, said[-3000:]
+    fenced = [line for line in said.splitlines() if "was fenced" in line]
+    assert len(fenced) == 1 and "newer evaluator of recipe gated" in fenced[0], said[-3000:]
