@@ -11,7 +11,8 @@ Options, and where they come from:
 - ``AdvantageNormalisation``: how a group's centred rewards are scaled: the group's
   population std (GRPO, Shao et al. 2024, "DeepSeekMath"), its sample std, nothing (Dr. GRPO,
   Liu et al. 2025, "Understanding R1-Zero-Like Training"), or the std over the whole batch
-  (REINFORCE++-baseline, Hu et al. 2025).
+  (REINFORCE++-baseline, Hu et al. 2025); or the leave-one-out baseline (RLOO, Ahmadian et al.
+  2024).
 - ``Aggregation``: how per-token terms become the loss: ``TokenMean`` (DAPO's token-level
   loss, Yu et al. 2025), ``SequenceMeanTokenMean`` (the original GRPO), ``SequenceMeanTokenSum``,
   ``ConstantNormaliser`` (Dr. GRPO: a fixed token budget per sequence).
@@ -300,6 +301,13 @@ class AdvantageNormalisation(enum.Enum):
     #: ``/ (std over the batch's centred rewards + eps)`` (REINFORCE++-baseline, Hu et al.
     #: 2025); groups dropped by dynamic sampling are left out of that std.
     BATCH_STD = "batch_std"
+    #: ``r_i - (sum(group) - r_i) / (n - 1)``: the mean of the group's other rewards as the
+    #: baseline (RLOO, Ahmadian et al. 2024), equal to ``(r - mean(group)) * n / (n - 1)``; no
+    #: std, ``epsilon`` unused. As TRL's ``RLOOTrainer`` (``trl/trainer/rloo_trainer.py``,
+    #: ``normalize_advantages`` off) and verl's ``compute_rloo_outcome_advantage``
+    #: (``verl/trainer/ppo/core_algos.py``, which scales ``r - mean`` by ``n / (n - 1)``). A group
+    #: of one has no other reward: advantage 0, as TRL; verl gives it ``r`` (a baseline of 0).
+    RLOO = "rloo"
 
     def apply(self, groups: list[np.ndarray], epsilon: float,
               kept: list[bool] | None = None) -> list[np.ndarray]:
@@ -307,6 +315,9 @@ class AdvantageNormalisation(enum.Enum):
         centred = [g - g.mean() for g in groups]
         if self is AdvantageNormalisation.NONE:
             return centred
+        if self is AdvantageNormalisation.RLOO:
+            return [g - (g.sum() - g) / (g.size - 1) if g.size > 1 else np.zeros_like(g)
+                    for g in groups]
         if self is AdvantageNormalisation.BATCH_STD:
             counted = [c for c, keep in zip(centred, kept or [True] * len(groups)) if keep]
             std = float(np.concatenate(counted).std()) if counted else 0.0
@@ -324,6 +335,8 @@ class AdvantageNormalisation(enum.Enum):
             AdvantageNormalisation.NONE: "r - group mean, unscaled (Dr. GRPO)",
             AdvantageNormalisation.BATCH_STD:
                 "(r - group mean) / (batch std of centred rewards + eps) (REINFORCE++-baseline)",
+            AdvantageNormalisation.RLOO:
+                "r - mean of the group's other rewards, 0 for a group of one (RLOO)",
         }[self]
 
 

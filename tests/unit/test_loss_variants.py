@@ -249,11 +249,13 @@ def test_decoupled_proximal_policy_by_hand():
     (AdvantageNormalisation.NONE, [[.5, -.5, -.5, .5], [.25, .25, .25, -.75]]),
     (AdvantageNormalisation.BATCH_STD, [[c / 1.75 ** .5 * 8 ** .5 for c in (.5, -.5, -.5, .5)],
                                         [c / 1.75 ** .5 * 8 ** .5 for c in (.25,) * 3 + (-.75,)]]),
+    (AdvantageNormalisation.RLOO, [[2 / 3, -2 / 3, -2 / 3, 2 / 3], [1 / 3] * 3 + [-1]]),
 ])
 def test_advantage_normalisations_by_hand(normalisation, expected):
     """Groups (1, 0, 0, 1) and (1, 1, 1, 0), centred (.5, -.5, -.5, .5) and (.25, .25, .25,
     -.75): GRPO's population std (.5; .433), the sample std (.577; .5), none (Dr. GRPO, Liu et
-    al. 2025), the batch std sqrt(1.75 / 8) (REINFORCE++-baseline, Hu et al. 2025)."""
+    al. 2025), the batch std sqrt(1.75 / 8) (REINFORCE++-baseline, Hu et al. 2025), the mean of
+    the other three as baseline (RLOO, Ahmadian et al. 2024: 1 - 1/3, 0 - 2/3; 1 - 2/3, 0 - 1)."""
     objective = GroupNormalisedAdvantage(epsilon=1e-12, normalisation=normalisation)
     units = [rollout_unit(i) for i in range(2)]
     units = [dataclasses.replace(u, members=tuple(dataclasses.replace(m, reward=float(r))
@@ -263,6 +265,21 @@ def test_advantage_normalisations_by_hand(normalisation, expected):
     assert np.asarray(result.advantages.values).tolist() == pytest.approx(
         [v for group in expected for v in group], rel=1e-5)
     assert result.advantages.keep is None
+
+
+def test_rloo_takes_each_groups_own_size_and_gives_a_group_of_one_zero():
+    """RLOO (TRL's RLOOTrainer): groups (3), (2, 0) and (4, 1, 1) of sizes 1, 2, 3. A group of
+    one has no other reward: 0 (TRL; verl's compute_rloo_outcome_advantage gives r = 3). Of two:
+    2 - 0, 0 - 2. Of three: 4 - 1, 1 - 2.5, 1 - 2.5. The epsilon plays no part."""
+    units = [rollout_unit(i) for i in range(3)]
+    units = [dataclasses.replace(u, members=tuple(dataclasses.replace(m, reward=float(r))
+                                                  for m, r in zip(u.members, rewards)))
+             for u, rewards in zip(units, ([3], [2, 0], [4, 1, 1]))]
+    for epsilon in (1e-4, 0.5):
+        objective = GroupNormalisedAdvantage(epsilon=epsilon,
+                                             normalisation=AdvantageNormalisation.RLOO)
+        result = objective.compute(units, objective.initial_state())
+        assert np.asarray(result.advantages.values).tolist() == [0, 2, -2, 3, -1.5, -1.5]
 
 
 def test_dynamic_sampling_drops_groups_with_all_equal_rewards():
@@ -491,3 +508,18 @@ def test_reef_check_prints_the_default_grpo_variants_and_set_changes_the_objecti
     assert result.exit_code == 0, result.output
     assert "(r - group mean) / (batch std of centred rewards + eps)" in result.stdout
     assert "dynamic sampling: groups whose rewards are all equal dropped" in result.stdout
+
+
+def test_set_reaches_the_rloo_advantages():
+    """``--set objective.normalisation=rloo`` (the enum's value; its name RLOO too) switches the
+    built-in GRPO objective to RLOO advantages; the loss's options are the recipe factory's
+    ``loss`` argument (``backend.losses`` is a mapping, which ``--set`` does not reach)."""
+    from reef_stream.api.recipe import apply_overrides
+    from reef_stream.demo.recipes import grpo
+
+    for value in ("rloo", "RLOO"):
+        changed = apply_overrides(grpo, [f"objective.normalisation={value}"])
+        assert changed.objective.normalisation is AdvantageNormalisation.RLOO
+    assert changed.objective.describe()[0] == (
+        "advantages: r - mean of the group's other rewards, 0 for a group of one (RLOO), "
+        "eps 0.0001")
