@@ -40,7 +40,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "reef_stream.api.variants": ("AdvantageNormalisation", "TokenMean", "SequenceMeanTokenMean",
                                  "SequenceMeanTokenSum", "ConstantNormaliser", "RatioLevel",
                                  "KLEstimator", "KLPenalty", "EntropyBonus", "DecoupledProximal",
-                                 "LOG_RATIO_BOUND"),
+                                 "BehaviourWeightLevel", "BehaviourWeightMode", "LOG_RATIO_BOUND"),
     "reef_stream.api.evaluator": ("CandidateEvaluator", "Measurement", "Incumbent", "Selection",
                                   "AcceptEverything"),
     "reef_stream.intake.producer": ("RecordProducer", "SendHandle", "DeliveryState"),

@@ -6,8 +6,9 @@ rewards ``r``::
     advantage_i = (r_i - mean(r)) / (std(r) + epsilon)
 
 with the population standard deviation (``ddof=0``) by default; the other
-scalings (sample std, none as in Dr. GRPO, the batch's std) are
-``AdvantageNormalisation`` values (``reef_stream.api.variants``). A group whose rewards
+scalings (sample std, none as in Dr. GRPO, the batch's std) and RLOO's
+leave-one-out baseline are ``AdvantageNormalisation`` values
+(``reef_stream.api.variants``). A group whose rewards
 are all equal has advantages 0: it carries no signal (``zero_std_fraction``
 counts them); with ``dynamic_sampling`` (DAPO) such groups are dropped from the
 loss and its normaliser (``PerSampleAdvantages.keep``), counted in

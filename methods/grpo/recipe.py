@@ -22,8 +22,8 @@ The variants of current practice are options of the factory (``reef_stream.api.v
                    normalisation=AdvantageNormalisation.NONE)
 
 ``normalisation`` and ``dynamic_sampling`` are fields of the objective, so ``--set
-objective.normalisation=none`` or ``--set objective.dynamic_sampling=true`` changes them on the
-command line too.
+objective.normalisation=none`` (or ``=rloo``) or ``--set objective.dynamic_sampling=true``
+changes them on the command line too.
 """
 
 from __future__ import annotations

@@ -34,13 +34,14 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 
 from reef_stream.api.variants import (
-    LOG_RATIO_BOUND, Aggregation, BatchTotals, DecoupledProximal, EntropyBonus, ExtraInput,
-    KLPenalty, RatioLevel, TokenMean, check_aggregation, log_ratio,
+    LOG_RATIO_BOUND, Aggregation, BatchTotals, BehaviourWeightMode, DecoupledProximal,
+    EntropyBonus, ExtraInput, KLPenalty, RatioLevel, TokenMean, check_aggregation, log_ratio,
 )
 from reef_stream.core.errors import ConfigurationError, FatalError
 from reef_stream.core.metric_names import (
-    LOSS_BEHAVIOUR_WEIGHT_MEAN, LOSS_CLIP_FRACTION, LOSS_CLIP_FRACTION_HIGH, LOSS_CLIP_FRACTION_LOW,
-    LOSS_DUAL_CLIP_FRACTION, LOSS_ENTROPY, LOSS_KL_REFERENCE, LOSS_RATIO_MEAN,
+    LOSS_BEHAVIOUR_MASKED_FRACTION, LOSS_BEHAVIOUR_TRUNCATED_FRACTION, LOSS_BEHAVIOUR_WEIGHT_MEAN,
+    LOSS_CLIP_FRACTION, LOSS_CLIP_FRACTION_HIGH, LOSS_CLIP_FRACTION_LOW, LOSS_DUAL_CLIP_FRACTION,
+    LOSS_ENTROPY, LOSS_KL_REFERENCE, LOSS_RATIO_MEAN,
 )
 
 InputsT = TypeVar("InputsT")
@@ -202,11 +203,14 @@ class ClippedPolicyGradient:
 
         surrogate = min(r * A, clip(r, 1 - epsilon, 1 + epsilon_high) * A)
         surrogate = max(surrogate, dual_clip * A)      where A < 0, when dual_clip is set
-        surrogate = w * surrogate                      under proximal: w = min(exp(proximal
-                                                       - behaviour), weight_cap), no gradient
+        surrogate = w * surrogate                      under proximal: w the behaviour
+                                                       weight, e.g. min(exp(proximal -
+                                                       behaviour), weight_cap), no gradient
         term      = -surrogate + kl.coefficient * k(current, reference)
                     - entropy.coefficient * entropy
-        loss      = aggregation(term)                  over the optimizer batch (``totals``)
+        term      = 0 on a token the behaviour weight drops (BehaviourWeightMode.MASK)
+        loss      = aggregation(term)                  over the optimizer batch (``totals``,
+                                                       dropped tokens counted)
 
     ``epsilon``: the low side (and the high one when ``epsilon_high`` is None, the default);
     ``epsilon_high``: DAPO's clip-higher (Yu et al. 2025; e.g. 0.28); ``dual_clip``: the bound
@@ -215,7 +219,9 @@ class ClippedPolicyGradient:
     (and ``entropy``) only. A batch without loss tokens has loss 0. Metrics over the micro
     batch's loss tokens: ``ratio_mean``, ``clip_fraction`` (the clipped term chosen and
     different), ``clip_fraction_low`` / ``clip_fraction_high`` (by side), and when on
-    ``dual_clip_fraction``, ``kl_reference``, ``entropy``, ``behaviour_weight_mean``.
+    ``dual_clip_fraction``, ``kl_reference``, ``entropy``, ``behaviour_weight_mean`` and
+    ``behaviour_truncated_fraction`` or ``behaviour_masked_fraction`` (the ratio's and the
+    penalties' metrics leave dropped tokens out).
     ``ConfigurationError`` for a bad option.
     """
 
@@ -272,35 +278,45 @@ class ClippedPolicyGradient:
 
     def __call__(self, inputs: PolicyGradientInputs, /) -> LossOutput:
         name = type(self).__name__
-        mask = inputs.mask.to(inputs.logprobs.dtype)
         totals = inputs.totals or BatchTotals.of(inputs.mask)
+        kept = inputs.mask
+        metrics: dict[str, float] = {}
+        if self.proximal is not None:
+            anchor = inputs.needed(ExtraInput.PROXIMAL_LOGPROBS, name)
+            weight, kept, truncated = self.proximal.weights(
+                anchor, inputs.behaviour_logprobs, inputs.mask, self.log_ratio_bound)
+            # Over the tokens it weights; the shares over the loss tokens (the mask).
+            shares = inputs.mask.sum().clamp(min=1)
+            metrics[LOSS_BEHAVIOUR_WEIGHT_MEAN] = float(weight.sum() / kept.sum().clamp(min=1))
+            if self.proximal.weight_mode is BehaviourWeightMode.MASK:
+                metrics[LOSS_BEHAVIOUR_MASKED_FRACTION] = float((inputs.mask & ~kept).sum()
+                                                                / shares)
+            elif self.proximal.weight_cap is not None or self.proximal.weight_floor is not None:
+                metrics[LOSS_BEHAVIOUR_TRUNCATED_FRACTION] = float(truncated.sum() / shares)
+        else:
+            anchor = inputs.behaviour_logprobs
+        # The tokens the loss trains: the mask, but for those the behaviour weight drops; the
+        # normaliser stays the mask's (totals), and so do the sequences' lengths.
+        mask = kept.to(inputs.logprobs.dtype)
         count = mask.sum().clamp(min=1.0)
-        anchor = (inputs.needed(ExtraInput.PROXIMAL_LOGPROBS, name) if self.proximal
-                  else inputs.behaviour_logprobs)
-        ratio = torch.exp(log_ratio(inputs.logprobs, anchor, inputs.mask, self.ratio_level,
+        ratio = torch.exp(log_ratio(inputs.logprobs, anchor, kept, self.ratio_level,
                                     self.log_ratio_bound))
         advantages = inputs.advantages.detach()
         high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         unclipped = ratio * advantages
         clipped = torch.clamp(ratio, 1.0 - self.epsilon, 1.0 + high) * advantages
         surrogate = torch.minimum(unclipped, clipped)
-        metrics: dict[str, float] = {}
         if self.dual_clip is not None:
             floor = self.dual_clip * advantages
             dual = (advantages < 0) & (floor > surrogate)
             surrogate = torch.where(dual, floor, surrogate)
             metrics[LOSS_DUAL_CLIP_FRACTION] = float((dual * mask).sum() / count)
         if self.proximal is not None:
-            with torch.no_grad():
-                weight = torch.exp(log_ratio(anchor, inputs.behaviour_logprobs, inputs.mask,
-                                             RatioLevel.TOKEN, self.log_ratio_bound))
-                if self.proximal.weight_cap is not None:
-                    weight = weight.clamp(max=self.proximal.weight_cap)
             surrogate = weight * surrogate
-            metrics[LOSS_BEHAVIOUR_WEIGHT_MEAN] = float((weight * mask).sum() / count)
         terms = _penalised(-surrogate, inputs, self.kl, self.entropy, self.log_ratio_bound,
                            name, metrics, mask, count)
-        loss = self.aggregation.reduce(terms, mask, totals)
+        loss = self.aggregation.reduce(torch.where(kept, terms, 0.0),
+                                       inputs.mask.to(mask.dtype), totals)
         with torch.no_grad():
             was_clipped = (clipped < unclipped).to(mask.dtype) * mask
             metrics.update({

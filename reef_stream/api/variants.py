@@ -11,7 +11,8 @@ Options, and where they come from:
 - ``AdvantageNormalisation``: how a group's centred rewards are scaled: the group's
   population std (GRPO, Shao et al. 2024, "DeepSeekMath"), its sample std, nothing (Dr. GRPO,
   Liu et al. 2025, "Understanding R1-Zero-Like Training"), or the std over the whole batch
-  (REINFORCE++-baseline, Hu et al. 2025).
+  (REINFORCE++-baseline, Hu et al. 2025); or the leave-one-out baseline (RLOO, Ahmadian et al.
+  2024).
 - ``Aggregation``: how per-token terms become the loss: ``TokenMean`` (DAPO's token-level
   loss, Yu et al. 2025), ``SequenceMeanTokenMean`` (the original GRPO), ``SequenceMeanTokenSum``,
   ``ConstantNormaliser`` (Dr. GRPO: a fixed token budget per sequence).
@@ -21,8 +22,10 @@ Options, and where they come from:
   ("Approximating KL divergence", 2020), as in GRPO.
 - ``EntropyBonus``: minus a coefficient times the policy's entropy (Mnih et al. 2016, A3C).
 - ``DecoupledProximal``: clip against a proximal policy recomputed at the start of the step,
-  with the behaviour gap corrected by a truncated importance weight (decoupled PPO, Hilton et
-  al. 2022, "Batch size-invariance for policy optimization"; AReaL, Fu et al. 2025).
+  with the behaviour gap corrected by an importance weight (decoupled PPO, Hilton et al. 2022,
+  "Batch size-invariance for policy optimization"; AReaL, Fu et al. 2025), per token or per
+  sequence (``BehaviourWeightLevel``), truncated or masked beyond its bounds
+  (``BehaviourWeightMode``): verl's rollout correction and AReaL's rejection sampling.
 - ``LOG_RATIO_BOUND``: every log-ratio is clamped to ``[-bound, bound]`` before ``exp``.
 
 Normalisation is exact over the optimizer batch: the backend counts the batch's loss tokens
@@ -250,24 +253,123 @@ class EntropyBonus:
         return f"entropy bonus, coefficient {self.coefficient:g}"
 
 
+class BehaviourWeightLevel(enum.Enum):
+    """Where ``DecoupledProximal``'s behaviour weight ``w`` is taken, from ``l = proximal -
+    behaviour`` per loss token (clamped to ``[-bound, bound]`` before ``exp``)."""
+
+    #: ``w = exp(l)`` per token (verl's ``rollout_is="token"``; AReaL's ``level="token"``).
+    TOKEN = "token"
+    #: ``w = exp(sum of l over the sequence's loss tokens)``, the product of its tokens'
+    #: weights, on every token of the sequence (verl's ``rollout_is="sequence"``).
+    SEQUENCE = "sequence"
+    #: ``w = exp(mean of l over the sequence's loss tokens)``, the geometric mean of its
+    #: tokens' weights, on every token (AReaL's ``level="sequence"``, ``agg="mean"``).
+    SEQUENCE_GEOMETRIC = "sequence_geometric"
+
+
+class BehaviourWeightMode(enum.Enum):
+    """What ``DecoupledProximal`` does with a behaviour weight outside ``[weight_floor,
+    weight_cap]``."""
+
+    #: Clamp it into the bounds; the token still trains (truncated IS: verl's
+    #: ``rollout_is_threshold``; AReaL's ``action="clamp"``). The default.
+    TRUNCATE = "truncate"
+    #: Drop the token (its whole sequence, at a sequence level) from the loss; one inside keeps
+    #: its weight unclamped (AReaL's ``action="mask"``; verl's rejection, ``rollout_rs``).
+    MASK = "mask"
+
+
 @dataclass(frozen=True, slots=True)
 class DecoupledProximal:
     """Clip against the proximal policy (the weights at the start of the step, whose logprobs
     the backend recomputes then) instead of the behaviour policy, and weight each token by the
-    truncated behaviour importance weight ``min(exp(proximal - behaviour), weight_cap)`` (no
-    gradient): decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025). A sample many
-    versions old is then corrected for its staleness, and the clip bounds the step's own
-    update only. ``weight_cap`` > 0 (None: untruncated)."""
+    behaviour importance weight ``w = proximal / behaviour`` (no gradient): decoupled PPO
+    (Hilton et al. 2022; AReaL, Fu et al. 2025), also called the rollout correction (verl,
+    "decoupled mode"). A sample many versions old is then corrected for its staleness, and the
+    clip bounds the step's own update only.
+
+    ``weight_level``: per token, or one weight per sequence (``BehaviourWeightLevel``).
+    ``weight_mode``: beyond ``[weight_floor, weight_cap]`` (bounds included in it), truncate
+    the weight or drop the token from the loss (``BehaviourWeightMode``). A dropped token
+    still counts in the normaliser, as AReaL's ``ppo_actor_loss_fn`` keeps its original
+    ``loss_mask`` count (``areal/utils/functional/functional.py``); verl drops it from there
+    too, by rewriting ``response_mask`` before the update. ``weight_cap`` > 0 (None:
+    untruncated; ``MASK`` needs it); ``weight_floor`` > 0 and <= ``weight_cap``, or None (no
+    lower bound, as both). Defaults: token level, truncated at 2, the behaviour of this option
+    before it had the others.
+    """
 
     weight_cap: float | None = 2.0
+    weight_level: BehaviourWeightLevel = BehaviourWeightLevel.TOKEN
+    weight_mode: BehaviourWeightMode = BehaviourWeightMode.TRUNCATE
+    weight_floor: float | None = None
 
     def __post_init__(self) -> None:
+        owner = "DecoupledProximal"
         if self.weight_cap is not None:
-            _positive("DecoupledProximal", "weight_cap", self.weight_cap)
+            _positive(owner, "weight_cap", self.weight_cap)
+        if self.weight_floor is not None:
+            _positive(owner, "weight_floor", self.weight_floor)
+        if not isinstance(self.weight_level, BehaviourWeightLevel):
+            raise ConfigurationError(
+                f"{owner}.weight_level must be a BehaviourWeightLevel "
+                f"({', '.join(m.name for m in BehaviourWeightLevel)}), got {self.weight_level!r}")
+        if not isinstance(self.weight_mode, BehaviourWeightMode):
+            raise ConfigurationError(
+                f"{owner}.weight_mode must be a BehaviourWeightMode "
+                f"({', '.join(m.name for m in BehaviourWeightMode)}), got {self.weight_mode!r}")
+        if self.weight_mode is BehaviourWeightMode.MASK and self.weight_cap is None:
+            raise ConfigurationError(f"{owner}.weight_cap must be set under "
+                                     "BehaviourWeightMode.MASK: tokens whose weight is above it "
+                                     "are dropped")
+        if None not in (self.weight_cap, self.weight_floor) \
+                and self.weight_floor > self.weight_cap:
+            raise ConfigurationError(f"{owner}.weight_floor ({self.weight_floor:g}) is above "
+                                     f"weight_cap ({self.weight_cap:g}); lower it or raise the cap")
+
+    def weights(self, proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
+                bound: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(w, kept, truncated)``, each ``[B, T]``: the behaviour weight of each token (0
+        where dropped or padding), without gradient; ``bool``, the loss tokens kept (``mask``
+        but for those ``MASK`` drops); ``bool``, the loss tokens whose weight ``TRUNCATE``
+        changed. ``bound``: the log-weight's clamp before ``exp``. Pure."""
+        with torch.no_grad():
+            raw = torch.where(mask, proximal.detach() - behaviour.detach(), 0.0)
+            if self.weight_level is BehaviourWeightLevel.TOKEN:
+                logs = raw
+            else:
+                logs = raw.sum(dim=1, keepdim=True)
+                if self.weight_level is BehaviourWeightLevel.SEQUENCE_GEOMETRIC:
+                    logs = logs / mask.sum(dim=1, keepdim=True).clamp(min=1)
+                logs = logs.expand_as(raw)
+            weight = torch.exp(logs.clamp(-bound, bound))
+            kept, truncated = mask, torch.zeros_like(mask)
+            if self.weight_mode is BehaviourWeightMode.MASK:
+                inside = weight <= self.weight_cap
+                if self.weight_floor is not None:
+                    inside = inside & (weight >= self.weight_floor)
+                kept = mask & inside
+            elif self.weight_cap is not None or self.weight_floor is not None:
+                clamped = weight.clamp(min=self.weight_floor, max=self.weight_cap)
+                truncated, weight = mask & (clamped != weight), clamped
+            return torch.where(kept, weight, 0.0), kept, truncated
 
     def describe(self) -> str:
-        cap = "untruncated" if self.weight_cap is None else f"truncated at {self.weight_cap:g}"
-        return f"decoupled proximal policy (recomputed at step start), behaviour weight {cap}"
+        level = {BehaviourWeightLevel.TOKEN: "per token",
+                 BehaviourWeightLevel.SEQUENCE: "per sequence (product)",
+                 BehaviourWeightLevel.SEQUENCE_GEOMETRIC: "per sequence (geometric mean)",
+                 }[self.weight_level]
+        cap, floor = self.weight_cap, self.weight_floor
+        if self.weight_mode is BehaviourWeightMode.MASK:
+            which = "tokens" if self.weight_level is BehaviourWeightLevel.TOKEN else "sequences"
+            bounds = f"above {cap:g}" if floor is None else f"outside [{floor:g}, {cap:g}]"
+            what = f"{which} {bounds} dropped (still counted by the normaliser)"
+        elif cap is None:
+            what = "untruncated" if floor is None else f"raised to at least {floor:g}"
+        else:
+            what = f"truncated at {cap:g}" if floor is None else f"truncated to [{floor:g}, {cap:g}]"
+        return ("decoupled proximal policy (recomputed at step start), behaviour weight "
+                f"{level}, {what}")
 
 
 class ExtraInput(enum.Enum):
@@ -300,6 +402,13 @@ class AdvantageNormalisation(enum.Enum):
     #: ``/ (std over the batch's centred rewards + eps)`` (REINFORCE++-baseline, Hu et al.
     #: 2025); groups dropped by dynamic sampling are left out of that std.
     BATCH_STD = "batch_std"
+    #: ``r_i - (sum(group) - r_i) / (n - 1)``: the mean of the group's other rewards as the
+    #: baseline (RLOO, Ahmadian et al. 2024), equal to ``(r - mean(group)) * n / (n - 1)``; no
+    #: std, ``epsilon`` unused. As TRL's ``RLOOTrainer`` (``trl/trainer/rloo_trainer.py``,
+    #: ``normalize_advantages`` off) and verl's ``compute_rloo_outcome_advantage``
+    #: (``verl/trainer/ppo/core_algos.py``, which scales ``r - mean`` by ``n / (n - 1)``). A group
+    #: of one has no other reward: advantage 0, as TRL; verl gives it ``r`` (a baseline of 0).
+    RLOO = "rloo"
 
     def apply(self, groups: list[np.ndarray], epsilon: float,
               kept: list[bool] | None = None) -> list[np.ndarray]:
@@ -307,6 +416,9 @@ class AdvantageNormalisation(enum.Enum):
         centred = [g - g.mean() for g in groups]
         if self is AdvantageNormalisation.NONE:
             return centred
+        if self is AdvantageNormalisation.RLOO:
+            return [g - (g.sum() - g) / (g.size - 1) if g.size > 1 else np.zeros_like(g)
+                    for g in groups]
         if self is AdvantageNormalisation.BATCH_STD:
             counted = [c for c, keep in zip(centred, kept or [True] * len(groups)) if keep]
             std = float(np.concatenate(counted).std()) if counted else 0.0
@@ -324,6 +436,8 @@ class AdvantageNormalisation(enum.Enum):
             AdvantageNormalisation.NONE: "r - group mean, unscaled (Dr. GRPO)",
             AdvantageNormalisation.BATCH_STD:
                 "(r - group mean) / (batch std of centred rewards + eps) (REINFORCE++-baseline)",
+            AdvantageNormalisation.RLOO:
+                "r - mean of the group's other rewards, 0 for a group of one (RLOO)",
         }[self]
 
 

@@ -163,8 +163,9 @@ TRAINER_UPDATE_RATIO = "update_ratio"
 #: (both sides; below ``1 - epsilon`` with a negative advantage; above ``1 + epsilon_high`` with
 #: a positive one), the share held by the dual clip, the mean importance ratio, the KL to the
 #: reference policy (its estimator's mean over tokens, ``KLPenalty`` on), the policy's entropy
-#: per token (``EntropyBonus`` on), the mean truncated behaviour weight (``DecoupledProximal``
-#: on).
+#: per token (``EntropyBonus`` on), the mean behaviour weight over the tokens it weights and the
+#: share of loss tokens whose weight was truncated or which it dropped (``DecoupledProximal``
+#: on, by its ``weight_mode``, when it has bounds).
 LOSS_CLIP_FRACTION = "clip_fraction"
 LOSS_CLIP_FRACTION_LOW = "clip_fraction_low"
 LOSS_CLIP_FRACTION_HIGH = "clip_fraction_high"
@@ -173,6 +174,8 @@ LOSS_RATIO_MEAN = "ratio_mean"
 LOSS_KL_REFERENCE = "kl_reference"
 LOSS_ENTROPY = "entropy"
 LOSS_BEHAVIOUR_WEIGHT_MEAN = "behaviour_weight_mean"
+LOSS_BEHAVIOUR_TRUNCATED_FRACTION = "behaviour_truncated_fraction"
+LOSS_BEHAVIOUR_MASKED_FRACTION = "behaviour_masked_fraction"
 #: An objective's share of the step's groups dropped by dynamic sampling (all rewards equal;
 #: reported as ``objective.dynamic_sampling_dropped_fraction``).
 OBJECTIVE_DYNAMIC_SAMPLING_DROPPED = "dynamic_sampling_dropped_fraction"

@@ -25,8 +25,8 @@ from reef_stream.api.objective import ObjectiveResult, PerSampleAdvantages
 from reef_stream.api.recipe import Backend
 from reef_stream.api.schedule import Schedule
 from reef_stream.api.variants import (
-    BatchTotals, ConstantNormaliser, DecoupledProximal, EntropyBonus, KLEstimator, KLPenalty,
-    RatioLevel, SequenceMeanTokenMean, SequenceMeanTokenSum,
+    BatchTotals, BehaviourWeightLevel, BehaviourWeightMode, ConstantNormaliser, DecoupledProximal,
+    EntropyBonus, KLEstimator, KLPenalty, RatioLevel, SequenceMeanTokenMean, SequenceMeanTokenSum,
 )
 from reef_stream.engine.training import TorchBackend, select_rows
 from tests.recipes.trainable import recipe
@@ -44,6 +44,14 @@ POLICY_LOSSES = {
     "kl k3 + entropy": ClippedPolicyGradient(kl=KLPenalty(0.1, KLEstimator.K3),
                                              entropy=EntropyBonus(0.01)),
     "decoupled proximal": ClippedPolicyGradient(proximal=DecoupledProximal(weight_cap=1.5)),
+    "rollout correction, sequence truncated": ClippedPolicyGradient(proximal=DecoupledProximal(
+        4.0, BehaviourWeightLevel.SEQUENCE, weight_floor=0.25)),
+    "rollout correction, token mask": ClippedPolicyGradient(proximal=DecoupledProximal(
+        2.0, weight_mode=BehaviourWeightMode.MASK, weight_floor=0.5)),
+    "rollout correction, geometric mask + gspo": ClippedPolicyGradient(
+        ratio_level=RatioLevel.SEQUENCE, aggregation=SequenceMeanTokenMean(),
+        proximal=DecoupledProximal(1.5, BehaviourWeightLevel.SEQUENCE_GEOMETRIC,
+                                   BehaviourWeightMode.MASK)),
     "cispo": ClippedWeightPolicyGradient(epsilon_high=0.3, epsilon_low=0.5,
                                          kl=KLPenalty(0.05, KLEstimator.K2)),
     "sao truncated": TruncatedPolicyGradient(truncation=1.0),

@@ -18,12 +18,14 @@ from reef_stream.api.losses import (
 from reef_stream.api.recipe import Backend
 from reef_stream.api.schedule import Schedule
 from reef_stream.api.variants import (
-    AdvantageNormalisation, ConstantNormaliser, DecoupledProximal, EntropyBonus, KLEstimator,
-    KLPenalty, RatioLevel, SequenceMeanTokenMean, SequenceMeanTokenSum, TokenMean,
+    AdvantageNormalisation, BatchTotals, BehaviourWeightLevel, BehaviourWeightMode,
+    ConstantNormaliser, DecoupledProximal, EntropyBonus, KLEstimator, KLPenalty, RatioLevel,
+    SequenceMeanTokenMean, SequenceMeanTokenSum, TokenMean,
 )
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.metric_names import (
-    LOSS_BEHAVIOUR_WEIGHT_MEAN, LOSS_CLIP_FRACTION_HIGH, LOSS_CLIP_FRACTION_LOW,
+    LOSS_BEHAVIOUR_MASKED_FRACTION, LOSS_BEHAVIOUR_TRUNCATED_FRACTION, LOSS_BEHAVIOUR_WEIGHT_MEAN,
+    LOSS_CLIP_FRACTION_HIGH, LOSS_CLIP_FRACTION_LOW,
     LOSS_DUAL_CLIP_FRACTION, LOSS_ENTROPY, LOSS_KL_REFERENCE, LOSS_RATIO_MEAN,
     OBJECTIVE_DYNAMIC_SAMPLING_DROPPED, TRAINER_SKIPPED_UPDATES,
 )
@@ -239,6 +241,155 @@ def test_decoupled_proximal_policy_by_hand():
     assert (value, gradient) == (pytest.approx(-1.2), 0.0)
 
 
+# --------------------------------------------------------------------------- rollout correction
+
+TOKEN, SEQUENCE, GEOMETRIC = (BehaviourWeightLevel.TOKEN, BehaviourWeightLevel.SEQUENCE,
+                              BehaviourWeightLevel.SEQUENCE_GEOMETRIC)
+TRUNCATE, MASK = BehaviourWeightMode.TRUNCATE, BehaviourWeightMode.MASK
+#: Behaviour weights proximal / behaviour of two sequences: (3, 1/2, 1) and (3/2, 4, padding).
+WEIGHTS = [[3.0, 0.5, 1.0], [1.5, 4.0, 1.0]]
+PADDING = [[True, True, True], [True, True, False]]
+
+
+def _corrected(proximal: DecoupledProximal, aggregation=TokenMean(), totals=None):
+    """The loss, gradient (flat) and metrics of ``WEIGHTS`` with current = proximal (every ratio 1,
+    inside the clip) and A = +1: per kept token the term is -w, its gradient -w / normaliser."""
+    proximal_logprobs = [[-1.0, -2.0, -0.5], [-1.5, -0.7, 0.0]]
+    behaviour = [[p - math.log(w) for p, w in zip(row, weights)]
+                 for row, weights in zip(proximal_logprobs, WEIGHTS)]
+    inputs = _inputs(proximal_logprobs, behaviour, [[1.0] * 3] * 2, PADDING,
+                     proximal_logprobs=proximal_logprobs)
+    if totals is not None:
+        inputs = dataclasses.replace(inputs, totals=totals)
+    out = ClippedPolicyGradient(proximal=proximal, aggregation=aggregation)(inputs)
+    out.loss.backward()
+    return out.loss.item(), inputs.logprobs.grad.flatten().tolist(), out.metrics
+
+
+@pytest.mark.parametrize("option, kept_weights, truncated", [
+    # Token level: (3, 1/2, 1 | 3/2, 4) truncated at 2: (2, 1/2, 1 | 3/2, 2).
+    (DecoupledProximal(2.0), [[2, .5, 1], [1.5, 2, 0]], 2),
+    (DecoupledProximal(2.0, weight_floor=0.8), [[2, .8, 1], [1.5, 2, 0]], 3),
+    # The product per sequence: 3 * 1/2 * 1 = 1.5 and 3/2 * 4 = 6, truncated at 2.
+    (DecoupledProximal(2.0, SEQUENCE), [[1.5] * 3, [2, 2, 0]], 2),
+    # The geometric mean per sequence: 1.5^(1/3) and 6^(1/2) = 2.449, truncated at 2.
+    (DecoupledProximal(2.0, GEOMETRIC), [[1.5 ** (1 / 3)] * 3, [2, 2, 0]], 2),
+    (DecoupledProximal(None, SEQUENCE), [[1.5] * 3, [6, 6, 0]], None),
+], ids=["token", "token-floor", "sequence", "geometric", "sequence-untruncated"])
+def test_rollout_correction_truncated_by_hand(option, kept_weights, truncated):
+    """Truncated importance sampling between the behaviour and the proximal policy (verl's
+    rollout correction, rollout_is token or sequence with rollout_is_threshold; AReaL's
+    action="clamp"): the weight multiplies the clipped surrogate, 5 loss tokens normalise."""
+    value, gradient, metrics = _corrected(option)
+    total = sum(map(sum, kept_weights))
+    assert value == pytest.approx(-total / 5)
+    assert gradient == pytest.approx([-w / 5 for row in kept_weights for w in row])
+    assert metrics[LOSS_BEHAVIOUR_WEIGHT_MEAN] == pytest.approx(total / 5)
+    if truncated is None:
+        assert LOSS_BEHAVIOUR_TRUNCATED_FRACTION not in metrics
+    else:
+        assert metrics[LOSS_BEHAVIOUR_TRUNCATED_FRACTION] == pytest.approx(truncated / 5)
+    assert LOSS_BEHAVIOUR_MASKED_FRACTION not in metrics
+
+
+@pytest.mark.parametrize("option, kept_weights", [
+    # Token level, above 2 dropped: 3 and 4 go; (1/2, 1 | 3/2) keep their weights.
+    (DecoupledProximal(2.0, TOKEN, MASK), [[0, .5, 1], [1.5, 0, 0]]),
+    # And below 0.8: 1/2 goes too.
+    (DecoupledProximal(2.0, TOKEN, MASK, 0.8), [[0, 0, 1], [1.5, 0, 0]]),
+    # Per sequence: the product 6 > 2 drops the second sequence, 1.5 keeps the first.
+    (DecoupledProximal(2.0, SEQUENCE, MASK), [[1.5] * 3, [0, 0, 0]]),
+    # The geometric mean 2.449 > 2 drops the second; 1.145 keeps the first.
+    (DecoupledProximal(2.0, GEOMETRIC, MASK), [[1.5 ** (1 / 3)] * 3, [0, 0, 0]]),
+    # A floor of 1.2 above 1.145 drops the first too: nothing trains, loss 0.
+    (DecoupledProximal(2.0, GEOMETRIC, MASK, 1.2), [[0, 0, 0], [0, 0, 0]]),
+], ids=["token", "token-floor", "sequence", "geometric", "geometric-floor"])
+def test_rollout_correction_masked_by_hand(option, kept_weights):
+    """Masked importance sampling (AReaL's action="mask"; verl's rejection, rollout_rs): a
+    token (a sequence, at a sequence level) whose weight is outside [floor, cap] is dropped
+    from the loss, no gradient; one inside keeps its weight unclamped. The dropped tokens still
+    count in the normaliser (AReaL's ppo_actor_loss_fn keeps the loss_mask count): 5 tokens."""
+    value, gradient, metrics = _corrected(option)
+    total = sum(map(sum, kept_weights))
+    kept = sum(w > 0 for row in kept_weights for w in row)
+    assert value == pytest.approx(-total / 5)
+    assert gradient == pytest.approx([-w / 5 for row in kept_weights for w in row])
+    assert metrics[LOSS_BEHAVIOUR_MASKED_FRACTION] == pytest.approx((5 - kept) / 5)
+    assert metrics[LOSS_BEHAVIOUR_WEIGHT_MEAN] == pytest.approx(total / kept if kept else 0.0)
+    assert LOSS_BEHAVIOUR_TRUNCATED_FRACTION not in metrics
+
+
+def test_a_masked_token_stays_in_every_normaliser():
+    """Token mask at 2 keeps (1/2, 1 | 3/2). Each sequence's token mean divides by its full
+    length (3, 2): (1.5 / 3 + 1.5 / 2) / 2 sequences = 0.625. With the optimizer batch's
+    totals (10 tokens, as the backend gives them) the token mean is 3 / 10."""
+    option = DecoupledProximal(2.0, TOKEN, MASK)
+    assert _corrected(option, SequenceMeanTokenMean())[0] == pytest.approx(-0.625)
+    assert _corrected(option, totals=BatchTotals(tokens=10, sequences=4))[0] == pytest.approx(
+        -0.3)
+
+
+def test_a_masked_token_leaves_the_sequence_ratio():
+    """GSPO's sequence ratio under a token mask takes the kept tokens only (as AReaL computes
+    it over the rejection's loss_mask): current - proximal (0.1, 5); behaviour weights (1, 10),
+    the second dropped at 2: ratio e^0.1 = 1.105, inside the clip: loss -1.105 / 2 tokens (the
+    untouched mean log-ratio 2.55 would clip it at 1.2)."""
+    inputs = _inputs([[-0.9, 4.0]], [[-1.0, -1.0 - math.log(10)]], [[1.0, 1.0]],
+                     proximal_logprobs=[[-1.0, -1.0]])
+    loss = ClippedPolicyGradient(ratio_level=RatioLevel.SEQUENCE,
+                                 proximal=DecoupledProximal(2.0, TOKEN, MASK))
+    assert loss(inputs).loss.item() == pytest.approx(-math.exp(0.1) / 2)
+
+
+@pytest.mark.parametrize("level", list(BehaviourWeightLevel))
+@pytest.mark.parametrize("mode", list(BehaviourWeightMode))
+@pytest.mark.parametrize("base", [
+    ClippedPolicyGradient(),
+    ClippedPolicyGradient(epsilon_high=0.28, dual_clip=3.0, ratio_level=RatioLevel.SEQUENCE,
+                          aggregation=SequenceMeanTokenMean(), kl=KLPenalty(0.1),
+                          entropy=EntropyBonus(0.01)),
+], ids=["ppo", "many-options"])
+def test_with_behaviour_equal_to_proximal_the_correction_changes_nothing(level, mode, base):
+    """Every weight exactly 1 (e^0): the loss and its gradient are bitwise those of the same
+    loss without the correction (clipped against the behaviour policy, which is then the
+    proximal one), and nothing is truncated or dropped."""
+    rng = np.random.default_rng(5)
+    mask = [[True] * 4, [True, True, False, False], [True] * 3 + [False]]
+    behaviour = (-rng.random((3, 4)) * 3).tolist()
+    fields = dict(logprobs=(-rng.random((3, 4)) * 3).tolist(), behaviour=behaviour,
+                  advantages=np.repeat(rng.normal(size=(3, 1)), 4, axis=1).tolist(),
+                  mask=mask, reference_logprobs=(-rng.random((3, 4)) * 3).tolist(),
+                  entropy=(rng.random((3, 4)) * 2).tolist())
+    plain, corrected = _inputs(**fields), _inputs(**fields, proximal_logprobs=behaviour)
+    with_correction = dataclasses.replace(
+        base, proximal=DecoupledProximal(1.5, level, mode, weight_floor=0.5))
+    outputs = [base(plain), with_correction(corrected)]
+    for out in outputs:
+        out.loss.backward()
+    assert torch.equal(outputs[0].loss, outputs[1].loss)
+    assert torch.equal(plain.logprobs.grad, corrected.logprobs.grad)
+    assert outputs[1].metrics.get(LOSS_BEHAVIOUR_TRUNCATED_FRACTION, 0.0) == 0.0
+    assert outputs[1].metrics.get(LOSS_BEHAVIOUR_MASKED_FRACTION, 0.0) == 0.0
+    assert outputs[1].metrics[LOSS_BEHAVIOUR_WEIGHT_MEAN] == 1.0
+
+
+def test_reef_check_names_the_behaviour_weight():
+    assert DecoupledProximal().describe().endswith("behaviour weight per token, truncated at 2")
+    assert DecoupledProximal(2.0, SEQUENCE, MASK, 0.5).describe().endswith(
+        "per sequence (product), sequences outside [0.5, 2] dropped (still counted by the "
+        "normaliser)")
+
+
+def test_the_behaviour_weights_carry_no_gradient():
+    """The weights change the measure, not the objective (verl detaches them; AReaL computes
+    them from detached logprobs): a proximal logprob with a gradient gives weights without."""
+    proximal = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    for level in BehaviourWeightLevel:
+        weight, kept, _ = DecoupledProximal(2.0, level).weights(
+            proximal, torch.tensor([[-2.0, -2.0]]), torch.ones(1, 2, dtype=torch.bool), 20.0)
+        assert not weight.requires_grad and kept.all()
+
+
 # --------------------------------------------------------------------------- advantages
 
 
@@ -249,11 +400,13 @@ def test_decoupled_proximal_policy_by_hand():
     (AdvantageNormalisation.NONE, [[.5, -.5, -.5, .5], [.25, .25, .25, -.75]]),
     (AdvantageNormalisation.BATCH_STD, [[c / 1.75 ** .5 * 8 ** .5 for c in (.5, -.5, -.5, .5)],
                                         [c / 1.75 ** .5 * 8 ** .5 for c in (.25,) * 3 + (-.75,)]]),
+    (AdvantageNormalisation.RLOO, [[2 / 3, -2 / 3, -2 / 3, 2 / 3], [1 / 3] * 3 + [-1]]),
 ])
 def test_advantage_normalisations_by_hand(normalisation, expected):
     """Groups (1, 0, 0, 1) and (1, 1, 1, 0), centred (.5, -.5, -.5, .5) and (.25, .25, .25,
     -.75): GRPO's population std (.5; .433), the sample std (.577; .5), none (Dr. GRPO, Liu et
-    al. 2025), the batch std sqrt(1.75 / 8) (REINFORCE++-baseline, Hu et al. 2025)."""
+    al. 2025), the batch std sqrt(1.75 / 8) (REINFORCE++-baseline, Hu et al. 2025), the mean of
+    the other three as baseline (RLOO, Ahmadian et al. 2024: 1 - 1/3, 0 - 2/3; 1 - 2/3, 0 - 1)."""
     objective = GroupNormalisedAdvantage(epsilon=1e-12, normalisation=normalisation)
     units = [rollout_unit(i) for i in range(2)]
     units = [dataclasses.replace(u, members=tuple(dataclasses.replace(m, reward=float(r))
@@ -263,6 +416,21 @@ def test_advantage_normalisations_by_hand(normalisation, expected):
     assert np.asarray(result.advantages.values).tolist() == pytest.approx(
         [v for group in expected for v in group], rel=1e-5)
     assert result.advantages.keep is None
+
+
+def test_rloo_takes_each_groups_own_size_and_gives_a_group_of_one_zero():
+    """RLOO (TRL's RLOOTrainer): groups (3), (2, 0) and (4, 1, 1) of sizes 1, 2, 3. A group of
+    one has no other reward: 0 (TRL; verl's compute_rloo_outcome_advantage gives r = 3). Of two:
+    2 - 0, 0 - 2. Of three: 4 - 1, 1 - 2.5, 1 - 2.5. The epsilon plays no part."""
+    units = [rollout_unit(i) for i in range(3)]
+    units = [dataclasses.replace(u, members=tuple(dataclasses.replace(m, reward=float(r))
+                                                  for m, r in zip(u.members, rewards)))
+             for u, rewards in zip(units, ([3], [2, 0], [4, 1, 1]))]
+    for epsilon in (1e-4, 0.5):
+        objective = GroupNormalisedAdvantage(epsilon=epsilon,
+                                             normalisation=AdvantageNormalisation.RLOO)
+        result = objective.compute(units, objective.initial_state())
+        assert np.asarray(result.advantages.values).tolist() == [0, 2, -2, 3, -1.5, -1.5]
 
 
 def test_dynamic_sampling_drops_groups_with_all_equal_rewards():
@@ -298,6 +466,15 @@ def test_dynamic_sampling_drops_groups_with_all_equal_rewards():
     (lambda: KLPenalty(0.1, reference=""), "reference must be a checkpoint URI"),
     (lambda: ConstantNormaliser(0), "tokens_per_sequence must be"),
     (lambda: DecoupledProximal(weight_cap=0.0), "weight_cap must be"),
+    (lambda: DecoupledProximal(weight_cap=-2.0), "weight_cap must be a finite number > 0"),
+    (lambda: DecoupledProximal(weight_floor=0.0), "weight_floor must be a finite number > 0"),
+    (lambda: DecoupledProximal(2.0, weight_floor=3.0),
+     r"weight_floor \(3\) is above weight_cap \(2\)"),
+    (lambda: DecoupledProximal(weight_mode="drop"),
+     "weight_mode must be a BehaviourWeightMode \\(TRUNCATE, MASK\\), got 'drop'"),
+    (lambda: DecoupledProximal(weight_level="seq"), "weight_level must be a BehaviourWeightLevel"),
+    (lambda: DecoupledProximal(None, weight_mode=BehaviourWeightMode.MASK),
+     "weight_cap must be set under BehaviourWeightMode.MASK"),
     (lambda: GroupNormalisedAdvantage(normalisation="none"), "must be an AdvantageNormalisation"),
 ])
 def test_options_are_checked_when_built(build, words):
@@ -401,6 +578,39 @@ def test_the_proximal_policy_is_the_weights_at_the_start_of_the_step():
     assert metrics[LOSS_BEHAVIOUR_WEIGHT_MEAN] == pytest.approx(np.mean(weights), rel=1e-5)
 
 
+def test_the_backend_masks_by_the_sequence_weight_of_the_start_of_step_weights():
+    """Masked rollout correction in the backend: each sample's geometric-mean weight,
+    exp(mean over its completion of start-of-step logprob - recorded logprob), dropped above a
+    cap set between two of them; the step reports the share of its loss tokens dropped, per
+    micro batch (one unit each here), as computed by hand from those weights."""
+    from reef_stream.engine.training import collate, completion_logprobs
+
+    units = [rollout_unit(0), rollout_unit(1)]
+    schedule = Schedule(units_per_step=2, optimizer_batch_size=2, micro_batch_size=1, epochs=1,
+                        shuffle=False, seed=3, max_staleness=3)
+    backend, configured = _backend(ClippedPolicyGradient(), schedule)
+    means, lengths = [], []
+    with torch.no_grad():
+        for unit in units:
+            batch = collate(unit.members)
+            start = completion_logprobs(backend.model(batch.input_ids, batch.attention_mask),
+                                        batch)
+            length = batch.completion_mask.sum(1)
+            means.append(((start - batch.behaviour_logprobs) * batch.completion_mask).sum(1)
+                         / length)
+            lengths.append(length)
+    ordered = torch.exp(torch.cat(means)).sort().values
+    cap = float(ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2  # none on it
+    shares = [float((length * (torch.exp(mean) > cap)).sum() / length.sum())
+              for mean, length in zip(means, lengths)]
+    assert 0 < np.mean(shares) < 1
+    backend, configured = _backend(ClippedPolicyGradient(proximal=DecoupledProximal(
+        cap, BehaviourWeightLevel.SEQUENCE_GEOMETRIC, BehaviourWeightMode.MASK)), schedule)
+    metrics = _step(backend, configured, units, 1)
+    assert metrics[LOSS_BEHAVIOUR_MASKED_FRACTION] == pytest.approx(np.mean(shares), rel=1e-6)
+    assert math.isfinite(metrics["loss"])
+
+
 def test_a_step_with_a_behaviour_logprob_of_minus_100_trains():
     """Issue 18: such a sample stopped the trainer with NonFiniteStep, replayed identically
     forever; clamped, the step trains and the weights stay finite."""
@@ -491,3 +701,18 @@ def test_reef_check_prints_the_default_grpo_variants_and_set_changes_the_objecti
     assert result.exit_code == 0, result.output
     assert "(r - group mean) / (batch std of centred rewards + eps)" in result.stdout
     assert "dynamic sampling: groups whose rewards are all equal dropped" in result.stdout
+
+
+def test_set_reaches_the_rloo_advantages():
+    """``--set objective.normalisation=rloo`` (the enum's value; its name RLOO too) switches the
+    built-in GRPO objective to RLOO advantages; the loss's options are the recipe factory's
+    ``loss`` argument (``backend.losses`` is a mapping, which ``--set`` does not reach)."""
+    from reef_stream.api.recipe import apply_overrides
+    from reef_stream.demo.recipes import grpo
+
+    for value in ("rloo", "RLOO"):
+        changed = apply_overrides(grpo, [f"objective.normalisation={value}"])
+        assert changed.objective.normalisation is AdvantageNormalisation.RLOO
+    assert changed.objective.describe()[0] == (
+        "advantages: r - mean of the group's other rewards, 0 for a group of one (RLOO), "
+        "eps 0.0001")
