@@ -4,8 +4,12 @@
 environment variable ``REEF_FAILPOINTS`` names that point: a comma-separated
 list of ``NAME`` or ``NAME@STEP``. When it matches, the process prints
 ``failpoint NAME reached (step N)`` on stderr and stops there (sleeps) until
-it is killed, so a test can SIGKILL it at exactly that moment. In production
-the variable is unset and a failpoint costs one dictionary lookup.
+it is killed, so a test can SIGKILL it at exactly that moment. With
+``REEF_FAILPOINT_RELEASE`` naming a file, it waits only until that file exists
+and then goes on (once per point), so a test can break something else at that
+moment (stop the object store in the middle of a checkpoint) and let the
+process meet it. In production the variable is unset and a failpoint costs one
+dictionary lookup.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import sys
 import time
 
 ENV = "REEF_FAILPOINTS"
+RELEASE_ENV = "REEF_FAILPOINT_RELEASE"
 
 
 def _armed() -> dict[str, int | None]:
@@ -37,5 +42,13 @@ def failpoint(name: str, *, step: int | None = None) -> None:
         return
     sys.stderr.write(f"failpoint {name} reached (step {step})\n")
     sys.stderr.flush()
+    release = os.environ.get(RELEASE_ENV)
+    if release:
+        del _ARMED[name]
+        while not os.path.exists(release):
+            time.sleep(0.05)
+        sys.stderr.write(f"failpoint {name} released\n")
+        sys.stderr.flush()
+        return
     while True:
         time.sleep(3600)

@@ -57,6 +57,7 @@ from reef_stream.core.failpoints import failpoint
 
 __all__ = ["CheckpointContents", "CheckpointError", "CheckpointStore", "StoredCheckpoint",
            "default_store_url", "load", "load_weights", "remove_tree", "storage_errors",
+           "store_unreachable",
            "unit_hash", "verify",
            "write_durably",
            "safetensors_chunks", "safetensors_sha256", "write_safetensors"]
@@ -554,6 +555,23 @@ def storage_errors() -> tuple[type[BaseException], ...]:
     if botocore is None:
         return (OSError,)
     return (OSError, botocore.BotoCoreError, botocore.ClientError)
+
+
+def store_unreachable(error: BaseException) -> bool:
+    """Whether ``error`` (or what it was raised from) says the store could not be reached: a
+    refused or dropped connection, a timeout, botocore's connection and HTTP client errors.
+    Such a failure may pass; a missing or corrupt checkpoint will not."""
+    botocore = sys.modules.get("botocore.exceptions")
+    transient: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
+    if botocore is not None:
+        transient += (botocore.ConnectionError, botocore.HTTPClientError)
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, transient):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 #: fsspec protocols whose batch delete (DeleteObjects) some S3-compatible stores refuse.

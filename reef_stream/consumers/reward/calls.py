@@ -484,9 +484,9 @@ class CallSlots:
             return
         change = self.circuit.record(error is None)
         if change == OPEN:
-            log.warning("the reward circuit opened: most of the last %d tries failed (the last: "
-                        "%s: %s); no new generation is taken, failing ones are held, not "
-                        "dead-lettered, and one is tried again every %g s",
+            log.warning("the reward circuit opened: most of the last %d generations' first "
+                        "tries failed (the last: %s: %s); no new generation is taken, failing "
+                        "ones are held, not dead-lettered, and one is tried again every %g s",
                         self.circuit.window, type(error).__name__, error,
                         self.circuit.probe_every)
         elif change == CLOSED:

@@ -67,7 +67,7 @@ from reef_stream.core.serde import SchemaRegistry
 from reef_stream.core.settings import Settings, load_settings
 from reef_stream.engine.checkpoints import (
     CheckpointContents, CheckpointError, CheckpointStore, StoredCheckpoint, default_store_url, load,
-    unit_hash,
+    store_unreachable, unit_hash,
 )
 from reef_stream.engine.log_merge import LogMerge, Ordered
 from reef_stream.engine.training import TorchBackend, select_rows, unit_members, untrainable
@@ -550,7 +550,7 @@ class Trainer:
         committed = {tp.partition: tp.offset for tp in self.consumer.committed(
             [TopicPartition(self.topic, p) for p in self.partitions], timeout=30) if tp.offset >= 0}
         if latest is not None:
-            contents = load(latest.uri, latest.sha256)
+            contents = self._load_newest(latest)
             if contents.recipe != self.recipe.name or contents.trainer_group != self.group:
                 raise ConfigurationError(
                     f"the checkpoint at {latest.uri} holds recipe {contents.recipe!r}, group "
@@ -578,6 +578,21 @@ class Trainer:
             self.world.gather_bytes(b"")   # every rank resumed before any trains
         return [TopicPartition(self.topic, p, self.offsets.get(p, OFFSET_BEGINNING))
                 for p in self.owned]
+
+    def _load_newest(self, latest: Checkpoint) -> CheckpointContents:
+        """The newest committed checkpoint's contents. While its store cannot be reached (an
+        object store down, a partition), tries again every ``RETRY_BACKOFF_S`` until it can or
+        the trainer is asked to stop: an outage of the store is waited out, not an exit. A
+        checkpoint that is missing or fails its sha256 raises at once."""
+        while True:
+            try:
+                return load(latest.uri, latest.sha256)
+            except CheckpointError as error:
+                if not store_unreachable(error) or self._stop_asked.is_set():
+                    raise
+                log.warning("the store of step %d cannot be reached (%s); trying again in "
+                            "%g s", latest.step, error, RETRY_BACKOFF_S)
+                time.sleep(RETRY_BACKOFF_S)
 
     # ----------------------------------------------------------------- data parallelism
 
@@ -743,8 +758,7 @@ class _Steps:
                 took = True
                 trainer._take(record)
         except (RetryableError, CheckpointError, KafkaException) as error:
-            log.error("step %d aborted: %s; resuming from the newest checkpoint",
-                      trainer.step + 1, error)
+            log.error("a step was aborted (%s); resuming from the newest checkpoint", error)
             time.sleep(RETRY_BACKOFF_S)
             trainer.consumer.assign(trainer._resume())
             return
