@@ -40,9 +40,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
+import shutil
 import subprocess
 import time
+import uuid
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -51,18 +54,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import fsspec
+
 from reef_stream.core.errors import ReefError
+from reef_stream.core.settings import load_settings
 from reef_stream.engine.artifacts import ArtifactError, verify_artifact
-from reef_stream.engine.checkpoints import MANIFEST
+from reef_stream.engine.checkpoints import MANIFEST, storage_errors
 
 if TYPE_CHECKING:
     from reef_stream.serving.follower import LoadedVersion
 
 __all__ = ["CommandEngine", "Reload", "ReloadError", "VllmEngine", "artifact_dir_of_publication",
-           "check_artifact", "check_verified", "safetensors_tensors"]
+           "check_artifact", "check_verified", "fetch_artifact", "safetensors_tensors"]
 
 FULL = "full"
 LORA = "lora"
+#: Fetched artifacts kept in the cache besides the one just fetched (the versions a rollback
+#: may go back to).
+KEEP_FETCHED = 3
 
 
 class ReloadError(ReefError):
@@ -187,10 +196,12 @@ def _verify_manifest(path: Path, sha256: str | None) -> str:
 
 
 def artifact_dir_of_publication(loaded: LoadedVersion) -> Path:
-    """The default ``artifact_dir_of``: the version's serving artifact as a local directory (a
-    path or a ``file://`` URL): ``loaded.artifact`` (a follower that loads artifacts verified
-    it), else the publication's ``artifact_uri``, else its ``uri`` (read either way, where a
-    version of reef-stream has them)."""
+    """The default ``artifact_dir_of``: the version's serving artifact as a local directory:
+    ``loaded.artifact`` (a follower that loads artifacts verified it), else the publication's
+    ``artifact_uri``, else its ``uri`` (read either way, where a version of reef-stream has
+    them). A path or a ``file://`` URL is used where it is; any other fsspec URL (``s3://``) is
+    fetched into ``$REEF_HOME/cache/artifacts`` first (``fetch_artifact``), since an engine
+    reads a local directory."""
     publication = loaded.publication
     uri = (getattr(loaded, "artifact", None) or getattr(publication, "artifact_uri", None)
            or publication.uri)
@@ -198,9 +209,48 @@ def artifact_dir_of_publication(loaded: LoadedVersion) -> Path:
     if parsed.scheme == "file":
         return Path(urllib.parse.unquote(parsed.path))
     if parsed.scheme and len(parsed.scheme) > 1:
-        raise ReloadError(f"version {loaded.policy_version}'s artifact {uri} is not on a local "
-                          "disk; give the adapter an artifact_dir_of that fetches it")
+        return fetch_artifact(uri, getattr(publication, "artifact_sha256", None),
+                              load_settings().home / "cache" / "artifacts")
     return Path(uri)
+
+
+def fetch_artifact(uri: str, sha256: str | None, cache: Path) -> Path:
+    """A local copy of the serving artifact at ``uri`` (any fsspec URL): ``cache/<sha256>``.
+
+    Fetched file by file into a staging directory, verified against ``sha256`` (every file
+    against the manifest, ``verify_artifact``), and only then renamed into place, so a copy in
+    the cache is always whole; one there already is verified and reused. The ``KEEP_FETCHED``
+    newest other copies are kept, older ones removed. ``ReloadError`` when the store cannot be
+    read or the copy fails verification (nothing is left behind then)."""
+    key = sha256 or hashlib.sha256(uri.encode()).hexdigest()
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / key
+    if target.is_dir():
+        try:
+            verify_artifact(target, sha256)
+            os.utime(target)
+            return target
+        except ArtifactError:
+            shutil.rmtree(target, ignore_errors=True)
+    staging = cache / f".{key}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        fs, root = fsspec.core.url_to_fs(uri)
+        root = root.rstrip("/")
+        for name in fs.find(root):
+            local = staging / name[len(root):].lstrip("/")
+            local.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(name, str(local))
+        verify_artifact(staging, sha256)
+        os.rename(staging, target)
+    except (*storage_errors(), ArtifactError, ValueError) as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ReloadError(f"the artifact {uri} could not be fetched into {cache}: "
+                          f"{type(error).__name__}: {error}") from None
+    others = sorted((d for d in cache.iterdir() if d.is_dir() and d != target
+                     and not d.name.startswith(".")), key=lambda d: d.stat().st_mtime)
+    for old in others[:-KEEP_FETCHED]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
 
 
 class _Adapter:

@@ -115,3 +115,28 @@ def test_a_write_while_the_store_is_down_fails_and_the_last_complete_checkpoint_
     assert store.latest() == first
     assert store.write(_contents(2, model, optimizer)).step == 2
     assert store.latest().step == 2
+
+
+def test_a_serving_artifact_in_the_object_store_is_fetched_for_the_engine(
+        s3_env, store_home, request, tmp_path, monkeypatch):
+    """An engine reads a local directory: the adapters' default fetches an ``s3://`` artifact
+    into the cache, verified, and hands that over."""
+    from types import SimpleNamespace
+
+    from reef_stream.serving.adapters import artifact_dir_of_publication, check_artifact
+    from tests.unit.test_engines import _artifact
+
+    made = tmp_path / "made"
+    sha256 = _artifact(made)
+    fs = fsspec.filesystem("s3")
+    uri = f"s3://{BUCKET}/{request.node.name}/llm/v1-serving"
+    for path in made.iterdir():
+        fs.put_file(str(path), f"{uri}/{path.name}")
+    monkeypatch.setenv("REEF_HOME", str(tmp_path / "home"))
+    version = SimpleNamespace(policy_version=1, artifact=uri, publication=SimpleNamespace(
+        artifact_uri=uri, artifact_sha256=sha256, uri=f"s3://{BUCKET}/x/llm/v1"))
+    local = artifact_dir_of_publication(version)
+    assert local.is_relative_to(tmp_path / "home" / "cache")
+    assert check_artifact(local, sha256) == "full"
+    for path in made.iterdir():
+        assert (local / path.name).read_bytes() == path.read_bytes()

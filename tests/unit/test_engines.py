@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.servers.inference import EngineEnv, engine_spec
 from reef_stream.serving.adapters import (
-    CommandEngine, ReloadError, artifact_dir_of_publication, check_artifact, safetensors_tensors,
+    KEEP_FETCHED, CommandEngine, ReloadError, artifact_dir_of_publication, check_artifact,
+    fetch_artifact, safetensors_tensors,
 )
 
 
@@ -89,8 +90,70 @@ def test_the_artifact_directory_of_a_version_prefers_the_verified_artifact():
         Path("/art/v 3")
     assert artifact_dir_of_publication(loaded("/verified/v3", "file:///art/v3")) == \
         Path("/verified/v3")
-    with pytest.raises(ReloadError, match="s3://bucket/v3 is not on a local disk"):
-        artifact_dir_of_publication(loaded(artifact_uri="s3://bucket/v3"))
+
+
+def _remote(tmp_path: Path, name: str) -> tuple[str, str]:
+    """An artifact (its manifest naming ``name``, so each is its own) put in fsspec's memory
+    filesystem, a remote store for the test; its URL and sha256."""
+    import hashlib
+
+    import fsspec
+
+    local = tmp_path / f"made-{name}"
+    _artifact(local)
+    manifest = json.loads((local / "MANIFEST.json").read_bytes())
+    manifest["metadata"] = {"name": name}
+    (local / "MANIFEST.json").write_bytes(json.dumps(manifest, sort_keys=True).encode())
+    sha256 = hashlib.sha256((local / "MANIFEST.json").read_bytes()).hexdigest()
+    memory = fsspec.filesystem("memory")
+    for path in local.iterdir():
+        memory.pipe_file(f"/art/{name}/{path.name}", path.read_bytes())
+    return f"memory://art/{name}", sha256
+
+
+def test_an_artifact_in_a_remote_store_is_fetched_verified_and_cached(tmp_path, monkeypatch):
+    import fsspec
+
+    monkeypatch.setenv("REEF_HOME", str(tmp_path / "home"))
+    uri, sha256 = _remote(tmp_path, "v3")
+    version = SimpleNamespace(policy_version=3, artifact=None, publication=SimpleNamespace(
+        artifact_uri=uri, artifact_sha256=sha256, uri="memory://ckpt/v3"))
+    local = artifact_dir_of_publication(version)
+    assert local == tmp_path / "home" / "cache" / "artifacts" / sha256
+    assert check_artifact(local, sha256) == "full"
+    assert sorted(p.name for p in local.iterdir()) == ["MANIFEST.json", "config.json",
+                                                       "model.safetensors"]
+    # Fetched once: a copy in the cache that verifies is used again.
+    fsspec.filesystem("memory").rm("/art/v3", recursive=True)
+    assert artifact_dir_of_publication(version) == local
+
+
+def test_a_remote_artifact_that_fails_verification_leaves_nothing_in_the_cache(tmp_path):
+    import fsspec
+
+    uri, sha256 = _remote(tmp_path, "bad")
+    memory = fsspec.filesystem("memory")
+    data = bytearray(memory.cat_file("/art/bad/model.safetensors"))
+    data[-1] ^= 0xFF
+    memory.pipe_file("/art/bad/model.safetensors", bytes(data))
+    cache = tmp_path / "cache"
+    with pytest.raises(ReloadError, match="model.safetensors"):
+        fetch_artifact(uri, sha256, cache)
+    assert list(cache.iterdir()) == []
+    with pytest.raises(ReloadError, match="could not be fetched"):
+        fetch_artifact("memory://art/missing", None, cache)
+    assert list(cache.iterdir()) == []
+
+
+def test_the_cache_keeps_the_newest_fetched_artifacts(tmp_path):
+    import os
+
+    cache = tmp_path / "cache"
+    fetched = []
+    for i in range(KEEP_FETCHED + 3):
+        fetched.append(fetch_artifact(*_remote(tmp_path, f"v{i}"), cache))
+        os.utime(fetched[-1], (i, i))  # mtimes in fetch order, whatever the clock's grain
+    assert sorted(cache.iterdir()) == sorted(fetched[-(KEEP_FETCHED + 1):])
 
 
 def _artifact(path: Path) -> str:
