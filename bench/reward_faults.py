@@ -188,6 +188,9 @@ def escapes_blocked() -> tuple[int, int]:
 
 
 def cells(args: argparse.Namespace) -> list[Cell]:
+    if args.soak:  # one cell of both faults at the target's edge, offered for --soak seconds
+        return [Cell(f"soak {args.soak:g} s", f"raise={TARGET_RAISE},hang={TARGET_HANG},"
+                                              f"hang_s={10 * args.timeout}")]
     found = [Cell("none", "")]
     found += [Cell(f"raise {p:.1%}", f"raise={p}") for p in args.raise_rates]
     found += [Cell(f"hang {p:.1%}", f"hang={p},hang_s={10 * args.timeout}")
@@ -225,11 +228,16 @@ description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
                         help="comma-separated hang rates (default 0.005,0.01,0.02,0.05)")
     parser.add_argument("--outage", type=float, default=None,
                         help="seconds of the outage cell, 0 for none (default 60; quick 10)")
+    parser.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                        help="instead of the cells: one cell raising 10 %% and hanging 2 %% at "
+                             "once, offered for SECONDS (600: the issue's 10 minutes), for the "
+                             "memory figure (RSS after the first tenth -> at the end); its "
+                             "ratio is to itself")
     parser.add_argument("--skip-escapes", action="store_true",
                         help="do not run tests/unit/test_sandbox_escape.py (reported as 0/0)")
     args = parser.parse_args()
     quick = args.quick
-    args.seconds = args.seconds or (15.0 if quick else 60.0)
+    args.seconds = args.soak or args.seconds or (15.0 if quick else 60.0)
     args.drain = args.drain if args.drain is not None else (20.0 if quick else 60.0)
     args.timeout = args.timeout or (2.0 if quick else 5.0)
     args.outage = args.outage if args.outage is not None else (10.0 if quick else 60.0)
