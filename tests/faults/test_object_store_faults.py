@@ -2,7 +2,7 @@
 neither exits nor loses a step, and what it committed is one chain of checkpoints that read
 back and verify (issue 27).
 
-A ``reef train`` process writes its checkpoints to S3Proxy (``reef s3 up``). At step 5 it
+A ``reef train`` process writes its checkpoints to S3Proxy (``reef s3 up``). At step 3 it
 stops between two of the checkpoint's files (the ``checkpoint.mid-write`` failpoint, released
 by a file); the store is SIGKILLed there, then the trainer goes on and meets it dead. It must
 abort the step, say so, and keep trying while the store stays down; once the store is back
@@ -23,9 +23,9 @@ from tests.integration.test_object_store import (  # noqa: F401 - the fixtures
 )
 from tests.unit_log import create_topics, produce_units, rollout_unit
 
-STEPS = 12
+STEPS = 6
 GROUP = "stored"
-DOWN_S = 8
+DOWN_S = 4
 
 
 def test_the_store_killed_in_the_middle_of_a_checkpoint_costs_no_step_and_no_fork(
@@ -39,15 +39,15 @@ def test_the_store_killed_in_the_middle_of_a_checkpoint_costs_no_step_and_no_for
     # s3fs retries a refused connection for long by itself: fail in seconds instead.
     env = {**cli_env, **s3_env, "REEF_FAILPOINT_RELEASE": str(release), "AWS_MAX_ATTEMPTS": "1"}
     trainer = _start(env, GROUP, url, started=started, max_steps=STEPS,
-                     failpoints="checkpoint.mid-write@5")
-    assert _wait_for_line(trainer, r"failpoint checkpoint.mid-write reached \(step 5\)", 180), \
+                     failpoints="checkpoint.mid-write@3")
+    assert _wait_for_line(trainer, r"failpoint checkpoint.mid-write reached \(step 3\)", 180), \
         "".join(trainer.lines)[-3000:]
 
     pid = _store(store_home).status().pid
     os.kill(pid, signal.SIGKILL)
     release.touch()
     try:
-        assert _wait_for_line(trainer, r"aborted \(could not write checkpoint step 5", 120), \
+        assert _wait_for_line(trainer, r"aborted \(could not write checkpoint step 3", 120), \
             "".join(trainer.lines)[-3000:]
         time.sleep(DOWN_S)  # the store stays down: the trainer keeps trying, it does not exit
         assert trainer.poll() is None, "".join(trainer.lines)[-3000:]
