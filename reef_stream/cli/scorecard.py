@@ -24,10 +24,15 @@ import click
 @click.option("--checkpoints", default=None, metavar="PATH",
               help="The trainer's checkpoint store (a directory or fsspec URL): adds the unit "
                    "ledger (units trained, trained twice, lost).")
+@click.option("--group", default=None, metavar="GROUP",
+              help="The trainer group whose samples, staleness, age and promoted versions count "
+                   "[default: the group of the newest promoted version's checkpoint, else the "
+                   "only one]. Another group replaying the units topic trains the same "
+                   "generations again: its samples are its own, not the loop's.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with every figure.")
 @click.pass_context
 def scorecard(ctx: click.Context, namespace: str | None, recipe: str, target: float | None,
-              measure: str, checkpoints: str | None, as_json: bool) -> None:
+              measure: str, checkpoints: str | None, group: str | None, as_json: bool) -> None:
     """The standard scorecard of the loop of recipe NAME in a namespace, read from its topics
     (docs/metrics.md defines every figure precisely):
 
@@ -60,7 +65,7 @@ def scorecard(ctx: click.Context, namespace: str | None, recipe: str, target: fl
     if checkpoints is not None and "://" not in checkpoints and not Path(checkpoints).is_dir():
         raise ConfigurationError(f"--checkpoints {checkpoints}: no such directory (give the "
                                  "trainer's checkpoint store, e.g. <run dir>/checkpoints)")
-    card = read_scorecard(bootstrap, ns, recipe, target=target, measure=measure)
+    card = read_scorecard(bootstrap, ns, recipe, target=target, measure=measure, group=group)
     if checkpoints is not None:
         from reef_stream.demo.run import unit_ledger
 

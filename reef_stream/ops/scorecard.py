@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from reef_stream.core.errors import ConfigurationError, InvalidRecord
-from reef_stream.core.events import DeadLetter, Decision, Metric, Publication
+from reef_stream.core.events import Checkpoint, DeadLetter, Decision, Metric, Publication
 from reef_stream.core.histograms import AGE_BOUNDS_S
 from reef_stream.core.metric_names import (
     FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS, PROCESS_CPU_SECONDS, STAGE_FOLLOWER, STAGE_PROCESSOR,
@@ -199,6 +199,10 @@ class Scorecard:
     unit_to_train_s: Distribution = field(default_factory=Distribution.empty)
     #: The highest measurement[measure] of a PROMOTED publication (None: none promoted).
     best: float | None = None
+    #: The trainer group the figures are of (``fold``'s ``group``; None: every group's
+    #: together, when none could be told), and the other groups that trained the recipe.
+    group: str | None = None
+    other_groups: tuple[str, ...] = ()
 
     @property
     def goodput(self) -> float | None:
@@ -233,8 +237,12 @@ class Scorecard:
         target = (f"{self.measure} >= {_num(self.target)}" if self.target is not None
                   else "no target given")
         cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.cpu_seconds.items())) or NA
+        of_group = (f", trainer group {self.group}" if self.group is not None
+                    else ", every trainer group together" if self.other_groups else "")
+        others = (f" (other groups: {', '.join(self.other_groups)}; --group names one)"
+                  if self.other_groups and self.group is not None else "")
         lines = [
-            f"scorecard of namespace {self.namespace}, recipe {self.recipe}",
+            f"scorecard of namespace {self.namespace}, recipe {self.recipe}{of_group}{others}",
             f"  time to target ({target}), s: {_num(self.time_to_target_s)}",
             f"  best promoted {self.measure}: {_num(self.best)}",
             f"  run length (first generation -> last record), s: {_num(self.seconds)}",
@@ -319,8 +327,16 @@ def fold(namespace: str, recipe: str, *, generations: GenerationsSpan,
          dead_letters: Iterable[DeadLetter] = (), target: float | None = None,
          measure: str = "accuracy", extra_cpu: Mapping[str, float] | None = None,
          ledger: Mapping[str, int] | None = None,
-         registry: SchemaRegistry | None = None) -> Scorecard:
+         registry: SchemaRegistry | None = None, group: str | None = None,
+         checkpoints: Iterable[Checkpoint] = ()) -> Scorecard:
     """The scorecard of events already read and decoded. Pure.
+
+    Goodput, staleness, age, time to target and the trainer's CPU are one trainer group's: a
+    group replaying the units topic trains the same generations again, so counting every
+    group's samples as the loop's overstates them. ``group``: whose [default: the group whose
+    checkpoint the newest PROMOTED publication came from (``checkpoints`` tell), else the only
+    one; with several groups and none promoted, all together]. Publications of another
+    group's checkpoints are left out.
 
     ``metrics`` in log order (one stage's events share a partition of ``<ns>.metrics``, key =
     stage, so each series keeps its order); a metric labelled with another ``recipe`` is left
@@ -331,12 +347,17 @@ def fold(namespace: str, recipe: str, *, generations: GenerationsSpan,
     units_topic = declarations.units(namespace, recipe)
     publications, dead_letters = list(publications), list(dead_letters)
 
+    metrics = list(metrics)
+    group, others, publications = _one_group(recipe, group, metrics, publications, checkpoints)
     series: dict[tuple[str, str, tuple[tuple[str, str], ...]], list[float]] = defaultdict(list)
     serving: list[float] = []
     last_ms = generations.last_ms
     for metric in metrics:
         last_ms = _later(last_ms, metric.created_at)
         if metric.labels.get("recipe", recipe) != recipe:
+            continue
+        if group is not None and metric.stage == STAGE_TRAINER \
+                and metric.labels.get("group", group) != group:
             continue
         if metric.stage == STAGE_FOLLOWER and metric.name == FOLLOWER_CHECKPOINT_TO_SERVING_SECONDS:
             serving.append(metric.value)  # one event per version loaded: one observation each
@@ -404,7 +425,25 @@ def fold(namespace: str, recipe: str, *, generations: GenerationsSpan,
         checkpoint_to_serving_s=observed(serving),
         cpu_seconds=dict(sorted(cpu.items())),
         ledger=dict(ledger) if ledger is not None else None,
-        best=best)
+        best=best, group=group, other_groups=others)
+
+
+def _one_group(recipe: str, group: str | None, metrics: list[Metric],
+               publications: list[Publication], checkpoints: Iterable[Checkpoint]
+               ) -> tuple[str | None, tuple[str, ...], list[Publication]]:
+    """The trainer group a scorecard is of (see ``fold``), the recipe's other groups, and the
+    publications of that group's checkpoints (all when it cannot be told)."""
+    seen = {m.labels["group"] for m in metrics if m.stage == STAGE_TRAINER
+            and "group" in m.labels and m.labels.get("recipe", recipe) == recipe}
+    group_of = {c.checkpoint_id: c.trainer_group for c in checkpoints if c.recipe == recipe}
+    seen |= set(group_of.values())
+    if group is None:
+        promoted = [group_of[p.checkpoint_id] for p in publications
+                    if p.decision is Decision.PROMOTED and p.checkpoint_id in group_of]
+        group = promoted[-1] if promoted else (next(iter(seen)) if len(seen) == 1 else None)
+    if group is not None and group_of:
+        publications = [p for p in publications if group_of.get(p.checkpoint_id, group) == group]
+    return group, tuple(sorted(seen - {group})), publications
 
 
 def _later(ms: int | None, other: int) -> int:
@@ -438,15 +477,18 @@ def _samples_in(letter: DeadLetter, units_topic: str, registry: SchemaRegistry) 
 
 def read_scorecard(bootstrap: str, namespace: str, recipe: str, *, target: float | None = None,
                    measure: str = "accuracy", extra_cpu: Mapping[str, float] | None = None,
-                   ledger: Mapping[str, int] | None = None) -> Scorecard:
+                   ledger: Mapping[str, int] | None = None,
+                   group: str | None = None) -> Scorecard:
     """The scorecard of ``namespace``'s loop of ``recipe`` (its name, as in
-    ``<ns>.units.<recipe>``), read from the topics as they are now; see the module docstring.
+    ``<ns>.units.<recipe>``) and trainer ``group`` (``fold``), read from the topics as they are
+    now; see the module docstring.
     ``ConfigurationError`` naming the topics that are missing. Blocks for the reads (seconds
     on a long run: the metrics and dead-letter topics are read whole)."""
     topics = {"generations": declarations.generations(namespace),
               "publications": declarations.publications(namespace),
               "metrics": declarations.metrics(namespace),
               "dead letters": declarations.dead_letters(namespace),
+              "checkpoints": declarations.checkpoints(namespace),
               "units": declarations.units(namespace, recipe)}
     _check_topics(bootstrap, namespace, topics)
     registry = SchemaRegistry.default()
@@ -455,7 +497,9 @@ def read_scorecard(bootstrap: str, namespace: str, recipe: str, *, target: float
         publications=_events(bootstrap, topics["publications"], Publication, registry),
         metrics=_events(bootstrap, topics["metrics"], Metric, registry),
         dead_letters=_events(bootstrap, topics["dead letters"], DeadLetter, registry),
-        target=target, measure=measure, extra_cpu=extra_cpu, ledger=ledger, registry=registry)
+        target=target, measure=measure, extra_cpu=extra_cpu, ledger=ledger, registry=registry,
+        group=group,
+        checkpoints=_events(bootstrap, topics["checkpoints"], Checkpoint, registry))
 
 
 def _check_topics(bootstrap: str, namespace: str, topics: Mapping[str, str]) -> None:

@@ -234,3 +234,46 @@ def test_samples_of_unknown_version_are_trained_but_have_no_staleness():
         staleness(3, 0), staleness(1, 2), staleness(4, UNKNOWN_STALENESS)])
     assert card.trained == 8
     assert card.staleness_versions.count == 4 and card.staleness_versions.mean == 0.5
+
+
+def _checkpoint(checkpoint_id: str, group: str):
+    from reef_stream.core.events import Checkpoint
+
+    return Checkpoint(checkpoint_id=checkpoint_id, recipe=RECIPE, trainer_group=group, step=1,
+                      model="m", policy_version=1, uri="file:///c", sha256="0" * 64,
+                      offsets=(), trained_unit_count=0, metrics={}, created_at=T0)
+
+
+def test_the_figures_are_one_trainer_groups_and_another_group_replaying_is_apart():
+    # The loop's group "g" trained 8 samples (staleness 1); a group "replay" trained the same
+    # units topic again: 30 samples at staleness 40, with 9 s of CPU. Version 1 (checkpoint c1,
+    # of "g") was promoted at 0.95; the replay's checkpoint c2 was promoted later at 0.99.
+    metrics = [staleness(8, 1),
+               metric(STAGE_TRAINER, TRAINER_STALENESS_SAMPLES, 30, recipe=RECIPE,
+                      group="replay", staleness="40"),
+               cpu(STAGE_TRAINER, "h.3", 5, **TRAINER_LABELS),
+               cpu(STAGE_TRAINER, "h.9", 9, recipe=RECIPE, group="replay")]
+    publications = [publication(Decision.PROMOTED, 0.95, T0 + 20_000, 1),
+                    publication(Decision.PROMOTED, 0.99, T0 + 30_000, 2)]
+    checkpoints = [_checkpoint("c1", "g"), _checkpoint("c2", "replay")]
+
+    def card(**given):
+        return fold(NS, RECIPE, generations=SPAN, metrics=metrics, publications=publications,
+                    checkpoints=checkpoints, target=0.9, **given)
+
+    # By default, the group whose checkpoint was promoted last: "replay".
+    replay = card()
+    assert (replay.group, replay.other_groups) == ("replay", ("g",))
+    assert replay.trained == 30 and replay.staleness_versions.mean == 40.0
+    assert replay.cpu_seconds == {STAGE_TRAINER: 9.0} and replay.best == 0.99
+    assert replay.time_to_target_s == 30.0  # its own promoted version, not "g"'s at 20 s
+    # Named, the loop's own group: 8 of the 40 generations trained, goodput 0.2.
+    loop = card(group="g")
+    assert loop.trained == 8 and loop.goodput == 8 / 40 and loop.staleness_versions.mean == 1.0
+    assert loop.cpu_seconds == {STAGE_TRAINER: 5.0}
+    assert (loop.best, loop.time_to_target_s) == (0.95, 20.0)
+    assert "trainer group g (other groups: replay; --group names one)" in loop.lines()[0]
+    # Without checkpoints to tell whose versions were promoted, two groups count together.
+    both = fold(NS, RECIPE, generations=SPAN, metrics=metrics, publications=publications)
+    assert both.group is None and both.trained == 38
+    assert "every trainer group together" in both.lines()[0]
