@@ -62,3 +62,22 @@ def test_staleness_without_samples_counted_headlines_the_newest_steps_mean():
     samples = _series(m.STAGE_TRAINER, m.TRAINER_STALENESS_SAMPLES,
                       {"recipe": "r", "group": "a", "staleness": "1"}, [(10, 4.0)])
     assert _tiles([*mean, samples])["staleness"]["value"] == "mean 1 · p50 1 · p99 1 (n=4)"
+
+
+def test_goodput_and_staleness_are_each_trainer_groups_apart():
+    # The loop's group trained 8 of 40 generations; a replay group trained 60 samples of the
+    # same units again. Added up, goodput would read 1.7.
+    def trained(group, samples, staleness):
+        return _series(m.STAGE_TRAINER, m.TRAINER_STALENESS_SAMPLES,
+                       {"recipe": "r", "group": group, "staleness": str(staleness)},
+                       [(10, float(samples))])
+
+    one = _tiles([trained("loop", 8, 1)], generated=[(10, 40)])
+    assert one["goodput"]["value"] == "0.2 (8 trained / 40 generated)"
+    both = _tiles([trained("loop", 8, 1), trained("replay", 60, 30)], generated=[(10, 40)])
+    assert both["goodput"]["value"] == ("group=loop 0.2 (8 trained / 40 generated) · "
+                                        "group=replay 1.5 (60 trained / 40 generated)")
+    assert [line["label"] for line in both["goodput"]["series"]] == ["group=loop",
+                                                                     "group=replay"]
+    assert both["staleness"]["value"] == ("group=loop mean 1 · p50 1 · p99 1 (n=8) · "
+                                          "group=replay mean 30 · p50 30 · p99 30 (n=60)")

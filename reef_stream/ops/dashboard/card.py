@@ -14,6 +14,8 @@ each a headline (``value``) over a small chart; ``docs/metrics.md`` defines the 
   the newest step's mean where no sample was counted;
 - ``goodput``: samples trained (``staleness_samples``, added up over restarts) per generation in
   ``<ns>.generations`` (its record count, as the dashboard looked at it every few seconds);
+  with several trainer groups (one replaying the units topic), each group's apart, as the
+  staleness headline is (their sum would overstate the loop's; ``figures`` then by group);
 - ``throughput``: records per second of each stage, its instances added up: the intake's
   acknowledged records, the reward workers' generations taken, the processor's generations
   (every outcome), the trainer's samples;
@@ -172,22 +174,30 @@ def _newest(lines: list[dict[str, Any]]) -> str:
 
 
 def _staleness(series: list[Series], charted: list[dict]) -> dict[str, Any] | None:
-    counts: dict[float, float] = defaultdict(float)
+    """The distribution of every sample trained, each trainer group's apart (a group replaying
+    the units topic is not the loop's)."""
+    counts: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
     for one in series:
         if (one.stage, one.name) == (m.STAGE_TRAINER, m.TRAINER_STALENESS_SAMPLES):
             try:
-                counts[float(one.labels.get("staleness", ""))] += _last_total(one)
+                counts[one.labels.get("group", "")][float(one.labels.get("staleness", ""))] \
+                    += _last_total(one)
             except ValueError:
                 continue
-    d = counted(counts)
+    by_group = {group: counted(c) for group, c in sorted(counts.items())}
+    d = counted({k: v for c in counts.values() for k, v in c.items()}) if len(counts) == 1 \
+        else next(iter(by_group.values())) if by_group else counted({})
     lines = [line for line in _gauge_lines(charted, m.STAGE_TRAINER, m.TRAINER_STALENESS_MEAN)
              if line["points"]]
     if not d.count and not lines:
         return None
     # without the samples by staleness, the newest step's mean (its chart's line) says it
-    value = _dist(d) if d.count else f"mean per step {_newest(lines)}"
+    value = (" · ".join(f"group={g} {_dist(x)}" for g, x in by_group.items())
+             if len(by_group) > 1 else _dist(d) if d.count else
+             f"mean per step {_newest(lines)}")
     return _tile("staleness", "staleness of trained samples, versions", value, lines,
-                 _dist_figures(d))
+                 _dist_figures(d) if len(by_group) <= 1 else
+                 {g: _dist_figures(x) for g, x in by_group.items()})
 
 
 def _trained(series: list[Series]) -> list[Series]:
@@ -197,25 +207,36 @@ def _trained(series: list[Series]) -> list[Series]:
 
 def _goodput(series: list[Series],
              generated: Sequence[tuple[float, int]]) -> dict[str, Any] | None:
-    """``None`` until a count found generations (the topic may not exist, or be empty)."""
+    """``None`` until a count found generations (the topic may not exist, or be empty). Each
+    trainer group's apart: a group replaying the units topic trains the same generations
+    again, so their sum would overstate the loop's."""
     if not any(n for _, n in generated):
         return None
-    trained = _trained(series)
-    total = sum(_last_total(s) for s in trained)
-    columns = [([p[0] for p in s.points], [p[2] for p in s.points]) for s in trained]
-
-    def trained_at(t: float) -> float:   # each series' total at its last point at or before t
-        return sum(totals[i - 1] for times, totals in columns
-                   if (i := bisect.bisect_right(times, t)))
-
+    groups: dict[str, list[Series]] = defaultdict(list)
+    for one in _trained(series):
+        groups[one.labels.get("group", "")].append(one)
     count = generated[-1][1]
-    goodput = total / count if count else None
-    points = [[t, trained_at(t) / n] for t, n in generated if n]
-    value = ("no generations yet" if goodput is None else
-             f"{_num(goodput)} ({_num(total)} trained / {count} generated)")
-    return _tile("goodput", "goodput: samples trained per generation", value,
-                 [{"label": "goodput", "points": points}] if points else [],
-                 {"trained": total, "generated": count, "goodput": goodput})
+    lines, values, figures = [], [], {}
+    for group, trained in sorted(groups.items()) or [("", [])]:
+        total = sum(_last_total(s) for s in trained)
+        columns = [([p[0] for p in s.points], [p[2] for p in s.points]) for s in trained]
+
+        def trained_at(t: float, columns=columns) -> float:   # each series' total at its
+            return sum(totals[i - 1] for times, totals in columns   # last point at or before t
+                       if (i := bisect.bisect_right(times, t)))
+
+        goodput = total / count if count else None
+        points = [[t, trained_at(t) / n] for t, n in generated if n]
+        label = f"group={group}" if len(groups) > 1 else "goodput"
+        if points:
+            lines.append({"label": label, "points": points})
+        values.append(("no generations yet" if goodput is None else
+                       f"{_num(goodput)} ({_num(total)} trained / {count} generated)"))
+        figures[group] = {"trained": total, "generated": count, "goodput": goodput}
+    value = values[0] if len(groups) <= 1 else " · ".join(
+        f"group={g} {v}" for g, v in zip(sorted(groups), values))
+    return _tile("goodput", "goodput: samples trained per generation", value, lines,
+                 next(iter(figures.values())) if len(figures) == 1 else figures)
 
 
 def _summed_rate_line(members: list[Series], from_zero: bool) -> list[list[float]]:
