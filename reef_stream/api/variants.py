@@ -295,8 +295,18 @@ class DecoupledProximal:
     ``loss_mask`` count (``areal/utils/functional/functional.py``); verl drops it from there
     too, by rewriting ``response_mask`` before the update. ``weight_cap`` > 0 (None:
     untruncated; ``MASK`` needs it); ``weight_floor`` > 0 and <= ``weight_cap``, or None (no
-    lower bound, as both). Defaults: token level, truncated at 2, the behaviour of this option
-    before it had the others.
+    lower bound, as both).
+
+    Defaults: token level, truncated at 2 (TRUNCATE, not MASK), as verl's truncated IS
+    (``RolloutCorrectionConfig``: ``rollout_is_threshold = 2.0``, ``rollout_rs = None``,
+    ``verl/trainer/config/algorithm.py`` l. 173-176 at b178a3c). AReaL masks by default once
+    its filter is on (``RejectionSamplingConfig.action = "mask"``, ``upper = 5.0``,
+    ``areal/api/cli_args.py`` l. 1263-1300 at 4aef98d): ``weight_mode=MASK, weight_cap=5``
+    gives that. TRUNCATE stays the default because it was this option's only behaviour before
+    (a run resumed or replayed with the default trains bitwise as before) and because a
+    truncated token still trains with a bounded weight, where a masked one is lost; neither
+    reference shows the other better in general (docs/design-notes.md, "Off-policy
+    corrections").
     """
 
     weight_cap: float | None = 2.0
