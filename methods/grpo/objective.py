@@ -103,7 +103,9 @@ class GroupNormalisedAdvantage:
         stds = [float(group.std()) for group in rewards]
         equal = equal_reward_groups(rewards)
         kept = [not e for e in equal] if self.dynamic_sampling else None
-        values = np.concatenate(self.normalisation.apply(rewards, self.epsilon, kept))
+        tokens = [np.array([len(member.completion_token_ids) for member in unit.members],
+                           dtype=np.float64) for unit in units]
+        values = np.concatenate(self.normalisation.apply(rewards, self.epsilon, kept, tokens))
         keep = None
         extra: dict[str, float] = {}
         if kept is not None:

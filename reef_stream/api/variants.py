@@ -10,9 +10,9 @@ Options, and where they come from:
 
 - ``AdvantageNormalisation``: how a group's centred rewards are scaled: the group's
   population std (GRPO, Shao et al. 2024, "DeepSeekMath"), its sample std, nothing (Dr. GRPO,
-  Liu et al. 2025, "Understanding R1-Zero-Like Training"), or the std over the whole batch
-  (REINFORCE++-baseline, Hu et al. 2025); or the leave-one-out baseline (RLOO, Ahmadian et al.
-  2024).
+  Liu et al. 2025, "Understanding R1-Zero-Like Training"), whitened over the batch's tokens
+  (REINFORCE++-baseline, Hu et al. 2025) or the batch's reward std (TRL); or the
+  leave-one-out baseline (RLOO, Ahmadian et al. 2024).
 - ``Aggregation``: how per-token terms become the loss: ``TokenMean`` (DAPO's token-level
   loss, Yu et al. 2025), ``SequenceMeanTokenMean`` (the original GRPO), ``SequenceMeanTokenSum``,
   ``ConstantNormaliser`` (Dr. GRPO: a fixed token budget per sequence).
@@ -409,9 +409,21 @@ class AdvantageNormalisation(enum.Enum):
     #: Not scaled: ``r - mean(group)`` (Dr. GRPO, Liu et al. 2025: the std's difficulty bias
     #: removed).
     NONE = "none"
-    #: ``/ (std over the batch's centred rewards + eps)`` (REINFORCE++-baseline, Hu et al.
-    #: 2025); groups dropped by dynamic sampling are left out of that std.
+    #: REINFORCE++-baseline (Hu et al. 2025) as its authors' OpenRLHF computes it
+    #: (``openrlhf/trainer/ppo_utils/experience_maker.py`` l. 267-268 and 315-327 at 3c3be62):
+    #: ``c = r - mean(group)`` on each of the sample's loss tokens, then whitened over all the
+    #: batch's loss tokens: ``(c - m) / sqrt(max(v, eps^2))`` with ``m`` and ``v`` the
+    #: token-weighted mean and biased variance of ``c`` (a sample of ``L`` tokens counts ``L``
+    #: times; OpenRLHF's ``var.clamp(min=1e-8).rsqrt()`` is ``eps = 1e-4``, this objective's
+    #: default). verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage``
+    #: (``verl/trainer/ppo/core_algos.py`` l. 425) differs: Bessel-corrected variance,
+    #: ``rsqrt(v + 1e-8)``. Groups dropped by dynamic sampling are left out of ``m`` and ``v``.
     BATCH_STD = "batch_std"
+    #: ``/ (std(every reward of the batch, ddof=1) + eps)``: the std of the raw rewards, not
+    #: the centred ones, per sample (TRL's ``GRPOConfig(scale_rewards="batch")``,
+    #: ``trl/trainer/grpo_trainer.py`` l. 2694-2707 at f2cd577, ``nanstd`` Bessel-corrected,
+    #: 0 for a single reward). Groups dropped by dynamic sampling are left out of that std.
+    BATCH_REWARD_STD = "batch_reward_std"
     #: ``r_i - (sum(group) - r_i) / (n - 1)``: the mean of the group's other rewards as the
     #: baseline (RLOO, Ahmadian et al. 2024), equal to ``(r - mean(group)) * n / (n - 1)``; no
     #: std, ``epsilon`` unused. As TRL's ``RLOOTrainer`` (``trl/trainer/rloo_trainer.py``,
@@ -421,17 +433,30 @@ class AdvantageNormalisation(enum.Enum):
     RLOO = "rloo"
 
     def apply(self, groups: list[np.ndarray], epsilon: float,
-              kept: list[bool] | None = None) -> list[np.ndarray]:
-        """The advantages of each group of rewards (float64 arrays), in order. Pure."""
+              kept: list[bool] | None = None,
+              tokens: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """The advantages of each group of rewards (float64 arrays), in order. ``kept``: per
+        group, whether dynamic sampling keeps it (None: all). ``tokens``: per group, each
+        sample's loss-token count, which ``BATCH_STD`` weighs it by (None: 1 each). Pure."""
         centred = [g - g.mean() for g in groups]
+        counted = kept or [True] * len(groups)
         if self is AdvantageNormalisation.NONE:
             return centred
         if self is AdvantageNormalisation.RLOO:
             return [g - (g.sum() - g) / (g.size - 1) if g.size > 1 else np.zeros_like(g)
                     for g in groups]
         if self is AdvantageNormalisation.BATCH_STD:
-            counted = [c for c, keep in zip(centred, kept or [True] * len(groups)) if keep]
-            std = float(np.concatenate(counted).std()) if counted else 0.0
+            weights = tokens or [np.ones_like(g) for g in groups]
+            flat = np.concatenate([c for c, keep in zip(centred, counted) if keep] or [[]])
+            w = np.concatenate([np.asarray(t, dtype=np.float64)
+                                for t, keep in zip(weights, counted) if keep] or [[]])
+            total = float(w.sum())
+            mean = float((flat * w).sum()) / total if total > 0 else 0.0
+            var = float((np.square(flat - mean) * w).sum()) / total if total > 0 else 0.0
+            return [(c - mean) / math.sqrt(max(var, epsilon ** 2)) for c in centred]
+        if self is AdvantageNormalisation.BATCH_REWARD_STD:
+            rewards = np.concatenate([g for g, keep in zip(groups, counted) if keep] or [[]])
+            std = float(rewards.std(ddof=1)) if rewards.size > 1 else 0.0
             return [c / (std + epsilon) for c in centred]
         ddof = 0 if self is AdvantageNormalisation.GROUP_POPULATION_STD else 1
         return [c / ((float(g.std(ddof=ddof)) if g.size > ddof else 0.0) + epsilon)
@@ -445,7 +470,11 @@ class AdvantageNormalisation(enum.Enum):
                 "(r - group mean) / (group sample std + eps)",
             AdvantageNormalisation.NONE: "r - group mean, unscaled (Dr. GRPO)",
             AdvantageNormalisation.BATCH_STD:
-                "(r - group mean) / (batch std of centred rewards + eps) (REINFORCE++-baseline)",
+                "r - group mean, whitened over the batch's loss tokens (REINFORCE++-baseline, "
+                "as OpenRLHF)",
+            AdvantageNormalisation.BATCH_REWARD_STD:
+                "(r - group mean) / (batch sample std of rewards + eps) (TRL "
+                "scale_rewards=batch)",
             AdvantageNormalisation.RLOO:
                 "r - mean of the group's other rewards, 0 for a group of one (RLOO)",
         }[self]

@@ -400,13 +400,18 @@ def test_the_behaviour_weights_carry_no_gradient():
     (AdvantageNormalisation.NONE, [[.5, -.5, -.5, .5], [.25, .25, .25, -.75]]),
     (AdvantageNormalisation.BATCH_STD, [[c / 1.75 ** .5 * 8 ** .5 for c in (.5, -.5, -.5, .5)],
                                         [c / 1.75 ** .5 * 8 ** .5 for c in (.25,) * 3 + (-.75,)]]),
+    (AdvantageNormalisation.BATCH_REWARD_STD,
+     [[c / (15 / 56) ** .5 for c in (.5, -.5, -.5, .5)],
+      [c / (15 / 56) ** .5 for c in (.25,) * 3 + (-.75,)]]),
     (AdvantageNormalisation.RLOO, [[2 / 3, -2 / 3, -2 / 3, 2 / 3], [1 / 3] * 3 + [-1]]),
 ])
 def test_advantage_normalisations_by_hand(normalisation, expected):
     """Groups (1, 0, 0, 1) and (1, 1, 1, 0), centred (.5, -.5, -.5, .5) and (.25, .25, .25,
     -.75): GRPO's population std (.5; .433), the sample std (.577; .5), none (Dr. GRPO, Liu et
-    al. 2025), the batch std sqrt(1.75 / 8) (REINFORCE++-baseline, Hu et al. 2025), the mean of
-    the other three as baseline (RLOO, Ahmadian et al. 2024: 1 - 1/3, 0 - 2/3; 1 - 2/3, 0 - 1)."""
+    al. 2025), the batch std sqrt(1.75 / 8) (REINFORCE++-baseline, Hu et al. 2025: all
+    completions 10 tokens, so the token weighting changes nothing), the sample std of the eight
+    raw rewards, five 1s and three 0s about 5/8: sqrt((5 * 9 + 3 * 25) / 64 / 7) = sqrt(15 /
+    56) (TRL's scale_rewards="batch"), the mean of the other three as baseline (RLOO, Ahmadian et al. 2024: 1 - 1/3, 0 - 2/3; 1 - 2/3, 0 - 1)."""
     objective = GroupNormalisedAdvantage(epsilon=1e-12, normalisation=normalisation)
     units = [rollout_unit(i) for i in range(2)]
     units = [dataclasses.replace(u, members=tuple(dataclasses.replace(m, reward=float(r))
@@ -416,6 +421,49 @@ def test_advantage_normalisations_by_hand(normalisation, expected):
     assert np.asarray(result.advantages.values).tolist() == pytest.approx(
         [v for group in expected for v in group], rel=1e-5)
     assert result.advantages.keep is None
+
+
+def _with_lengths(unit, rewards, lengths):
+    """``unit`` with its members' rewards and completion lengths (tokens and logprobs cut)."""
+    return dataclasses.replace(unit, members=tuple(
+        dataclasses.replace(m, reward=float(r), completion_token_ids=m.completion_token_ids[:n],
+                            completion_logprobs=m.completion_logprobs[:n])
+        for m, r, n in zip(unit.members, rewards, lengths)))
+
+
+def test_batch_std_whitens_over_loss_tokens_as_openrlhf():
+    """REINFORCE++-baseline as OpenRLHF: groups (1, 0) of 1 and 3 tokens and (2, 0) of 2 and 2,
+    centred (.5, -.5) and (1, -1). Over the 8 tokens: mean (.5 - 1.5 + 2 - 2) / 8 = -1/8, biased
+    variance (.625^2 + 3 * .375^2 + 2 * 1.125^2 + 2 * .875^2) / 8 = 39/64, so the advantages are
+    (5, -3, 9, -7) / sqrt(39). OpenRLHF's own lines (``experience_maker.py``, the reward on
+    every action token, then the masked whitening) give the same on the padded tokens."""
+    units = [_with_lengths(rollout_unit(0, group_size=2), (1, 0), (1, 3)),
+             _with_lengths(rollout_unit(1, group_size=2), (2, 0), (2, 2))]
+    objective = GroupNormalisedAdvantage(normalisation=AdvantageNormalisation.BATCH_STD)
+    values = np.asarray(objective.compute(units, objective.initial_state()).advantages.values)
+    assert values.tolist() == pytest.approx([v / 39 ** .5 for v in (5, -3, 9, -7)], rel=1e-6)
+    # OpenRLHF 3c3be62, openrlhf/trainer/ppo_utils/experience_maker.py l. 267-268, 315-327
+    rewards = torch.tensor([[1., 0.], [2., 0.]])
+    rewards = (rewards - rewards.mean(-1, keepdim=True)).reshape(-1)
+    action_mask = torch.arange(3)[None, :] < torch.tensor([1, 3, 2, 2])[:, None]
+    all_advantages = (rewards[:, None] * action_mask).flatten()
+    all_action_masks = action_mask.flatten()
+    num_actions = all_action_masks.sum()
+    mean = (all_advantages * all_action_masks).sum() / num_actions
+    var = ((all_advantages - mean).pow(2) * all_action_masks).sum() / num_actions
+    theirs = ((all_advantages - mean) * var.clamp(min=1e-8).rsqrt()).reshape(4, 3)[:, 0]
+    assert values.tolist() == pytest.approx(theirs.tolist(), rel=1e-6)
+
+
+def test_batch_std_floors_the_std_at_epsilon_as_openrlhf_clamps_the_variance():
+    """Rewards (1, 0) and (1, 0), one token each: centred +-.5, std .5. With epsilon 2 the std
+    is floored at 2 (OpenRLHF: ``var.clamp(min=1e-8)``, epsilon 1e-4), not added to it: +-.25."""
+    units = [_with_lengths(rollout_unit(i, group_size=2), (1, 0), (1, 1)) for i in range(2)]
+    for epsilon, scale in ((2.0, 2.0), (1e-4, .5)):
+        objective = GroupNormalisedAdvantage(epsilon=epsilon,
+                                             normalisation=AdvantageNormalisation.BATCH_STD)
+        values = objective.compute(units, objective.initial_state()).advantages.values
+        assert np.asarray(values).tolist() == pytest.approx([.5 / scale, -.5 / scale] * 2)
 
 
 def test_rloo_takes_each_groups_own_size_and_gives_a_group_of_one_zero():
@@ -699,7 +747,8 @@ def test_reef_check_prints_the_default_grpo_variants_and_set_changes_the_objecti
         "check", "--recipe", "reef_stream.demo.recipes:grpo", "--set",
         "objective.normalisation=batch_std", "--set", "objective.dynamic_sampling=true"])
     assert result.exit_code == 0, result.output
-    assert "(r - group mean) / (batch std of centred rewards + eps)" in result.stdout
+    assert "r - group mean, whitened over the batch's loss tokens (REINFORCE++-baseline" \
+        in result.stdout
     assert "dynamic sampling: groups whose rewards are all equal dropped" in result.stdout
 
 
