@@ -217,14 +217,25 @@ class KLPenalty:
     backend's frozen reference model (``reef_stream.engine.training``): a copy of the initial
     policy, or with ``reference`` the weights of that checkpoint (the URI of a checkpoint a
     trainer stored, e.g. ``/ckpt/step-000120-...``; verified against its manifest; its tensors
-    must be the model's, a LoRA checkpoint's adapter alone included)."""
+    must be the model's, a LoRA checkpoint's adapter alone included).
+
+    ``estimate_bound`` > 0: each token's estimate is clamped to ``[-bound, bound]`` (a token
+    beyond it adds a constant, no gradient). None, the default: unbounded, as GRPO and TRL
+    (``GRPOTrainer``'s ``per_token_kl``, ``trl/trainer/grpo_trainer.py`` l. 3071-3073 at
+    f2cd577). verl's ``low_var_kl`` / ``k3`` is ``estimate_bound=10``
+    (``kl_penalty_forward``, ``verl/trainer/ppo/core_algos.py`` l. 1890-1896 at b178a3c); verl
+    bounds no other estimator. Either way the log-ratio ``d`` is first clamped to the loss's
+    ``log_ratio_bound`` (20 by default, verl's own clamp of ``d``)."""
 
     coefficient: float
     estimator: KLEstimator = KLEstimator.K3
     reference: str | None = None
+    estimate_bound: float | None = None
 
     def __post_init__(self) -> None:
         _positive("KLPenalty", "coefficient", self.coefficient, allow_zero=True)
+        if self.estimate_bound is not None:
+            _positive("KLPenalty", "estimate_bound", self.estimate_bound)
         if not isinstance(self.estimator, KLEstimator):
             raise ConfigurationError(f"KLPenalty.estimator must be a KLEstimator (K1, K2, K3), "
                                      f"got {self.estimator!r}")
@@ -233,10 +244,21 @@ class KLPenalty:
             raise ConfigurationError(f"KLPenalty.reference must be a checkpoint URI or None, "
                                      f"got {self.reference!r}")
 
+    def estimate(self, current: torch.Tensor, reference: torch.Tensor, bound: float
+                 ) -> torch.Tensor:
+        """``float[B, T]``: the estimator's value per token, ``d`` clamped to ``[-bound,
+        bound]`` first, the estimate to ``[-estimate_bound, estimate_bound]`` after. Pure."""
+        estimate = self.estimator.estimate(current, reference, bound)
+        if self.estimate_bound is None:
+            return estimate
+        return estimate.clamp(-self.estimate_bound, self.estimate_bound)
+
     def describe(self) -> str:
         to = "the initial policy" if self.reference is None else f"checkpoint {self.reference}"
+        bounded = ("" if self.estimate_bound is None
+                   else f", each token's estimate clamped to +-{self.estimate_bound:g}")
         return (f"KL to {to}, {self.estimator.value} estimator, coefficient "
-                f"{self.coefficient:g}")
+                f"{self.coefficient:g}{bounded}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -195,6 +195,33 @@ def test_kl_penalty_estimators_by_hand(estimator, per_token):
     assert inputs.logprobs.grad[0].tolist() == pytest.approx((0.1 * derivative / 2).tolist())
 
 
+def test_kl_estimate_bound_clamps_each_tokens_estimate_as_verls_low_var_kl():
+    """d = reference - current = (1, 3, -12): k3 = e - 2 = .718, e^3 - 4 = 16.09 and e^-12 + 11
+    = 11.000006. With estimate_bound 10 (verl's low_var_kl) the last two are 10, constant (no
+    gradient): loss 0.1 * (e - 2 + 20) / 3, gradient 0.1 * (1 - e) / 3 on the first token
+    only. verl's ``kl_penalty_forward`` lines (core_algos.py l. 1890-1896 at b178a3c) give the
+    same per-token values (to an ulp: k3 here is ``expm1(d) - d``); unbounded (the default) the estimate is k3's own."""
+    def inputs():
+        return _inputs([[-1.0, -3.0, -0.5]], [[-1.0, -3.0, -0.5]], [[0.0, 0.0, 0.0]],
+                       reference_logprobs=[[0.0, 0.0, -12.5]])
+    bounded, free = inputs(), inputs()
+    out = ClippedPolicyGradient(kl=KLPenalty(0.1, estimate_bound=10.0))(bounded)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(0.1 * (math.e - 2 + 20) / 3)
+    assert out.metrics[LOSS_KL_REFERENCE] == pytest.approx((math.e - 2 + 20) / 3)
+    assert bounded.logprobs.grad[0].tolist() == pytest.approx([0.1 * (1 - math.e) / 3, 0, 0])
+    k3 = [math.e - 2, math.exp(3) - 4, math.exp(-12) + 11]
+    unbounded = ClippedPolicyGradient(kl=KLPenalty(0.1))(free)
+    assert unbounded.metrics[LOSS_KL_REFERENCE] == pytest.approx(sum(k3) / 3)
+    # verl b178a3c, verl/trainer/ppo/core_algos.py, kl_penalty_forward, "low_var_kl"
+    logprob, ref_logprob = bounded.logprobs.detach(), bounded.reference_logprobs
+    kl = torch.clamp(ref_logprob - logprob, min=-20, max=20)
+    theirs = torch.clamp((torch.exp(kl) - kl - 1).contiguous(), min=-10, max=10)
+    ours = KLPenalty(0.1, estimate_bound=10.0).estimate(logprob, ref_logprob, 20.0)
+    assert ours[0].tolist() == pytest.approx(theirs[0].tolist(), rel=1e-15)  # expm1: an ulp
+    assert "clamped to +-10" in KLPenalty(0.1, estimate_bound=10.0).describe()
+
+
 def test_entropy_bonus_by_hand():
     """The entropy bonus (A3C, Mnih et al. 2016): A = 0, entropies (1.0, 0.5), coefficient
     0.1: loss -0.1 * 0.75, metric 0.75, gradient -0.1 / 2 on each token's entropy."""
@@ -512,6 +539,7 @@ def test_dynamic_sampling_drops_groups_with_all_equal_rewards():
     (lambda: KLPenalty(-1.0), "KLPenalty.coefficient must be"),
     (lambda: KLPenalty(0.1, "k3"), "estimator must be a KLEstimator"),
     (lambda: KLPenalty(0.1, reference=""), "reference must be a checkpoint URI"),
+    (lambda: KLPenalty(0.1, estimate_bound=0.0), "KLPenalty.estimate_bound must be"),
     (lambda: ConstantNormaliser(0), "tokens_per_sequence must be"),
     (lambda: DecoupledProximal(weight_cap=0.0), "weight_cap must be"),
     (lambda: DecoupledProximal(weight_cap=-2.0), "weight_cap must be a finite number > 0"),
