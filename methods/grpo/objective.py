@@ -55,7 +55,8 @@ class GroupNormalisedAdvantage:
     ``epsilon``: added to the standard deviation (positive). ``normalisation``: how the
     centred rewards are scaled (``AdvantageNormalisation``; GRPO's group population std by
     default, ``NONE`` for Dr. GRPO). ``dynamic_sampling``: drop the groups whose rewards are
-    all equal from the loss (DAPO, Yu et al. 2025; off by default). Raises
+    all equal from the loss (DAPO, Yu et al. 2025; off by default). A group of one gets
+    advantage 0 (verl: ``r / (1 + eps)``; ``AdvantageNormalisation`` says why). Raises
     ``ConfigurationError`` for a bad setting.
     """
 

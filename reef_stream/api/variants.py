@@ -421,7 +421,18 @@ class ExtraInput(enum.Enum):
 
 class AdvantageNormalisation(enum.Enum):
     """How a group's centred rewards ``r - mean(group)`` are scaled (``epsilon`` added to
-    any std)."""
+    any std).
+
+    A group of one (a generation ungrouped, or its group's others lost) has no other reward
+    to compare with: every member but ``BATCH_STD`` gives it advantage 0 (its centred reward
+    is 0; ``RLOO``: no other reward, 0), as TRL (``GRPOTrainer``: ``r - mean`` of the group;
+    ``RLOOTrainer``). ``BATCH_STD`` gives it ``-m / std`` like every sample whose centred reward
+    is 0 (OpenRLHF whitens every token). verl gives it ``r / (1 + eps)`` in GRPO (mean 0, std 1:
+    ``compute_grpo_outcome_advantage``, ``verl/trainer/ppo/core_algos.py`` l. 314-316 at
+    b178a3c), ``r`` in RLOO and REINFORCE++-baseline before whitening: the raw reward taken as
+    an advantage, on another scale than its batch's normalised ones and of one sign whenever
+    rewards are. 0 is chosen: a lone sample then adds nothing to the policy gradient (its KL and
+    entropy terms still count), docs/design-notes.md, "Off-policy corrections"."""
 
     #: ``/ (std(group, ddof=0) + eps)`` (GRPO, Shao et al. 2024). The default.
     GROUP_POPULATION_STD = "group_population_std"

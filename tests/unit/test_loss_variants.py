@@ -200,7 +200,8 @@ def test_kl_estimate_bound_clamps_each_tokens_estimate_as_verls_low_var_kl():
     = 11.000006. With estimate_bound 10 (verl's low_var_kl) the last two are 10, constant (no
     gradient): loss 0.1 * (e - 2 + 20) / 3, gradient 0.1 * (1 - e) / 3 on the first token
     only. verl's ``kl_penalty_forward`` lines (core_algos.py l. 1890-1896 at b178a3c) give the
-    same per-token values (to an ulp: k3 here is ``expm1(d) - d``); unbounded (the default) the estimate is k3's own."""
+    same per-token values (to an ulp: k3 here is ``expm1(d) - d``); unbounded (the default)
+    the estimate is k3's own."""
     def inputs():
         return _inputs([[-1.0, -3.0, -0.5]], [[-1.0, -3.0, -0.5]], [[0.0, 0.0, 0.0]],
                        reference_logprobs=[[0.0, 0.0, -12.5]])
@@ -438,7 +439,8 @@ def test_advantage_normalisations_by_hand(normalisation, expected):
     al. 2025), the batch std sqrt(1.75 / 8) (REINFORCE++-baseline, Hu et al. 2025: all
     completions 10 tokens, so the token weighting changes nothing), the sample std of the eight
     raw rewards, five 1s and three 0s about 5/8: sqrt((5 * 9 + 3 * 25) / 64 / 7) = sqrt(15 /
-    56) (TRL's scale_rewards="batch"), the mean of the other three as baseline (RLOO, Ahmadian et al. 2024: 1 - 1/3, 0 - 2/3; 1 - 2/3, 0 - 1)."""
+    56) (TRL's scale_rewards="batch"), the mean of the other three as baseline (RLOO, Ahmadian
+    et al. 2024: 1 - 1/3, 0 - 2/3; 1 - 2/3, 0 - 1)."""
     objective = GroupNormalisedAdvantage(epsilon=1e-12, normalisation=normalisation)
     units = [rollout_unit(i) for i in range(2)]
     units = [dataclasses.replace(u, members=tuple(dataclasses.replace(m, reward=float(r))
@@ -506,6 +508,26 @@ def test_rloo_takes_each_groups_own_size_and_gives_a_group_of_one_zero():
                                              normalisation=AdvantageNormalisation.RLOO)
         result = objective.compute(units, objective.initial_state())
         assert np.asarray(result.advantages.values).tolist() == [0, 2, -2, 3, -1.5, -1.5]
+
+
+@pytest.mark.parametrize("normalisation, rest", [
+    (AdvantageNormalisation.GROUP_POPULATION_STD, [1, -1]),
+    (AdvantageNormalisation.GROUP_SAMPLE_STD, [.5 / .5 ** .5, -.5 / .5 ** .5]),
+    (AdvantageNormalisation.NONE, [.5, -.5]),
+    (AdvantageNormalisation.BATCH_STD, [.5 * 6 ** .5, -.5 * 6 ** .5]),
+    (AdvantageNormalisation.BATCH_REWARD_STD, [.5 / (7 / 3) ** .5, -.5 / (7 / 3) ** .5]),
+    (AdvantageNormalisation.RLOO, [1, -1]),
+])
+def test_a_group_of_one_gets_advantage_zero(normalisation, rest):
+    """Groups (3) and (1, 0): the lone 3 gets 0 under every normalisation (TRL's choice; verl's
+    GRPO gives r / (1 + eps) = 3). The pair: centred +-.5; population std .5, sample std
+    sqrt(.5); batch tokens (0, .5, -.5) of 10 each, mean 0, variance 1/6; raw rewards (3, 1, 0),
+    sample variance (25 + 1 + 16) / 9 / 2 = 7/3; RLOO 1 - 0, 0 - 1."""
+    units = [_with_lengths(rollout_unit(0, group_size=1), (3,), (10,)),
+             _with_lengths(rollout_unit(1, group_size=2), (1, 0), (10, 10))]
+    objective = GroupNormalisedAdvantage(epsilon=1e-12, normalisation=normalisation)
+    values = objective.compute(units, objective.initial_state()).advantages.values
+    assert np.asarray(values).tolist() == pytest.approx([0, *rest], rel=1e-5)
 
 
 def test_dynamic_sampling_drops_groups_with_all_equal_rewards():
