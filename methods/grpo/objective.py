@@ -55,7 +55,8 @@ class GroupNormalisedAdvantage:
     ``epsilon``: added to the standard deviation (positive). ``normalisation``: how the
     centred rewards are scaled (``AdvantageNormalisation``; GRPO's group population std by
     default, ``NONE`` for Dr. GRPO). ``dynamic_sampling``: drop the groups whose rewards are
-    all equal from the loss (DAPO, Yu et al. 2025; off by default). Raises
+    all equal from the loss (DAPO, Yu et al. 2025; off by default). A group of one gets
+    advantage 0 (verl: ``r / (1 + eps)``; ``AdvantageNormalisation`` says why). Raises
     ``ConfigurationError`` for a bad setting.
     """
 
@@ -103,7 +104,9 @@ class GroupNormalisedAdvantage:
         stds = [float(group.std()) for group in rewards]
         equal = equal_reward_groups(rewards)
         kept = [not e for e in equal] if self.dynamic_sampling else None
-        values = np.concatenate(self.normalisation.apply(rewards, self.epsilon, kept))
+        tokens = [np.array([len(member.completion_token_ids) for member in unit.members],
+                           dtype=np.float64) for unit in units]
+        values = np.concatenate(self.normalisation.apply(rewards, self.epsilon, kept, tokens))
         keep = None
         extra: dict[str, float] = {}
         if kept is not None:

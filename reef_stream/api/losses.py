@@ -181,7 +181,7 @@ def _penalised(terms: torch.Tensor, inputs: PolicyGradientInputs, kl: KLPenalty 
     """``terms`` plus the KL penalty and minus the entropy bonus per token (both aggregated
     like the surrogate); their token means go to ``metrics``."""
     if kl is not None:
-        estimate = kl.estimator.estimate(
+        estimate = kl.estimate(
             inputs.logprobs, inputs.needed(ExtraInput.REFERENCE_LOGPROBS, by), bound)
         terms = terms + kl.coefficient * estimate
         metrics[LOSS_KL_REFERENCE] = float((estimate.detach() * mask).sum() / count)

@@ -10,9 +10,9 @@ Options, and where they come from:
 
 - ``AdvantageNormalisation``: how a group's centred rewards are scaled: the group's
   population std (GRPO, Shao et al. 2024, "DeepSeekMath"), its sample std, nothing (Dr. GRPO,
-  Liu et al. 2025, "Understanding R1-Zero-Like Training"), or the std over the whole batch
-  (REINFORCE++-baseline, Hu et al. 2025); or the leave-one-out baseline (RLOO, Ahmadian et al.
-  2024).
+  Liu et al. 2025, "Understanding R1-Zero-Like Training"), whitened over the batch's tokens
+  (REINFORCE++-baseline, Hu et al. 2025) or the batch's reward std (TRL); or the
+  leave-one-out baseline (RLOO, Ahmadian et al. 2024).
 - ``Aggregation``: how per-token terms become the loss: ``TokenMean`` (DAPO's token-level
   loss, Yu et al. 2025), ``SequenceMeanTokenMean`` (the original GRPO), ``SequenceMeanTokenSum``,
   ``ConstantNormaliser`` (Dr. GRPO: a fixed token budget per sequence).
@@ -217,14 +217,25 @@ class KLPenalty:
     backend's frozen reference model (``reef_stream.engine.training``): a copy of the initial
     policy, or with ``reference`` the weights of that checkpoint (the URI of a checkpoint a
     trainer stored, e.g. ``/ckpt/step-000120-...``; verified against its manifest; its tensors
-    must be the model's, a LoRA checkpoint's adapter alone included)."""
+    must be the model's, a LoRA checkpoint's adapter alone included).
+
+    ``estimate_bound`` > 0: each token's estimate is clamped to ``[-bound, bound]`` (a token
+    beyond it adds a constant, no gradient). None, the default: unbounded, as GRPO and TRL
+    (``GRPOTrainer``'s ``per_token_kl``, ``trl/trainer/grpo_trainer.py`` l. 3071-3073 at
+    f2cd577). verl's ``low_var_kl`` / ``k3`` is ``estimate_bound=10``
+    (``kl_penalty_forward``, ``verl/trainer/ppo/core_algos.py`` l. 1890-1896 at b178a3c); verl
+    bounds no other estimator. Either way the log-ratio ``d`` is first clamped to the loss's
+    ``log_ratio_bound`` (20 by default, verl's own clamp of ``d``)."""
 
     coefficient: float
     estimator: KLEstimator = KLEstimator.K3
     reference: str | None = None
+    estimate_bound: float | None = None
 
     def __post_init__(self) -> None:
         _positive("KLPenalty", "coefficient", self.coefficient, allow_zero=True)
+        if self.estimate_bound is not None:
+            _positive("KLPenalty", "estimate_bound", self.estimate_bound)
         if not isinstance(self.estimator, KLEstimator):
             raise ConfigurationError(f"KLPenalty.estimator must be a KLEstimator (K1, K2, K3), "
                                      f"got {self.estimator!r}")
@@ -233,10 +244,21 @@ class KLPenalty:
             raise ConfigurationError(f"KLPenalty.reference must be a checkpoint URI or None, "
                                      f"got {self.reference!r}")
 
+    def estimate(self, current: torch.Tensor, reference: torch.Tensor, bound: float
+                 ) -> torch.Tensor:
+        """``float[B, T]``: the estimator's value per token, ``d`` clamped to ``[-bound,
+        bound]`` first, the estimate to ``[-estimate_bound, estimate_bound]`` after. Pure."""
+        estimate = self.estimator.estimate(current, reference, bound)
+        if self.estimate_bound is None:
+            return estimate
+        return estimate.clamp(-self.estimate_bound, self.estimate_bound)
+
     def describe(self) -> str:
         to = "the initial policy" if self.reference is None else f"checkpoint {self.reference}"
+        bounded = ("" if self.estimate_bound is None
+                   else f", each token's estimate clamped to +-{self.estimate_bound:g}")
         return (f"KL to {to}, {self.estimator.value} estimator, coefficient "
-                f"{self.coefficient:g}")
+                f"{self.coefficient:g}{bounded}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,8 +317,18 @@ class DecoupledProximal:
     ``loss_mask`` count (``areal/utils/functional/functional.py``); verl drops it from there
     too, by rewriting ``response_mask`` before the update. ``weight_cap`` > 0 (None:
     untruncated; ``MASK`` needs it); ``weight_floor`` > 0 and <= ``weight_cap``, or None (no
-    lower bound, as both). Defaults: token level, truncated at 2, the behaviour of this option
-    before it had the others.
+    lower bound, as both).
+
+    Defaults: token level, truncated at 2 (TRUNCATE, not MASK), as verl's truncated IS
+    (``RolloutCorrectionConfig``: ``rollout_is_threshold = 2.0``, ``rollout_rs = None``,
+    ``verl/trainer/config/algorithm.py`` l. 173-176 at b178a3c). AReaL masks by default once
+    its filter is on (``RejectionSamplingConfig.action = "mask"``, ``upper = 5.0``,
+    ``areal/api/cli_args.py`` l. 1263-1300 at 4aef98d): ``weight_mode=MASK, weight_cap=5``
+    gives that. TRUNCATE stays the default because it was this option's only behaviour before
+    (a run resumed or replayed with the default trains bitwise as before) and because a
+    truncated token still trains with a bounded weight, where a masked one is lost; neither
+    reference shows the other better in general (docs/design-notes.md, "Off-policy
+    corrections").
     """
 
     weight_cap: float | None = 2.0
@@ -389,7 +421,18 @@ class ExtraInput(enum.Enum):
 
 class AdvantageNormalisation(enum.Enum):
     """How a group's centred rewards ``r - mean(group)`` are scaled (``epsilon`` added to
-    any std)."""
+    any std).
+
+    A group of one (a generation ungrouped, or its group's others lost) has no other reward
+    to compare with: every member but ``BATCH_STD`` gives it advantage 0 (its centred reward
+    is 0; ``RLOO``: no other reward, 0), as TRL (``GRPOTrainer``: ``r - mean`` of the group;
+    ``RLOOTrainer``). ``BATCH_STD`` gives it ``-m / std`` like every sample whose centred reward
+    is 0 (OpenRLHF whitens every token). verl gives it ``r / (1 + eps)`` in GRPO (mean 0, std 1:
+    ``compute_grpo_outcome_advantage``, ``verl/trainer/ppo/core_algos.py`` l. 314-316 at
+    b178a3c), ``r`` in RLOO and REINFORCE++-baseline before whitening: the raw reward taken as
+    an advantage, on another scale than its batch's normalised ones and of one sign whenever
+    rewards are. 0 is chosen: a lone sample then adds nothing to the policy gradient (its KL and
+    entropy terms still count), docs/design-notes.md, "Off-policy corrections"."""
 
     #: ``/ (std(group, ddof=0) + eps)`` (GRPO, Shao et al. 2024). The default.
     GROUP_POPULATION_STD = "group_population_std"
@@ -399,9 +442,21 @@ class AdvantageNormalisation(enum.Enum):
     #: Not scaled: ``r - mean(group)`` (Dr. GRPO, Liu et al. 2025: the std's difficulty bias
     #: removed).
     NONE = "none"
-    #: ``/ (std over the batch's centred rewards + eps)`` (REINFORCE++-baseline, Hu et al.
-    #: 2025); groups dropped by dynamic sampling are left out of that std.
+    #: REINFORCE++-baseline (Hu et al. 2025) as its authors' OpenRLHF computes it
+    #: (``openrlhf/trainer/ppo_utils/experience_maker.py`` l. 267-268 and 315-327 at 3c3be62):
+    #: ``c = r - mean(group)`` on each of the sample's loss tokens, then whitened over all the
+    #: batch's loss tokens: ``(c - m) / sqrt(max(v, eps^2))`` with ``m`` and ``v`` the
+    #: token-weighted mean and biased variance of ``c`` (a sample of ``L`` tokens counts ``L``
+    #: times; OpenRLHF's ``var.clamp(min=1e-8).rsqrt()`` is ``eps = 1e-4``, this objective's
+    #: default). verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage``
+    #: (``verl/trainer/ppo/core_algos.py`` l. 425) differs: Bessel-corrected variance,
+    #: ``rsqrt(v + 1e-8)``. Groups dropped by dynamic sampling are left out of ``m`` and ``v``.
     BATCH_STD = "batch_std"
+    #: ``/ (std(every reward of the batch, ddof=1) + eps)``: the std of the raw rewards, not
+    #: the centred ones, per sample (TRL's ``GRPOConfig(scale_rewards="batch")``,
+    #: ``trl/trainer/grpo_trainer.py`` l. 2694-2707 at f2cd577, ``nanstd`` Bessel-corrected,
+    #: 0 for a single reward). Groups dropped by dynamic sampling are left out of that std.
+    BATCH_REWARD_STD = "batch_reward_std"
     #: ``r_i - (sum(group) - r_i) / (n - 1)``: the mean of the group's other rewards as the
     #: baseline (RLOO, Ahmadian et al. 2024), equal to ``(r - mean(group)) * n / (n - 1)``; no
     #: std, ``epsilon`` unused. As TRL's ``RLOOTrainer`` (``trl/trainer/rloo_trainer.py``,
@@ -411,17 +466,30 @@ class AdvantageNormalisation(enum.Enum):
     RLOO = "rloo"
 
     def apply(self, groups: list[np.ndarray], epsilon: float,
-              kept: list[bool] | None = None) -> list[np.ndarray]:
-        """The advantages of each group of rewards (float64 arrays), in order. Pure."""
+              kept: list[bool] | None = None,
+              tokens: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """The advantages of each group of rewards (float64 arrays), in order. ``kept``: per
+        group, whether dynamic sampling keeps it (None: all). ``tokens``: per group, each
+        sample's loss-token count, which ``BATCH_STD`` weighs it by (None: 1 each). Pure."""
         centred = [g - g.mean() for g in groups]
+        counted = kept or [True] * len(groups)
         if self is AdvantageNormalisation.NONE:
             return centred
         if self is AdvantageNormalisation.RLOO:
             return [g - (g.sum() - g) / (g.size - 1) if g.size > 1 else np.zeros_like(g)
                     for g in groups]
         if self is AdvantageNormalisation.BATCH_STD:
-            counted = [c for c, keep in zip(centred, kept or [True] * len(groups)) if keep]
-            std = float(np.concatenate(counted).std()) if counted else 0.0
+            weights = tokens or [np.ones_like(g) for g in groups]
+            flat = np.concatenate([c for c, keep in zip(centred, counted) if keep] or [[]])
+            w = np.concatenate([np.asarray(t, dtype=np.float64)
+                                for t, keep in zip(weights, counted) if keep] or [[]])
+            total = float(w.sum())
+            mean = float((flat * w).sum()) / total if total > 0 else 0.0
+            var = float((np.square(flat - mean) * w).sum()) / total if total > 0 else 0.0
+            return [(c - mean) / math.sqrt(max(var, epsilon ** 2)) for c in centred]
+        if self is AdvantageNormalisation.BATCH_REWARD_STD:
+            rewards = np.concatenate([g for g, keep in zip(groups, counted) if keep] or [[]])
+            std = float(rewards.std(ddof=1)) if rewards.size > 1 else 0.0
             return [c / (std + epsilon) for c in centred]
         ddof = 0 if self is AdvantageNormalisation.GROUP_POPULATION_STD else 1
         return [c / ((float(g.std(ddof=ddof)) if g.size > ddof else 0.0) + epsilon)
@@ -435,7 +503,11 @@ class AdvantageNormalisation(enum.Enum):
                 "(r - group mean) / (group sample std + eps)",
             AdvantageNormalisation.NONE: "r - group mean, unscaled (Dr. GRPO)",
             AdvantageNormalisation.BATCH_STD:
-                "(r - group mean) / (batch std of centred rewards + eps) (REINFORCE++-baseline)",
+                "r - group mean, whitened over the batch's loss tokens (REINFORCE++-baseline, "
+                "as OpenRLHF)",
+            AdvantageNormalisation.BATCH_REWARD_STD:
+                "(r - group mean) / (batch sample std of rewards + eps) (TRL "
+                "scale_rewards=batch)",
             AdvantageNormalisation.RLOO:
                 "r - mean of the group's other rewards, 0 for a group of one (RLOO)",
         }[self]

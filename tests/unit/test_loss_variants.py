@@ -195,6 +195,34 @@ def test_kl_penalty_estimators_by_hand(estimator, per_token):
     assert inputs.logprobs.grad[0].tolist() == pytest.approx((0.1 * derivative / 2).tolist())
 
 
+def test_kl_estimate_bound_clamps_each_tokens_estimate_as_verls_low_var_kl():
+    """d = reference - current = (1, 3, -12): k3 = e - 2 = .718, e^3 - 4 = 16.09 and e^-12 + 11
+    = 11.000006. With estimate_bound 10 (verl's low_var_kl) the last two are 10, constant (no
+    gradient): loss 0.1 * (e - 2 + 20) / 3, gradient 0.1 * (1 - e) / 3 on the first token
+    only. verl's ``kl_penalty_forward`` lines (core_algos.py l. 1890-1896 at b178a3c) give the
+    same per-token values (to an ulp: k3 here is ``expm1(d) - d``); unbounded (the default)
+    the estimate is k3's own."""
+    def inputs():
+        return _inputs([[-1.0, -3.0, -0.5]], [[-1.0, -3.0, -0.5]], [[0.0, 0.0, 0.0]],
+                       reference_logprobs=[[0.0, 0.0, -12.5]])
+    bounded, free = inputs(), inputs()
+    out = ClippedPolicyGradient(kl=KLPenalty(0.1, estimate_bound=10.0))(bounded)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(0.1 * (math.e - 2 + 20) / 3)
+    assert out.metrics[LOSS_KL_REFERENCE] == pytest.approx((math.e - 2 + 20) / 3)
+    assert bounded.logprobs.grad[0].tolist() == pytest.approx([0.1 * (1 - math.e) / 3, 0, 0])
+    k3 = [math.e - 2, math.exp(3) - 4, math.exp(-12) + 11]
+    unbounded = ClippedPolicyGradient(kl=KLPenalty(0.1))(free)
+    assert unbounded.metrics[LOSS_KL_REFERENCE] == pytest.approx(sum(k3) / 3)
+    # verl b178a3c, verl/trainer/ppo/core_algos.py, kl_penalty_forward, "low_var_kl"
+    logprob, ref_logprob = bounded.logprobs.detach(), bounded.reference_logprobs
+    kl = torch.clamp(ref_logprob - logprob, min=-20, max=20)
+    theirs = torch.clamp((torch.exp(kl) - kl - 1).contiguous(), min=-10, max=10)
+    ours = KLPenalty(0.1, estimate_bound=10.0).estimate(logprob, ref_logprob, 20.0)
+    assert ours[0].tolist() == pytest.approx(theirs[0].tolist(), rel=1e-15)  # expm1: an ulp
+    assert "clamped to +-10" in KLPenalty(0.1, estimate_bound=10.0).describe()
+
+
 def test_entropy_bonus_by_hand():
     """The entropy bonus (A3C, Mnih et al. 2016): A = 0, entropies (1.0, 0.5), coefficient
     0.1: loss -0.1 * 0.75, metric 0.75, gradient -0.1 / 2 on each token's entropy."""
@@ -400,13 +428,19 @@ def test_the_behaviour_weights_carry_no_gradient():
     (AdvantageNormalisation.NONE, [[.5, -.5, -.5, .5], [.25, .25, .25, -.75]]),
     (AdvantageNormalisation.BATCH_STD, [[c / 1.75 ** .5 * 8 ** .5 for c in (.5, -.5, -.5, .5)],
                                         [c / 1.75 ** .5 * 8 ** .5 for c in (.25,) * 3 + (-.75,)]]),
+    (AdvantageNormalisation.BATCH_REWARD_STD,
+     [[c / (15 / 56) ** .5 for c in (.5, -.5, -.5, .5)],
+      [c / (15 / 56) ** .5 for c in (.25,) * 3 + (-.75,)]]),
     (AdvantageNormalisation.RLOO, [[2 / 3, -2 / 3, -2 / 3, 2 / 3], [1 / 3] * 3 + [-1]]),
 ])
 def test_advantage_normalisations_by_hand(normalisation, expected):
     """Groups (1, 0, 0, 1) and (1, 1, 1, 0), centred (.5, -.5, -.5, .5) and (.25, .25, .25,
     -.75): GRPO's population std (.5; .433), the sample std (.577; .5), none (Dr. GRPO, Liu et
-    al. 2025), the batch std sqrt(1.75 / 8) (REINFORCE++-baseline, Hu et al. 2025), the mean of
-    the other three as baseline (RLOO, Ahmadian et al. 2024: 1 - 1/3, 0 - 2/3; 1 - 2/3, 0 - 1)."""
+    al. 2025), the batch std sqrt(1.75 / 8) (REINFORCE++-baseline, Hu et al. 2025: all
+    completions 10 tokens, so the token weighting changes nothing), the sample std of the eight
+    raw rewards, five 1s and three 0s about 5/8: sqrt((5 * 9 + 3 * 25) / 64 / 7) = sqrt(15 /
+    56) (TRL's scale_rewards="batch"), the mean of the other three as baseline (RLOO, Ahmadian
+    et al. 2024: 1 - 1/3, 0 - 2/3; 1 - 2/3, 0 - 1)."""
     objective = GroupNormalisedAdvantage(epsilon=1e-12, normalisation=normalisation)
     units = [rollout_unit(i) for i in range(2)]
     units = [dataclasses.replace(u, members=tuple(dataclasses.replace(m, reward=float(r))
@@ -416,6 +450,49 @@ def test_advantage_normalisations_by_hand(normalisation, expected):
     assert np.asarray(result.advantages.values).tolist() == pytest.approx(
         [v for group in expected for v in group], rel=1e-5)
     assert result.advantages.keep is None
+
+
+def _with_lengths(unit, rewards, lengths):
+    """``unit`` with its members' rewards and completion lengths (tokens and logprobs cut)."""
+    return dataclasses.replace(unit, members=tuple(
+        dataclasses.replace(m, reward=float(r), completion_token_ids=m.completion_token_ids[:n],
+                            completion_logprobs=m.completion_logprobs[:n])
+        for m, r, n in zip(unit.members, rewards, lengths)))
+
+
+def test_batch_std_whitens_over_loss_tokens_as_openrlhf():
+    """REINFORCE++-baseline as OpenRLHF: groups (1, 0) of 1 and 3 tokens and (2, 0) of 2 and 2,
+    centred (.5, -.5) and (1, -1). Over the 8 tokens: mean (.5 - 1.5 + 2 - 2) / 8 = -1/8, biased
+    variance (.625^2 + 3 * .375^2 + 2 * 1.125^2 + 2 * .875^2) / 8 = 39/64, so the advantages are
+    (5, -3, 9, -7) / sqrt(39). OpenRLHF's own lines (``experience_maker.py``, the reward on
+    every action token, then the masked whitening) give the same on the padded tokens."""
+    units = [_with_lengths(rollout_unit(0, group_size=2), (1, 0), (1, 3)),
+             _with_lengths(rollout_unit(1, group_size=2), (2, 0), (2, 2))]
+    objective = GroupNormalisedAdvantage(normalisation=AdvantageNormalisation.BATCH_STD)
+    values = np.asarray(objective.compute(units, objective.initial_state()).advantages.values)
+    assert values.tolist() == pytest.approx([v / 39 ** .5 for v in (5, -3, 9, -7)], rel=1e-6)
+    # OpenRLHF 3c3be62, openrlhf/trainer/ppo_utils/experience_maker.py l. 267-268, 315-327
+    rewards = torch.tensor([[1., 0.], [2., 0.]])
+    rewards = (rewards - rewards.mean(-1, keepdim=True)).reshape(-1)
+    action_mask = torch.arange(3)[None, :] < torch.tensor([1, 3, 2, 2])[:, None]
+    all_advantages = (rewards[:, None] * action_mask).flatten()
+    all_action_masks = action_mask.flatten()
+    num_actions = all_action_masks.sum()
+    mean = (all_advantages * all_action_masks).sum() / num_actions
+    var = ((all_advantages - mean).pow(2) * all_action_masks).sum() / num_actions
+    theirs = ((all_advantages - mean) * var.clamp(min=1e-8).rsqrt()).reshape(4, 3)[:, 0]
+    assert values.tolist() == pytest.approx(theirs.tolist(), rel=1e-6)
+
+
+def test_batch_std_floors_the_std_at_epsilon_as_openrlhf_clamps_the_variance():
+    """Rewards (1, 0) and (1, 0), one token each: centred +-.5, std .5. With epsilon 2 the std
+    is floored at 2 (OpenRLHF: ``var.clamp(min=1e-8)``, epsilon 1e-4), not added to it: +-.25."""
+    units = [_with_lengths(rollout_unit(i, group_size=2), (1, 0), (1, 1)) for i in range(2)]
+    for epsilon, scale in ((2.0, 2.0), (1e-4, .5)):
+        objective = GroupNormalisedAdvantage(epsilon=epsilon,
+                                             normalisation=AdvantageNormalisation.BATCH_STD)
+        values = objective.compute(units, objective.initial_state()).advantages.values
+        assert np.asarray(values).tolist() == pytest.approx([.5 / scale, -.5 / scale] * 2)
 
 
 def test_rloo_takes_each_groups_own_size_and_gives_a_group_of_one_zero():
@@ -431,6 +508,26 @@ def test_rloo_takes_each_groups_own_size_and_gives_a_group_of_one_zero():
                                              normalisation=AdvantageNormalisation.RLOO)
         result = objective.compute(units, objective.initial_state())
         assert np.asarray(result.advantages.values).tolist() == [0, 2, -2, 3, -1.5, -1.5]
+
+
+@pytest.mark.parametrize("normalisation, rest", [
+    (AdvantageNormalisation.GROUP_POPULATION_STD, [1, -1]),
+    (AdvantageNormalisation.GROUP_SAMPLE_STD, [.5 / .5 ** .5, -.5 / .5 ** .5]),
+    (AdvantageNormalisation.NONE, [.5, -.5]),
+    (AdvantageNormalisation.BATCH_STD, [.5 * 6 ** .5, -.5 * 6 ** .5]),
+    (AdvantageNormalisation.BATCH_REWARD_STD, [.5 / (7 / 3) ** .5, -.5 / (7 / 3) ** .5]),
+    (AdvantageNormalisation.RLOO, [1, -1]),
+])
+def test_a_group_of_one_gets_advantage_zero(normalisation, rest):
+    """Groups (3) and (1, 0): the lone 3 gets 0 under every normalisation (TRL's choice; verl's
+    GRPO gives r / (1 + eps) = 3). The pair: centred +-.5; population std .5, sample std
+    sqrt(.5); batch tokens (0, .5, -.5) of 10 each, mean 0, variance 1/6; raw rewards (3, 1, 0),
+    sample variance (25 + 1 + 16) / 9 / 2 = 7/3; RLOO 1 - 0, 0 - 1."""
+    units = [_with_lengths(rollout_unit(0, group_size=1), (3,), (10,)),
+             _with_lengths(rollout_unit(1, group_size=2), (1, 0), (10, 10))]
+    objective = GroupNormalisedAdvantage(epsilon=1e-12, normalisation=normalisation)
+    values = objective.compute(units, objective.initial_state()).advantages.values
+    assert np.asarray(values).tolist() == pytest.approx([0, *rest], rel=1e-5)
 
 
 def test_dynamic_sampling_drops_groups_with_all_equal_rewards():
@@ -464,6 +561,7 @@ def test_dynamic_sampling_drops_groups_with_all_equal_rewards():
     (lambda: KLPenalty(-1.0), "KLPenalty.coefficient must be"),
     (lambda: KLPenalty(0.1, "k3"), "estimator must be a KLEstimator"),
     (lambda: KLPenalty(0.1, reference=""), "reference must be a checkpoint URI"),
+    (lambda: KLPenalty(0.1, estimate_bound=0.0), "KLPenalty.estimate_bound must be"),
     (lambda: ConstantNormaliser(0), "tokens_per_sequence must be"),
     (lambda: DecoupledProximal(weight_cap=0.0), "weight_cap must be"),
     (lambda: DecoupledProximal(weight_cap=-2.0), "weight_cap must be a finite number > 0"),
@@ -699,7 +797,8 @@ def test_reef_check_prints_the_default_grpo_variants_and_set_changes_the_objecti
         "check", "--recipe", "reef_stream.demo.recipes:grpo", "--set",
         "objective.normalisation=batch_std", "--set", "objective.dynamic_sampling=true"])
     assert result.exit_code == 0, result.output
-    assert "(r - group mean) / (batch std of centred rewards + eps)" in result.stdout
+    assert "r - group mean, whitened over the batch's loss tokens (REINFORCE++-baseline" \
+        in result.stdout
     assert "dynamic sampling: groups whose rewards are all equal dropped" in result.stdout
 
 
