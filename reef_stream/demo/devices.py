@@ -129,12 +129,17 @@ class DeviceModel:
         """Device time of training ``samples``: ``train_ms`` each."""
         return samples * self.train_ms
 
-    def overlap_bound(self, samples_per_step: int, replicas: int = 1) -> float:
+    def step_ms(self, samples_per_step: int, replicas: int = 1, epochs: int = 1
+                ) -> tuple[float, float]:
+        """A step's device time ``(g, t)``: generating its samples on ``replicas`` devices
+        (``generation_ms``) and training them ``epochs`` times (``training_ms``)."""
+        return (self.generation_ms(samples_per_step, replicas),
+                self.training_ms(samples_per_step) * epochs)
+
+    def overlap_bound(self, samples_per_step: int, replicas: int = 1, epochs: int = 1) -> float:
         """The best speedup overlapping can give over doing a step's work in turn:
-        ``(g + t) / max(g, t)``, ``g`` a step's generation on ``replicas`` devices
-        (``generation_ms``), ``t`` its training. 1 when the model costs nothing."""
-        g = self.generation_ms(samples_per_step, replicas)
-        t = self.training_ms(samples_per_step)
+        ``(g + t) / max(g, t)`` of ``step_ms``. 1 when the model costs nothing."""
+        g, t = self.step_ms(samples_per_step, replicas, epochs)
         return (g + t) / max(g, t) if max(g, t) > 0 else 1.0
 
     @classmethod

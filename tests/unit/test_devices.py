@@ -34,8 +34,9 @@ def test_a_spec_parses_into_a_frozen_model_and_back():
                                   "gen_ms='x' is not a number",
                                   "batch='0.5' is not a whole number"]),
     ("gen_ms=1,gen_ms=2,train_ms", ["gen_ms is given twice", "'train_ms' is not KEY=VALUE"]),
-    ("gen_ms=-1,train_ms=inf,batch=0", ["gen_ms must be a finite number", "train_ms must be a "
-                                        "finite number", "batch must be a whole number >= 1"]),
+    ("gen_ms=-1,train_ms=inf,batch=0", ["gen_ms must be a finite number",
+                                        "train_ms must be a finite number",
+                                        "batch must be a whole number >= 1"]),
 ])
 def test_a_bad_spec_is_one_error_listing_every_problem(spec, problems):
     with pytest.raises(ConfigurationError) as raised:
