@@ -142,7 +142,9 @@ class DemoOptions:
     reward_faults: str | None = None
     #: The modelled accelerators (``reef demo --device-model``: ``gen_ms=G,train_ms=T[,batch=B]``,
     #: ``reef_stream.demo.devices``) of the replicas and the trainer; each writes its busy time
-    #: to ``<run_dir>/devices/<stage>.json``. None: none (the default).
+    #: to ``<run_dir>/devices/<stage>.json``. The trainer's waits come with the demo's own
+    #: bindings (``demo.recipes``, ``demo.tool_recipes``); a bound recipe of one's own waits
+    #: when built with ``demo.recipes.timed``. The toy engine only. None: none (the default).
     device_model: str | None = None
 
 
@@ -283,6 +285,9 @@ class Demo:
         if options.engine not in ENGINES:
             raise ConfigurationError(f"the demo's engine is one of {', '.join(ENGINES)}, not "
                                      f"{options.engine!r}")
+        if options.engine == "vllm" and options.device_model:
+            raise ConfigurationError("--device-model models the toy engine's devices: a vLLM "
+                                     "server has its own (leave --device-model out)")
         if options.engine == "vllm" and (options.replicas != 1 or options.drain_s):
             raise ConfigurationError(
                 "with the vllm engine the demo runs one replica process, which drives the one "

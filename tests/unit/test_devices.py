@@ -131,3 +131,29 @@ def test_the_device_model_changes_no_computation():
     assert plain.keys() == timed.keys()
     for name in plain:
         assert torch.equal(plain[name], timed[name]), name
+
+
+def test_the_demo_gives_its_replicas_and_its_trainer_the_model(tmp_path, monkeypatch):
+    from reef_stream.core.settings import load_settings
+    from reef_stream.demo.devices import DEVICE_DIR_ENV
+    from reef_stream.demo.run import Demo, DemoOptions
+
+    monkeypatch.setenv("REEF_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(DEVICE_MODEL_ENV, "gen_ms=1,train_ms=1")   # not inherited without one
+
+    def demo(**options) -> Demo:
+        return Demo(DemoOptions(run_dir=tmp_path / "run", **options), settings=load_settings(),
+                    bootstrap="127.0.0.1:1", redis_url="redis://127.0.0.1:1")
+
+    plain = demo()
+    assert all(DEVICE_MODEL_ENV not in s.env and "--device-model" not in s.argv
+               for s in plain.stages.values())
+    modelled = demo(device_model="train_ms=1.5,gen_ms=300")
+    trainer, replica = modelled.stages["trainer"], modelled.stages["replica-1"]
+    assert trainer.env[DEVICE_MODEL_ENV] == "gen_ms=300,train_ms=1.5,batch=32"
+    assert trainer.env[DEVICE_DIR_ENV] == str(tmp_path / "run" / "devices")
+    at = replica.argv.index("--device-model")
+    assert replica.argv[at + 1:at + 4] == ["gen_ms=300,train_ms=1.5,batch=32", "--device-report",
+                                           str(tmp_path / "run" / "devices" / "replica-1.json")]
+    with pytest.raises(ConfigurationError, match="batch"):
+        demo(device_model="gen_ms=1,train_ms=1,batch=0")
