@@ -38,7 +38,9 @@ trainer's in turn), raw Kafka is measured once on the same broker, and the last 
     SCORECARD device_model=G/T sync_s=... live_s=... speedup=... bound=... overlap_efficiency=...
     samples_ratio=... trainer_busy=... staleness_mean=... goodput=... infra_cpu_vs_raw=...
 
-(one line; ``replicas_busy=`` is printed on the line above it): ``speedup`` = sync_s / live_s;
+(one line; the line above it gives ``replicas_busy``, ``samples_per_s_speedup`` -- samples
+trained per second, live over sync: the speedup with sample efficiency left out -- and the CPU
+figures in ms): ``speedup`` = sync_s / live_s;
 ``bound`` = (g + t) / max(g, t), the most overlap can give, with g a step's generation on the
 ``--replicas`` devices (``ceil(samples / (replicas x B)) x G``) and t its training (samples x T)
 (``DeviceModel.overlap_bound``; one replica device of batch B: the issue's ``(G+T)/max(G,T)``
@@ -77,7 +79,7 @@ from reef_stream.ops.scorecard import INFRA
 
 #: ``--quick``: the target and the time limit of each loop (one live run).
 QUICK_TARGET = 0.5
-QUICK_TIME_LIMIT = 300.0
+QUICK_TIME_LIMIT = 600.0
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -260,7 +262,14 @@ def main() -> int:
         print(scorecard_line(sync, runs, args.time_limit), flush=True)
         return 0
     assert bound is not None
+    trained = _median([float(r.scorecard.trained) for r in runs if r.scorecard is not None])
+    live_s = statistics.median(live_seconds(r, args.time_limit) for r in runs)
+    sync_s = sync.seconds if sync.reached else args.time_limit
+    # Samples per second, live over sync: the speedup with the samples' efficiency left out.
+    rate_speedup = (trained / live_s) / (sync.samples / sync_s) if trained and sync.samples \
+        and live_s and sync_s else None
     print(f"replicas_busy={figure(_median([d['replicas_busy'] for d in devices]))} "
+          f"samples_per_s_speedup={figure(rate_speedup)} "
           f"raw_cpu_ms_per_record={figure(None if raw_per_record is None else 1000 * raw_per_record)} "
           f"infra_cpu_ms_per_generation="
           f"{figure(_median([(i * 1000 if i is not None else None) for i in map(infra_cpu_per_generation, runs)]))}")
