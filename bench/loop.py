@@ -29,11 +29,35 @@ worker, the processor and the broker over all the CPU of the loop's processes: e
 the replicas and the broker). A run that does not reach the target within ``--time-limit``
 prints its figures, counts as the time limit in the median and is flagged in a NOTE line
 above the SCORECARD line. Figures, never assertions: nothing here is tuned.
+
+With ``--device-model [gen_ms=G,train_ms=T[,batch=B]]`` (no value: the default,
+``reef_stream.demo.devices.DEFAULT_SPEC``) both loops run on the modelled accelerators
+(``reef demo --device-model``; the synchronous loop uses the same ``--replicas`` devices and the
+trainer's in turn), raw Kafka is measured once on the same broker, and the last line is
+
+    SCORECARD device_model=G/T sync_s=... live_s=... speedup=... bound=... overlap_efficiency=...
+    samples_ratio=... trainer_busy=... staleness_mean=... goodput=... infra_cpu_vs_raw=...
+
+(one line; the line above it gives ``replicas_busy``, ``samples_per_s_speedup`` -- samples
+trained per second, live over sync: the speedup with sample efficiency left out -- and the CPU
+figures in ms): ``speedup`` = sync_s / live_s;
+``bound`` = (g + t) / max(g, t), the most overlap can give, with g a step's generation on the
+``--replicas`` devices (``ceil(samples / (replicas x B)) x G``) and t its training (samples x T)
+(``DeviceModel.overlap_bound``; one replica device of batch B: the issue's ``(G+T)/max(G,T)``
+per step's work); ``overlap_efficiency`` = speedup / bound; ``samples_ratio`` = samples trained
+to the target, live (the scorecard's) over sync; ``trainer_busy`` and ``replicas_busy``: each
+modelled device's waits over the span from its first wait to its last (the replicas': their
+mean), median over the live runs; ``infra_cpu_vs_raw``: the CPU of the reward worker, the
+processor and the broker per generation over raw Kafka's CPU per record (produce and consume
+records of a generation's encoded size through the same broker, broker plus client CPU).
+``--quick``: one live run to accuracy ``QUICK_TARGET`` within ``QUICK_TIME_LIMIT`` s each
+(minutes, not a figure to compare against the full run's).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -42,10 +66,20 @@ from pathlib import Path
 
 from common import demo_arguments, figure, live_run, run, say, servers  # first: it puts the project on sys.path
 
+from raw import raw_cpu_per_record
+
+from reef_stream.api.recipe import load_recipe
+from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.settings import load_settings
+from reef_stream.demo.devices import DEFAULT_SPEC, DeviceModel, read_reports
 from reef_stream.demo.recipes import stage_recipe
 from reef_stream.demo.run import DemoOptions, DemoResult
 from reef_stream.demo.sync import SyncResult, run_synchronous
+from reef_stream.ops.scorecard import INFRA
+
+#: ``--quick``: the target and the time limit of each loop (one live run).
+QUICK_TARGET = 0.5
+QUICK_TIME_LIMIT = 600.0
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -77,6 +111,49 @@ def scorecard_line(sync: SyncResult, runs: list[DemoResult], time_limit: float) 
     return "SCORECARD " + " ".join(f"{k}={figure(v)}" for k, v in figures.items())
 
 
+def device_figures(result: DemoResult, run_dir: Path) -> dict[str, float | None]:
+    """A live run's modelled devices (``<run_dir>/devices``): the trainer's busy fraction and
+    the replicas' mean, None when a device never waited."""
+    reports = read_reports(run_dir / "devices")
+    replicas = [r["busy_fraction"] for name, r in reports.items()
+                if name.startswith("replica-") and r["busy_fraction"] is not None]
+    return {"trainer_busy": reports.get("trainer", {}).get("busy_fraction"),
+            "replicas_busy": statistics.mean(replicas) if replicas else None}
+
+
+def infra_cpu_per_generation(result: DemoResult) -> float | None:
+    """The reward worker's, the processor's and the broker's CPU seconds over the run's
+    generations (``reef_stream.ops.scorecard.INFRA``)."""
+    card = result.scorecard
+    if card is None or not card.generated:
+        return None
+    return sum(card.cpu_seconds.get(k, 0.0) for k in INFRA) / card.generated
+
+
+def device_scorecard_line(device: DeviceModel, bound: float, sync: SyncResult,
+                          runs: list[DemoResult], devices: list[dict[str, float | None]],
+                          raw_per_record: float | None, time_limit: float) -> str:
+    """The last line with a device model (see the module docstring)."""
+    sync_s = sync.seconds if sync.reached else time_limit
+    live_s = statistics.median(live_seconds(r, time_limit) for r in runs)
+    cards = [r.scorecard for r in runs if r.scorecard is not None]
+    speedup = sync_s / live_s if live_s else None
+    infra = _median([infra_cpu_per_generation(r) for r in runs])
+    trained = _median([float(c.trained) for c in cards])
+    figures = {
+        "sync_s": sync_s, "live_s": live_s, "speedup": speedup, "bound": bound,
+        "overlap_efficiency": speedup / bound if speedup is not None else None,
+        "samples_ratio": trained / sync.samples if trained is not None and sync.samples else None,
+        "trainer_busy": _median([d["trainer_busy"] for d in devices]),
+        "staleness_mean": _median([c.staleness_versions.mean for c in cards]),
+        "goodput": _median([c.goodput for c in cards]),
+        "infra_cpu_vs_raw": (infra / raw_per_record if infra is not None and raw_per_record
+                             else None),
+    }
+    return (f"SCORECARD device_model={device.label()} "
+            + " ".join(f"{k}={figure(v)}" for k, v in figures.items()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         prog="python bench/loop.py", description=__doc__,
@@ -85,32 +162,84 @@ def main() -> int:
     parser.add_argument("--recipe", default="methods.sao",
                         help="the demo's recipe, for both loops (default methods.sao; "
                              "methods.grpo, or any bound recipe path)")
+    parser.add_argument("--device-model", nargs="?", const=DEFAULT_SPEC, default=None,
+                        metavar="gen_ms=G,train_ms=T[,batch=B]",
+                        help=f"model the accelerators in both loops (no value: {DEFAULT_SPEC}); "
+                             "ends with the device SCORECARD line")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"one live run, target {QUICK_TARGET:g}, at most "
+                             f"{QUICK_TIME_LIMIT:g} s per loop (overrides --runs, --target, "
+                             "--time-limit)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="FIELD=VALUE",
+                        help="override a field of the recipe in both loops (repeatable), e.g. "
+                             "--recipe methods.grpo --set objective.normalisation=rloo; the "
+                             "loss options of issue 29 (rollout importance weights) need a bound "
+                             "recipe path built with them (docs/design-notes.md)")
+    parser.add_argument("--raw-records", type=int, default=20000,
+                        help="records of the raw Kafka measurement (--device-model; default "
+                             "20000)")
     demo_arguments(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.runs, args.target, args.time_limit = 1, QUICK_TARGET, QUICK_TIME_LIMIT
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    try:
+        device = DeviceModel.parse(args.device_model) if args.device_model else None
+    except ConfigurationError as error:
+        parser.error(str(error))
+    recipe = load_recipe(stage_recipe(args.recipe), overrides=args.overrides, complete=True)
+    bound = None
+    if device is not None:
+        samples = recipe.schedule.units_per_step * max(recipe.group_size, 1)
+        g, t = device.step_ms(samples, args.replicas, recipe.schedule.epochs)
+        bound = device.overlap_bound(samples, args.replicas, recipe.schedule.epochs)
+        say(f"device model {device.spec()}: a step of {samples} samples is {g:.0f} ms of "
+            f"generation on {args.replicas} replica devices and {t:.0f} ms of training "
+            f"({100 * g / (g + t) if g + t else math.nan:.0f} % generation); bound {bound:.3g}")
 
     say(f"synchronous loop: {args.recipe} to {args.target:g} (at most {args.time_limit:g} s)")
-    sync = run_synchronous(stage_recipe(args.recipe), target=args.target,
-                           time_limit=args.time_limit, seed=0)
+    sync = run_synchronous(recipe, target=args.target, time_limit=args.time_limit, seed=0,
+                           device=device, replicas=args.replicas)
     say(sync.line())
+    if device is not None and sync.seconds:
+        say(f"synchronous devices: generation {sync.generation_busy_s:.1f} s, training "
+            f"{sync.training_busy_s:.1f} s of {sync.seconds:.1f} s (trainer busy "
+            f"{sync.training_busy_s / sync.seconds:.2f})")
     print("  curve (step, s, accuracy): " + ", ".join(
         f"({s}, {t:.1f}, {a:.2f})" for s, t, a in sync.curve[::max(len(sync.curve) // 12, 1)]))
 
     runs: list[DemoResult] = []
+    devices: list[dict[str, float | None]] = []
+    raw_per_record = None
     with tempfile.TemporaryDirectory(prefix="reef-loop-") as tmp:
         home = Path(tmp)
         environ = {**os.environ, "REEF_HOME": str(home)}
         settings = load_settings(environ)
         with servers(settings, home) as at:
             say(f"broker {at.bootstrap}, redis {at.redis_url}, REEF_HOME {home}")
+            if device is not None:
+                raw_per_record = raw_cpu_per_record(at.bootstrap, f"raw{time.strftime('%H%M%S')}",
+                                                    args.raw_records, at.broker_pids or [])
+                say(f"raw Kafka: {1000 * raw_per_record:.3f} ms of CPU per record (broker plus "
+                    f"client, {args.raw_records} records of a generation's size)")
             for number in range(1, args.runs + 1):
-                options = DemoOptions(recipe=args.recipe, target=args.target,
+                options = DemoOptions(recipe=args.recipe, overrides=tuple(args.overrides),
+                                      target=args.target,
                                       replicas=args.replicas, rate=args.rate,
                                       time_limit=args.time_limit, run_dir=home / f"run-{number}",
-                                      namespace=f"loop{number}{time.strftime('%H%M%S')}")
+                                      namespace=f"loop{number}{time.strftime('%H%M%S')}",
+                                      device_model=device.spec() if device else None)
                 result = live_run(options, settings, at, f"live run {number}/{args.runs}")
                 runs.append(result)
+                if device is not None:
+                    assert options.run_dir is not None
+                    devices.append(device_figures(result, options.run_dir))
+                    infra = infra_cpu_per_generation(result)
+                    say(f"live run {number}: trainer busy {figure(devices[-1]['trainer_busy'])}, "
+                        f"replicas busy {figure(devices[-1]['replicas_busy'])}, infra CPU "
+                        f"{figure(None if infra is None else 1000 * infra)} ms per generation")
                 if not result.reached:
                     say(f"live run {number} did NOT reach {args.target:g}: it counts as the time "
                         f"limit, {args.time_limit:g} s")
@@ -129,7 +258,23 @@ def main() -> int:
                      f"{args.time_limit:g} s")
     if notes:
         print("NOTE: " + "; ".join(notes))
-    print(scorecard_line(sync, runs, args.time_limit), flush=True)
+    if device is None:
+        print(scorecard_line(sync, runs, args.time_limit), flush=True)
+        return 0
+    assert bound is not None
+    trained = _median([float(r.scorecard.trained) for r in runs if r.scorecard is not None])
+    live_s = statistics.median(live_seconds(r, args.time_limit) for r in runs)
+    sync_s = sync.seconds if sync.reached else args.time_limit
+    # Samples per second, live over sync: the speedup with the samples' efficiency left out.
+    rate_speedup = (trained / live_s) / (sync.samples / sync_s) if trained and sync.samples \
+        and live_s and sync_s else None
+    print(f"replicas_busy={figure(_median([d['replicas_busy'] for d in devices]))} "
+          f"samples_per_s_speedup={figure(rate_speedup)} "
+          f"raw_cpu_ms_per_record={figure(None if raw_per_record is None else 1000 * raw_per_record)} "
+          f"infra_cpu_ms_per_generation="
+          f"{figure(_median([(i * 1000 if i is not None else None) for i in map(infra_cpu_per_generation, runs)]))}")
+    print(device_scorecard_line(device, bound, sync, runs, devices, raw_per_record,
+                                args.time_limit), flush=True)
     return 0
 
 

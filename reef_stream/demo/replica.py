@@ -30,6 +30,11 @@ full for its ``block_timeout``) the round's remaining generations are not sent -
 downstream ever saw them, so nothing is lost; a group cut short that way stays incomplete, for
 the processor's completion rule to settle -- and the replica pauses for a second.
 
+With a device model (``device``, ``reef_stream.demo.devices``) each round also waits its
+modelled device time after sampling: ``device.generation_ms`` of the round's completions, off
+the CPU, counted on the replica's ``DeviceClock`` (written to ``device_report`` when given).
+The samples are the same with it and without it.
+
 Each replica has its own spool directory (``$REEF_HOME/spool/<ns>/replica-<id>``): give a
 restarted replica the same ``replica_id`` and it replays what it spooled before it stopped.
 
@@ -59,6 +64,7 @@ from torch import nn
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.processes import stop_on_signals
 from reef_stream.core.settings import Settings, load_settings
+from reef_stream.demo.devices import DeviceClock, DeviceModel
 from reef_stream.demo.task import (
     DEMO_SEED, ProblemStream, make_generation, policy_model, prompt_tensor, sample,
 )
@@ -252,7 +258,8 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16,
                 ready_timeout: float = 60.0, heartbeat_s: float = 2.0,
                 fleet: Any = AUTO, spool_dir: Path | None = None,
                 flush_timeout: float = 30.0, acked_log: Path | None = None,
-                task: str = "arithmetic") -> ReplicaReport:
+                task: str = "arithmetic", device: DeviceModel | None = None,
+                device_report: Path | None = None) -> ReplicaReport:
     """Serve ``model_name`` until ``stop_event`` is set or ``max_generations`` were sent
     (grouped: whole groups, so up to a group more); see the module docstring. Returns what it
     did. Blocks; call from one thread (the signal handlers of the command set ``stop_event``).
@@ -266,7 +273,9 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16,
     ``Follower``. ``acked_log``: at the end, the ids of the generations the broker acknowledged
     are written there, one a line (fault runs check that each one is in the topic). ``task``:
     what to sample (``TASKS``): the arithmetic task's one-token answers, or the tool task's
-    trajectories (call, the tool's output as environment tokens, answer). Raises
+    trajectories (call, the tool's output as environment tokens, answer). ``device``: the
+    modelled device each round waits on (None: none); ``device_report``: where its clock
+    writes its busy time. Raises
     ``ConfigurationError`` for bad arguments or a missing publications topic, ``TimeoutError``
     when the publications could not be read within ``ready_timeout``, and whatever stopped
     the follower.
@@ -293,6 +302,7 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16,
     per_prompt = group_size if grouped else 1
     sampling_seed = _seed_of(replica_id) if sampling_seed is None else sampling_seed
     sampler, turns = TASKS[task]
+    clock = DeviceClock(replica_id, device_report) if device is not None else None
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -329,6 +339,8 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16,
             prompts_ids = prompt_tensor([p for p in batch for _ in range(per_prompt)])
             completions = sampler(model, prompts_ids, temperature=temperature,
                                   generator=generator)
+            if clock is not None and device is not None:
+                clock.wait_ms(device.generation_ms(len(prompts_ids)))
 
             def generations(batch=batch, version=version, completions=completions):
                 for i, problem in enumerate(batch):
@@ -344,6 +356,8 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16,
     finally:
         flushed = producer.close(flush_timeout) if producer is not None else None
         follower.stop()
+        if clock is not None:
+            clock.write()
         if acked_log is not None:
             acked_log.write_text("".join(f"{gid}\n" for gid in acknowledged))
     report = sender.report(model_name, served.version, flushed)
@@ -397,11 +411,17 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16,
               show_default=True,
               help="What to sample: one-token answers to a+b=, or the tool task's trajectories "
                    "(a call, the tool's output as environment tokens, the answer).")
+@click.option("--device-model", "device_spec", default=None, metavar="gen_ms=G,train_ms=T[,batch=B]",
+              help="Wait a modelled accelerator's time after each round (reef_stream.demo."
+                   "devices) [default: none].")
+@click.option("--device-report", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the modelled device's busy time to this JSON file.")
 def main(model_name: str, grouped: bool, group_size: int, prompts: int | None,
          rate: float | None, temperature: float, seed: int | None, recipe: str | None,
          sampling_seed: int | None, replica_id: str | None, max_generations: int | None,
          threads: int, heartbeat: float, acked_log: Path | None, overrides: tuple[str, ...] = (),
-         task: str = "arithmetic") -> None:
+         task: str = "arithmetic", device_spec: str | None = None,
+         device_report: Path | None = None) -> None:
     """A demo serving replica: sample the toy task from the newest promoted version of MODEL and
     send every completion as a Generation (REEF_* variables name the cluster and namespace).
 
@@ -424,7 +444,9 @@ def main(model_name: str, grouped: bool, group_size: int, prompts: int | None,
                              seed=DEMO_SEED if seed is None else seed, sampling_seed=sampling_seed,
                              model_factory=factory, replica_id=replica_id, stop_event=stop,
                              max_generations=max_generations, heartbeat_s=heartbeat,
-                             acked_log=acked_log, task=task)
+                             acked_log=acked_log, task=task,
+                             device=DeviceModel.parse(device_spec) if device_spec else None,
+                             device_report=device_report)
     click.echo(report.to_json())
 
 

@@ -61,6 +61,7 @@ from reef_stream.core.metric_names import (
 )
 from reef_stream.core.serde import SchemaRegistry
 from reef_stream.core.settings import Settings
+from reef_stream.demo.devices import DEVICE_DIR_ENV, DEVICE_MODEL_ENV, DeviceModel
 from reef_stream.demo.report import measured_accuracy, write_report
 from reef_stream.demo.verify import GenerationOutcomes, ledger_counts, letter_unit
 from reef_stream.topics import declarations
@@ -139,6 +140,12 @@ class DemoOptions:
     #: ``reef_stream.demo.reward_faults``), or None. An ``outage=START:SECONDS`` counts from
     #: the demo's start (the reward stage is given ``outage_at``, a unix time).
     reward_faults: str | None = None
+    #: The modelled accelerators (``reef demo --device-model``: ``gen_ms=G,train_ms=T[,batch=B]``,
+    #: ``reef_stream.demo.devices``) of the replicas and the trainer; each writes its busy time
+    #: to ``<run_dir>/devices/<stage>.json``. The trainer's waits come with the demo's own
+    #: bindings (``demo.recipes``, ``demo.tool_recipes``); a bound recipe of one's own waits
+    #: when built with ``demo.recipes.timed``. The toy engine only. None: none (the default).
+    device_model: str | None = None
 
 
 #: The engines ``DemoOptions.engine`` may name.
@@ -278,6 +285,9 @@ class Demo:
         if options.engine not in ENGINES:
             raise ConfigurationError(f"the demo's engine is one of {', '.join(ENGINES)}, not "
                                      f"{options.engine!r}")
+        if options.engine == "vllm" and options.device_model:
+            raise ConfigurationError("--device-model models the toy engine's devices: a vLLM "
+                                     "server has its own (leave --device-model out)")
         if options.engine == "vllm" and (options.replicas != 1 or options.drain_s):
             raise ConfigurationError(
                 "with the vllm engine the demo runs one replica process, which drives the one "
@@ -301,6 +311,7 @@ class Demo:
             from reef_stream.demo.vllm_model import demo_model_dir, ensure_demo_model
 
             ensure_demo_model(demo_model_dir(settings.home))
+        self.device = DeviceModel.parse(options.device_model) if options.device_model else None
         self.recipe = load_recipe(self.recipe_path, overrides=options.overrides, complete=True)
         if options.engine == "vllm" and self.recipe.group_size > 1:
             raise ConfigurationError(f"recipe {self.recipe.name!r} samples groups of "
@@ -308,6 +319,8 @@ class Demo:
                                      "completion per prompt (use methods.sao)")
         self.ns = options.namespace or f"demo{time.strftime('%Y%m%d%H%M%S')}"
         self.run_dir = options.run_dir or settings.home / "demo" / self.ns
+        #: Where the modelled devices write their busy time (``DemoOptions.device_model``).
+        self.device_dir = self.run_dir / "devices"
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.store = self.run_dir / "checkpoints"
         # The stages share the demo's settings: its cluster, Redis, namespace and home (where
@@ -319,6 +332,10 @@ class Demo:
             # The stages share two cores with the vLLM server: with torch's default of a thread
             # per core, every parallel region of a busy trainer waits for a descheduled thread.
             self.env.setdefault("OMP_NUM_THREADS", "1")
+        self.env.pop(DEVICE_MODEL_ENV, None)
+        if self.device is not None:   # the trainer's recipe reads them (demo.recipes.timed)
+            self.env.update({DEVICE_MODEL_ENV: self.device.spec(),
+                             DEVICE_DIR_ENV: str(self.device_dir)})
         self.show = show or (lambda status: None)
         self.registry = SchemaRegistry.default()
         self.rng = random.Random(options.seed)
@@ -393,6 +410,9 @@ class Demo:
                 argv += ["--grouped", "--group-size", str(self.recipe.group_size)]
             if self.options.task != "arithmetic":
                 argv += ["--task", self.options.task]
+            if self.device is not None:
+                argv += ["--device-model", self.device.spec(), "--device-report",
+                         str(self.device_dir / f"replica-{i}.json")]
             env = self.env if not self.options.canary else {
                 **self.env, "REEF_CANARY_SLOT": str(i / self.options.replicas)}
             stages[f"replica-{i}"] = Stage(f"replica-{i}", argv, env,

@@ -16,6 +16,12 @@ process, one thing after the other. Each step:
 4. computes the recipe's objective and trains one step with ``engine.training.TorchBackend``,
    as the trainer does (units carried over to the next step when the processor emitted more).
 
+With a device model (``device``, ``reef_stream.demo.devices``) the loop uses the same modelled
+devices in turn, as a synchronous RL loop does: each sampling call waits its generation's device
+time spread over ``replicas`` replicas' devices (``DeviceModel.generation_ms``), each step its
+training's (``DeviceModel.training_ms`` of the samples trained, per epoch), both on the
+stopwatch. The waits change no computation.
+
 Every ``measure_every`` steps the new version is measured with the recipe's evaluator's
 ``measure`` (for the demo: held-out greedy accuracy, what the live evaluator publishes) on a
 checkpoint written to an in-memory store. The stopwatch is PAUSED while measuring and at
@@ -40,10 +46,11 @@ import torch
 from reef_stream.api.recipe import Recipe, Reward, feedback_for, load_recipe
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.events import Checkpoint, Feedback, Generation, now_ms
+from reef_stream.demo.devices import DeviceClock, DeviceModel
 from reef_stream.demo.task import ProblemStream, make_generation, prompt_tensor, sample
 from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
 from reef_stream.engine.join import ProcessorState
-from reef_stream.engine.training import TorchBackend
+from reef_stream.engine.training import TorchBackend, unit_members
 
 #: The model name on the synchronous loop's generations and candidates.
 MODEL = "policy"
@@ -60,6 +67,8 @@ class SyncResult:
     generations sampled (``steps`` x the samples a step consumes, for the demo's recipes);
     ``units``: units trained. ``curve``: ``(step, seconds, measured value)`` per measurement,
     the first of version 0 (the untrained model). ``threads``: torch's intra-op threads.
+    ``generation_busy_s`` / ``training_busy_s``: the modelled devices' waits on the stopwatch
+    (0 without a device model).
     """
 
     recipe: str
@@ -72,6 +81,8 @@ class SyncResult:
     curve: tuple[tuple[int, float, float], ...]
     threads: int
     measure: str = "accuracy"
+    generation_busy_s: float = 0.0
+    training_busy_s: float = 0.0
 
     def line(self) -> str:
         how = "reached" if self.reached else "did NOT reach"
@@ -86,7 +97,8 @@ class SynchronousLoop:
     is the current weights, the objective's state, the processor's state and the samplers'.
     Not thread-safe. Every method blocks for its computation."""
 
-    def __init__(self, recipe: Recipe, *, seed: int = 0, measure: str = "accuracy") -> None:
+    def __init__(self, recipe: Recipe, *, seed: int = 0, measure: str = "accuracy",
+                 device: DeviceModel | None = None, replicas: int = 1) -> None:
         if recipe.reward is None:
             raise ConfigurationError(f"recipe {recipe.name!r} has no reward function: the "
                                      "synchronous loop scores its own samples")
@@ -103,6 +115,11 @@ class SynchronousLoop:
         self.samples = self.units_trained = 0
         self.waiting: list[Any] = []   # units emitted and not trained yet
         self.store = CheckpointStore(f"memory://reef-sync-{uuid.uuid4().hex}")
+        #: The modelled devices (None: none): ``replicas`` replicas' devices, one clock for
+        #: them all (they run in parallel), and the trainer's.
+        self.device, self.replicas = device, max(replicas, 1)
+        self.generation_clock = DeviceClock("replicas")
+        self.training_clock = DeviceClock("trainer")
 
     # ----------------------------------------------------------------- one step
 
@@ -114,6 +131,9 @@ class SynchronousLoop:
         completions = sample(self.model, prompt_tensor(
             [p for p in batch for _ in range(self.group_size)]), temperature=TEMPERATURE,
             generator=self.generator)
+        if self.device is not None:
+            self.generation_clock.wait_ms(self.device.generation_ms(
+                prompts * self.group_size, self.replicas))
         generations = []
         for i, problem in enumerate(batch):
             group_id = uuid.uuid4().hex if self.group_size > 1 else None
@@ -155,6 +175,9 @@ class SynchronousLoop:
         units, self.waiting = self.waiting[:need], self.waiting[need:]
         result = self.recipe.objective.compute(units, self.state)
         metrics = self.backend.train_step(units, result, self.version + 1)
+        if self.device is not None:
+            trained = sum(len(unit_members(u)) for u in units) * self.recipe.schedule.epochs
+            self.training_clock.wait_ms(self.device.training_ms(trained))
         self.state = result.proposed_state
         self.version += 1
         self.units_trained += len(units)
@@ -190,11 +213,13 @@ class SynchronousLoop:
 
 def run_synchronous(recipe: Recipe | str = "reef_stream.demo.recipes:sao", *, target: float,
                     time_limit: float, seed: int = 0, measure_every: int = 1,
-                    measure: str = "accuracy", threads: int | None = None) -> SyncResult:
+                    measure: str = "accuracy", threads: int | None = None,
+                    device: DeviceModel | None = None, replicas: int = 1) -> SyncResult:
     """Train ``recipe`` (a bound recipe or its path) synchronously until its evaluator measures
     ``target`` (``measure``) or the stopwatch passes ``time_limit`` seconds; see the module
     docstring. ``threads``: torch intra-op threads for the run (None: torch's setting, by
-    default one per core), restored at the end. Blocks; seeds torch's global RNG, as the trainer
+    default one per core), restored at the end. ``device``: the modelled devices, ``replicas``
+    of them generating (None: none). Blocks; seeds torch's global RNG, as the trainer
     does."""
     if isinstance(recipe, str):
         recipe = load_recipe(recipe, complete=True)
@@ -204,7 +229,8 @@ def run_synchronous(recipe: Recipe | str = "reef_stream.demo.recipes:sao", *, ta
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        loop = SynchronousLoop(recipe, seed=seed, measure=measure)
+        loop = SynchronousLoop(recipe, seed=seed, measure=measure, device=device,
+                               replicas=replicas)
         curve = [(0, 0.0, loop.measure())]
         elapsed = 0.0
         while curve[-1][2] < target and elapsed < time_limit:
@@ -218,7 +244,9 @@ def run_synchronous(recipe: Recipe | str = "reef_stream.demo.recipes:sao", *, ta
         return SyncResult(recipe=recipe.name, target=target, reached=curve[-1][2] >= target,
                           seconds=elapsed, steps=loop.version, samples=loop.samples,
                           units=loop.units_trained, curve=tuple(curve),
-                          threads=torch.get_num_threads(), measure=measure)
+                          threads=torch.get_num_threads(), measure=measure,
+                          generation_busy_s=loop.generation_clock.busy_s,
+                          training_busy_s=loop.training_clock.busy_s)
     finally:
         torch.set_num_threads(before)
 

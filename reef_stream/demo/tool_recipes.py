@@ -12,16 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from reef_stream.api.recipe import Recipe
-from reef_stream.demo.recipes import METHODS, TOLERANCE, method
+from reef_stream.demo.recipes import METHODS, TOLERANCE, method, timed
 from reef_stream.demo.task import HeldOutAccuracy
 from reef_stream.demo.tool_task import tool_accuracy, tool_policy_model, tool_reward
 
 
 def bind(factory: Callable[..., Recipe]) -> Recipe:
-    """A method's recipe factory bound to the tool task. Pure."""
-    return factory(model=tool_policy_model, reward=tool_reward,
-                   evaluator=HeldOutAccuracy(tolerance=TOLERANCE, model=tool_policy_model,
-                                             measure_with=tool_accuracy))
+    """A method's recipe factory bound to the tool task, its loss timed on the trainer's
+    modelled device when ``REEF_DEVICE_MODEL`` says so (``recipes.timed``)."""
+    return timed(factory(model=tool_policy_model, reward=tool_reward,
+                         evaluator=HeldOutAccuracy(tolerance=TOLERANCE, model=tool_policy_model,
+                                                   measure_with=tool_accuracy)))
 
 
 def stage_recipe(path: str) -> str:

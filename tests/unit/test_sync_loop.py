@@ -62,7 +62,8 @@ def test_the_loop_bench_explains_itself():
     result = subprocess.run([sys.executable, str(bench), "--help"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    for said in ("--runs", "--recipe", "--time-limit", "--target", "SCORECARD sync_s="):
+    for said in ("--runs", "--recipe", "--time-limit", "--target", "SCORECARD sync_s=",
+                 "--device-model", "--quick", "SCORECARD device_model=", "overlap_efficiency="):
         assert said in result.stdout, said
 
 
