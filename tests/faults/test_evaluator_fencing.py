@@ -23,11 +23,11 @@ import sys
 import threading
 from collections import Counter
 
-import pytest
 
 from reef_stream.core.events import Publication
 from reef_stream.publishing.publications import PublicationLedger
 from reef_stream.topics.declarations import publications
+from tests.faults.test_trainer_kills import started  # noqa: F401 - the fixture
 from tests.helpers import events_to_end, wait_until
 from tests.integration.publishing import create_topics, produce_checkpoints, write_checkpoint
 
@@ -35,18 +35,7 @@ RECIPE = "tests.recipes.gated"
 VERSIONS = 4
 
 
-@pytest.fixture
-def started():
-    """Every process a test starts; those still alive at its end are killed."""
-    processes: list[subprocess.Popen] = []
-    yield processes
-    for process in processes:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGCONT)
-            process.kill()
-
-
-def _start(env: dict[str, str], *args: str, started: list) -> subprocess.Popen:
+def _start(env: dict[str, str], *args: str, started: list) -> subprocess.Popen:  # noqa: F811
     """A `reef evaluate` process of the gated recipe; its stderr lines are collected in
     ``process.lines`` by a thread."""
     process = subprocess.Popen(
@@ -62,7 +51,7 @@ def _start(env: dict[str, str], *args: str, started: list) -> subprocess.Popen:
 
 
 def test_a_paused_evaluator_is_fenced_by_its_replacement_and_publishes_nothing_more(
-        kafka_bootstrap, cli_env, namespace, tmp_path, started):
+        kafka_bootstrap, cli_env, namespace, tmp_path, started):  # noqa: F811
     create_topics(kafka_bootstrap, namespace)
     candidates = [write_checkpoint(tmp_path / "ckpt", v, 0.5 + v / 10, recipe="gated")
                   for v in range(1, VERSIONS + 1)]

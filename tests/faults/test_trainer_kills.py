@@ -48,11 +48,13 @@ PHASES = ["trainer.fetching", "trainer.in-step", "trainer.before-checkpoint",
 
 @pytest.fixture
 def started():
-    """Every process a test starts; those still alive at its end are killed."""
+    """Every process a test starts; those still alive at its end are killed (woken first, in
+    case a test paused it)."""
     processes: list[subprocess.Popen] = []
     yield processes
     for process in processes:
         if process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)
             process.kill()
 
 

@@ -75,8 +75,8 @@ def test_an_outage_holds_the_generations_and_they_are_scored_once_it_ends(
     assert sorted(f.generation_id for f in scored) == sorted(ids)
 
 
-def test_a_retry_waits_on_a_timer_not_in_its_slot(kafka_bootstrap, namespace, topics,
-                                                   tmp_path):  # noqa: F811
+def test_a_retry_waits_on_a_timer_not_in_its_slot(kafka_bootstrap, namespace, topics,  # noqa: F811
+                                                   tmp_path):
     count = 20
     _produce(kafka_bootstrap, namespace, tmp_path, count)
     first: list[str] = []
