@@ -32,7 +32,7 @@ import string
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -142,10 +142,17 @@ class LocalCluster:
     Methods block until their work is done. ``up`` and ``down`` are idempotent.
     """
 
-    def __init__(self, data_dir: Path, cache_dir: Path):
+    def __init__(self, data_dir: Path, cache_dir: Path, address: str = "127.0.0.1",
+                 wrap: Sequence[str] = ()):
+        """``address``: where the nodes listen and what they advertise (an emulated host's
+        address for the cluster tests; a created cluster keeps the one it was created with).
+        ``wrap``: an argv prefix every node process is started under (``ip netns exec NS``,
+        which execs the node: the recorded pid is the node's own)."""
         self.data_dir = Path(data_dir).resolve()
         self.cache_dir = Path(cache_dir)
         self.state_file = self.data_dir / "cluster.json"
+        self.address = address
+        self.wrap = list(wrap)
         #: The node processes this object started, by node id.
         self._children: dict[int, subprocess.Popen] = {}
 
@@ -160,6 +167,7 @@ class LocalCluster:
 
     def _load(self) -> tuple[str, list[Node]]:
         state = json.loads(self.state_file.read_text())
+        self.address = state.get("address", self.address)
         return state["cluster_id"], [Node(**node) for node in state["nodes"]]
 
     def _save(self, cluster_id: str, nodes: list[Node]) -> None:
@@ -167,15 +175,15 @@ class LocalCluster:
             "kafka_version": KAFKA_VERSION,
             "cluster_id": cluster_id,
             "bootstrap": self._bootstrap(nodes),
+            "address": self.address,
             "nodes": [asdict(node) for node in nodes],
         }
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2) + "\n")
         tmp.replace(self.state_file)
 
-    @staticmethod
-    def _bootstrap(nodes: list[Node]) -> str:
-        return ",".join(f"127.0.0.1:{node.port}" for node in nodes)
+    def _bootstrap(self, nodes: list[Node]) -> str:
+        return ",".join(f"{self.address}:{node.port}" for node in nodes)
 
     @property
     def bootstrap(self) -> str:
@@ -237,7 +245,7 @@ class LocalCluster:
                    for i in range(count)]
         self._check_ports_free(members)
         cluster_id = _kafka_cluster_id()
-        voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in members)
+        voters = ",".join(f"{n.node_id}@{self.address}:{n.controller_port}" for n in members)
         template = string.Template((KAFKA_INFRA_DIR / "server.properties.template").read_text())
         progress(f"Creating a {count}-node Kafka cluster in {self.data_dir}")
         for node in members:
@@ -245,7 +253,7 @@ class LocalCluster:
             (directory / "log").mkdir(parents=True, exist_ok=True)
             (directory / "server.properties").write_text(template.substitute(
                 node_id=node.node_id, port=node.port, controller_port=node.controller_port,
-                voters=voters, log_dir=directory / "log",
+                voters=voters, log_dir=directory / "log", address=self.address,
                 replication=3 if count == 3 else 1, min_isr=2 if count == 3 else 1,
             ))
             result = subprocess.run(
@@ -263,6 +271,8 @@ class LocalCluster:
         return cluster_id, members
 
     def _check_ports_free(self, members: list[Node]) -> None:
+        if self.wrap:   # another network namespace: this host's ports say nothing of its
+            return
         taken = [p for node in members for p in (node.port, node.controller_port)
                  if not port_is_free(p)]
         if taken:
@@ -284,7 +294,7 @@ class LocalCluster:
         directory = node.directory(self.data_dir)
         with open(directory / "stdout.log", "ab") as out:
             process = subprocess.Popen(
-                [java, *self._jvm_flags(node), "-cp", classpath, "kafka.Kafka",
+                [*self.wrap, java, *self._jvm_flags(node), "-cp", classpath, "kafka.Kafka",
                  str(directory / "server.properties")],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, cwd=directory,
