@@ -98,7 +98,9 @@ class LocalRedis:
         with open(self.log_file, "ab") as out:
             process = subprocess.Popen(
                 [*self.wrap, server, "--bind", self.address, "--port", str(port), "--dir", str(self.data_dir),
-                 "--appendonly", "yes", "--daemonize", "no", "--protected-mode", "yes",
+                 "--appendonly", "yes", "--daemonize", "no", "--protected-mode",
+                 # Off only on an address of its own (an emulated host's private bridge).
+                 "yes" if self.address.startswith("127.") else "no",
                  "--save", ""],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,
