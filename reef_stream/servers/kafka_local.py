@@ -67,6 +67,8 @@ class Node:
     port: int
     controller_port: int
     pid: int | None = None
+    #: Where the node listens and what it advertises.
+    address: str = "127.0.0.1"
 
     def directory(self, data_dir: Path) -> Path:
         return data_dir / f"node-{self.node_id}"
@@ -142,17 +144,16 @@ class LocalCluster:
     Methods block until their work is done. ``up`` and ``down`` are idempotent.
     """
 
-    def __init__(self, data_dir: Path, cache_dir: Path, address: str = "127.0.0.1",
-                 wrap: Sequence[str] = ()):
-        """``address``: where the nodes listen and what they advertise (an emulated host's
-        address for the cluster tests; a created cluster keeps the one it was created with).
-        ``wrap``: an argv prefix every node process is started under (``ip netns exec NS``,
-        which execs the node: the recorded pid is the node's own)."""
+    def __init__(self, data_dir: Path, cache_dir: Path,
+                 hosts: Sequence[tuple[str, Sequence[str]]] = ()):
+        """``hosts``: one ``(address, wrap)`` per node, for the emulated-hosts tests: where
+        node i+1 listens and what it advertises (kept when the cluster is created), and the
+        argv prefix its process is started under (``ip netns exec NS``, which execs the node:
+        the recorded pid is the node's own). Empty: every node on 127.0.0.1, no prefix."""
         self.data_dir = Path(data_dir).resolve()
         self.cache_dir = Path(cache_dir)
         self.state_file = self.data_dir / "cluster.json"
-        self.address = address
-        self.wrap = list(wrap)
+        self.hosts = [(address, list(wrap)) for address, wrap in hosts]
         #: The node processes this object started, by node id.
         self._children: dict[int, subprocess.Popen] = {}
 
@@ -167,7 +168,6 @@ class LocalCluster:
 
     def _load(self) -> tuple[str, list[Node]]:
         state = json.loads(self.state_file.read_text())
-        self.address = state.get("address", self.address)
         return state["cluster_id"], [Node(**node) for node in state["nodes"]]
 
     def _save(self, cluster_id: str, nodes: list[Node]) -> None:
@@ -175,15 +175,18 @@ class LocalCluster:
             "kafka_version": KAFKA_VERSION,
             "cluster_id": cluster_id,
             "bootstrap": self._bootstrap(nodes),
-            "address": self.address,
             "nodes": [asdict(node) for node in nodes],
         }
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2) + "\n")
         tmp.replace(self.state_file)
 
-    def _bootstrap(self, nodes: list[Node]) -> str:
-        return ",".join(f"{self.address}:{node.port}" for node in nodes)
+    @staticmethod
+    def _bootstrap(nodes: list[Node]) -> str:
+        return ",".join(f"{node.address}:{node.port}" for node in nodes)
+
+    def _wrap(self, node: Node) -> list[str]:
+        return self.hosts[node.node_id - 1][1] if self.hosts else []
 
     @property
     def bootstrap(self) -> str:
@@ -241,11 +244,14 @@ class LocalCluster:
     def _create(self, java: str, classpath: str, count: int, port: int,
                 progress: Progress) -> tuple[str, list[Node]]:
         ports = free_ports(2 * count) if port == 0 else list(range(port, port + 2 * count))
-        members = [Node(node_id=i + 1, port=ports[2 * i], controller_port=ports[2 * i + 1])
+        if self.hosts and len(self.hosts) != count:
+            raise ConfigurationError(f"{len(self.hosts)} hosts for a {count}-node cluster")
+        members = [Node(node_id=i + 1, port=ports[2 * i], controller_port=ports[2 * i + 1],
+                        address=self.hosts[i][0] if self.hosts else "127.0.0.1")
                    for i in range(count)]
         self._check_ports_free(members)
         cluster_id = _kafka_cluster_id()
-        voters = ",".join(f"{n.node_id}@{self.address}:{n.controller_port}" for n in members)
+        voters = ",".join(f"{n.node_id}@{n.address}:{n.controller_port}" for n in members)
         template = string.Template((KAFKA_INFRA_DIR / "server.properties.template").read_text())
         progress(f"Creating a {count}-node Kafka cluster in {self.data_dir}")
         for node in members:
@@ -253,7 +259,7 @@ class LocalCluster:
             (directory / "log").mkdir(parents=True, exist_ok=True)
             (directory / "server.properties").write_text(template.substitute(
                 node_id=node.node_id, port=node.port, controller_port=node.controller_port,
-                voters=voters, log_dir=directory / "log", address=self.address,
+                voters=voters, log_dir=directory / "log", address=node.address,
                 replication=3 if count == 3 else 1, min_isr=2 if count == 3 else 1,
             ))
             result = subprocess.run(
@@ -271,10 +277,9 @@ class LocalCluster:
         return cluster_id, members
 
     def _check_ports_free(self, members: list[Node]) -> None:
-        if self.wrap:   # another network namespace: this host's ports say nothing of its
-            return
+        # A node in another network namespace (wrapped): this host's ports say nothing of its.
         taken = [p for node in members for p in (node.port, node.controller_port)
-                 if not port_is_free(p)]
+                 if not self._wrap(node) and not port_is_free(p)]
         if taken:
             raise ConfigurationError(
                 f"Port(s) {', '.join(map(str, taken))} on 127.0.0.1 are already in use by another "
@@ -294,7 +299,7 @@ class LocalCluster:
         directory = node.directory(self.data_dir)
         with open(directory / "stdout.log", "ab") as out:
             process = subprocess.Popen(
-                [*self.wrap, java, *self._jvm_flags(node), "-cp", classpath, "kafka.Kafka",
+                [*self._wrap(node), java, *self._jvm_flags(node), "-cp", classpath, "kafka.Kafka",
                  str(directory / "server.properties")],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, cwd=directory,
