@@ -1,14 +1,16 @@
 """The demo's pipeline on emulated hosts under faults: one run per fault, a table, a CLUSTER line.
 
     python bench/cluster.py [--faults partition:trainer:50,pause:trainer:50] [--rate 50]
-                            [--at 30] [--versions-after 3] [--drain 240] [--workdir DIR]
+                            [--brokers 1|3] [--at 30] [--versions-after 3] [--drain 240]
+                            [--workdir DIR]
 
 Every part of the pipeline runs on a host of its own, a Linux network namespace joined to the
 others by a bridge (``tests/cluster/hosts.py``; needs root): a KRaft broker, Redis, the reward
 worker, the processor, the trainer, the evaluator and the replicas (the recipe
 ``reef_stream.demo.recipes:sao``). For each fault (``KIND:HOST[:SECONDS]``; KIND is
 ``partition`` (the host's link down, both ways), ``pause`` (SIGSTOP of every process on the
-host) or ``kill`` (SIGKILL of every process on it: a replica's or the reward worker's host))
+host) or ``kill`` (SIGKILL of every process on it: a broker's host, ``kafka-<i>`` with
+``--brokers 3``, whose node is restarted after SECONDS; a replica's or the reward worker's))
 a fresh cluster runs the demo, injects the fault ``--at`` seconds after every stage reported
 running, undoes it after SECONDS, and stops once the trainer stepped again and
 ``--versions-after`` versions were promoted since. Then the replicas stop, the other stages
@@ -79,6 +81,9 @@ def main() -> int:
                              "[default: %(default)s]")
     parser.add_argument("--at", type=float, default=30.0, metavar="S",
                         help="seconds after every stage reported running [default: 30]")
+    parser.add_argument("--brokers", type=int, choices=(1, 3), default=1,
+                        help="KRaft nodes, each on a host of its own (kafka-1..3 with 3; "
+                             "replication 3, min.insync.replicas 2) [default: 1, on kafka]")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--rate", type=float, default=50.0,
                         help="generations/s per replica [default: 50]")
@@ -103,6 +108,7 @@ def main() -> int:
             print(f"== {fault.name()}", flush=True)
             one = run_cluster_fault(fault, settings=settings, workdir=root / f"run-{i}",
                                     options=options, versions_after=args.versions_after,
+                                    brokers=args.brokers,
                                     say=lambda line: print(f"   {line}", flush=True))
             print(one.verdict(), flush=True)
             runs.append(one)

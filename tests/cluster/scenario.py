@@ -8,13 +8,18 @@ Each part runs on a host of its own (``tests.cluster.hosts``): a KRaft broker on
 Redis on ``redis``, and the demo's stages (``reef_stream.demo.run.Demo``) on ``reward``,
 ``processor``, ``trainer``, ``evaluator`` and ``replica-<i>``, each reaching the others only
 through the bridge. The demo runs the recipe ``reef_stream.demo.recipes:sao`` with target 0;
-``at_s`` seconds after every stage reported running, the fault comes:
+``at_s`` seconds after every stage reported running and the trainer's first step, the fault
+comes:
 
 - ``partition``: the host's link goes down, both ways, for ``seconds``, then comes back;
 - ``pause``: SIGSTOP of every process on the host for ``seconds``, then SIGCONT;
-- ``kill``: SIGKILL of every process on the host; the demo's supervision restarts none, so
-  only the replicas' and the reward worker's hosts survive it in a run (the others' stage
-  loop is the demo's to restart; ``kill`` of them is left for a later scenario).
+- ``kill``: SIGKILL of every process on the host. A broker's host (``kafka-<i>`` of three)
+  gets its node restarted ``seconds`` later; the demo restarts no stage, so of the stages'
+  hosts only a replica's and the reward worker's may be killed (the others are left for a
+  scenario with a supervisor).
+
+With ``brokers=3`` the broker is three KRaft nodes on hosts ``kafka-1`` to ``kafka-3``
+(replication 3, ``min.insync.replicas=2``), else one on ``kafka``.
 
 The run stops once the fault was undone and ``versions_after`` versions were promoted since;
 the replicas stop, the other stages drain, and the checks are: every acknowledged generation
@@ -54,7 +59,8 @@ FENCED = re.compile(r"fenced", re.IGNORECASE)
 @dataclass(frozen=True)
 class Fault:
     """One fault: ``kind`` (``KINDS``) of ``host``, ``at_s`` seconds after every stage
-    reported running, undone ``seconds`` later (a kill is not undone)."""
+    reported running, undone ``seconds`` later (a kill only on a broker's host: its node is
+    restarted)."""
 
     kind: str
     host: str
@@ -77,7 +83,8 @@ class Fault:
         return cls(kind, host, **defaults)
 
     def name(self) -> str:
-        return f"{self.kind} {self.host}" + ("" if self.kind == "kill" else
+        return f"{self.kind} {self.host}" + ("" if self.kind == "kill" and not
+                                             self.host.startswith("kafka") else
                                              f" {self.seconds:.0f}s")
 
 
@@ -117,7 +124,7 @@ class ClusterRun:
         return [
             ("the fault was injected and undone",
              self.injector_error is None and self.injected_at is not None
-             and (self.fault.kind == "kill" or self.undone_at is not None),
+             and (not _restarted(self.fault) or self.undone_at is not None),
              (f"{self.fault.name()} at {_seconds(self.injected_at)}, undone at "
               f"{_seconds(self.undone_at)}")
              + (f"; injector failed: {self.injector_error}" if self.injector_error else "")),
@@ -146,6 +153,11 @@ class ClusterRun:
                          for what, held, detail in self.checks())
 
 
+def _restarted(fault: Fault) -> bool:
+    """Whether the fault is undone: all but the kill of a stage's host."""
+    return fault.kind != "kill" or fault.host.startswith("kafka")
+
+
 def _seconds(value: float | None) -> str:
     return "never" if value is None else f"{value:.1f} s"
 
@@ -155,9 +167,11 @@ class Injector:
     ``done`` is set once it was undone (or failed: ``error``). Watches ``demo.steps`` for the
     trainer's first step after the fault."""
 
-    def __init__(self, hosts: Hosts, demo: Demo, fault: Fault,
-                 say: Callable[[str], None]) -> None:
+    def __init__(self, hosts: Hosts, demo: Demo, fault: Fault, say: Callable[[str], None],
+                 restart: Callable[[], None]) -> None:
+        """``restart``: what brings a killed broker's host back (``LocalCluster.up``)."""
         self.hosts, self.demo, self.fault, self.say = hosts, demo, fault, say
+        self.restart = restart
         self.done, self._stop = threading.Event(), threading.Event()
         #: Promoted versions when the fault ended (``promoted_after`` counts from there).
         self.promoted_at_end: int | None = None
@@ -192,7 +206,9 @@ class Injector:
     def _run(self) -> None:
         f, hosts = self.fault, self.hosts
         try:
-            while not set(PIPELINE) <= self.demo.running:   # every stage reported running
+            # Every stage reported running and the trainer acknowledged a step: the fault
+            # meets a pipeline at work, however slowly a loaded machine started it.
+            while not set(PIPELINE) <= self.demo.running or self.demo.steps < 1:
                 if self._stop.wait(0.5):
                     return
             if self._stop.wait(f.at_s):
@@ -207,13 +223,15 @@ class Injector:
                     hosts.pause(pid)
             else:
                 hosts.kill_host(f.host)
-            if f.kind != "kill":
+            if _restarted(f):
                 self._stop.wait(f.seconds)
                 if f.kind == "partition":
                     hosts.heal(f.host)
-                else:
+                elif f.kind == "pause":
                     for pid in pids:
                         hosts.resume(pid)
+                else:
+                    self.restart()   # blocks until every node answers
                 self.undone_at = self._now()
                 self.say(f"fault undone at {self.undone_at:.0f} s")
             self.steps_at_end = self.demo.steps
@@ -233,7 +251,7 @@ class Injector:
 
 def run_cluster_fault(fault: Fault, *, settings: Settings, workdir: Path,
                       options: DemoOptions | None = None, versions_after: int = 3,
-                      say: Callable[[str], None] = print) -> ClusterRun:
+                      brokers: int = 1, say: Callable[[str], None] = print) -> ClusterRun:
     """Make the hosts, start the broker and Redis on theirs, run the demo with ``fault``, stop
     everything and remove the hosts; see the module docstring. ``options``: the demo's
     (target, drain and run_dir are set here)."""
@@ -242,27 +260,29 @@ def run_cluster_fault(fault: Fault, *, settings: Settings, workdir: Path,
                                   drain_s=options.drain_s or 240, run_dir=workdir / "run")
     stages = ["reward", "processor", "trainer", "evaluator",
               *(f"replica-{i}" for i in range(options.replicas))]
-    if fault.host not in ("kafka", "redis", *stages):
+    kafka = ["kafka"] if brokers == 1 else [f"kafka-{i}" for i in range(1, brokers + 1)]
+    if fault.host not in (*kafka, "redis", *stages):
         raise ValueError(f"no host {fault.host!r} in this scenario")
-    if fault.kind == "kill" and not fault.host.startswith("replica-") and fault.host != "reward":
+    if fault.kind == "kill" and fault.host not in ("reward", *kafka) \
+            and not fault.host.startswith("replica-"):
         raise ValueError("a kill of a host whose stage the demo does not restart ends the run; "
-                         "kill a replica's or the reward worker's host")
+                         "kill a broker's, a replica's or the reward worker's host")
     settings = dataclasses.replace(settings, home=workdir / "home")
     (workdir / "hosts").mkdir(parents=True, exist_ok=True)
-    with Hosts(["kafka", "redis", *stages], workdir=workdir / "hosts") as hosts:
-        say(f"hosts on {hosts.address('kafka').rsplit('.', 1)[0]}.0/24: "
+    with Hosts([*kafka, "redis", *stages], workdir=workdir / "hosts") as hosts:
+        say(f"hosts on {hosts.address('redis').rsplit('.', 1)[0]}.0/24: "
             + ", ".join(f"{n} {hosts.address(n)}" for n in hosts.names))
         cluster = LocalCluster(workdir / "kafka", settings.cache_dir,
-                               address=hosts.address("kafka"), wrap=hosts.wrap("kafka"))
+                               hosts=[(hosts.address(n), hosts.wrap(n)) for n in kafka])
         redis = LocalRedis(workdir / "redis", address=hosts.address("redis"),
                            wrap=hosts.wrap("redis"))
         try:
-            bootstrap = cluster.up(port=KAFKA_PORT)
+            bootstrap = cluster.up(nodes=brokers, port=KAFKA_PORT)
             say(f"broker at {bootstrap}")
             redis_url = redis.up(port=REDIS_PORT)
             demo = Demo(options, settings=settings, bootstrap=bootstrap, redis_url=redis_url,
                         broker_pids=(), wrap=hosts.wrap)
-            injector = Injector(hosts, demo, fault, say)
+            injector = Injector(hosts, demo, fault, say, restart=cluster.up)
 
             def may_stop() -> bool:
                 return injector.done.is_set() and injector.recover_s is not None \
