@@ -285,14 +285,28 @@ class Hosts:
     def spawn(self, host: str, argv: Sequence[str], log: Path | None = None,
               env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start ``argv`` inside ``host`` in a session of its own; output to ``log`` (default:
-        ``<workdir>/<host>.log``). Does not wait."""
+        ``<workdir>/<host>.log``). Returns once it is inside the host (or has exited)."""
         log = log or self.workdir / f"{host}.log"
         with open(log, "ab") as out:
             process = subprocess.Popen([*self.wrap(host), *argv], stdout=out,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        env=env, start_new_session=True)
         self._processes[host].append(process)
+        self._await_entry(host, process)
         return process
+
+    def _await_entry(self, host: str, process: subprocess.Popen, timeout: float = 10.0) -> None:
+        """Until ``process`` is inside ``host``'s namespace (``ip netns exec`` has joined it)
+        or has exited, so that ``pids`` and ``kill_host`` see it once ``spawn`` returns."""
+        target = os.stat(f"/var/run/netns/{self.namespace(host)}").st_ino
+        deadline = time.monotonic() + timeout
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                if os.stat(f"/proc/{process.pid}/ns/net").st_ino == target:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.01)
 
     def pids(self, host: str) -> list[int]:
         """Every process in ``host`` now, whoever started it."""
