@@ -13,9 +13,20 @@ import time
 
 import pytest
 
-from tests.cluster.hosts import Hosts, links, namespaces, sweep
+from tests.cluster.hosts import Hosts, links, namespace_pids, namespaces, sweep
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+
+
+def _state(pid: int | None = None) -> tuple[list[str], list[str]]:
+    """``ip netns list`` and ``ip link`` names of the harnesses of ``pid`` (default: this
+    process), sorted. Only theirs: pytest-xdist runs other tests, these among them, on another
+    worker at the same time (tests/faults/test_cluster.py, in the serial heavy pass, compares
+    the whole lists)."""
+    pid = pid or os.getpid()
+    return (sorted(n for n in namespaces() if n.startswith(f"reefh-{pid}-")),
+            sorted(n for n in links() if n.startswith(f"rh{pid}-")))
 
 
 #: The port every host's listener (``_listen``) accepts on.
@@ -49,8 +60,9 @@ def _listening(hosts: Hosts, names) -> None:
 
 
 def test_hosts_reach_each_other_and_partitions_cut_them_off():
-    before = (sorted(namespaces()), sorted(links()))
+    assert _state() == ([], [])
     with Hosts(["a", "b", "c"]) as hosts:
+        assert len(_state()[0]) == 4 and len(_state()[1]) == 1   # 3 hosts, the bridge's
         assert len({hosts.address(h) for h in ("a", "b", "c")}) == 3
         _listening(hosts, ["a", "b", "c"])    # reached from the root namespace too
         assert _reaches(hosts, "a", "b") and _reaches(hosts, "c", "a")
@@ -79,21 +91,19 @@ def test_hosts_reach_each_other_and_partitions_cut_them_off():
         assert hosts.kill_host("c") == 2   # the sleeper and the listener
         assert hosts.pids("c") == [] and sleeper.poll() == -signal.SIGKILL
         workdir = hosts.workdir
-    assert (sorted(namespaces()), sorted(links())) == before
+    assert _state() == ([], [])
     assert not workdir.exists()
 
 
 def test_everything_is_removed_when_the_block_raises():
-    before = (sorted(namespaces()), sorted(links()))
     with pytest.raises(RuntimeError, match="inside"), Hosts(["x", "y"]) as hosts:
         sleeper = hosts.spawn("x", ["sleep", "600"])
         raise RuntimeError("a failure inside the block")
     assert sleeper.poll() is not None
-    assert (sorted(namespaces()), sorted(links())) == before
+    assert _state() == ([], [])
 
 
 def test_sweep_removes_what_a_killed_owner_left():
-    before = (sorted(namespaces()), sorted(links()))
     # An owner that makes hosts, starts a process in one and is SIGKILLed: no cleanup of its
     # own runs; the next harness (or sweep) removes what it left.
     code = ("from tests.cluster.hosts import Hosts; import time; h = Hosts(['p', 'q']); "
@@ -103,10 +113,14 @@ def test_sweep_removes_what_a_killed_owner_left():
                              cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         assert owner.stdout.readline().strip() == "up"
-        assert len(namespaces()) == len(before[0]) + 3
+        left = _state(owner.pid)
+        assert len(left[0]) == 3 and len(left[1]) == 1
+        sleepers = [p for ns in left[0] for p in namespace_pids(ns)]
+        assert len(sleepers) == 1
     finally:
         owner.kill()
         owner.wait()
-    removed = sweep()
-    assert len(removed) == 3
-    assert (sorted(namespaces()), sorted(links())) == before
+    sweep()   # or another worker's harness did, starting: either way, all of it is gone
+    assert _state(owner.pid) == ([], [])
+    wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in sleepers), 10,
+               "the killed owner's process in its host is gone")
