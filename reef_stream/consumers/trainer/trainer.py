@@ -242,6 +242,9 @@ class Trainer:
         self.pending_ids: set[str] = set()
         #: Rank 0's transactional producer of acknowledgements (``_fence``).
         self.fence_producer: Any = None
+        #: A failed acknowledgement left its transaction open and aborting it failed too: the
+        #: next acknowledgement aborts it first (``_acknowledge``).
+        self._abort_pending = False
         #: This process among the data-parallel ranks (joined in _Steps.assignment).
         self.world = Ranks()
         self.rank, self.ranks = 0, 1
@@ -448,6 +451,9 @@ class Trainer:
         failpoint("trainer.after-checkpoint", step=contents.step)
         producer = self.fence_producer
         try:
+            if self._abort_pending:   # an earlier step's transaction is still open
+                producer.abort_transaction(ACK_TIMEOUT_S)
+                self._abort_pending = False
             producer.begin_transaction()
             self._produce_checkpoint_event(producer, stored, contents)
             failpoint("trainer.after-event", step=contents.step)
@@ -462,8 +468,20 @@ class Trainer:
                     f"trainer of group {self.group} (recipe {self.recipe.name}) was fenced at "
                     f"step {contents.step}: a newer trainer of the group took over, so this one "
                     f"stops; its files at {stored.uri} are garbage ({error.str()})") from exc
-            if error.txn_requires_abort():
+            # Any other failure leaves the transaction open (a timed-out call, as when the
+            # host is partitioned from the coordinator, is retriable, not abortable, in
+            # librdkafka's terms): abort it, here or before the next step's, or every later
+            # begin_transaction fails with "Operation not valid in state InTransaction".
+            self._abort_pending = True
+            try:
                 producer.abort_transaction(ACK_TIMEOUT_S)
+                self._abort_pending = False
+            except KafkaException as abort:
+                if is_fenced(abort.args[0]):
+                    raise TrainerFenced(
+                        f"trainer of group {self.group} (recipe {self.recipe.name}) was fenced "
+                        f"at step {contents.step}: a newer trainer of the group took over, so "
+                        f"this one stops ({abort.args[0].str()})") from abort
             raise RetryableError(f"step {contents.step} was not acknowledged: "
                                  f"{error.str()}") from exc
         failpoint("trainer.after-commit", step=contents.step)

@@ -1,0 +1,95 @@
+"""The trainer's acknowledgement never leaves a transaction open after a failure.
+
+Found on emulated hosts (tests/faults/test_cluster.py): a trainer partitioned from the broker
+inside ``send_offsets_to_transaction`` got a timeout, which librdkafka calls retriable, not
+``txn_requires_abort``; the transaction stayed open and every later step failed at
+``begin_transaction`` ("Operation not valid in state InTransaction") after the heal, for ever.
+Here the producer is a double that fails the way librdkafka did; no broker."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from reef_stream.consumers.trainer.trainer import Trainer, TrainerFenced
+from reef_stream.core.errors import RetryableError
+from reef_stream.core.events import TopicOffset
+from reef_stream.topics.kafka import KafkaError, KafkaException
+
+
+class Producer:
+    """A transactional producer's state machine, as far as the acknowledgement uses it:
+    ``fail`` maps a call's name to the error it raises (once)."""
+
+    def __init__(self, **fail: KafkaError) -> None:
+        self.fail, self.open, self.committed = dict(fail), False, 0
+
+    def _call(self, name: str) -> None:
+        error = self.fail.pop(name, None)
+        if error is not None:
+            raise KafkaException(error)
+
+    def begin_transaction(self) -> None:
+        if self.open:
+            raise KafkaException(KafkaError(KafkaError._STATE,
+                                            "Operation not valid in state InTransaction"))
+        self._call("begin")
+        self.open = True
+
+    def send_offsets_to_transaction(self, offsets, metadata, timeout) -> None:
+        self._call("send_offsets")
+
+    def commit_transaction(self, timeout) -> None:
+        self._call("commit")
+        self.open, self.committed = False, self.committed + 1
+
+    def abort_transaction(self, timeout) -> None:
+        self._call("abort")
+        self.open = False
+
+
+def _trainer(producer: Producer) -> SimpleNamespace:
+    stored = SimpleNamespace(uri="/store/step-1.x")
+    trainer = SimpleNamespace(
+        store=SimpleNamespace(write=lambda contents: stored), fence_producer=producer,
+        consumer=SimpleNamespace(consumer_group_metadata=lambda: None), topic="units",
+        group="g", recipe=SimpleNamespace(name="r"), _abort_pending=False,
+        _produce_checkpoint_event=lambda producer, stored, contents: None)
+    return trainer
+
+
+def _step(step: int) -> SimpleNamespace:
+    return SimpleNamespace(step=step, offsets=(TopicOffset(topic="units", partition=0,
+                                                           offset=4 * step),))
+
+
+TIMED_OUT = KafkaError(KafkaError._TIMED_OUT, "Failed to add offsets to transaction",
+                       retriable=True)
+
+
+def test_a_timed_out_acknowledgement_aborts_its_transaction_and_the_next_step_commits():
+    producer = Producer(send_offsets=TIMED_OUT)
+    trainer = _trainer(producer)
+    with pytest.raises(RetryableError, match="not acknowledged"):
+        Trainer._acknowledge(trainer, _step(1))
+    assert not producer.open and not trainer._abort_pending
+    Trainer._acknowledge(trainer, _step(1))
+    assert producer.committed == 1
+
+
+def test_an_abort_that_fails_too_is_retried_before_the_next_step():
+    producer = Producer(send_offsets=TIMED_OUT, abort=TIMED_OUT)
+    trainer = _trainer(producer)
+    with pytest.raises(RetryableError):
+        Trainer._acknowledge(trainer, _step(1))
+    assert producer.open and trainer._abort_pending      # still partitioned, say
+    Trainer._acknowledge(trainer, _step(1))              # healed: abort, then the step
+    assert producer.committed == 1 and not trainer._abort_pending
+
+
+def test_a_fenced_abort_stops_the_trainer():
+    fenced = KafkaError(KafkaError._FENCED, "fenced", fatal=True)
+    producer = Producer(send_offsets=TIMED_OUT, abort=fenced)
+    with pytest.raises(TrainerFenced):
+        Trainer._acknowledge(_trainer(producer), _step(1))
