@@ -163,7 +163,7 @@ class FaultRun:
 
     def checks(self) -> list[tuple[str, bool, str]]:
         """``(what, held, detail)`` for every promise the run checks."""
-        r, outcomes = self.result, self.result.outcomes
+        r = self.result
         complete = (self.injector_error is None and len(self.injected) == 3
                     and all(f.undone_at is not None for f in self.injected))
         faults = [] if self.baseline else [
@@ -175,14 +175,7 @@ class FaultRun:
         ]
         return [
             *faults,
-            ("every acknowledged generation is in its topic", r.missing_acknowledged == 0,
-             f"{r.missing_acknowledged} missing"),
-            ("every generation has exactly one outcome",
-             bool(outcomes) and outcomes["no_outcome"] == 0 and outcomes["more_than_one"] == 0,
-             str(outcomes)),
-            ("no unit trained twice, none lost",
-             r.ledger.get("trained_twice") == 0 and r.ledger.get("lost") == 0
-             and r.ledger.get("trained", 0) > 0, str(r.ledger)),
+            *r.log_checks(),
             ("the policy reached the target", r.reached,
              f"held-out accuracy {r.accuracy} at version {r.version} in {r.seconds:.0f} s"),
         ]

@@ -203,6 +203,23 @@ class DemoResult:
                 + ("" if self.reached or not self.stalled else f"\n{self.stalled}")
                 + ("" if self.reached or not self.overloaded else f"\n{self.overloaded}"))
 
+    def log_checks(self, acknowledged: int | None = None) -> list[tuple[str, bool, str]]:
+        """``(what, held, detail)`` of what the log must show after a drained run with faults:
+        every acknowledged generation in its topic (of ``acknowledged``, when known), exactly
+        one outcome per generation, no unit trained twice or lost."""
+        outcomes, ledger = self.outcomes, self.ledger
+        of = "" if acknowledged is None else f" of {acknowledged}"
+        return [
+            ("every acknowledged generation is in its topic", self.missing_acknowledged == 0,
+             f"{self.missing_acknowledged} missing{of}"),
+            ("every generation has exactly one outcome",
+             bool(outcomes) and outcomes["no_outcome"] == 0 and outcomes["more_than_one"] == 0,
+             str(outcomes)),
+            ("no unit trained twice, none lost",
+             ledger.get("trained_twice") == 0 and ledger.get("lost") == 0
+             and ledger.get("trained", 0) > 0, str(ledger)),
+        ]
+
 
 class Stage:
     """One child process of the demo, restartable. Its output goes to ``log``."""

@@ -120,7 +120,7 @@ class ClusterRun:
 
     def checks(self) -> list[tuple[str, bool, str]]:
         """``(what, held, detail)`` for every promise the run checks."""
-        r, outcomes = self.result, self.result.outcomes
+        r = self.result
         return [
             ("the fault was injected and undone",
              self.injector_error is None and self.injected_at is not None
@@ -128,14 +128,7 @@ class ClusterRun:
              (f"{self.fault.name()} at {_seconds(self.injected_at)}, undone at "
               f"{_seconds(self.undone_at)}")
              + (f"; injector failed: {self.injector_error}" if self.injector_error else "")),
-            ("every acknowledged generation is in its topic", r.missing_acknowledged == 0,
-             f"{r.missing_acknowledged} missing of {self.acknowledged}"),
-            ("every generation has exactly one outcome",
-             bool(outcomes) and outcomes["no_outcome"] == 0 and outcomes["more_than_one"] == 0,
-             str(outcomes)),
-            ("no unit trained twice, none lost",
-             r.ledger.get("trained_twice") == 0 and r.ledger.get("lost") == 0
-             and r.ledger.get("trained", 0) > 0, str(r.ledger)),
+            *r.log_checks(self.acknowledged),
             ("the committed checkpoints form one chain",
              self.chain.get("steps", 0) > 0 and self.chain.get("forks") == 0
              and self.chain.get("breaks") == 0, str(self.chain)),
