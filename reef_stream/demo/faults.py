@@ -149,8 +149,24 @@ class BrokerFaults:
         self.say(f"fault undone: node {node} resumed (SIGCONT) at {fault.undone_at:.0f} s")
 
 
+class Checked:
+    """A run judged by its ``checks()``, ``(what, held, detail)`` each: ``passed`` when all
+    held, and the ``verdict``, one line per check."""
+
+    def checks(self) -> list[tuple[str, bool, str]]:
+        raise NotImplementedError
+
+    @property
+    def passed(self) -> bool:
+        return all(held for _, held, _ in self.checks())
+
+    def verdict(self) -> str:
+        return "\n".join(f"{'ok  ' if held else 'FAIL'} {what}: {detail}"
+                         for what, held, detail in self.checks())
+
+
 @dataclass
-class FaultRun:
+class FaultRun(Checked):
     """A broker-fault run's result: the demo's and the faults'."""
 
     result: DemoResult
@@ -179,14 +195,6 @@ class FaultRun:
             ("the policy reached the target", r.reached,
              f"held-out accuracy {r.accuracy} at version {r.version} in {r.seconds:.0f} s"),
         ]
-
-    @property
-    def passed(self) -> bool:
-        return all(held for _, held, _ in self.checks())
-
-    def verdict(self) -> str:
-        return "\n".join(f"{'ok  ' if held else 'FAIL'} {what}: {detail}"
-                         for what, held, detail in self.checks())
 
 
 def run_broker_faults(options: DemoOptions, *, settings: Settings, workdir: Path,

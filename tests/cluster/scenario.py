@@ -41,6 +41,7 @@ from pathlib import Path
 
 from reef_stream.core.events import Decision
 from reef_stream.core.settings import Settings
+from reef_stream.demo.faults import Checked
 from reef_stream.demo.run import GROUP, PIPELINE, Demo, DemoOptions, DemoResult
 from reef_stream.demo.verify import checkpoint_chain, committed_checkpoints
 from reef_stream.servers.kafka_local import LocalCluster
@@ -89,7 +90,7 @@ class Fault:
 
 
 @dataclass
-class ClusterRun:
+class ClusterRun(Checked):
     """A scenario's result: the demo's, the fault's timing, and the trainer's chain."""
 
     fault: Fault
@@ -136,14 +137,6 @@ class ClusterRun:
              (f"{self.steps_after} steps, {self.promoted_after} versions promoted after it; "
               f"the first {_seconds(self.recover_s)} after the fault ended")),
         ]
-
-    @property
-    def passed(self) -> bool:
-        return all(held for _, held, _ in self.checks())
-
-    def verdict(self) -> str:
-        return "\n".join(f"{'ok  ' if held else 'FAIL'} {what}: {detail}"
-                         for what, held, detail in self.checks())
 
 
 def _restarted(fault: Fault) -> bool:
