@@ -37,7 +37,8 @@ def completion_entropy(logits: torch.Tensor, batch: Any) -> torch.Tensor:
 def _completion_rows(logits: torch.Tensor, batch: Any) -> torch.Tensor:
     """``float[B, T, V]``: the log-softmax at the position predicting each completion token."""
     t = batch.completion_ids.shape[1]
-    positions = (batch.completion_start[:, None] + torch.arange(t)[None, :] - 1).clamp(
+    positions = (batch.completion_start[:, None]
+                 + torch.arange(t, device=batch.completion_start.device)[None, :] - 1).clamp(
         0, logits.shape[1] - 1)
     return torch.log_softmax(logits.float(), dim=-1).gather(
         1, positions[:, :, None].expand(-1, -1, logits.shape[-1]))
@@ -95,7 +96,7 @@ def proximal_rows(proximal: Mapping[int, torch.Tensor], rows: np.ndarray, batch:
     for row, index in enumerate(rows):
         values = proximal[int(index)]
         out[row, :values.shape[0]] = values
-    return out * batch.completion_mask
+    return out.to(batch.completion_mask.device) * batch.completion_mask
 
 
 def _last_true(mask: torch.Tensor) -> int:

@@ -93,6 +93,12 @@ class SampleBatch:
     behaviour_logprobs: torch.Tensor
     completion_start: torch.Tensor
 
+    def to(self, device: torch.device) -> SampleBatch:
+        """The same batch on ``device`` (the trainer's accelerator): ``collate`` builds it on
+        the CPU, and every tensor a loss compares with the model's logits must be beside
+        them."""
+        return SampleBatch(*(getattr(self, name).to(device) for name in self.__slots__))
+
 
 def collate(samples: Sequence[Sample]) -> SampleBatch:
     """The padded tensors of ``samples`` (read without copying the token arrays twice).
@@ -145,12 +151,15 @@ InputsBuilder = Callable[[Any, SampleBatch, Advantages, np.ndarray], Any]
 
 
 def _advantage_rows(advantages: Advantages, rows: np.ndarray, batch: SampleBatch) -> torch.Tensor:
-    t = batch.completion_ids.shape[1]
+    t, device = batch.completion_ids.shape[1], batch.completion_mask.device
     if isinstance(advantages, PerSampleAdvantages):
-        values = torch.as_tensor(np.asarray(advantages.values)[rows], dtype=torch.float32)
+        values = torch.as_tensor(np.asarray(advantages.values)[rows], dtype=torch.float32,
+                                 device=device)
         return values[:, None].expand(-1, t) * batch.completion_mask
-    values = torch.as_tensor(np.asarray(advantages.values)[rows][:, :t], dtype=torch.float32)
-    mask = torch.as_tensor(np.asarray(advantages.mask)[rows][:, :t], dtype=torch.bool)
+    values = torch.as_tensor(np.asarray(advantages.values)[rows][:, :t], dtype=torch.float32,
+                             device=device)
+    mask = torch.as_tensor(np.asarray(advantages.mask)[rows][:, :t], dtype=torch.bool,
+                           device=device)
     if values.shape[1] < t:
         raise FatalError(f"per-token advantages are {values.shape[1]} tokens wide, but a "
                          f"completion has {t} tokens")
@@ -195,7 +204,8 @@ def value_regression_inputs(model: Any, batch: SampleBatch, advantages: Advantag
     predictions = model.value(batch.input_ids, batch.attention_mask)
     return ValueRegressionInputs(
         predictions=predictions,
-        targets=torch.as_tensor(np.asarray(advantages.values)[rows], dtype=torch.float32),
+        targets=torch.as_tensor(np.asarray(advantages.values)[rows], dtype=torch.float32,
+                                device=predictions.device),
         mask=torch.ones_like(predictions, dtype=torch.bool))
 
 
@@ -663,10 +673,11 @@ class TorchBackend:
         before = self._parameters()
         self.model.train()
         proximal = None
+        device = self.accelerator.device
         if ExtraInput.PROXIMAL_LOGPROBS in self.extras:   # the weights of step - 1, no grad
             size = schedule.micro_batch_size
             proximal = proximal_logprobs(self.model, [
-                (collate([s for i in chunk for s in members[i]]),
+                (collate([s for i in chunk for s in members[i]]).to(device),
                  np.concatenate([np.arange(starts[i], starts[i + 1]) for i in chunk]))
                 for chunk in (range(f, min(f + size, len(members)))
                               for f in range(0, len(members), size))])
@@ -686,8 +697,9 @@ class TorchBackend:
                     chosen = batch_units[micro:micro + schedule.micro_batch_size]
                     rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in chosen])
                     samples = [s for i in chosen for s in members[i]]
-                    micros.append((chosen, rows, samples, collate(samples),
-                                   torch.from_numpy(kept_rows(result.advantages, rows))))
+                    micros.append((chosen, rows, samples, collate(samples).to(device),
+                                   torch.from_numpy(kept_rows(result.advantages, rows)).to(
+                                       device)))
                 # The normaliser of every micro batch's loss: the optimizer batch's totals over
                 # every micro batch and rank, agreed before any backward pass.
                 batch_totals = BatchTotals(*self._sum_over_ranks(local_totals(
