@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -118,11 +119,23 @@ def interrupt_on_sigterm() -> None:
     """Make SIGTERM raise ``KeyboardInterrupt`` in the main thread, as Ctrl-C does, so a
     long-running command stopped by a supervisor (or ``kill``, or a backgrounded shell job,
     where SIGINT is ignored) runs its ``finally`` blocks: stops the stage processes and the
-    servers it started instead of leaving them behind."""
+    servers it started instead of leaving them behind.
+
+    Only the first SIGTERM or SIGINT interrupts: a second one (``timeout`` and a supervisor
+    both signalling, or an impatient Ctrl-C) would raise inside those ``finally`` blocks and
+    leave the stages running, each in a session of its own. It is ignored, with a line on
+    stderr saying the command is stopping them (SIGKILL still ends it at once)."""
+    def stopping(signum: int, _frame: Any) -> None:
+        print(f"signal {signum}: already stopping the stages and servers this command "
+              "started; SIGKILL (kill -9) leaves them running", file=sys.stderr, flush=True)
+
     def interrupt(signum: int, _frame: Any) -> None:
+        for again in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(again, stopping)
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
 
 
 #: The signals a long-running stage stops on, after its current unit of work.
