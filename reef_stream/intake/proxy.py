@@ -304,6 +304,18 @@ class _Plan:
             ["token_ids", "prompt_token_ids"] if self.add_token_ids else [])
         return re.compile(rf'"(?:{"|".join(names)})"\s*:\s*') if names else None
 
+    def unasked(self, chunk: dict[str, Any]) -> bool:
+        """Whether the client would not have got the stream chunk ``chunk`` at all: vLLM sends
+        a chat chunk whose delta is empty (a token that completes no text yet) only when
+        logprobs or token ids were asked for, so when the plan asked for both, such a chunk
+        (no finish reason either) is the proxy's doing. Its tokens are still recorded."""
+        if self.kind != "chat" or not (self.add_logprobs and self.add_token_ids):
+            return False
+        choices = chunk.get("choices")
+        return bool(choices) and all(
+            isinstance(c, dict) and c.get("delta") == {} and c.get("finish_reason") is None
+            for c in choices)
+
     def recordable(self) -> str | None:
         """Why this request's choices cannot be recorded, or None."""
         if self.kind == "completions" and self.body.get("echo"):
@@ -764,7 +776,7 @@ def _relay(event: bytes, plan: _Plan, collected: _Collected) -> bytes:
     collected.add(value)
     if not plan.changes or not isinstance(value, dict):
         return event
-    return plan.strip(event)
+    return b"" if plan.unasked(value) else plan.strip(event)
 
 
 class _Collected:

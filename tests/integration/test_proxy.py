@@ -9,6 +9,7 @@ through the proxy with the same request id must answer the same JSON.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.client import IncompleteRead
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -751,37 +753,60 @@ def test_with_the_spool_full_the_client_is_served_and_the_record_dropped_and_cou
         "proxy"
 
 
-def test_reef_intake_proxy_serves_records_and_reports_at_sigterm(
-        upstream, kafka_bootstrap, namespace, tmp_path):
-    ensure_topics(AdminClient(client_config(kafka_bootstrap)), declare_topics(namespace))
+@dataclass
+class CliProxy:
+    """A running `reef intake proxy`: its URL; ``output`` and ``returncode`` once stopped."""
+
+    url: str
+    process: subprocess.Popen
+    output: str = ""
+    returncode: int | None = None
+
+
+@contextlib.contextmanager
+def reef_intake_proxy(upstream: str, bootstrap: str, namespace: str, home: Path,
+                      *args: str) -> Iterator[CliProxy]:
+    """`reef intake proxy --upstream UPSTREAM ARGS...` on a free port, recording to
+    ``namespace`` (its topics declared here), answering when entered; SIGTERM on exit, which
+    the proxy must survive with status 0 (its closing report is then in ``output``)."""
+    ensure_topics(AdminClient(client_config(bootstrap)), declare_topics(namespace))
     port = free_ports(1)[0]
-    (tmp_path / "version").write_text("7")
-    env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": kafka_bootstrap, "REEF_NAMESPACE": namespace,
-           "REEF_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+    env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": bootstrap, "REEF_NAMESPACE": namespace,
+           "REEF_HOME": str(home), "COLUMNS": "200"}
     command = [sys.executable, "-m", "reef_stream.cli", "intake", "proxy", "--upstream",
-               upstream, "--listen", f"127.0.0.1:{port}", "--model", "my-model",
-               "--policy-version-file", str(tmp_path / "version"), "--redact", "prompt"]
-    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+               upstream, "--listen", f"127.0.0.1:{port}", *args]
+    running = CliProxy(f"http://127.0.0.1:{port}",
+                       subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True))
     try:
         def answers() -> Reply | None:
-            assert server.poll() is None, server.communicate()[0]
+            assert running.process.poll() is None, running.process.communicate()[0]
             try:
-                return call(url + "/reef/stats")
+                return call(running.url + "/reef/stats")
             except OSError:
                 return None
 
         wait_until(answers, 60, "the proxy to answer")
-        reply = call(url + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2},
-                     request_id="cli")
+        yield running
+    finally:
+        running.process.send_signal(signal.SIGTERM)
+        running.output, _ = running.process.communicate(timeout=60)
+        running.returncode = running.process.returncode
+    assert running.returncode == 0, running.output
+
+
+def test_reef_intake_proxy_serves_records_and_reports_at_sigterm(
+        upstream, kafka_bootstrap, namespace, tmp_path):
+    (tmp_path / "version").write_text("7")
+    with reef_intake_proxy(upstream, kafka_bootstrap, namespace, tmp_path / "home",
+                           "--model", "my-model", "--policy-version-file",
+                           str(tmp_path / "version"), "--redact", "prompt") as server:
+        reply = call(server.url + "/v1/completions",
+                     {"model": "tiny", "prompt": "hi", "max_tokens": 2}, request_id="cli")
         assert reply.status == 200
         gid = reply.headers[GENERATION_IDS_HEADER]
-    finally:
-        server.send_signal(signal.SIGTERM)
-        output, _ = server.communicate(timeout=60)
-    assert server.returncode == 0, output
-    assert "proxy closed: 1 recorded, 0 dropped" in output and "1 acknowledged" in output
+    assert "proxy closed: 1 recorded, 0 dropped" in server.output
+    assert "1 acknowledged" in server.output
     (g,) = [g for g in read_all(kafka_bootstrap, generations(namespace), Generation)
             if g.generation_id == gid]
     assert (g.model, g.policy_version, g.replica_id) == ("my-model", 7,
