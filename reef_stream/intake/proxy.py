@@ -55,6 +55,7 @@ from reef_stream.core.events import (
 from reef_stream.intake.aio import AsyncRecordProducer
 from reef_stream.intake.formats import parse_feedback, parse_generations
 from reef_stream.intake.spool import SpoolFull
+from reef_stream.intake.trajectories import IDLE_S, Trajectories
 from reef_stream.topics.metrics import MetricsWriter, PeriodicMetrics
 
 __all__ = [
@@ -190,6 +191,9 @@ class ProxyOptions:
     unknown_version: Literal["mark", "skip"] = "mark"
     feedback_timeout_s: float = 30.0
     upstream_timeout_s: float = 600.0
+    #: Seconds a conversation's tool-calling trajectory waits for its next turn before it is
+    #: recorded as it is (``reef_stream.intake.trajectories``).
+    trajectory_idle_s: float = IDLE_S
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.redact) - set(REDACTABLE))
@@ -201,16 +205,20 @@ class ProxyOptions:
 @dataclass
 class ProxyCounts:
     """Running totals since start: choices recorded, records dropped and why, choices or
-    responses not recorded and why, feedback records sent."""
+    responses not recorded and why, feedback records sent, tool-calling trajectories."""
 
     recorded: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
     unrecorded: Counter[str] = field(default_factory=Counter)
     feedback: int = 0
+    #: Tool-calling trajectories: turns ``chained``, trajectories ``split`` or ``expired``
+    #: (``Trajectories.counts``), and ``held`` now.
+    trajectories: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
         return {"recorded": self.recorded, "dropped": dict(self.dropped),
-                "unrecorded": dict(self.unrecorded), "feedback": self.feedback}
+                "unrecorded": dict(self.unrecorded), "feedback": self.feedback,
+                "trajectories": dict(self.trajectories)}
 
 
 class ProxyMetrics:
@@ -346,6 +354,8 @@ class RecordingProxy:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self._groups: OrderedDict[str, str] = OrderedDict()
+        self.trajectories = Trajectories(options.trajectory_idle_s)
+        self._sweeper: asyncio.Task | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024,
@@ -375,8 +385,12 @@ class RecordingProxy:
             auto_decompress=False, connector=aiohttp.TCPConnector(limit=0))
         if self.metrics is not None:
             self._metrics_task = asyncio.get_running_loop().create_task(self._write_metrics())
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
     async def _stop(self, _: web.Application) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self._record(self._chained(self.trajectories.close()))
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._session is not None:
@@ -384,6 +398,12 @@ class RecordingProxy:
         if self._metrics_task is not None and self.metrics is not None:
             self._metrics_task.cancel()
             await asyncio.to_thread(self.metrics.emit, self.counts, True)
+
+    async def _sweep(self) -> None:
+        """Record the trajectories that waited ``trajectory_idle_s`` for a next turn."""
+        while True:
+            await asyncio.sleep(min(1.0, self.options.trajectory_idle_s))
+            self._record(self._chained(self.trajectories.expired()))
 
     async def _write_metrics(self) -> None:
         assert self.metrics is not None
@@ -456,11 +476,11 @@ class RecordingProxy:
         if not isinstance(response, dict):
             self._unrecorded("malformed_response")
             return web.Response(status=200, body=data, headers=headers)
-        generations = self._generations(response, plan, context)
+        served, generations = self._generations(response, plan, context)
         if plan.changes:
             data = plan.strip(data)
-        if generations:
-            headers[GENERATION_IDS_HEADER] = ",".join(g.generation_id for g in generations)
+        if served:
+            headers[GENERATION_IDS_HEADER] = ",".join(served)
         self._record(generations)
         return web.Response(status=200, body=data, headers=headers)
 
@@ -487,7 +507,8 @@ class RecordingProxy:
             # The client sees the stream end as abruptly as the upstream's did.
             raise ConnectionResetError(f"the upstream broke the stream: {broken}")
         await response.write_eof()
-        generations = self._generations(collected.response(), plan, context, streamed=collected)
+        _, generations = self._generations(collected.response(), plan, context,
+                                           streamed=collected)
         self._record(generations)
         return response
 
@@ -505,18 +526,20 @@ class RecordingProxy:
     # ----------------------------------------------------------------- recording
 
     def _generations(self, response: dict[str, Any], plan: _Plan, context: _Context,
-                     streamed: _Collected | None = None) -> list[Generation]:
-        """The Generations of a complete (or collected) response; [] when none can be made."""
+                     streamed: _Collected | None = None) -> tuple[list[str], list[Generation]]:
+        """The ids of a complete (or collected) response's choices, and the Generations to
+        record now (a tool-calling turn of a conversation is held: ``_chain``); none when
+        none can be made."""
         if streamed is not None:
             unfinished = streamed.unfinished()
             if unfinished:
                 self._unrecorded("unfinished_choice", unfinished)
             if not response.get("choices"):
-                return []
+                return [], []
         version, source = context.version(self.options.versions, response.get("model"))
         if version is None and self.options.unknown_version == "skip":
             self._unrecorded("version_unknown", len(response.get("choices") or ()))
-            return []
+            return [], []
         envelope: dict[str, Any] = {
             "policy_version": version if version is not None else 0,
             "replica_id": self.replica_id, "sampling": _sampling(plan),
@@ -531,9 +554,11 @@ class RecordingProxy:
         except InvalidRecord as error:
             log.warning("a response of %s was not recorded: %s", self.upstream, error)
             self._unrecorded("invalid")
-            return []
+            return [], []
         texts = streamed.texts() if streamed is not None else _texts(response)
         recorded = []
+        calls_tools = any("tool_calls" in texts.get(int(g.generation_id.rsplit(":", 1)[1]), {})
+                          for g in generations)
         for generation in generations:
             index = int(generation.generation_id.rsplit(":", 1)[1])
             metadata = dict(context.metadata)
@@ -554,7 +579,35 @@ class RecordingProxy:
             recorded.append(generation)
             if generation.group_id is not None:
                 self._remember_group(generation.generation_id, generation.group_id)
-        return recorded
+        served = [g.generation_id for g in recorded]
+        if plan.kind == "chat" and context.group_id is not None and len(generations) == 1:
+            recorded = self._chain(context, recorded, calls_tools)
+        return served, recorded
+
+    def _chain(self, context: _Context, generations: list[Generation],
+               calls_tools: bool) -> list[Generation]:
+        """A conversation's turn through ``trajectories``: what to record now."""
+        try:
+            if generations:
+                generations = self.trajectories.turn(
+                    context.group_id or "", generations[0], calls_tools=calls_tools,
+                    environment_role=context.environment_role)
+        except InvalidRecord as error:
+            log.warning("a trajectory of conversation %s was not recorded: %s",
+                        context.group_id, error)
+            self._unrecorded("invalid")
+            generations = []
+        except Exception:   # noqa: BLE001 - the client is served whatever recording does
+            log.exception("a turn of conversation %s was not recorded", context.group_id)
+            self._unrecorded("trajectory_error")
+            generations = []
+        return self._chained(generations)
+
+    def _chained(self, generations: list[Generation]) -> list[Generation]:
+        self.counts.trajectories.update(self.trajectories.counts)
+        self.trajectories.counts.clear()
+        self.counts.trajectories["held"] = len(self.trajectories)
+        return generations
 
     def _record(self, generations: list[Generation]) -> None:
         """Hand ``generations`` to the producer in a task of their own: never awaited here."""
@@ -648,6 +701,9 @@ class _Context:
     group_id: str | None
     group_size: int
     metadata: dict[str, str]
+    #: The roles of a chat's messages after its last assistant message (``tool:<function>``
+    #: for a tool's result), joined by ``+``: what a chained turn's ENVIRONMENT segment is.
+    environment_role: str = ""
 
     @classmethod
     def of(cls, request: web.Request, plan: _Plan, before: FileReading, *,
@@ -670,7 +726,8 @@ class _Context:
             group = None
         n = _int(body.get("n"), 1)
         size = _int(request.headers.get(GROUP_SIZE_HEADER), n)
-        return cls(body.get("model"), before, group, max(size, 1), metadata)
+        role = _environment_role(body.get("messages")) if plan.kind == "chat" else ""
+        return cls(body.get("model"), before, group, max(size, 1), metadata, role)
 
     def version(self, versions: Versions, served_model: Any) -> tuple[int | None, str]:
         """(version, where it came from); None when the proxy cannot tell."""
@@ -682,6 +739,26 @@ class _Context:
         if self.before.version is not None and after == self.before:
             return after.version, "file"
         return None, UNKNOWN_VERSION
+
+
+def _environment_role(messages: Any) -> str:
+    """The roles of the messages after the last assistant message, each once, in order, joined
+    by ``+``; a tool's result is ``tool:<function>`` (the function of the call it answers)."""
+    if not isinstance(messages, list):
+        return ""
+    messages = [m for m in messages if isinstance(m, dict)]
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    functions = {}
+    if last >= 0:
+        for call in messages[last].get("tool_calls") or ():
+            if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                functions[call.get("id")] = call["function"].get("name")
+    roles = []
+    for message in messages[last + 1:]:
+        role = str(message.get("role", ""))
+        name = message.get("name") or functions.get(message.get("tool_call_id"))
+        roles.append(f"tool:{name}" if role == "tool" and isinstance(name, str) else role)
+    return "+".join(dict.fromkeys(roles))
 
 
 def _sampling(plan: _Plan) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,18 @@ def prompt_ids(text: str) -> list[int]:
     return [ord(c) % 1000 + 1 for c in text]
 
 
+def chat_ids(messages: list[dict]) -> list[int]:
+    """A chat's prompt token ids as the stand-in renders them: each message's text, but an
+    assistant message's, which is the tokens it names (``token_text``'s): a template that
+    gives back what was sampled."""
+    ids: list[int] = []
+    for message in messages:
+        text = message.get("content") or ""
+        ids += ([int(t) for t in re.findall(r" t(\d+)", text)]
+                if message.get("role") == "assistant" else prompt_ids(text))
+    return ids
+
+
 def completion_of(choice: int, max_tokens: int) -> tuple[list[int], list[float]]:
     tokens = [100 + choice, 200 + choice, 300 + choice, 400 + choice][:max_tokens]
     logprobs = [-0.5, -0.25 - choice / 8, -1.0, -0.0625][:max_tokens]
@@ -118,9 +131,8 @@ class Upstream:
             return web.json_response({"object": "error", "message": "engine dead",
                                       "type": "InternalServerError", "code": 500}, status=500)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request.headers['X-Request-Id']}"
-        prompt = (body["prompt"] if kind == "completions"
-                  else "".join(m.get("content") or "" for m in body["messages"]))
-        ids = prompt_ids(prompt)
+        ids = (prompt_ids(body["prompt"]) if kind == "completions"
+               else chat_ids(body["messages"]))
         n, max_tokens = body.get("n", 1), body.get("max_tokens", 16)
         with_ids = body.get("return_token_ids") is True
         logprobs = body.get("logprobs")
@@ -146,8 +158,7 @@ class Upstream:
                 calls = [{"id": f"call-{i}", "type": "function", "function": {
                     "name": "add", "arguments": "{\"a\": 17, \"b\": 25}"}}] if tools else []
                 choices.append({
-                    "index": i, "message": {"role": "assistant",
-                                            "content": None if tools else text,
+                    "index": i, "message": {"role": "assistant", "content": text,
                                             "tool_calls": calls, "reasoning_content": None},
                     "logprobs": _chat_logprobs(tokens, values) if wants_logprobs else None,
                     "finish_reason": finish, "stop_reason": None,
@@ -629,6 +640,70 @@ def test_feedback_for_the_header_ids_becomes_feedback_with_the_conversation_as_g
         ("thumbs", 1.0, "conv-9")}
     bad = call(server.url + "/v1/feedback", {"generation_ids": ids})
     assert bad.status == 400 and "reward" in bad.json()["error"]
+
+
+def test_a_conversations_tool_calling_turns_are_recorded_as_one_masked_trajectory(
+        upstream, proxy, kafka_bootstrap, namespace):
+    """An agent's turns (a tool call, its result, another call, its result, the answer), each a
+    request of its own in one conversation, are recorded as one Generation when the answer
+    comes: the first prompt, then every token as sampled or as the prompts carried it, the
+    tool results masked. A turn that does not continue the trajectory's tokens ends it; one
+    still held when the proxy stops is recorded as it is."""
+    server = proxy()
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    messages = [{"role": "user", "content": "add 17 and 25"}]
+    served = []
+    for i, (max_tokens, result) in enumerate([(3, "42"), (2, "ok"), (4, None)]):
+        body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens,
+                **({"tools": tools} if result else {"stream": True})}
+        reply = call(server.url + "/v1/chat/completions", body, request_id=f"agent-{i}",
+                     headers={"x-reef-conversation-id": "conv-1"})
+        assert reply.status == 200
+        served.append(reply.headers[GENERATION_IDS_HEADER])
+        if result is not None:
+            message = reply.json()["choices"][0]["message"]
+            assert message["tool_calls"] and server.recording.counts.recorded == 0, "held"
+            messages = [*messages, message, {"role": "tool", "tool_call_id": "call-0",
+                                             "content": result}]
+    assert served == [f"chatcmpl-agent-{i}:0" for i in range(3)]
+
+    # Another conversation: a tool call, then a turn whose history was edited (it does not
+    # begin with the tokens sampled), then a tool call the proxy still holds when it stops.
+    def turn(rid: str, history: list[dict], tools_on: bool = True) -> Reply:
+        return call(server.url + "/v1/chat/completions",
+                    {"model": "tiny", "messages": history, "max_tokens": 2,
+                     **({"tools": tools} if tools_on else {})},
+                    request_id=rid, headers={"x-reef-conversation-id": "conv-2"})
+
+    first = turn("edit-0", [{"role": "user", "content": "hi"}]).json()["choices"][0]["message"]
+    turn("edit-1", [{"role": "user", "content": "hi"}, {**first, "content": " t7"},
+                    {"role": "tool", "content": "x"}])
+    wait_recorded(server, 2)   # the trajectory of conv-1, and edit-0's, split off
+    assert server.recording.counts.as_dict()["trajectories"] == {"chained": 2, "split": 1,
+                                                                 "held": 1}
+    server.stop()
+    stored = {g.generation_id: g for g in read_all(kafka_bootstrap, generations(namespace),
+                                                   Generation)}
+    assert set(stored) == {"chatcmpl-agent-2:0", "chatcmpl-edit-0:0", "chatcmpl-edit-1:0"}
+
+    g = stored["chatcmpl-agent-2:0"]
+    tokens = [(completion_of(0, 3), "assistant"), (prompt_ids("42"), "tool:add"),
+              (completion_of(0, 2), "assistant"), (prompt_ids("ok"), "tool:add"),
+              (completion_of(0, 4), "assistant")]
+    assert g.prompt_token_ids.tolist() == prompt_ids("add 17 and 25")
+    expected_ids = [t for part, _ in tokens for t in (part[0] if isinstance(part, tuple)
+                                                       else part)]
+    assert g.completion_token_ids.tolist() == expected_ids
+    assert g.completion_logprobs.tolist() == [
+        v for part, _ in tokens for v in (part[1] if isinstance(part, tuple) else [0.0] * len(part))]
+    assert [(turn.role, turn.token_ids.size) for turn in g.turns()] == [
+        (role, len(part[0] if isinstance(part, tuple) else part)) for part, role in tokens]
+    assert g.policy_mask().tolist() == [1] * 3 + [0] * 2 + [1] * 2 + [0] * 2 + [1] * 4
+    assert (g.group_id, g.request_id, g.finish_reason.name) == ("conv-1", "chatcmpl-agent-2",
+                                                                "LENGTH")
+    assert g.metadata["proxy.turns"] == "3" and g.metadata["completion"] == " t100 t200 t300 t400"
+    assert json.loads(g.metadata["prompt"]) == [{"role": "user", "content": "add 17 and 25"}]
+    assert stored["chatcmpl-edit-0:0"].segments == stored["chatcmpl-edit-1:0"].segments == ()
 
 
 def test_the_version_is_what_the_upstream_served_and_redaction_drops_text(
