@@ -496,12 +496,14 @@ class RecordingProxy:
             async for events in _sse_events(upstream.content):
                 out = b"".join([_relay(event, plan, collected) for event in events])
                 if response is None:
-                    response = await self._start_stream(request, upstream, plan, collected)
+                    response = await self._start_stream(request, upstream, plan, collected,
+                                                     context)
                 await response.write(out)
         except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as error:
             broken = error
         if response is None:
-            response = await self._start_stream(request, upstream, plan, collected)
+            response = await self._start_stream(request, upstream, plan, collected,
+                                                     context)
         if broken is not None:
             self._unrecorded("upstream_broke_stream")
             # The client sees the stream end as abruptly as the upstream's did.
@@ -513,11 +515,13 @@ class RecordingProxy:
         return response
 
     async def _start_stream(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                            plan: _Plan, collected: _Collected) -> web.StreamResponse:
+                            plan: _Plan, collected: _Collected,
+                            context: _Context) -> web.StreamResponse:
         headers = _forwarded(upstream.headers)
         if collected.id is not None:
-            n = _int(plan.body.get("n"), 1)
-            headers[GENERATION_IDS_HEADER] = ",".join(f"{collected.id}:{i}" for i in range(n))
+            choices = context.n * len(context.prompts or "_")
+            headers[GENERATION_IDS_HEADER] = ",".join(f"{collected.id}:{i}"
+                                                      for i in range(choices))
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                       headers=headers)
         await response.prepare(request)
@@ -566,6 +570,8 @@ class RecordingProxy:
             if version is None:
                 metadata[POLICY_VERSION_KEY] = UNKNOWN_VERSION
             metadata.update(texts.get(index, {}))
+            generation = context.batched(dataclasses.replace(generation, metadata=metadata))
+            metadata = dict(generation.metadata)
             _cap_texts(metadata)
             for name in self.options.redact:
                 for key in _REDACTED_KEYS[name]:
@@ -704,6 +710,25 @@ class _Context:
     #: The roles of a chat's messages after its last assistant message (``tool:<function>``
     #: for a tool's result), joined by ``+``: what a chained turn's ENVIRONMENT segment is.
     environment_role: str = ""
+    #: A completions request's prompts when it sends several (a batch), as text each; choice
+    #: ``i`` answers prompt ``i // n``.
+    prompts: list[str] | None = None
+    n: int = 1
+
+    def batched(self, generation: Generation) -> Generation:
+        """``generation`` of a choice of a batch: its own prompt's text, and, without a
+        conversation, the group of its prompt's ``n`` choices (none when ``n`` is 1), not the
+        response's (the formats' default for several choices)."""
+        if self.prompts is None:
+            return generation
+        index = int(generation.generation_id.rsplit(":", 1)[1])
+        metadata = {**generation.metadata, "prompt": self.prompts[index // self.n]} \
+            if index // self.n < len(self.prompts) else generation.metadata
+        if self.group_id is not None:
+            return dataclasses.replace(generation, metadata=metadata)
+        group = (f"{generation.request_id}:p{index // self.n}" if self.n > 1 else None)
+        return dataclasses.replace(generation, metadata=metadata, group_id=group,
+                                   group_size=self.n)
 
     @classmethod
     def of(cls, request: web.Request, plan: _Plan, before: FileReading, *,
@@ -712,7 +737,8 @@ class _Context:
         body = plan.body
         metadata: dict[str, str] = {"proxy.endpoint": plan.kind}
         prompt = body.get("messages") if plan.kind == "chat" else body.get("prompt")
-        if prompt is not None:
+        prompts = _batch(prompt) if plan.kind == "completions" else None
+        if prompt is not None and prompts is None:
             metadata["prompt"] = prompt if isinstance(prompt, str) else json.dumps(prompt)
         user = body.get("user") if isinstance(body.get("user"), str) else None
         if user:
@@ -727,7 +753,8 @@ class _Context:
         n = _int(body.get("n"), 1)
         size = _int(request.headers.get(GROUP_SIZE_HEADER), n)
         role = _environment_role(body.get("messages")) if plan.kind == "chat" else ""
-        return cls(body.get("model"), before, group, max(size, 1), metadata, role)
+        return cls(body.get("model"), before, group, max(size, 1), metadata, role,
+                   prompts, max(n, 1))
 
     def version(self, versions: Versions, served_model: Any) -> tuple[int | None, str]:
         """(version, where it came from); None when the proxy cannot tell."""
@@ -739,6 +766,15 @@ class _Context:
         if self.before.version is not None and after == self.before:
             return after.version, "file"
         return None, UNKNOWN_VERSION
+
+
+def _batch(prompt: Any) -> list[str] | None:
+    """The prompts of a completions request that sends several (a list of texts, or of token
+    id lists), each as text (a token id list as JSON); None for one prompt."""
+    if not isinstance(prompt, list) or len(prompt) < 2 or not all(
+            isinstance(p, (str, list)) for p in prompt):
+        return None
+    return [p if isinstance(p, str) else json.dumps(p) for p in prompt]
 
 
 def _environment_role(messages: Any) -> str:

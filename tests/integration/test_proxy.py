@@ -131,7 +131,9 @@ class Upstream:
             return web.json_response({"object": "error", "message": "engine dead",
                                       "type": "InternalServerError", "code": 500}, status=500)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request.headers['X-Request-Id']}"
-        ids = (prompt_ids(body["prompt"]) if kind == "completions"
+        # a batch of prompts (not streamed here): choice i answers prompt i // n
+        batch = body.get("prompt") if isinstance(body.get("prompt"), list) else None
+        ids = (prompt_ids(batch[0] if batch else body["prompt"]) if kind == "completions"
                else chat_ids(body["messages"]))
         n, max_tokens = body.get("n", 1), body.get("max_tokens", 16)
         with_ids = body.get("return_token_ids") is True
@@ -142,8 +144,9 @@ class Upstream:
             return await self._stream(request, kind, body, rid, ids, n, max_tokens, with_ids,
                                       wants_logprobs, tools)
         choices = []
-        for i in range(n):
-            tokens, values = completion_of(i, max_tokens)
+        for i in range(n * len(batch or "_")):
+            ids = prompt_ids(batch[i // n]) if batch else ids
+            tokens, values = completion_of(i % n, max_tokens)
             finish = "tool_calls" if tools else ("length" if max_tokens <= len(tokens) else "stop")
             text = "".join(token_text(t) for t in tokens)
             if kind == "completions":
@@ -163,7 +166,8 @@ class Upstream:
                     "logprobs": _chat_logprobs(tokens, values) if wants_logprobs else None,
                     "finish_reason": finish, "stop_reason": None,
                     "token_ids": tokens if with_ids else None})
-        completion_tokens = sum(len(completion_of(i, max_tokens)[0]) for i in range(n))
+        completion_tokens = sum(len(completion_of(i % n, max_tokens)[0])
+                                for i in range(n * len(batch or "_")))
         response = {
             "id": rid, "object": "text_completion" if kind == "completions" else "chat.completion",
             "created": CREATED, "model": body["model"], "choices": choices,
@@ -472,6 +476,25 @@ def test_non_streamed_completions_and_chat_are_unchanged_and_each_choice_is_reco
         e["logprob"] for e in chat_served["choices"][0]["logprobs"]["content"]]
     assert json.loads(g.metadata["tool_calls"])[0]["function"]["name"] == "add"
     assert g.sampling.max_tokens == 4 and g.finish_reason.name == "STOP"
+
+
+def test_each_choice_of_a_batch_of_prompts_is_recorded_with_its_own_prompt_and_group(
+        upstream, proxy, kafka_bootstrap, namespace):
+    server = proxy()
+    body = {"model": "tiny", "prompt": ["1+2=", "3+4=", "5+6="], "max_tokens": 1}
+    direct, proxied = both(upstream, server, "/v1/completions", body)
+    assert proxied.body == direct.body
+    ids = proxied.headers[GENERATION_IDS_HEADER].split(",")
+    grouped = call(server.url + "/v1/completions", {**body, "n": 2},
+                   request_id="batch-2").headers[GENERATION_IDS_HEADER].split(",")
+    wait_recorded(server, 9)
+    stored = recorded(kafka_bootstrap, namespace, server)
+    assert [(stored[i].prompt_token_ids.tolist(), stored[i].metadata["prompt"],
+             stored[i].group_id, stored[i].group_size) for i in ids] == [
+        (prompt_ids(p), p, None, 1) for p in body["prompt"]], "three prompts, not a group"
+    assert [(stored[i].metadata["prompt"], stored[i].group_id, stored[i].group_size)
+            for i in grouped] == [(p, f"cmpl-batch-2:p{k}", 2) for k, p in
+                                  enumerate(body["prompt"]) for _ in range(2)]
 
 
 def test_what_the_client_asked_for_it_still_gets(upstream, proxy):
