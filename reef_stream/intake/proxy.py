@@ -7,7 +7,10 @@ Routes:
   with what training needs added to the request (``logprobs``; vLLM's ``return_token_ids``),
   answered with the upstream's response minus what the client did not ask for (``_Plan``),
   plus the header ``x-reef-generation-ids`` (``<response id>:<choice index>``, comma separated).
-  Each choice that finished becomes one Generation (``reef_stream.intake.formats``).
+  Each choice that finished becomes one Generation (``reef_stream.intake.formats``); a
+  choice of a batch of prompts has its own prompt and group. The tool-calling turns of a
+  conversation are held and recorded as one multi-turn Generation when its answer comes
+  (``reef_stream.intake.trajectories``).
 - ``POST /v1/feedback``: ``{"generation_ids": [...], "reward": 1.0, "source": "thumbs"}``
   (``generation_id`` for one; ``source`` defaults to the proxy's; ``components`` optional):
   one Feedback per id, answered once durable (acknowledged or spooled).
@@ -402,7 +405,7 @@ class RecordingProxy:
     async def _sweep(self) -> None:
         """Record the trajectories that waited ``trajectory_idle_s`` for a next turn."""
         while True:
-            await asyncio.sleep(min(1.0, self.options.trajectory_idle_s))
+            await asyncio.sleep(min(1.0, max(0.05, self.options.trajectory_idle_s)))
             self._record(self._chained(self.trajectories.expired()))
 
     async def _write_metrics(self) -> None:
@@ -496,14 +499,14 @@ class RecordingProxy:
             async for events in _sse_events(upstream.content):
                 out = b"".join([_relay(event, plan, collected) for event in events])
                 if response is None:
-                    response = await self._start_stream(request, upstream, plan, collected,
-                                                     context)
+                    response = await self._start_stream(request, upstream, plan,
+                                                        collected, context)
                 await response.write(out)
         except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as error:
             broken = error
         if response is None:
             response = await self._start_stream(request, upstream, plan, collected,
-                                                     context)
+                                                context)
         if broken is not None:
             self._unrecorded("upstream_broke_stream")
             # The client sees the stream end as abruptly as the upstream's did.
