@@ -3,6 +3,7 @@
     reef demo                                   SAO on the toy task, until 0.9 held-out accuracy
     reef demo --recipe methods.grpo --chaos     GRPO, with the trainer and processor SIGKILLed
     reef demo --engine vllm                     a Hugging Face policy served by a real vLLM
+    reef demo --engine vllm --via-proxy         ... recorded by `reef intake proxy` in front of it
     reef demo --task tool                       multi-turn: a tool call, its output, the answer
 
 Brings up the local broker and Redis if they are not running (or uses
@@ -35,6 +36,11 @@ from reef_stream.cli.recipe_options import set_option
                    "$REEF_HOME/models) served by a real vLLM server that the demo starts (its "
                    "environment installed once if missing) and stops, reloaded with every "
                    "promoted version by the one replica process that samples it.")
+@click.option("--via-proxy", is_flag=True,
+              help="With --engine vllm: the replica's requests go through a recording proxy "
+                   "(reef intake proxy) in front of the vLLM server, which records them as "
+                   "generations, stamped with the version the replica's follower writes to "
+                   "its --version-file; the replica produces nothing (docs/proxy.md).")
 @click.option("--task", type=click.Choice(["arithmetic", "tool"]), default="arithmetic",
               show_default=True,
               help="The toy task: one-token answers to a+b=, or a multi-turn one (the policy "
@@ -91,7 +97,8 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
          partitions: int, target: float, time_limit: float, chaos: bool, run_dir: Path | None,
          seed: int, overrides: tuple[str, ...] = (), task: str = "arithmetic",
          canary: float | None = None, sandbox: str = "thread",
-         reward_faults: str | None = None, device_model: str | None = None) -> None:
+         reward_faults: str | None = None, device_model: str | None = None,
+         via_proxy: bool = False) -> None:
     """Run the whole loop until the policy learns the toy task from reward alone.
 
     Replicas sample answers to "a+b=" (the last digit of the sum) from the
@@ -118,7 +125,10 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
     served by a real vLLM server that the demo starts (installing its
     environment once, if missing) and stops at the end; one replica process
     samples it through the OpenAI-compatible API with token ids and logprobs
-    and reloads it with every promoted version's serving artifact.
+    and reloads it with every promoted version's serving artifact. With
+    --via-proxy those requests go through `reef intake proxy` in front of the
+    server, and the proxy, not the replica, records each completion: the path of
+    a fleet that cannot change its code (docs/proxy.md).
     """
     from reef_stream.cli.servers import kafka_up, redis_up
     from reef_stream.core.processes import interrupt_on_sigterm
@@ -128,6 +138,9 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
 
     if task == "tool" and engine != "toy":
         raise click.UsageError("--task tool runs on the toy engine: leave --engine out")
+    if via_proxy and engine != "vllm":
+        raise click.UsageError("--via-proxy puts the recording proxy in front of the vLLM "
+                               "server: give --engine vllm")
     if engine == "vllm" and replicas not in (None, 1):
         raise click.UsageError("--engine vllm runs one replica process (it drives the one vLLM "
                                "server's reloads and orders its requests against them): leave "
@@ -144,11 +157,12 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
                           target=target, time_limit=time_limit, chaos=chaos, run_dir=run_dir,
                           seed=seed, overrides=overrides, engine=engine, task=task,
                           canary=canary, sandbox=sandbox, reward_faults=reward_faults,
-                          device_model=device_model)
+                          device_model=device_model, via_proxy=via_proxy)
     runner = Demo(options, settings=settings, bootstrap=bootstrap_servers(settings),
                   redis_url=redis_url(settings), show=DemoProgress())
     click.echo(f"demo {runner.ns}: {path}, {replicas} replicas"
                + (" on vLLM" if engine == "vllm" else "")
+               + (" through the recording proxy" if via_proxy else "")
                + (", the tool task" if task == "tool" else "")
                + (f", canary share {canary:g}" if canary else "")
                + (", rewards in sandbox processes" if sandbox == "process" else "")

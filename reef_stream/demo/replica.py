@@ -136,14 +136,16 @@ class RoundSender:
     """Hands a replica's generations to its producer round by round and counts them: what the
     toy replica and the vLLM replica (``reef_stream.demo.vllm_replica``) share.
 
-    ``send_round`` sends one round's generations, made lazily by the iterable it is given; when
+    ``send_round`` sends one round's generations, made lazily by the iterable it is given
+    (``count_round`` only counts a round another process records: ``producer`` None); when
     the producer pushes back (``SpoolFull``) the rest of the round is dropped (counted in
     ``backpressured``) and the sender pauses ``BACKPRESSURE_PAUSE_S``; then it waits what
     ``pacer`` asks. ``on_sent(handle, generation)``, when given, sees every send. Blocks in its
     waits, which ``stop_event`` cuts short. Not thread-safe: one replica loop drives it.
     """
 
-    def __init__(self, producer: RecordProducer, replica_id: str, stop_event: threading.Event,
+    def __init__(self, producer: RecordProducer | None, replica_id: str,
+                 stop_event: threading.Event,
                  pacer: Pacer | None = None,
                  on_sent: Callable[[SendHandle, Any], None] | None = None) -> None:
         self.producer, self.replica_id, self.stop_event = producer, replica_id, stop_event
@@ -174,6 +176,16 @@ class RoundSender:
         if self.pacer is not None:
             self.stop_event.wait(self.pacer.wait_after(round_sent))
         return round_sent
+
+    def count_round(self, version: int, size: int) -> None:
+        """Count a round of ``size`` generations of ``version`` that something else records
+        (the recording proxy in front of the engine), then wait what ``pacer`` asks."""
+        self.rounds += 1
+        self.sent += size
+        if size:
+            self.by_version[version] = self.by_version.get(version, 0) + size
+        if self.pacer is not None:
+            self.stop_event.wait(self.pacer.wait_after(size))
 
     def report(self, model: str, final_version: int, flushed: Any) -> ReplicaReport:
         """The replica's report, with the producer's final counts (``flushed``: what its

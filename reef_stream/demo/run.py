@@ -15,7 +15,8 @@ What runs (each a child process with its log under ``<run dir>/logs``):
 With ``engine="vllm"`` the replicas are one process (``reef_stream.demo.vllm_replica``) that
 drives and samples a vLLM server the demo starts on a Hugging Face model and stops at the end
 (``reef_stream.demo.vllm_serving``); the example methods are bound to that model by
-``reef_stream.demo.vllm_recipes``.
+``reef_stream.demo.vllm_recipes``. With ``via_proxy`` its requests go through ``reef intake
+proxy`` (the ``proxy`` stage) in front of the server, and the proxy records them.
 
 The replicas start last, once every other stage has reported that it runs (its first
 ``process_cpu_seconds`` metric, written when its stage loop has joined or resumed; at most
@@ -125,6 +126,10 @@ class DemoOptions:
     engine: str = "toy"
     #: Prompts per request to the engine (``engine="vllm"``).
     engine_prompts: int = 32
+    #: ``engine="vllm"``: the replica's requests go through a recording proxy (``reef intake
+    #: proxy``, a stage of its own, ``proxy``) in front of the server, which records them;
+    #: the replica produces nothing (``reef demo --via-proxy``).
+    via_proxy: bool = False
     #: The toy task: ``"arithmetic"`` (one-token answers to ``a+b=``) or ``"tool"``
     #: (``reef_stream.demo.tool_task``: a tool call, the tool's output as environment tokens,
     #: the answer; an example method is bound by ``reef_stream.demo.tool_recipes``).
@@ -313,6 +318,9 @@ class Demo:
                 "with the vllm engine the demo runs one replica process, which drives the one "
                 "vLLM server's reloads and orders its requests against them (--replicas 1), "
                 "and no drain check")
+        if options.via_proxy and options.engine != "vllm":
+            raise ConfigurationError("--via-proxy puts a recording proxy in front of the vLLM "
+                                     "server: give --engine vllm")
         if options.task not in TASKS or (options.task == "tool" and options.engine != "toy"):
             raise ConfigurationError(f"the demo's task is one of {', '.join(TASKS)} (tool: with "
                                      f"the toy engine), not {options.task!r} on "
@@ -443,14 +451,46 @@ class Demo:
         return stages
 
     def _engine_replica(self, url: str) -> None:
-        """Add the replica that drives and samples the vLLM server at ``url``."""
+        """Add the replica that drives and samples the vLLM server at ``url``; with
+        ``via_proxy``, start the recording proxy in front of it first (it is stopped after
+        the replica: the stages stop in the order they were added)."""
+        from reef_stream.core.processes import free_ports
         from reef_stream.demo.vllm_serving import REPLICA_ID
 
         assert self.engine is not None
+        via = None
+        if self.options.via_proxy:
+            listen = f"127.0.0.1:{free_ports(1)[0]}"
+            via = f"http://{listen}"
+            proxy = Stage("proxy", self.engine.proxy_argv(url, listen, model=MODEL), self.env,
+                          self.run_dir / "logs" / "proxy.log")
+            proxy.start()
+            self._await_answer(proxy, via + "/reef/stats")
         argv = self.engine.replica_argv(url, model=MODEL, rate=self.options.rate,
-                                        prompts=self.options.engine_prompts)
+                                        prompts=self.options.engine_prompts, via=via)
         self.stages["replica-0"] = Stage("replica-0", argv, self.env,
                                          self.run_dir / "logs" / f"{REPLICA_ID}.log")
+        if via is not None:
+            self.stages["proxy"] = proxy
+
+    @staticmethod
+    def _await_answer(stage: Stage, url: str, timeout: float = READY_WAIT_S) -> None:
+        """Wait until ``url`` (a stage's HTTP endpoint) answers; RuntimeError with the stage's
+        log when it exits or does not answer within ``timeout``."""
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=5):
+                    return
+            except OSError:
+                pass
+            if not stage.alive or time.monotonic() > deadline:
+                stage.stop()
+                raise RuntimeError(f"the {stage.name} stage did not answer at {url}; its log "
+                                   f"{stage.log} ends:\n{stage.tail()}")
+            time.sleep(0.2)
 
     # ----------------------------------------------------------------- the run
 
@@ -542,6 +582,8 @@ class Demo:
             extra["broker"] = cpu["broker"]
         if "engine" in cpu:   # the vLLM server (engine="vllm")
             extra["engine"] = cpu["engine"]
+        if "proxy" in cpu:   # the recording proxy in front of it (via_proxy)
+            extra["proxy"] = cpu["proxy"]
         card = read_scorecard(self.bootstrap, self.ns, self.recipe.name,
                               target=self.options.target, measure="accuracy", extra_cpu=extra,
                               ledger=ledger)

@@ -30,6 +30,15 @@ by this lock, so ``reef demo --engine vllm`` runs this one replica process per s
 batches the prompts of a request; one request stream gives more completions than the
 pipeline trains (``docs/history.md``, "One request stream per vLLM server").
 
+Through the recording proxy (``--via URL --version-file PATH``, ``reef demo --engine vllm
+--via-proxy``): the follower keeps PATH naming the version the engine serves
+(``reef_stream.serving.version_file``), the requests go to the proxy at URL (``reef intake
+proxy --upstream <the server> --version-file PATH``), and the proxy, not this process, records
+each completion as a Generation, stamped with the version the file named before and after the
+request (the gate keeps reloads out of a request; one that began before the follower marked
+the file ``reloading`` is unknown, and the demo's proxy records nothing for it). The replica
+only counts what it was served.
+
 The process prints one JSON line last (``ReplicaReport``'s fields, plus ``engine_reloads``:
 the seconds each reload took in the engine, and ``url``).
 """
@@ -43,6 +52,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import click
@@ -149,29 +159,36 @@ def run_vllm_replica(model_name: str, url: str, *, prompts: int = 32, rate: floa
                      stop_event: threading.Event | None = None,
                      max_generations: int | None = None, ready_timeout: float = 60.0,
                      heartbeat_s: float = 2.0, fleet: Any = AUTO,
-                     flush_timeout: float = 30.0) -> tuple[ReplicaReport, list[float]]:
+                     flush_timeout: float = 30.0, via: str | None = None,
+                     version_file: Path | None = None) -> tuple[ReplicaReport, list[float]]:
     """Drive and sample the vLLM server at ``url`` until ``stop_event`` is set or
-    ``max_generations`` were sent (see the module docstring). Returns the report and the
-    engine's reload seconds. Blocks; raises what stopped the follower or a request."""
+    ``max_generations`` were sent (see the module docstring). ``via``: a recording proxy in
+    front of the server, which the requests go to and which records them (``version_file``:
+    the file the follower keeps for it). Returns the report and the engine's reload seconds.
+    Blocks; raises what stopped the follower or a request."""
     settings = settings or load_settings()
     namespace = namespace or settings.namespace
     stop_event = stop_event or threading.Event()
     gate = EngineGate(VllmEngine(url))
     follower = Follower(model_name, on_version=gate.on_version, settings=settings,
                         namespace=namespace, replica_id=replica_id, initial_version=0,
-                        fleet=fleet, heartbeat_s=heartbeat_s, loads=ARTIFACT)
+                        fleet=fleet, heartbeat_s=heartbeat_s, loads=ARTIFACT,
+                        version_file=version_file)
     engine_model = served_model(url)
     stream = ProblemStream(sampling_seed)
     producer: RecordProducer | None = None
     follower.start()
     try:
         follower.wait_ready(ready_timeout)
-        producer = RecordProducer(follower.bootstrap, settings=settings, namespace=namespace,
-                                  spool_dir=replica_spool_dir(settings, namespace, replica_id),
-                                  guard=follower, client="replica")
-        log.info("replica %s drives vLLM at %s (%s), serving version %s, %d prompts a request%s",
-                 replica_id, url, engine_model, gate.version, prompts,
-                 f", at most {rate:g} generations/s" if rate else "")
+        if via is None:
+            producer = RecordProducer(follower.bootstrap, settings=settings,
+                                      namespace=namespace, guard=follower, client="replica",
+                                      spool_dir=replica_spool_dir(settings, namespace,
+                                                                  replica_id))
+        log.info("replica %s drives vLLM at %s (%s), serving version %s, %d prompts a request%s"
+                 "%s", replica_id, url, engine_model, gate.version, prompts,
+                 f", at most {rate:g} generations/s" if rate else "",
+                 f"; requests through the recording proxy at {via}" if via else "")
         sender = RoundSender(producer, replica_id, stop_event,
                              Pacer(rate) if rate is not None else None)
         while not stop_event.is_set() and (max_generations is None
@@ -183,10 +200,13 @@ def run_vllm_replica(model_name: str, url: str, *, prompts: int = 32, rate: floa
                 if follower.policy_version != version:   # it registers the load just after
                     batch = []
                 else:
-                    completions = complete(url, engine_model, [p.token_ids.tolist()
-                                                               for p in batch])
+                    completions = complete(via or url, engine_model,
+                                           [p.token_ids.tolist() for p in batch])
             if not batch:
                 stop_event.wait(0.01)
+                continue
+            if via is not None:
+                sender.count_round(version, len(completions))
                 continue
             sender.send_round(version, (
                 make_generation(model=model_name, policy_version=version, replica_id=replica_id,
@@ -216,8 +236,15 @@ def run_vllm_replica(model_name: str, url: str, *, prompts: int = 32, rate: floa
 @click.option("--max-generations", type=click.IntRange(min=1), default=None)
 @click.option("--heartbeat", type=click.FloatRange(min=0, min_open=True), default=2.0,
               show_default=True, metavar="SECONDS")
+@click.option("--via", default=None, metavar="URL",
+              help="A recording proxy in front of --url (reef intake proxy --upstream URL): "
+                   "requests go there and it records them; this process produces nothing.")
+@click.option("--version-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              metavar="PATH", help="Keep PATH naming the version the engine serves, for the "
+                                   "proxy's --version-file.")
 def main(model_name: str, url: str, prompts: int, rate: float | None, sampling_seed: int,
-         replica_id: str, max_generations: int | None, heartbeat: float) -> None:
+         replica_id: str, max_generations: int | None, heartbeat: float, via: str | None,
+         version_file: Path | None) -> None:
     """The vLLM replica of `reef demo --engine vllm` (REEF_* variables name the cluster and
     namespace). Stops on SIGTERM or Ctrl-C; prints a JSON summary line last."""
     stop = threading.Event()
@@ -225,7 +252,8 @@ def main(model_name: str, url: str, prompts: int, rate: float | None, sampling_s
         report, reloads = run_vllm_replica(model_name, url, prompts=prompts, rate=rate,
                                            sampling_seed=sampling_seed, replica_id=replica_id,
                                            stop_event=stop, max_generations=max_generations,
-                                           heartbeat_s=heartbeat)
+                                           heartbeat_s=heartbeat, via=via,
+                                           version_file=version_file)
     record = json.loads(report.to_json())
     click.echo(json.dumps({**record, "url": url, "engine_reloads": [round(s, 4)
                                                                     for s in reloads]},

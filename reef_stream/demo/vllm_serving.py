@@ -6,6 +6,8 @@
     ...                         # the other stages start meanwhile
     url = serving.wait()        # the server answers /health; raises what stopped it
     argv = serving.replica_argv(url, model="policy", rate=300.0)
+    # --via-proxy: serving.proxy_argv(url, "127.0.0.1:PORT", model="policy") first, then
+    # serving.replica_argv(url, ..., via="http://127.0.0.1:PORT")
     serving.stop()              # the server's process group; idempotent
 
 The server is ``reef_stream.servers.inference.LocalEngine`` (what ``reef engine up vllm`` starts) on
@@ -107,11 +109,30 @@ class DemoEngine:
         assert self._url is not None
         return self._url
 
-    def replica_argv(self, url: str, *, model: str, rate: float, prompts: int = 32) -> list[str]:
-        """The command of the replica process that drives and samples the server."""
-        return [sys.executable, "-m", "reef_stream.demo.vllm_replica", "--model", model,
+    def replica_argv(self, url: str, *, model: str, rate: float, prompts: int = 32,
+                     via: str | None = None) -> list[str]:
+        """The command of the replica process that drives and samples the server (through
+        the recording proxy at ``via``, keeping ``version_file`` for it, when given)."""
+        argv = [sys.executable, "-m", "reef_stream.demo.vllm_replica", "--model", model,
                 "--url", url, "--replica-id", REPLICA_ID, "--sample-seed", "1000",
                 "--rate", str(rate), "--prompts", str(prompts)]
+        if via is not None:
+            argv += ["--via", via, "--version-file", str(self.version_file)]
+        return argv
+
+    def proxy_argv(self, url: str, listen: str, *, model: str) -> list[str]:
+        """The command of ``reef intake proxy`` in front of the server at ``url``: it records
+        what the replica is served, as ``model`` and the replica's id, stamped with the
+        version the replica's follower writes to ``version_file``; a completion of unknown
+        version (one a reload overlapped) is not recorded."""
+        return [sys.executable, "-m", "reef_stream.cli", "intake", "proxy", "--upstream", url,
+                "--listen", listen, "--model", model, "--replica-id", REPLICA_ID,
+                "--version-file", str(self.version_file), "--unknown-version", "skip"]
+
+    @property
+    def version_file(self) -> Path:
+        """The served-version file the replica keeps and the proxy reads (``--via-proxy``)."""
+        return self.local.data_dir / "served-version.json"
 
     def sample_cpu(self) -> None:
         """Note the CPU time of the server's processes so far (any thread)."""

@@ -7,7 +7,10 @@ Routes:
   with what training needs added to the request (``logprobs``; vLLM's ``return_token_ids``),
   answered with the upstream's response minus what the client did not ask for (``_Plan``),
   plus the header ``x-reef-generation-ids`` (``<response id>:<choice index>``, comma separated).
-  Each choice that finished becomes one Generation (``reef_stream.intake.formats``).
+  Each choice that finished becomes one Generation (``reef_stream.intake.formats``); a
+  choice of a batch of prompts has its own prompt and group. The tool-calling turns of a
+  conversation are held and recorded as one multi-turn Generation when its answer comes
+  (``reef_stream.intake.trajectories``).
 - ``POST /v1/feedback``: ``{"generation_ids": [...], "reward": 1.0, "source": "thumbs"}``
   (``generation_id`` for one; ``source`` defaults to the proxy's; ``components`` optional):
   one Feedback per id, answered once durable (acknowledged or spooled).
@@ -55,6 +58,7 @@ from reef_stream.core.events import (
 from reef_stream.intake.aio import AsyncRecordProducer
 from reef_stream.intake.formats import parse_feedback, parse_generations
 from reef_stream.intake.spool import SpoolFull
+from reef_stream.intake.trajectories import IDLE_S, Trajectories
 from reef_stream.topics.metrics import MetricsWriter, PeriodicMetrics
 
 __all__ = [
@@ -190,6 +194,9 @@ class ProxyOptions:
     unknown_version: Literal["mark", "skip"] = "mark"
     feedback_timeout_s: float = 30.0
     upstream_timeout_s: float = 600.0
+    #: Seconds a conversation's tool-calling trajectory waits for its next turn before it is
+    #: recorded as it is (``reef_stream.intake.trajectories``).
+    trajectory_idle_s: float = IDLE_S
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.redact) - set(REDACTABLE))
@@ -201,16 +208,20 @@ class ProxyOptions:
 @dataclass
 class ProxyCounts:
     """Running totals since start: choices recorded, records dropped and why, choices or
-    responses not recorded and why, feedback records sent."""
+    responses not recorded and why, feedback records sent, tool-calling trajectories."""
 
     recorded: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
     unrecorded: Counter[str] = field(default_factory=Counter)
     feedback: int = 0
+    #: Tool-calling trajectories: turns ``chained``, trajectories ``split`` or ``expired``
+    #: (``Trajectories.counts``), and ``held`` now.
+    trajectories: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
         return {"recorded": self.recorded, "dropped": dict(self.dropped),
-                "unrecorded": dict(self.unrecorded), "feedback": self.feedback}
+                "unrecorded": dict(self.unrecorded), "feedback": self.feedback,
+                "trajectories": dict(self.trajectories)}
 
 
 class ProxyMetrics:
@@ -304,6 +315,18 @@ class _Plan:
             ["token_ids", "prompt_token_ids"] if self.add_token_ids else [])
         return re.compile(rf'"(?:{"|".join(names)})"\s*:\s*') if names else None
 
+    def unasked(self, chunk: dict[str, Any]) -> bool:
+        """Whether the client would not have got the stream chunk ``chunk`` at all: vLLM sends
+        a chat chunk whose delta is empty (a token that completes no text yet) only when
+        logprobs or token ids were asked for, so when the plan asked for both, such a chunk
+        (no finish reason either) is the proxy's doing. Its tokens are still recorded."""
+        if self.kind != "chat" or not (self.add_logprobs and self.add_token_ids):
+            return False
+        choices = chunk.get("choices")
+        return bool(choices) and all(
+            isinstance(c, dict) and c.get("delta") == {} and c.get("finish_reason") is None
+            for c in choices)
+
     def recordable(self) -> str | None:
         """Why this request's choices cannot be recorded, or None."""
         if self.kind == "completions" and self.body.get("echo"):
@@ -334,6 +357,8 @@ class RecordingProxy:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self._groups: OrderedDict[str, str] = OrderedDict()
+        self.trajectories = Trajectories(options.trajectory_idle_s)
+        self._sweeper: asyncio.Task | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024,
@@ -363,8 +388,12 @@ class RecordingProxy:
             auto_decompress=False, connector=aiohttp.TCPConnector(limit=0))
         if self.metrics is not None:
             self._metrics_task = asyncio.get_running_loop().create_task(self._write_metrics())
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
     async def _stop(self, _: web.Application) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self._record(self._chained(self.trajectories.close()))
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._session is not None:
@@ -372,6 +401,12 @@ class RecordingProxy:
         if self._metrics_task is not None and self.metrics is not None:
             self._metrics_task.cancel()
             await asyncio.to_thread(self.metrics.emit, self.counts, True)
+
+    async def _sweep(self) -> None:
+        """Record the trajectories that waited ``trajectory_idle_s`` for a next turn."""
+        while True:
+            await asyncio.sleep(min(1.0, max(0.05, self.options.trajectory_idle_s)))
+            self._record(self._chained(self.trajectories.expired()))
 
     async def _write_metrics(self) -> None:
         assert self.metrics is not None
@@ -444,11 +479,11 @@ class RecordingProxy:
         if not isinstance(response, dict):
             self._unrecorded("malformed_response")
             return web.Response(status=200, body=data, headers=headers)
-        generations = self._generations(response, plan, context)
+        served, generations = self._generations(response, plan, context)
         if plan.changes:
             data = plan.strip(data)
-        if generations:
-            headers[GENERATION_IDS_HEADER] = ",".join(g.generation_id for g in generations)
+        if served:
+            headers[GENERATION_IDS_HEADER] = ",".join(served)
         self._record(generations)
         return web.Response(status=200, body=data, headers=headers)
 
@@ -464,27 +499,32 @@ class RecordingProxy:
             async for events in _sse_events(upstream.content):
                 out = b"".join([_relay(event, plan, collected) for event in events])
                 if response is None:
-                    response = await self._start_stream(request, upstream, plan, collected)
+                    response = await self._start_stream(request, upstream, plan,
+                                                        collected, context)
                 await response.write(out)
         except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as error:
             broken = error
         if response is None:
-            response = await self._start_stream(request, upstream, plan, collected)
+            response = await self._start_stream(request, upstream, plan, collected,
+                                                context)
         if broken is not None:
             self._unrecorded("upstream_broke_stream")
             # The client sees the stream end as abruptly as the upstream's did.
             raise ConnectionResetError(f"the upstream broke the stream: {broken}")
         await response.write_eof()
-        generations = self._generations(collected.response(), plan, context, streamed=collected)
+        _, generations = self._generations(collected.response(), plan, context,
+                                           streamed=collected)
         self._record(generations)
         return response
 
     async def _start_stream(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                            plan: _Plan, collected: _Collected) -> web.StreamResponse:
+                            plan: _Plan, collected: _Collected,
+                            context: _Context) -> web.StreamResponse:
         headers = _forwarded(upstream.headers)
         if collected.id is not None:
-            n = _int(plan.body.get("n"), 1)
-            headers[GENERATION_IDS_HEADER] = ",".join(f"{collected.id}:{i}" for i in range(n))
+            choices = context.n * len(context.prompts or "_")
+            headers[GENERATION_IDS_HEADER] = ",".join(f"{collected.id}:{i}"
+                                                      for i in range(choices))
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                       headers=headers)
         await response.prepare(request)
@@ -493,18 +533,20 @@ class RecordingProxy:
     # ----------------------------------------------------------------- recording
 
     def _generations(self, response: dict[str, Any], plan: _Plan, context: _Context,
-                     streamed: _Collected | None = None) -> list[Generation]:
-        """The Generations of a complete (or collected) response; [] when none can be made."""
+                     streamed: _Collected | None = None) -> tuple[list[str], list[Generation]]:
+        """The ids of a complete (or collected) response's choices, and the Generations to
+        record now (a tool-calling turn of a conversation is held: ``_chain``); none when
+        none can be made."""
         if streamed is not None:
             unfinished = streamed.unfinished()
             if unfinished:
                 self._unrecorded("unfinished_choice", unfinished)
             if not response.get("choices"):
-                return []
+                return [], []
         version, source = context.version(self.options.versions, response.get("model"))
         if version is None and self.options.unknown_version == "skip":
             self._unrecorded("version_unknown", len(response.get("choices") or ()))
-            return []
+            return [], []
         envelope: dict[str, Any] = {
             "policy_version": version if version is not None else 0,
             "replica_id": self.replica_id, "sampling": _sampling(plan),
@@ -519,9 +561,11 @@ class RecordingProxy:
         except InvalidRecord as error:
             log.warning("a response of %s was not recorded: %s", self.upstream, error)
             self._unrecorded("invalid")
-            return []
+            return [], []
         texts = streamed.texts() if streamed is not None else _texts(response)
         recorded = []
+        calls_tools = any("tool_calls" in texts.get(int(g.generation_id.rsplit(":", 1)[1]), {})
+                          for g in generations)
         for generation in generations:
             index = int(generation.generation_id.rsplit(":", 1)[1])
             metadata = dict(context.metadata)
@@ -529,6 +573,8 @@ class RecordingProxy:
             if version is None:
                 metadata[POLICY_VERSION_KEY] = UNKNOWN_VERSION
             metadata.update(texts.get(index, {}))
+            generation = context.batched(dataclasses.replace(generation, metadata=metadata))
+            metadata = dict(generation.metadata)
             _cap_texts(metadata)
             for name in self.options.redact:
                 for key in _REDACTED_KEYS[name]:
@@ -542,7 +588,35 @@ class RecordingProxy:
             recorded.append(generation)
             if generation.group_id is not None:
                 self._remember_group(generation.generation_id, generation.group_id)
-        return recorded
+        served = [g.generation_id for g in recorded]
+        if plan.kind == "chat" and context.group_id is not None and len(generations) == 1:
+            recorded = self._chain(context, recorded, calls_tools)
+        return served, recorded
+
+    def _chain(self, context: _Context, generations: list[Generation],
+               calls_tools: bool) -> list[Generation]:
+        """A conversation's turn through ``trajectories``: what to record now."""
+        try:
+            if generations:
+                generations = self.trajectories.turn(
+                    context.group_id or "", generations[0], calls_tools=calls_tools,
+                    environment_role=context.environment_role)
+        except InvalidRecord as error:
+            log.warning("a trajectory of conversation %s was not recorded: %s",
+                        context.group_id, error)
+            self._unrecorded("invalid")
+            generations = []
+        except Exception:   # noqa: BLE001 - the client is served whatever recording does
+            log.exception("a turn of conversation %s was not recorded", context.group_id)
+            self._unrecorded("trajectory_error")
+            generations = []
+        return self._chained(generations)
+
+    def _chained(self, generations: list[Generation]) -> list[Generation]:
+        self.counts.trajectories.update(self.trajectories.counts)
+        self.trajectories.counts.clear()
+        self.counts.trajectories["held"] = len(self.trajectories)
+        return generations
 
     def _record(self, generations: list[Generation]) -> None:
         """Hand ``generations`` to the producer in a task of their own: never awaited here."""
@@ -636,6 +710,28 @@ class _Context:
     group_id: str | None
     group_size: int
     metadata: dict[str, str]
+    #: The roles of a chat's messages after its last assistant message (``tool:<function>``
+    #: for a tool's result), joined by ``+``: what a chained turn's ENVIRONMENT segment is.
+    environment_role: str = ""
+    #: A completions request's prompts when it sends several (a batch), as text each; choice
+    #: ``i`` answers prompt ``i // n``.
+    prompts: list[str] | None = None
+    n: int = 1
+
+    def batched(self, generation: Generation) -> Generation:
+        """``generation`` of a choice of a batch: its own prompt's text, and, without a
+        conversation, the group of its prompt's ``n`` choices (none when ``n`` is 1), not the
+        response's (the formats' default for several choices)."""
+        if self.prompts is None:
+            return generation
+        index = int(generation.generation_id.rsplit(":", 1)[1])
+        metadata = {**generation.metadata, "prompt": self.prompts[index // self.n]} \
+            if index // self.n < len(self.prompts) else generation.metadata
+        if self.group_id is not None:
+            return dataclasses.replace(generation, metadata=metadata)
+        group = (f"{generation.request_id}:p{index // self.n}" if self.n > 1 else None)
+        return dataclasses.replace(generation, metadata=metadata, group_id=group,
+                                   group_size=self.n)
 
     @classmethod
     def of(cls, request: web.Request, plan: _Plan, before: FileReading, *,
@@ -644,7 +740,8 @@ class _Context:
         body = plan.body
         metadata: dict[str, str] = {"proxy.endpoint": plan.kind}
         prompt = body.get("messages") if plan.kind == "chat" else body.get("prompt")
-        if prompt is not None:
+        prompts = _batch(prompt) if plan.kind == "completions" else None
+        if prompt is not None and prompts is None:
             metadata["prompt"] = prompt if isinstance(prompt, str) else json.dumps(prompt)
         user = body.get("user") if isinstance(body.get("user"), str) else None
         if user:
@@ -658,7 +755,9 @@ class _Context:
             group = None
         n = _int(body.get("n"), 1)
         size = _int(request.headers.get(GROUP_SIZE_HEADER), n)
-        return cls(body.get("model"), before, group, max(size, 1), metadata)
+        role = _environment_role(body.get("messages")) if plan.kind == "chat" else ""
+        return cls(body.get("model"), before, group, max(size, 1), metadata, role,
+                   prompts, max(n, 1))
 
     def version(self, versions: Versions, served_model: Any) -> tuple[int | None, str]:
         """(version, where it came from); None when the proxy cannot tell."""
@@ -670,6 +769,35 @@ class _Context:
         if self.before.version is not None and after == self.before:
             return after.version, "file"
         return None, UNKNOWN_VERSION
+
+
+def _batch(prompt: Any) -> list[str] | None:
+    """The prompts of a completions request that sends several (a list of texts, or of token
+    id lists), each as text (a token id list as JSON); None for one prompt."""
+    if not isinstance(prompt, list) or len(prompt) < 2 or not all(
+            isinstance(p, (str, list)) for p in prompt):
+        return None
+    return [p if isinstance(p, str) else json.dumps(p) for p in prompt]
+
+
+def _environment_role(messages: Any) -> str:
+    """The roles of the messages after the last assistant message, each once, in order, joined
+    by ``+``; a tool's result is ``tool:<function>`` (the function of the call it answers)."""
+    if not isinstance(messages, list):
+        return ""
+    messages = [m for m in messages if isinstance(m, dict)]
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    functions = {}
+    if last >= 0:
+        for call in messages[last].get("tool_calls") or ():
+            if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                functions[call.get("id")] = call["function"].get("name")
+    roles = []
+    for message in messages[last + 1:]:
+        role = str(message.get("role", ""))
+        name = message.get("name") or functions.get(message.get("tool_call_id"))
+        roles.append(f"tool:{name}" if role == "tool" and isinstance(name, str) else role)
+    return "+".join(dict.fromkeys(roles))
 
 
 def _sampling(plan: _Plan) -> dict[str, Any]:
@@ -764,7 +892,7 @@ def _relay(event: bytes, plan: _Plan, collected: _Collected) -> bytes:
     collected.add(value)
     if not plan.changes or not isinstance(value, dict):
         return event
-    return plan.strip(event)
+    return b"" if plan.unasked(value) else plan.strip(event)
 
 
 class _Collected:

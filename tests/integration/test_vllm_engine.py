@@ -10,7 +10,10 @@ What is checked, over real HTTP: completions carry token ids and logprobs; a ful
 reload through ``VllmEngine`` changes the logprobs of a fixed prompt and reloading the
 original restores them exactly; a broken artifact is refused with the server's reason and the
 previous weights keep serving; a LoRA adapter loads and changes what requests naming it get;
-a ``Follower``'s callback path reloads a version. ``CommandEngine`` runs real commands.
+a ``Follower``'s callback path reloads a version; ``reef intake proxy`` in front of the
+server hands clients what a direct call gets and records (read back from the session's broker)
+the token ids and logprobs vLLM served, for completions, chat, streams and a tool call.
+``CommandEngine`` runs real commands.
 """
 
 from __future__ import annotations
@@ -23,21 +26,37 @@ import textwrap
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from reef_stream.core.errors import ConfigurationError, FatalError
-from reef_stream.core.events import Decision, Publication
+from reef_stream.core.events import Decision, Generation, Publication
 from reef_stream.core.processes import free_ports
 from reef_stream.core.settings import load_settings
+from reef_stream.intake.proxy import GENERATION_IDS_HEADER
 from reef_stream.servers.inference import EngineEnv, LocalEngine
 from reef_stream.serving.adapters import CommandEngine, ReloadError, VllmEngine
 from reef_stream.serving.follower import LoadedVersion
+from reef_stream.topics.declarations import generations
+from tests.integration.test_proxy import call, read_all, reef_intake_proxy
 
 LORA_RANK = 8
 PROMPT = "the quick brown fox jumps over the lazy dog"
 
-#: Run by the engine environment's python: builds the models under argv[1].
+#: The tokenizer's chat template: a turn is ``<s>role:\n`` then its text, then ``</s>``.
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}:\n{{ m['content'] or '' }}</s>"
+                 "{% endfor %}{% if add_generation_prompt %}<s>assistant:\n{% endif %}")
+#: Tool calls: a named ``tool_choice`` is decoded under the function's JSON schema (vLLM wants
+#: a parser set for it; pythonic needs no special tokens), without free whitespace (a model of
+#: random weights would otherwise fill its budget with spaces).
+TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+             "--structured-outputs-config",
+             '{"backend": "xgrammar", "disable_any_whitespace": true}')
+
+#: Run by the engine environment's python: builds the models under argv[1] (its tokenizer's
+#: chat template argv[2]).
 BUILD = textwrap.dedent('''
     import shutil, sys
     from pathlib import Path
@@ -57,6 +76,7 @@ BUILD = textwrap.dedent('''
         vocab_size=400, special_tokens=["<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = sys.argv[2]
 
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -108,8 +128,8 @@ def engine_env() -> EngineEnv:
 @pytest.fixture(scope="module")
 def models(engine_env, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("models")
-    done = subprocess.run([str(engine_env.python), "-c", BUILD, str(root)], capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([str(engine_env.python), "-c", BUILD, str(root), CHAT_TEMPLATE],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return root
 
@@ -120,7 +140,7 @@ def server(engine_env, models, tmp_path_factory):
     local = LocalEngine(tmp_path_factory.mktemp("engine"), engine_env)
     started = time.monotonic()
     try:
-        url = local.up(models / "base", port=0, lora_rank=LORA_RANK,
+        url = local.up(models / "base", port=0, lora_rank=LORA_RANK, extra_args=TOOL_ARGS,
                        progress=lambda line: print(line, flush=True))
         print(f"vLLM started in {time.monotonic() - started:.1f} s", flush=True)
         yield local, url
@@ -159,6 +179,83 @@ def test_completions_carry_token_ids_and_logprobs(server, models):
     assert len(choice["logprobs"]["token_logprobs"]) == 8
     assert all(logprob <= 0.0 for logprob in choice["logprobs"]["token_logprobs"])
     assert choice["prompt_token_ids"], "the prompt's token ids come back too"
+
+
+#: A function whose only argument has two values: a named tool choice decodes a whole call.
+TOOLS = [{"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"op": {"type": "string", "enum": ["add", "sub"]}},
+    "required": ["op"], "additionalProperties": False}}}]
+
+
+def _but_clock_and_call_ids(value: Any) -> Any:
+    """``value`` (a response or a stream chunk) without what two identical greedy requests
+    do not share: ``created`` (a clock, in seconds) and tool-call ids (random)."""
+    if isinstance(value, dict):
+        return {k: "<id>" if k == "id" and str(v).startswith("chatcmpl-tool-")
+                else _but_clock_and_call_ids(v) for k, v in value.items() if k != "created"}
+    if isinstance(value, list):
+        return [_but_clock_and_call_ids(v) for v in value]
+    return value
+
+
+def test_reef_intake_proxy_in_front_of_vllm_records_what_vllm_served(
+        server, models, kafka_bootstrap, namespace, tmp_path):
+    """Through `reef intake proxy`: completions and chat, each streamed and not, and a tool
+    call (a named tool_choice), greedy. The client gets what a direct call with the same
+    request id gets (but the header, the clock and the random tool-call ids); each choice,
+    read back from the broker, holds the token ids and logprobs vLLM returns when asked."""
+    _, url = server
+    name = str(models / "base")
+    (tmp_path / "version").write_text("5")
+    chat = {"model": name, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
+            "temperature": 0.0}
+    cases = [("/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": 6,
+                                  "temperature": 0.0, "seed": 3}),
+             ("/v1/chat/completions", chat),
+             ("/v1/chat/completions", {**chat, "max_tokens": 24, "tools": TOOLS, "tool_choice": {
+                 "type": "function", "function": {"name": "pick"}}})]
+    cases += [(path, {**body, "stream": True}) for path, body in cases]
+    ids = []
+    started = time.monotonic()
+    with reef_intake_proxy(url, kafka_bootstrap, namespace, tmp_path / "home", "--model",
+                           "tiny", "--version-file", str(tmp_path / "version")) as proxy:
+        for i, (path, body) in enumerate(cases):
+            direct = call(url + path, body, request_id=f"{namespace}-{i}")
+            proxied = call(proxy.url + path, body, request_id=f"{namespace}-{i}")
+            assert direct.status == proxied.status == 200, proxied.body
+            if body.get("stream"):
+                assert _but_clock_and_call_ids(proxied.events()) == \
+                    _but_clock_and_call_ids(direct.events()), path
+            else:
+                assert _but_clock_and_call_ids(proxied.json()) == \
+                    _but_clock_and_call_ids(direct.json()), path
+            assert GENERATION_IDS_HEADER not in direct.headers
+            ids.append(proxied.headers[GENERATION_IDS_HEADER])
+    print(f"six requests direct and proxied: {time.monotonic() - started:.1f} s")
+    assert "proxy closed: 6 recorded, 0 dropped" in proxy.output, proxy.output
+
+    stored = {g.generation_id: g for g in read_all(kafka_bootstrap, generations(namespace),
+                                                   Generation)}
+    for gid, (path, body) in zip(ids, cases):
+        completions = path == "/v1/completions"
+        asked = {**{k: v for k, v in body.items() if k != "stream"},
+                 "logprobs": 0 if completions else True, "return_token_ids": True}
+        served = call(url + path, asked).json()
+        choice = served["choices"][0]
+        g = stored[gid]
+        assert g.completion_token_ids.tolist() == choice["token_ids"], gid
+        assert g.completion_logprobs.tolist() == np.array(
+            choice["logprobs"]["token_logprobs"] if completions
+            else [e["logprob"] for e in choice["logprobs"]["content"]], np.float32).tolist()
+        assert g.prompt_token_ids.tolist() == (choice.get("prompt_token_ids")
+                                               or served["prompt_token_ids"])
+        assert (g.model, g.policy_version, g.finish_reason.name) == (
+            "tiny", 5, choice["finish_reason"].upper().replace("TOOL_CALLS", "STOP"))
+        if "tools" in body:
+            assert [c["function"] for c in json.loads(g.metadata["tool_calls"])] == [
+                c["function"] for c in choice["message"]["tool_calls"]]
+            assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])[
+                "op"] in ("add", "sub")
 
 
 def test_a_full_reload_changes_the_logprobs_and_the_original_restores_them(server, models):

@@ -60,3 +60,14 @@ def test_the_pacer_is_asked_after_every_round():
     sender.send_round(0, iter(range(4)), 4)
     sender.send_round(0, iter(range(8)), 8)
     assert asked == [4, 6]
+
+
+def test_a_round_another_process_records_is_only_counted():
+    stop = threading.Event()
+    stop.set()
+    sender = RoundSender(None, "vllm-0", stop)   # the recording proxy produces, not the replica
+    sender.count_round(0, 32)
+    sender.count_round(1, 32)
+    sender.count_round(1, 0)
+    assert (sender.sent, sender.rounds, sender.by_version) == (64, 3, {0: 32, 1: 32})
+    assert sender.report("policy", 1, None).acknowledged == 0
