@@ -16,6 +16,16 @@ tests/unit/test_sandbox_escape.py. What it does is named by ``metadata["do"]``:
   every 10 ms for ``metadata["seconds"]``, then scores;
 - ``children``: forks ``metadata["n"]`` children that each touch ``metadata["mb"]`` MB and
   wait 1 s; reward 1.0 if every one of them exited 0, else 0;
+- ``leave``: leaves what it can for the next call: ``REEF_LEFT`` in its environment (and
+  ``putenv``), a file ``left`` in its home, ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (``/dev/shm``'s
+  of ``metadata["mb"]`` MB), and a ``setsid`` grandchild holding ``metadata["mb"]`` MB, then
+  scores;
+- ``look``: raises ``ValueError`` saying what of a ``leave`` it finds (``env``, ``files``),
+  which other processes run as its user (``user_others``) and its ``/proc/self/cgroup`` lines
+  for ``memory`` and ``pids`` (``cgroups``);
+- ``suicide``: SIGKILLs its own process;
+- ``fork_bomb``: forks children that sleep 600 s until a fork fails; reward: how many it
+  forked;
 - anything else: reward 1.0.
 """
 
@@ -69,6 +79,51 @@ def _children(n: int, mb: int) -> bool:
     return all(os.waitpid(pid, 0)[1] == 0 for pid in pids)
 
 
+LEFT = ("/tmp/left", "/var/tmp/left", "/dev/shm/left")
+
+
+def _leave(mb: int) -> None:
+    os.environ["REEF_LEFT"] = "1"
+    os.putenv("REEF_LEFT_PUT", "1")
+    for path in (os.path.join(os.environ["HOME"], "left"), *LEFT):
+        try:
+            with open(path, "wb") as f:
+                f.write(b"x" * ((mb << 20) if path.startswith("/dev/shm") else 1))
+        except OSError:
+            pass
+
+    def hold() -> None:
+        block = bytearray(mb << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        time.sleep(600)
+
+    _daemon(hold)
+    time.sleep(0.2)  # the daemon has its memory before the call ends
+
+
+def _look() -> str:
+    me = os.getpid()
+    found = [f"env={sorted(n for n in os.environ if n.startswith('REEF_LEFT'))}"]
+    found.append(f"files={[p for p in (os.path.join(os.environ['HOME'], 'left'), *LEFT) if os.path.exists(p)]}")
+    with open("/proc/self/cgroup") as f:
+        lines = [line.strip() for line in f]
+    uid = os.getuid()
+    users = [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != me
+             and _owner(e) == uid]
+    found.append(f"user_others={sorted(users)}")
+    found.append("cgroups=" + ";".join(line for line in lines
+                                       if line.split(":")[1] in ("memory", "pids")))
+    return " ".join(found)
+
+
+def _owner(pid: str) -> int:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1
+
+
 def _attack(generation: Generation) -> Reward:
     meta = generation.metadata
     what = meta.get("do", "")
@@ -120,6 +175,22 @@ def _attack(generation: Generation) -> Reward:
         _daemon(lambda: _killer(float(meta["seconds"])))
     if what == "children":
         return Reward(reward=float(_children(int(meta["n"]), int(meta["mb"]))))
+    if what == "leave":
+        _leave(int(meta["mb"]))
+    if what == "look":
+        raise ValueError(_look())
+    if what == "fork_bomb":
+        forked = 0
+        try:
+            while True:
+                if os.fork() == 0:
+                    time.sleep(600)
+                    os._exit(0)
+                forked += 1
+        except OSError:
+            return Reward(reward=float(forked))
+    if what == "suicide":
+        os.kill(os.getpid(), signal.SIGKILL)
     return Reward(reward=1.0)
 
 

@@ -32,7 +32,8 @@ the pool logs a warning at start-up, ``network`` says why and ``stats()`` report
 their own, a uid of ``uid_base .. uid_base + UID_COUNT - 1`` the worker holds for its life (a
 lock file, ``worker.claim_uid``: never another worker's, in this pool or another), so the
 process limit is the call's and the call cannot write to files it does not own; at each
-call's end, and at ``close``, every process of that uid is killed.
+call's end every other process of the worker's cgroup (its slot, ``cgroups``; without one,
+every process of that uid), and at ``close`` every process of that uid, is killed.
 
 Thread-safe: any number of threads may call at once (one worker each).
 """
@@ -351,7 +352,7 @@ class SandboxPool:
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
         if workers and self.cgroup.startswith("v"):  # a call killed with its worker left its own
-            remove_stale(find_cgroups())
+            remove_stale(find_cgroups(), 1.0)
 
     # ----------------------------------------------------------------- workers
 
