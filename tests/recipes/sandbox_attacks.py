@@ -26,11 +26,16 @@ tests/unit/test_sandbox_escape.py. What it does is named by ``metadata["do"]``:
 - ``suicide``: SIGKILLs its own process;
 - ``fork_bomb``: forks children that sleep 600 s until a fork fails; reward: how many it
   forked;
+- ``kernel``: tries what the call's seccomp filter denies (``unshare`` of a user namespace,
+  ``clone`` into one, ``ptrace`` of its own child, ``keyctl``, ``bpf``) and raises
+  ``ValueError`` with ``name=<errno name or "ok">`` for each and ``no_new_privs=<0|1>``;
 - anything else: reward 1.0.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import signal
 import socket
@@ -124,6 +129,37 @@ def _owner(pid: str) -> int:
         return -1
 
 
+def _kernel() -> str:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    found = []
+
+    def tried(name: str, result: int) -> None:
+        number = ctypes.get_errno()
+        found.append(f"{name}={'ok' if result >= 0 else errno.errorcode.get(number, number)}")
+
+    tried("unshare_user", libc.unshare(0x10000000))
+    pid = libc.syscall(56, 0x10000000 | signal.SIGCHLD, 0, 0, 0, 0)  # clone(CLONE_NEWUSER)
+    if pid == 0:
+        os._exit(0)
+    tried("clone_user", pid)
+    if pid > 0:
+        os.waitpid(pid, 0)
+    child = os.fork()
+    if child == 0:
+        time.sleep(5)
+        os._exit(0)
+    tried("ptrace", libc.ptrace(16, child, 0, 0))  # PTRACE_ATTACH
+    os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+    tried("keyctl", libc.syscall(250, 0, -3, 0, 0, 0))  # KEYCTL_GET_KEYRING_ID, session
+    tried("bpf", libc.syscall(321, 0, 0, 0))  # BPF_MAP_CREATE without attributes
+    with open("/proc/self/status") as f:
+        flags = dict(line.split(":", 1) for line in f if ":" in line)
+    found.append(f"no_new_privs={flags.get('NoNewPrivs', '?').strip()}")
+    return " ".join(found)
+
+
 def _attack(generation: Generation) -> Reward:
     meta = generation.metadata
     what = meta.get("do", "")
@@ -179,6 +215,8 @@ def _attack(generation: Generation) -> Reward:
         _leave(int(meta["mb"]))
     if what == "look":
         raise ValueError(_look())
+    if what == "kernel":
+        raise ValueError(_kernel())
     if what == "fork_bomb":
         forked = 0
         try:

@@ -25,7 +25,8 @@ and forks the call's process, which makes a process group of its own, points std
 /dev/null and stdout and stderr at those files, gets private tmp mounts (``_private_tmp``;
 where refused, a directory of its own instead) and works in its /tmp (``HOME`` and
 ``TMPDIR`` too), sets the ``Limits``, drops to the call's user (as root: a uid of
-``uid_range`` the worker holds for its life, ``claim_uid``; never another pool's), runs the
+``uid_range`` the worker holds for its life, ``claim_uid``; never another pool's), loads the
+seccomp filter (``seccomp``: no ``ptrace``, no new namespaces, no mounts, ...), runs the
 reward function (a coroutine on a fresh event loop) and writes its result as JSON to a pipe. The
 worker writes a frame with the call's pid (the pool kills that process group on a wall-clock
 timeout), waits for the call's process, kills what is left of its process group and every
@@ -62,6 +63,7 @@ import time
 from typing import Any
 
 from reef_stream.api.rewards import is_transient
+from reef_stream.consumers.reward.sandbox import seccomp
 from reef_stream.consumers.reward.sandbox.categories import (
     CRASHED, EXIT, MEMORY, OUTPUT_INVALID, SANDBOX_UNAVAILABLE, TIMEOUT, Limits, signal_name,
 )
@@ -309,9 +311,10 @@ def _set_limits(limits: Limits, uid: int | None) -> None:
 
 
 def _child(reward: Any, generation: Any, workdir: str, result_fd: int, outputs: tuple[int, int],
-           limits: Limits, uid: int | None) -> None:
+           limits: Limits, uid: int | None, filtered: bool) -> None:
     """The call's process (after the fork, born in the worker's slot): ``outputs`` are its
-    stdout and stderr, opened by the worker. Never returns."""
+    stdout and stderr, opened by the worker; with ``filtered``, the seccomp filter is the
+    last step of its set-up. Never returns."""
     me = os.getpid()
     memory_result = _MEMORY_RESULT
     try:
@@ -339,6 +342,8 @@ def _child(reward: Any, generation: Any, workdir: str, result_fd: int, outputs: 
         _set_limits(limits, uid)
         if uid is not None:
             become(uid)
+        if filtered:
+            seccomp.install()
     except BaseException as error:  # noqa: BLE001 - the sandbox could not be set up
         _write_all(result_fd, json.dumps({"setup": f"{type(error).__name__}: {error}"}).encode())
         os._exit(0)
@@ -481,10 +486,12 @@ def _tail(fd: int) -> str:
 
 
 def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
-             out_fd: int, tmp: str | None = None, slot: SlotGroup | None = None) -> dict:
+             out_fd: int, tmp: str | None = None, slot: SlotGroup | None = None,
+             filtered: bool = False) -> dict:
     """One call in a forked process (see the module docstring), born in the worker's ``slot``
     where it has one (memory and processes limited per call: ``cgroups``), which holds only
-    the worker again when this returns; the answer frame."""
+    the worker again when this returns, under the seccomp filter with ``filtered``; the
+    answer frame."""
     oom_before = 0
     if slot is not None:
         try:
@@ -510,7 +517,7 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
         if pid == 0:
             try:
                 os.close(read_fd)
-                _child(reward, generation, workdir, write_fd, outputs, limits, uid)
+                _child(reward, generation, workdir, write_fd, outputs, limits, uid, filtered)
             finally:
                 os._exit(70)
         os.close(write_fd)
@@ -660,6 +667,7 @@ def main() -> None:
     groups = find()
     remove_stale(groups)
     slot, cgroup = make_slot(groups, limits)
+    filtering = seccomp.status()
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     from reef_stream.core.events import Generation
     from reef_stream.core.serde import decode
@@ -672,7 +680,7 @@ def main() -> None:
         return
     write_frame(out_fd, {"ready": True, "network": network, "pid": os.getpid(), "uid": uid,
                          "unreadable": _unreadable(uid), "filesystem": _filesystem(limits),
-                         "cgroup": cgroup,
+                         "cgroup": cgroup, "seccomp": filtering,
                          "torch": "torch" in sys.modules,
                          "modules": len(sys.modules)})
     while (request := read_frame(0)) is not None:
@@ -687,7 +695,7 @@ def main() -> None:
                                                        f"sandbox: {error}"}})
             continue
         write_frame(out_fd, run_call(reward, generation, limits, uid, out_fd, config.get("tmp"),
-                                     slot))
+                                     slot, filtering == "filtered"))
 
 
 if __name__ == "__main__":
