@@ -164,15 +164,13 @@ class SlotGroup:
             _write(os.path.join(directory, "cgroup.procs"), os.getpid())
 
     def others(self) -> list[int]:
-        """The processes in the group other than the caller (empty when unreadable)."""
-        me, found = os.getpid(), set()
+        """The processes in the group other than the caller. Raises ``OSError`` when the
+        group cannot be read."""
+        found = set()
         for directory in self.dirs:
-            try:
-                with open(os.path.join(directory, "cgroup.procs")) as f:
-                    found.update(int(line) for line in f if line.strip())
-            except (OSError, ValueError):
-                pass
-        found.discard(me)
+            with open(os.path.join(directory, "cgroup.procs")) as f:
+                found.update(int(line) for line in f if line.strip())
+        found.discard(os.getpid())
         return sorted(found)
 
     def oom_kills(self) -> int:

@@ -544,19 +544,23 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
 
 def _empty_slot(slot: SlotGroup, seconds: float = 1.0) -> bool:
     """SIGKILL every process in ``slot`` but this one and reap them (orphans come to this
-    subreaper), again until none is left or ``seconds`` passed; whether none is. Forks
-    nothing: a call that filled its ``pids.max`` cannot stop it."""
+    subreaper), again until none is left or ``seconds`` passed; whether none is (False too
+    when the group cannot be read). Forks nothing: a call that filled its ``pids.max``
+    cannot stop it."""
     deadline = time.monotonic() + seconds
-    while others := slot.others():
-        for pid in others:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        _reap()
-        if time.monotonic() > deadline:
-            return not slot.others()
-        time.sleep(0.001)
+    try:
+        while others := slot.others():
+            for pid in others:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            _reap()
+            if time.monotonic() > deadline:
+                return not slot.others()
+            time.sleep(0.001)
+    except (OSError, ValueError):
+        return False
     return True
 
 
