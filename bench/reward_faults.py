@@ -30,8 +30,9 @@ line:
 
 worst_ratio over the cells up to 10 % raising and 2 % hanging (the issue's target, >= 0.9);
 outage dead letters summed over the modes (target 0); the largest RSS growth of a cell; the
-tests of ``tests/unit/test_sandbox_escape.py`` that pass (pytest in a subprocess). Figures,
-never assertions.
+tests of ``tests/unit/test_sandbox_escape.py`` that pass (pytest in a subprocess). With
+``--before REV`` it runs as revision REV has it and as this tree has it, alternating
+(``bench/trees.py``). Figures, never assertions.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from reef_stream.demo.task import ProblemStream, make_generation  # noqa: E402
 from reef_stream.intake.producer import RecordProducer  # noqa: E402
 from reef_stream.servers.kafka_local import configured_or_throwaway  # noqa: E402
 from tests.unit_log import create_topics  # noqa: E402
+from trees import add_before, before_and_after  # noqa: E402
 
 RECIPE = "reef_stream.demo.recipes:sao"
 #: The cells the target covers: up to 10 % raising and 2 % hanging.
@@ -235,7 +237,10 @@ description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
                              "ratio is to itself")
     parser.add_argument("--skip-escapes", action="store_true",
                         help="do not run tests/unit/test_sandbox_escape.py (reported as 0/0)")
+    add_before(parser)
     args = parser.parse_args()
+    if args.before:
+        return before_and_after(__file__, args.before, args.rounds)
     quick = args.quick
     args.seconds = args.soak or args.seconds or (15.0 if quick else 60.0)
     args.drain = args.drain if args.drain is not None else (20.0 if quick else 60.0)

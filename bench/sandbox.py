@@ -1,6 +1,7 @@
 """Sandboxed reward calls: what the pool costs, and whether a few hanging calls clog the pipe.
 
     python bench/sandbox.py [--calls 400] [--concurrency 8] [--generations 800] [--hang 0.03]
+                            [--before REV [--rounds N]]
 
 One invocation, two parts, each printed beside its baseline:
 
@@ -18,7 +19,8 @@ One invocation, two parts, each printed beside its baseline:
    worker without the slow lane and the adaptive deadline (``--slow-concurrency 0
    --fixed-timeout``): the reward worker before issue 17, stopped after ``--cap`` seconds.
 
-Figures, never assertions.
+With ``--before REV`` it runs as revision REV has it and as this tree has it, alternating
+(``bench/trees.py``). Figures, never assertions.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from reef_stream.consumers.reward.sandbox.pool import SandboxPool  # noqa: E402
 from tests.faults.records import generation  # noqa: E402
 from tests.recipes.sandbox_rewards import hostile  # noqa: E402
 from tests.unit_log import create_topics  # noqa: E402
+from trees import add_before, before_and_after  # noqa: E402
 
 TARGET = "tests.recipes.sandbox_rewards:hostile"
 
@@ -202,7 +205,7 @@ def part_pipe(bootstrap: str, count: int, hang: float, concurrency: int, cap: fl
                   f"rewarded), {rate / base:.2f} of no fault\n    {line}", flush=True)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -214,17 +217,21 @@ def main() -> None:
     parser.add_argument("--skip-pipe", action="store_true")
     parser.add_argument("--sandboxes", default="thread,process",
                         help="The pipe runs' --sandbox values, comma-separated.")
+    add_before(parser)
     args = parser.parse_args()
+    if args.before:
+        return before_and_after(__file__, args.before, args.rounds)
     print(f"bench/sandbox.py: {os.cpu_count()} CPUs, concurrency {args.concurrency}", flush=True)
     if not args.skip_calls:
         part_calls(args.calls, args.concurrency)
     if args.skip_pipe:
-        return
+        return 0
     workdir = Path(tempfile.mkdtemp(prefix="reef-bench-sandbox-"))
     with configured_or_throwaway(load_settings(), workdir) as bootstrap:
         part_pipe(bootstrap, args.generations, args.hang, args.concurrency, args.cap, workdir,
                   args.sandboxes.split(","))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

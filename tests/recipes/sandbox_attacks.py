@@ -16,11 +16,26 @@ tests/unit/test_sandbox_escape.py. What it does is named by ``metadata["do"]``:
   every 10 ms for ``metadata["seconds"]``, then scores;
 - ``children``: forks ``metadata["n"]`` children that each touch ``metadata["mb"]`` MB and
   wait 1 s; reward 1.0 if every one of them exited 0, else 0;
+- ``leave``: leaves what it can for the next call: ``REEF_LEFT`` in its environment (and
+  ``putenv``), a file ``left`` in its home, ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (``/dev/shm``'s
+  of ``metadata["mb"]`` MB), and a ``setsid`` grandchild holding ``metadata["mb"]`` MB, then
+  scores;
+- ``look``: raises ``ValueError`` saying what of a ``leave`` it finds (``env``, ``files``),
+  which other processes run as its user (``user_others``) and its ``/proc/self/cgroup`` lines
+  for ``memory`` and ``pids`` (``cgroups``);
+- ``suicide``: SIGKILLs its own process;
+- ``fork_bomb``: forks children that sleep 600 s until a fork fails; reward: how many it
+  forked;
+- ``kernel``: tries what the call's seccomp filter denies (``unshare`` of a user namespace,
+  ``clone`` into one, ``ptrace`` of its own child, ``keyctl``, ``bpf``) and raises
+  ``ValueError`` with ``name=<errno name or "ok">`` for each and ``no_new_privs=<0|1>``;
 - anything else: reward 1.0.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import signal
 import socket
@@ -67,6 +82,82 @@ def _children(n: int, mb: int) -> bool:
             os._exit(0)
         pids.append(pid)
     return all(os.waitpid(pid, 0)[1] == 0 for pid in pids)
+
+
+LEFT = ("/tmp/left", "/var/tmp/left", "/dev/shm/left")
+
+
+def _leave(mb: int) -> None:
+    os.environ["REEF_LEFT"] = "1"
+    os.putenv("REEF_LEFT_PUT", "1")
+    for path in (os.path.join(os.environ["HOME"], "left"), *LEFT):
+        try:
+            with open(path, "wb") as f:
+                f.write(b"x" * ((mb << 20) if path.startswith("/dev/shm") else 1))
+        except OSError:
+            pass
+
+    def hold() -> None:
+        block = bytearray(mb << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        time.sleep(600)
+
+    _daemon(hold)
+    time.sleep(0.2)  # the daemon has its memory before the call ends
+
+
+def _look() -> str:
+    me = os.getpid()
+    found = [f"env={sorted(n for n in os.environ if n.startswith('REEF_LEFT'))}"]
+    found.append(f"files={[p for p in (os.path.join(os.environ['HOME'], 'left'), *LEFT) if os.path.exists(p)]}")
+    with open("/proc/self/cgroup") as f:
+        lines = [line.strip() for line in f]
+    uid = os.getuid()
+    users = [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != me
+             and _owner(e) == uid]
+    found.append(f"user_others={sorted(users)}")
+    found.append("cgroups=" + ";".join(line for line in lines
+                                       if line.split(":")[1] in ("memory", "pids")))
+    return " ".join(found)
+
+
+def _owner(pid: str) -> int:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1
+
+
+def _kernel() -> str:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    found = []
+
+    def tried(name: str, result: int) -> None:
+        number = ctypes.get_errno()
+        found.append(f"{name}={'ok' if result >= 0 else errno.errorcode.get(number, number)}")
+
+    tried("unshare_user", libc.unshare(0x10000000))
+    pid = libc.syscall(56, 0x10000000 | signal.SIGCHLD, 0, 0, 0, 0)  # clone(CLONE_NEWUSER)
+    if pid == 0:
+        os._exit(0)
+    tried("clone_user", pid)
+    if pid > 0:
+        os.waitpid(pid, 0)
+    child = os.fork()
+    if child == 0:
+        time.sleep(5)
+        os._exit(0)
+    tried("ptrace", libc.ptrace(16, child, 0, 0))  # PTRACE_ATTACH
+    os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+    tried("keyctl", libc.syscall(250, 0, -3, 0, 0, 0))  # KEYCTL_GET_KEYRING_ID, session
+    tried("bpf", libc.syscall(321, 0, 0, 0))  # BPF_MAP_CREATE without attributes
+    with open("/proc/self/status") as f:
+        flags = dict(line.split(":", 1) for line in f if ":" in line)
+    found.append(f"no_new_privs={flags.get('NoNewPrivs', '?').strip()}")
+    return " ".join(found)
 
 
 def _attack(generation: Generation) -> Reward:
@@ -120,6 +211,24 @@ def _attack(generation: Generation) -> Reward:
         _daemon(lambda: _killer(float(meta["seconds"])))
     if what == "children":
         return Reward(reward=float(_children(int(meta["n"]), int(meta["mb"]))))
+    if what == "leave":
+        _leave(int(meta["mb"]))
+    if what == "look":
+        raise ValueError(_look())
+    if what == "kernel":
+        raise ValueError(_kernel())
+    if what == "fork_bomb":
+        forked = 0
+        try:
+            while True:
+                if os.fork() == 0:
+                    time.sleep(600)
+                    os._exit(0)
+                forked += 1
+        except OSError:
+            return Reward(reward=float(forked))
+    if what == "suicide":
+        os.kill(os.getpid(), signal.SIGKILL)
     return Reward(reward=1.0)
 
 

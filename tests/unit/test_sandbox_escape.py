@@ -340,3 +340,19 @@ def _call_groups() -> list[str]:
     for top, dirs, _ in os.walk("/sys/fs/cgroup"):
         found += [os.path.join(top, d) for d in dirs if d.startswith("reef-call-")]
     return found
+
+
+# --------------------------------------------------------------------------- the kernel
+
+def test_the_kernel_interfaces_a_reward_has_no_use_for_are_denied(pool):
+    import re
+
+    with pytest.raises(RaisedInSandbox) as raised:
+        pool.call(_gen("kernel"), timeout=20)
+    seen = dict(re.findall(r"(\w+)=(\S+)", str(raised.value)))
+    # a user namespace (root of its own), tracing, the key ring, bpf; and a setuid program
+    # it runs gains nothing
+    assert seen == {"unshare_user": "EPERM", "clone_user": "EPERM", "ptrace": "EPERM",
+                    "keyctl": "EPERM", "bpf": "EPERM", "no_new_privs": "1"}, seen
+    assert pool.seccomp == "filtered"
+    _healthy(pool)

@@ -32,7 +32,8 @@ the pool logs a warning at start-up, ``network`` says why and ``stats()`` report
 their own, a uid of ``uid_base .. uid_base + UID_COUNT - 1`` the worker holds for its life (a
 lock file, ``worker.claim_uid``: never another worker's, in this pool or another), so the
 process limit is the call's and the call cannot write to files it does not own; at each
-call's end, and at ``close``, every process of that uid is killed.
+call's end every other process of the worker's cgroup (its slot, ``cgroups``; without one,
+every process of that uid), and at ``close`` every process of that uid, is killed.
 
 Thread-safe: any number of threads may call at once (one worker each).
 """
@@ -200,8 +201,11 @@ class SandboxPool:
         self._import_path: list[str] = []  # the workers' PYTHONPATH (``import_path``)
         #: Why the network is not isolated ("" until a worker said; "isolated" when it is).
         self.network = ""
-        #: ``v1``/``v2`` when each call runs in a cgroup of its own; else ``none (why)``.
+        #: ``v1``/``v2`` when each call runs in its worker's cgroup (its slot: memory and
+        #: processes limited per call); else ``none (why)``.
         self.cgroup = ""
+        #: ``filtered`` when each call runs under the seccomp filter; else why not.
+        self.seccomp = ""
         #: ``private`` when each call gets its own tmp mounts; else why not (a worker says).
         self.filesystem = ""
         #: The user ids the calls of this pool's workers have run as.
@@ -248,6 +252,8 @@ class SandboxPool:
         if not self.cgroup.startswith("v"):
             log.warning("sandbox: memory and processes are limited per process, not per call: "
                         "no cgroup for the calls (%s)", self.cgroup)
+        if self.seccomp != "filtered":
+            log.warning("sandbox: reward calls run without a seccomp filter (%s)", self.seccomp)
         if self.filesystem != "private":
             log.warning("sandbox: reward calls share /tmp, /var/tmp, /dev/shm and /run with "
                         "this machine (%s)", self.filesystem)
@@ -351,7 +357,7 @@ class SandboxPool:
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
         if workers and self.cgroup.startswith("v"):  # a call killed with its worker left its own
-            remove_stale(find_cgroups())
+            remove_stale(find_cgroups(), 1.0)
 
     # ----------------------------------------------------------------- workers
 
@@ -486,6 +492,7 @@ class SandboxPool:
         worker.network = self.network = str(ready.get("network"))
         self.filesystem = str(ready.get("filesystem"))
         self.cgroup = str(ready.get("cgroup"))
+        self.seccomp = str(ready.get("seccomp"))
         if ready.get("uid") is not None:
             worker.uid = int(ready["uid"])
             with self._lock:

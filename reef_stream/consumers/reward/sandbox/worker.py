@@ -8,7 +8,9 @@ fork of the reward worker and its Kafka clients). At start it:
 2. leaves the network: ``unshare(CLONE_NEWNET)`` (a namespace with only a loopback that is
    down), or, unprivileged, ``CLONE_NEWUSER | CLONE_NEWNET``; when neither is allowed it says
    why in its ready frame (``network``) and the pool logs it and reports it in the metrics;
-3. becomes a child subreaper (orphans of a call are reparented to it and reaped);
+3. makes its *slot*, a cgroup with the call's memory and process limits, and moves itself
+   into it (``make_slot``; ``cgroups``), so that every call's process is born in it; becomes a
+   child subreaper (orphans of a call are reparented to it and reaped);
 4. imports the reward function (``target``: ``module:attribute`` naming a reward function, or
    a class to call with the fields ``build``, or a ``Recipe``, whose ``reward`` it takes after
    the ``overrides``; the pool names the smallest of these it can:
@@ -23,11 +25,13 @@ and forks the call's process, which makes a process group of its own, points std
 /dev/null and stdout and stderr at those files, gets private tmp mounts (``_private_tmp``;
 where refused, a directory of its own instead) and works in its /tmp (``HOME`` and
 ``TMPDIR`` too), sets the ``Limits``, drops to the call's user (as root: a uid of
-``uid_range`` the worker holds for its life, ``claim_uid``; never another pool's), runs the
+``uid_range`` the worker holds for its life, ``claim_uid``; never another pool's), loads the
+seccomp filter (``seccomp``: no ``ptrace``, no new namespaces, no mounts, ...), runs the
 reward function (a coroutine on a fresh event loop) and writes its result as JSON to a pipe. The
 worker writes a frame with the call's pid (the pool kills that process group on a wall-clock
-timeout), waits for the call's process, kills what is left of its group and every process
-of its uid (``kill_user``: a ``setsid`` daemon too), reaps, removes the
+timeout), waits for the call's process, kills what is left of its process group and every
+other process of its slot (``_empty_slot``: a ``setsid`` daemon too; without a slot, every
+process of its uid: ``kill_user``), reaps, removes the
 directory and answers with one frame: ``{"ok": {"reward", "components"}}``, ``{"raised":
 {"type", "message", "transient"}}``, or ``{"failure": {"category", "detail"}}``
 (``reef_stream.consumers.reward.sandbox.categories``).
@@ -43,7 +47,6 @@ import ctypes
 import fcntl
 import importlib
 import inspect
-import itertools
 import json
 import math
 import numbers
@@ -60,10 +63,13 @@ import time
 from typing import Any
 
 from reef_stream.api.rewards import is_transient
+from reef_stream.consumers.reward.sandbox import seccomp
 from reef_stream.consumers.reward.sandbox.categories import (
     CRASHED, EXIT, MEMORY, OUTPUT_INVALID, SANDBOX_UNAVAILABLE, TIMEOUT, Limits, signal_name,
 )
-from reef_stream.consumers.reward.sandbox.cgroups import CallGroup, Groups, find, remove_stale
+from reef_stream.consumers.reward.sandbox.cgroups import (
+    SLOT_PROCESSES, Groups, SlotGroup, find, remove_stale,
+)
 
 __all__ = ["claim_uid", "kill_user", "read_frame", "write_frame"]
 
@@ -92,8 +98,9 @@ PRELOADED = ("encodings.idna", "encodings.punycode", "json", "asyncio", "tempfil
              "difflib", "unicodedata", "pprint", "queue")
 #: How much of a call's stderr goes into the reason of its failure.
 STDERR_TAIL = 1500
+#: A call's processes' ``oom_score_adj``: the OOM killer of the worker's slot chooses them first.
+OOM_FIRST = 1000
 _MEMORY_RESULT = b'{"memory": true}'
-_CALLS = itertools.count()
 
 
 def become(uid: int) -> None:
@@ -304,14 +311,15 @@ def _set_limits(limits: Limits, uid: int | None) -> None:
 
 
 def _child(reward: Any, generation: Any, workdir: str, result_fd: int, outputs: tuple[int, int],
-           limits: Limits, uid: int | None, group: CallGroup | None) -> None:
-    """The call's process (after the fork): ``outputs`` are its stdout and stderr, opened by
-    the worker; ``group`` its cgroup, joined first. Never returns."""
+           limits: Limits, uid: int | None, filtered: bool) -> None:
+    """The call's process (after the fork, born in the worker's slot): ``outputs`` are its
+    stdout and stderr, opened by the worker; with ``filtered``, the seccomp filter is the
+    last step of its set-up. Never returns."""
     me = os.getpid()
     memory_result = _MEMORY_RESULT
     try:
-        if group is not None:
-            group.join()
+        with open("/proc/self/oom_score_adj", "w") as f:  # the OOM killer's first choice
+            f.write(str(OOM_FIRST))
         os.setpgid(0, 0)
         for number in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(number, signal.SIG_DFL)
@@ -334,6 +342,8 @@ def _child(reward: Any, generation: Any, workdir: str, result_fd: int, outputs: 
         _set_limits(limits, uid)
         if uid is not None:
             become(uid)
+        if filtered:
+            seccomp.install()
     except BaseException as error:  # noqa: BLE001 - the sandbox could not be set up
         _write_all(result_fd, json.dumps({"setup": f"{type(error).__name__}: {error}"}).encode())
         os._exit(0)
@@ -476,18 +486,20 @@ def _tail(fd: int) -> str:
 
 
 def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
-             out_fd: int, tmp: str | None = None, groups: Groups | None = None) -> dict:
-    """One call in a forked process (see the module docstring), in a cgroup of its own where
-    ``groups`` has a version (memory and processes limited per call); the answer frame."""
-    group = None
-    if groups is not None and groups.version:
-        group = CallGroup(groups, f"reef-call-{os.getpid()}-{next(_CALLS)}")
+             out_fd: int, tmp: str | None = None, slot: SlotGroup | None = None,
+             filtered: bool = False) -> dict:
+    """One call in a forked process (see the module docstring), born in the worker's ``slot``
+    where it has one (memory and processes limited per call: ``cgroups``), which holds only
+    the worker again when this returns, under the seccomp filter with ``filtered``; the
+    answer frame."""
+    oom_before = 0
+    if slot is not None:
         try:
-            group.create(limits.memory_mb << 20, limits.processes)
+            oom_before = slot.oom_kills()
+            slot.fit(limits.memory_mb << 20)
         except OSError as error:
-            group.remove(0)
             return {"failure": {"category": SANDBOX_UNAVAILABLE,
-                                "detail": f"the call's cgroup could not be made: {error}"}}
+                                "detail": f"the call's memory limit could not be set: {error}"}}
     own = tempfile.mkdtemp(prefix="call-", dir=tmp)  # the worker's; the call cannot change it
     outputs: tuple[int, ...] = ()
     try:
@@ -495,11 +507,17 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
         workdir = os.path.join(own, "work")  # made by the call where /tmp is not its own
         outputs = (_open_output(own, "stdout"), _open_output(own, "stderr"))
         read_fd, write_fd = os.pipe()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as error:
+            os.close(read_fd)
+            os.close(write_fd)
+            return {"failure": {"category": SANDBOX_UNAVAILABLE,
+                                "detail": f"the call's process could not be forked: {error}"}}
         if pid == 0:
             try:
                 os.close(read_fd)
-                _child(reward, generation, workdir, write_fd, outputs, limits, uid, group)
+                _child(reward, generation, workdir, write_fd, outputs, limits, uid, filtered)
             finally:
                 os._exit(70)
         os.close(write_fd)
@@ -511,18 +529,68 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
         try:
             data, status, cpu, too_big = _collect(read_fd, pid)
             _clean_group(pid)
-            if uid is not None:  # and what left its group (a setsid daemon)
+            emptied = slot is not None and _empty_slot(slot)  # a setsid daemon too
+            if uid is not None and not emptied:  # without a slot: what runs as its user
                 kill_user(uid)
         finally:
             os.close(read_fd)
-        oom = group.oom_kills() if group is not None else 0
+        oom = slot.oom_kills() - oom_before if slot is not None else 0
         return _answer(data, status, cpu, too_big, _tail(outputs[1]), limits, oom)
     finally:
         for fd in outputs:
             os.close(fd)
         shutil.rmtree(own, ignore_errors=True)
-        if group is not None:
-            group.remove()
+
+
+def _empty_slot(slot: SlotGroup, seconds: float = 1.0) -> bool:
+    """SIGKILL every process in ``slot`` but this one and reap them (orphans come to this
+    subreaper), again until none is left or ``seconds`` passed; whether none is (False too
+    when the group cannot be read). Forks nothing: a call that filled its ``pids.max``
+    cannot stop it."""
+    deadline = time.monotonic() + seconds
+    try:
+        while others := slot.others():
+            for pid in others:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            _reap()
+            if time.monotonic() > deadline:
+                return not slot.others()
+            time.sleep(0.001)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def make_slot(groups: Groups, limits: Limits) -> tuple[SlotGroup | None, str]:
+    """This worker's slot, joined (``cgroups``), and the cgroup state for the ready frame:
+    ``(slot, groups.state)``, or ``(None, "none (<why>)")`` when there is no cgroup or the slot
+    could not be made or joined.
+
+    The OOM killer of the slot should end a call's process, never the worker: each call's
+    process sets its ``oom_score_adj`` to ``OOM_FIRST`` (raising it needs no privilege), and
+    the worker lowers its own to -1000 (never chosen) where it may (CAP_SYS_RESOURCE). Where
+    it may not, a call that lowers its processes' back to 0 and runs programs smaller than
+    the worker can have the worker chosen: the worker dies, the pool replaces it, and that
+    call ends ``sandbox_unavailable``."""
+    if not groups.version:
+        return None, groups.state
+    slot = SlotGroup(groups, f"reef-call-{os.getpid()}-slot")
+    try:
+        slot.create(limits.memory_mb << 20, limits.processes + SLOT_PROCESSES)
+        slot.join()
+    except OSError as error:
+        slot.remove(0)
+        return None, (f"none (the worker's cgroup {groups.version} could not be made or "
+                      f"joined: {error})")
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("-1000")
+    except PermissionError:  # no CAP_SYS_RESOURCE: the calls' OOM_FIRST alone
+        pass
+    return slot, groups.state
 
 
 def _answer(data: bytes, status: int, cpu: float, too_big: bool, stderr: str,
@@ -602,6 +670,8 @@ def main() -> None:
     network = isolate_network() if config.get("isolate_network", True) else "not isolated: off"
     groups = find()
     remove_stale(groups)
+    slot, cgroup = make_slot(groups, limits)
+    filtering = seccomp.status()
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     from reef_stream.core.events import Generation
     from reef_stream.core.serde import decode
@@ -614,7 +684,7 @@ def main() -> None:
         return
     write_frame(out_fd, {"ready": True, "network": network, "pid": os.getpid(), "uid": uid,
                          "unreadable": _unreadable(uid), "filesystem": _filesystem(limits),
-                         "cgroup": groups.state,
+                         "cgroup": cgroup, "seccomp": filtering,
                          "torch": "torch" in sys.modules,
                          "modules": len(sys.modules)})
     while (request := read_frame(0)) is not None:
@@ -629,7 +699,7 @@ def main() -> None:
                                                        f"sandbox: {error}"}})
             continue
         write_frame(out_fd, run_call(reward, generation, limits, uid, out_fd, config.get("tmp"),
-                                     groups))
+                                     slot, filtering == "filtered"))
 
 
 if __name__ == "__main__":
