@@ -79,7 +79,7 @@ from reef_stream.topics.dead_letters import dead_letter
 from reef_stream.topics.fencing import TransactionalIdentity, is_fenced
 from reef_stream.topics.kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
 from reef_stream.topics.metrics import MetricsWriter
-from reef_stream.topics.reading import TopicReader
+from reef_stream.topics.reading import NewestFirst
 
 log = logging.getLogger(__name__)
 
@@ -106,27 +106,35 @@ def trainer_transactional_id(namespace: str, recipe: str, group: str) -> str:
 
 
 def committed_checkpoint(bootstrap: str, namespace: str, recipe: str, group: str, *,
-                         registry: SchemaRegistry | None = None) -> Checkpoint | None:
+                         registry: SchemaRegistry | None = None,
+                         reader: NewestFirst | None = None) -> Checkpoint | None:
     """The newest ``Checkpoint`` event of ``recipe``'s ``group`` committed to
     ``<ns>.checkpoints`` (read_committed: an aborted or open transaction's event is not seen),
-    or None. The tip of the group's lineage. Blocks while it reads the topic to its end;
-    raises ``TimeoutError`` past ``reading.READ_TIMEOUT_S``."""
+    or None. The tip of the group's lineage: the last such event in the log, the same one a
+    read from the beginning ends with. It reads back from the topic's end in windows
+    (``NewestFirst``) and stops at the first window that holds one, so its cost depends on
+    the events written after the group's newest (other groups'), not on how many the topic
+    holds; a group with none reads the whole topic. ``reader``: one to read with (closed
+    here), to count what was read. Blocks; raises ``TimeoutError`` past
+    ``reading.READ_TIMEOUT_S`` per window."""
     registry = registry or SchemaRegistry.default()
-    newest, key = None, group.encode()
-    with TopicReader(bootstrap, declarations.checkpoints(namespace)) as reader:
-        for message in reader.to_end():
-            if message.key() != key:
-                continue
-            try:
-                event = registry.decode(message.value(), message.headers(), Checkpoint,
-                                        topic=message.topic(), partition=message.partition(),
-                                        offset=message.offset())
-            except ReefError as error:
-                log.warning("skipping an undecodable checkpoint event: %s", error)
-                continue
-            if event.recipe == recipe and event.trainer_group == group:
-                newest = event
-    return newest
+    key = group.encode()
+    with reader or NewestFirst(bootstrap, declarations.checkpoints(namespace)) as windows:
+        for records in windows:
+            for message in reversed(records):
+                if message.key() != key:
+                    continue
+                try:
+                    event = registry.decode(message.value(), message.headers(), Checkpoint,
+                                            topic=message.topic(),
+                                            partition=message.partition(),
+                                            offset=message.offset())
+                except ReefError as error:
+                    log.warning("skipping an undecodable checkpoint event: %s", error)
+                    continue
+                if event.recipe == recipe and event.trainer_group == group:
+                    return event
+    return None
 
 
 @dataclass
