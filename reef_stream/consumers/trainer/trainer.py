@@ -74,7 +74,7 @@ from reef_stream.engine.training import TorchBackend, select_rows, unit_members,
 from reef_stream.publishing.rollback import CHECK_EVERY_S, Agreed, StallWatch, Verdict, Vote, agree
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics, namespace_topics
-from reef_stream.topics.connect import new_admin, new_producer
+from reef_stream.topics.connect import ask_broker, new_admin, new_producer
 from reef_stream.topics.dead_letters import dead_letter
 from reef_stream.topics.fencing import TransactionalIdentity, is_fenced
 from reef_stream.topics.kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
@@ -535,8 +535,7 @@ class Trainer:
             except (RetryableError, CheckpointError, KafkaException) as error:
                 log.error("checkpoint before the rollback failed: %s; resuming from the "
                           "newest checkpoint", error)
-                time.sleep(RETRY_BACKOFF_S)
-                self.consumer.assign(self._resume())
+                self.consumer.assign(self._resume_after_failure())
                 return
         verdict = Verdict.DONE
         if target is not None and self.watch is not None:
@@ -573,8 +572,10 @@ class Trainer:
         self._fence()   # before the read: no older trainer commits after it
         latest = committed_checkpoint(self.bootstrap, self.ns, self.recipe.name, self.group,
                                       registry=self.registry)
-        committed = {tp.partition: tp.offset for tp in self.consumer.committed(
-            [TopicPartition(self.topic, p) for p in self.partitions], timeout=30) if tp.offset >= 0}
+        committed = {tp.partition: tp.offset for tp in ask_broker(
+            "reading the group's committed offsets", lambda: self.consumer.committed(
+                [TopicPartition(self.topic, p) for p in self.partitions], timeout=30))
+            if tp.offset >= 0}
         if latest is not None:
             contents = self._load_newest(latest)
             if contents.recipe != self.recipe.name or contents.trainer_group != self.group:
@@ -604,6 +605,24 @@ class Trainer:
             self.world.gather_bytes(b"")   # every rank resumed before any trains
         return [TopicPartition(self.topic, p, self.offsets.get(p, OFFSET_BEGINNING))
                 for p in self.owned]
+
+    def _resume_after_failure(self) -> list[TopicPartition]:
+        """``_resume`` after a failed step, ``RETRY_BACKOFF_S`` after it and again every
+        ``RETRY_BACKOFF_S`` while the brokers cannot answer it (a coordinator moving, a
+        partition, a broker restarting): a broker fault is waited out, not an exit. Raises at
+        once what is not a broker's passing trouble (a fatal client error, a bad checkpoint),
+        and anything once a stop was asked. Blocks."""
+        while True:
+            time.sleep(RETRY_BACKOFF_S)
+            try:
+                return self._resume()
+            except (RetryableError, KafkaException, TimeoutError) as error:
+                fatal = isinstance(error, KafkaException) and error.args \
+                    and getattr(error.args[0], "fatal", lambda: False)()
+                if fatal or self._stop_asked.is_set():
+                    raise
+                log.warning("resuming from the newest checkpoint failed (%s); trying again "
+                            "in %g s", error, RETRY_BACKOFF_S)
 
     def _load_newest(self, latest: Checkpoint) -> CheckpointContents:
         """The newest committed checkpoint's contents. While its store cannot be reached (an
@@ -785,8 +804,7 @@ class _Steps:
                 trainer._take(record)
         except (RetryableError, CheckpointError, KafkaException) as error:
             log.error("a step was aborted (%s); resuming from the newest checkpoint", error)
-            time.sleep(RETRY_BACKOFF_S)
-            trainer.consumer.assign(trainer._resume())
+            trainer.consumer.assign(trainer._resume_after_failure())
             return
         if took:
             self._last_unit = time.monotonic()
