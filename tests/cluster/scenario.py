@@ -65,8 +65,12 @@ SERVED_WAIT_S = 60.0
 #: The port the broker listens on inside its host (its controller on the next one).
 KAFKA_PORT = 9092
 REDIS_PORT = 6379
-#: A fenced process says so in its log with this (the trainer's ``TrainerFenced``).
-FENCED = re.compile(r"fenced", re.IGNORECASE)
+#: A write refused by a fence, as the stages' logs say it: the trainer's ``TrainerFenced`` and
+#: the evaluator's ``EvaluatorFenced`` ("was fenced at"), a processor's fence past its rejoins
+#: or of its transactional id, the stage loop's rejoin after one. Not the evaluator's start
+#: line ("any older evaluator of the recipe is fenced"), which every run has.
+FENCED = re.compile(r"\bwas fenced\b|\bfenced \d+ times\b|\bis fenced too\b|"
+                    r"rejoining with a new consumer", re.IGNORECASE)
 
 
 @dataclass
