@@ -10,7 +10,7 @@ Here the producer is a double that fails the way librdkafka did; no broker.
 Found by the seeded nemesis (``bench/cluster.py --nemesis 1``): after a step failed while
 the group's coordinator was cut off, the resume's read of the committed offsets got
 NOT_COORDINATOR and the trainer exited 1. Now the resume is tried again until the brokers
-answer."""
+answer. Seed 29 then found an abort refused as INVALID_TXN_STATE taken for a fence."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def _trainer(producer: Producer) -> SimpleNamespace:
         consumer=SimpleNamespace(consumer_group_metadata=lambda: None), topic="units",
         group="g", recipe=SimpleNamespace(name="r"), _abort_pending=False,
         _produce_checkpoint_event=lambda producer, stored, contents: None)
+    trainer._abort = lambda producer, step: Trainer._abort(trainer, producer, step)
     return trainer
 
 
@@ -94,6 +95,23 @@ def test_an_abort_that_fails_too_is_retried_before_the_next_step():
     assert producer.open and trainer._abort_pending      # still partitioned, say
     Trainer._acknowledge(trainer, _step(1))              # healed: abort, then the step
     assert producer.committed == 1 and not trainer._abort_pending
+
+
+INVALID_STATE = KafkaError(KafkaError.INVALID_TXN_STATE, "Failed to end transaction: Broker: "
+                           "Producer attempted a transactional operation in an invalid state",
+                           fatal=True)
+
+
+def test_an_abort_refused_by_the_coordinators_state_renews_the_producer_not_a_fence():
+    # Found by the seeded nemesis (seed 29): kafka-2, the coordinator, paused 42 s; the commit
+    # timed out, the abort was refused as INVALID_TXN_STATE (fatal, the epoch unchanged: no
+    # newer trainer), and the trainer exited as if fenced. Now it drops the producer; the
+    # resume makes a new one (``_fence``) and reads whether the step was committed.
+    producer = Producer(commit=TIMED_OUT, abort=INVALID_STATE)
+    trainer = _trainer(producer)
+    with pytest.raises(RetryableError, match="not acknowledged"):
+        Trainer._acknowledge(trainer, _step(1))
+    assert trainer.fence_producer is None and not trainer._abort_pending
 
 
 def test_a_fenced_abort_stops_the_trainer():

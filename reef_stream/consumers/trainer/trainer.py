@@ -76,8 +76,8 @@ from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics, namespace_topics
 from reef_stream.topics.connect import ask_broker, new_admin, new_producer
 from reef_stream.topics.dead_letters import dead_letter
-from reef_stream.topics.fencing import TransactionalIdentity, is_fenced
-from reef_stream.topics.kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
+from reef_stream.topics.fencing import FENCED_CODES, TransactionalIdentity
+from reef_stream.topics.kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
 from reef_stream.topics.metrics import MetricsWriter
 from reef_stream.topics.reading import NewestFirst
 
@@ -471,29 +471,48 @@ class Trainer:
             producer.commit_transaction(ACK_TIMEOUT_S)
         except KafkaException as exc:
             error = exc.args[0]
-            if is_fenced(error):
+            if error.code() in FENCED_CODES:
                 raise TrainerFenced(
                     f"trainer of group {self.group} (recipe {self.recipe.name}) was fenced at "
                     f"step {contents.step}: a newer trainer of the group took over, so this one "
                     f"stops; its files at {stored.uri} are garbage ({error.str()})") from exc
-            # Any other failure leaves the transaction open (a timed-out call, as when the
-            # host is partitioned from the coordinator, is retriable, not abortable, in
-            # librdkafka's terms): abort it, here or before the next step's, or every later
-            # begin_transaction fails with "Operation not valid in state InTransaction".
-            self._abort_pending = True
-            try:
-                producer.abort_transaction(ACK_TIMEOUT_S)
-                self._abort_pending = False
-            except KafkaException as abort:
-                if is_fenced(abort.args[0]):
-                    raise TrainerFenced(
-                        f"trainer of group {self.group} (recipe {self.recipe.name}) was fenced "
-                        f"at step {contents.step}: a newer trainer of the group took over, so "
-                        f"this one stops ({abort.args[0].str()})") from abort
+            broken = error if error.fatal() else self._abort(producer, contents.step)
+            if broken is not None:
+                # A fatal state of this producer's own, not a newer trainer's fence (that
+                # bumps the epoch: FENCED_CODES): INVALID_TXN_STATE when the answer to a
+                # commit was lost while the coordinator's host was paused and the commit went
+                # on. A new producer under the same id (``_fence``, at the resume) leaves it,
+                # and the resume reads whether the step was committed.
+                log.warning("the acknowledgement's producer cannot go on (%s); a new one takes "
+                            "the group's transactional id at the resume", broken.str())
+                self.fence_producer, self._abort_pending = None, False
             raise RetryableError(f"step {contents.step} was not acknowledged: "
                                  f"{error.str()}") from exc
         failpoint("trainer.after-commit", step=contents.step)
         return stored
+
+    def _abort(self, producer: Any, step: int) -> KafkaError | None:
+        """Abort the acknowledgement's open transaction after a failure that is not fatal.
+        Such a failure leaves it open (a timed-out call, as when the host is partitioned from
+        the coordinator, is retriable, not abortable, in librdkafka's terms): it is aborted
+        here, or before the next step's if this abort fails too (``_abort_pending``), or every
+        later begin_transaction fails with "Operation not valid in state InTransaction".
+        Raises ``TrainerFenced`` when a newer trainer fenced the producer; returns the error
+        when the abort left the producer in a fatal state of its own, else None."""
+        self._abort_pending = True
+        try:
+            producer.abort_transaction(ACK_TIMEOUT_S)
+            self._abort_pending = False
+        except KafkaException as abort:
+            error = abort.args[0]
+            if error.code() in FENCED_CODES:
+                raise TrainerFenced(
+                    f"trainer of group {self.group} (recipe {self.recipe.name}) was fenced "
+                    f"at step {step}: a newer trainer of the group took over, so "
+                    f"this one stops ({error.str()})") from abort
+            if error.fatal():
+                return error
+        return None
 
     def _produce_checkpoint_event(self, producer: Any, stored: StoredCheckpoint,
                                   contents: CheckpointContents) -> None:
