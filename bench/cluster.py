@@ -1,27 +1,36 @@
-"""The demo's pipeline on emulated hosts under faults: one run per fault, a table, a CLUSTER line.
+"""The demo's pipeline on emulated hosts under faults: a table, a CLUSTER line.
 
     python bench/cluster.py [--faults partition:trainer:50,pause:trainer:50] [--rate 50]
                             [--brokers 1|3] [--at 30] [--versions-after 3] [--drain 240]
                             [--workdir DIR]
+    python bench/cluster.py --nemesis SEED [--faults-count 4] [--brokers 3] ...
 
 Every part of the pipeline runs on a host of its own, a Linux network namespace joined to the
 others by a bridge (``tests/cluster/hosts.py``; needs root): a KRaft broker, Redis, the reward
 worker, the processor, the trainer, the evaluator and the replicas (the recipe
-``reef_stream.demo.recipes:sao``). For each fault (``KIND:HOST[:SECONDS]``; KIND is
-``partition`` (the host's link down, both ways), ``pause`` (SIGSTOP of every process on the
-host) or ``kill`` (SIGKILL of every process on it: a broker's host, ``kafka-<i>`` with
-``--brokers 3``, whose node is restarted after SECONDS; a replica's or the reward worker's))
-a fresh cluster runs the demo, injects the fault ``--at`` seconds after every stage reported
-running, undoes it after SECONDS, and stops once the trainer stepped again and
-``--versions-after`` versions were promoted since. Then the replicas stop, the other stages
-drain, and the log is checked (``tests/cluster/scenario.py``).
+``reef_stream.demo.recipes:sao``). For each fault of ``--faults`` (``KIND:HOST[:SECONDS]``;
+KIND is ``partition`` (the host's link down, both ways), ``partition-out`` or
+``partition-in`` (one way, nftables), ``pause`` (SIGSTOP of every process on the host) or
+``kill`` (SIGKILL of every process on it: a broker's host, ``kafka-<i>`` with ``--brokers
+3``, whose node is restarted after SECONDS; a replica's or the reward worker's)) a fresh
+cluster runs the demo, injects the fault ``--at`` seconds after every stage reported running,
+undoes it after SECONDS, and stops once the trainer stepped again, ``--versions-after``
+versions were promoted since and the replicas serve the newest. Then the replicas stop, the
+other stages drain, and the log is checked (``tests/cluster/scenario.py``).
 
-One row per fault: acknowledged (generations the replicas saw acknowledged), trained (units),
+With ``--nemesis SEED`` there is one run instead, under ``--faults-count`` faults one after
+another that ``tests/cluster/nemesis.py`` draws from SEED (partitions both ways and one way,
+pauses, kills of a broker's host); the schedule is printed first, and the same SEED (with the
+same ``--faults-count``, ``--brokers`` and ``--replicas``) gives the same schedule. Each fault
+comes once the pipeline recovered from the one before; the run ends with the same checks.
+
+One row per run: acknowledged (generations the replicas saw acknowledged), trained (units),
 shed (generations and units dead-lettered with a reason: expired, too stale, shed), lost
 (acknowledged but not in the topic, without an outcome, or logged units neither trained nor
 dropped), trained twice, forks (steps with two committed checkpoints), fenced writes (lines
 of the stages' logs that say a write was fenced) and seconds to recover (from the fault's
-end to the trainer's next step). The last line:
+end to the trainer's next step; the slowest of a nemesis run, whose faults also get a row
+each). The last line:
 
     CLUSTER faults=N acknowledged=N lost=N trained_twice=N forks=N fenced_writes=N recover_p50_s=X
 
@@ -43,30 +52,47 @@ from common import run  # first: it puts the project on sys.path
 from reef_stream.core.settings import load_settings
 from reef_stream.demo.run import DemoOptions
 from reef_stream.topics.connect import KAFKA_LOGGER
-from tests.cluster.scenario import ClusterRun, Fault, run_cluster_fault
+from tests.cluster.faults import Fault, broker_hosts, stage_hosts
+from tests.cluster.nemesis import describe, schedule
+from tests.cluster.scenario import RECOVER_WAIT_S, ClusterRun, run_cluster
 
 COLUMNS = ("acknowledged", "trained", "shed", "lost", "trained_twice", "forks",
            "fenced_writes")
 
 
 def table(runs: list[ClusterRun]) -> str:
-    """One row per run: the fault, ``ClusterRun.counts`` and the seconds to recover."""
-    head = ["fault", *COLUMNS, "recover_s", "checks"]
-    rows = [[r.fault.name(), *(str(r.counts()[c]) for c in COLUMNS),
+    """One row per run: its faults, ``ClusterRun.counts`` and the seconds to recover."""
+    head = ["faults", *COLUMNS, "recover_s", "checks"]
+    rows = [[", ".join(f.name() for f in r.faults), *(str(r.counts()[c]) for c in COLUMNS),
              "-" if r.recover_s is None else f"{r.recover_s:.1f}",
              "ok" if r.passed else "FAIL"] for r in runs]
-    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    return _aligned([head, *rows])
+
+
+def fault_table(run: ClusterRun) -> str:
+    """One row per fault of ``run``: when it came and went (seconds since the injector
+    started) and the seconds to recover."""
+    head = ["#", "fault", "injected_s", "undone_s", "recover_s"]
+    rows = [[str(i), one.fault.name(), *("-" if v is None else f"{v:.1f}" for v in
+                                          (one.injected_at, one.undone_at, one.recover_s))]
+            for i, one in enumerate(run.injected, 1)]
+    return _aligned([head, *rows])
+
+
+def _aligned(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.rjust(w) if i else cell.ljust(w)
                                for i, (cell, w) in enumerate(zip(row, widths)))
-                     for row in [head, *rows])
+                     for row in rows)
 
 
 def summary(runs: list[ClusterRun]) -> str:
     """The CLUSTER line."""
     total = {c: sum(r.counts()[c] for r in runs) for c in COLUMNS}
-    recovered = [r.recover_s for r in runs if r.recover_s is not None]
+    recovered = [i.recover_s for r in runs for i in r.injected if i.recover_s is not None]
     p50 = f"{statistics.median(recovered):.1f}" if recovered else "nan"
-    return (f"CLUSTER faults={len(runs)} acknowledged={total['acknowledged']} "
+    return (f"CLUSTER faults={sum(len(r.faults) for r in runs)} "
+            f"acknowledged={total['acknowledged']} "
             f"lost={total['lost']} trained_twice={total['trained_twice']} "
             f"forks={total['forks']} fenced_writes={total['fenced_writes']} "
             f"recover_p50_s={p50}")
@@ -79,6 +105,10 @@ def main() -> int:
     parser.add_argument("--faults", default="partition:trainer:50",
                         help="comma-separated KIND:HOST[:SECONDS], one run each "
                              "[default: %(default)s]")
+    parser.add_argument("--nemesis", type=int, default=None, metavar="SEED",
+                        help="one run under faults drawn from SEED (instead of --faults)")
+    parser.add_argument("--faults-count", type=int, default=4, metavar="N",
+                        help="faults the nemesis draws [default: 4]")
     parser.add_argument("--at", type=float, default=30.0, metavar="S",
                         help="seconds after every stage reported running [default: 30]")
     parser.add_argument("--brokers", type=int, choices=(1, 3), default=1,
@@ -89,7 +119,9 @@ def main() -> int:
                         help="generations/s per replica [default: 50]")
     parser.add_argument("--versions-after", type=int, default=3,
                         help="promoted versions after the fault before the run stops")
-    parser.add_argument("--time-limit", type=float, default=600.0, metavar="S")
+    parser.add_argument("--time-limit", type=float, default=600.0, metavar="S",
+                        help="seconds a run may take [default: 600; a nemesis run gets at "
+                             "least what its schedule needs]")
     parser.add_argument("--drain", type=float, default=240.0, metavar="S",
                         help="seconds the stages get to settle every generation at the end")
     parser.add_argument("--workdir", type=Path, default=None,
@@ -97,22 +129,37 @@ def main() -> int:
                              "directory, removed at the end]")
     args = parser.parse_args()
     KAFKA_LOGGER.setLevel(logging.CRITICAL)
-    faults = [Fault.parse(text.strip(), at_s=args.at) for text in args.faults.split(",")]
+    if args.nemesis is not None:
+        faults = schedule(args.nemesis, args.faults_count, brokers=broker_hosts(args.brokers),
+                          stages=stage_hosts(args.replicas))
+        print(f"nemesis seed {args.nemesis}, {len(faults)} faults:\n{describe(faults)}",
+              flush=True)
+        runs_of = [faults]
+        # Start-up, then each fault's gap, length and (at most) its wait for recovery.
+        need = 180 + sum(f.at_s + f.seconds + RECOVER_WAIT_S for f in faults)
+        time_limit = max(args.time_limit, need)
+    else:
+        runs_of = [(Fault.parse(text.strip(), at_s=args.at),)
+                   for text in args.faults.split(",")]
+        time_limit = args.time_limit
     settings = load_settings()
-    options = DemoOptions(replicas=args.replicas, rate=args.rate, time_limit=args.time_limit,
+    options = DemoOptions(replicas=args.replicas, rate=args.rate, time_limit=time_limit,
                           drain_s=args.drain)
     runs = []
     with tempfile.TemporaryDirectory(prefix="reef-cluster-") as tmp:
         root = args.workdir or Path(tmp)
-        for i, fault in enumerate(faults):
-            print(f"== {fault.name()}", flush=True)
-            one = run_cluster_fault(fault, settings=settings, workdir=root / f"run-{i}",
-                                    options=options, versions_after=args.versions_after,
-                                    brokers=args.brokers,
-                                    say=lambda line: print(f"   {line}", flush=True))
+        for i, faults in enumerate(runs_of):
+            print(f"== {', '.join(f.name() for f in faults)}", flush=True)
+            one = run_cluster(faults, settings=settings, workdir=root / f"run-{i}",
+                              options=options, versions_after=args.versions_after,
+                              brokers=args.brokers,
+                              say=lambda line: print(f"   {line}", flush=True))
             print(one.verdict(), flush=True)
             runs.append(one)
     print()
+    if args.nemesis is not None:
+        print(fault_table(runs[0]))
+        print()
     print(table(runs))
     print(summary(runs))
     return 0 if all(r.passed for r in runs) else 1

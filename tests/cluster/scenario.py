@@ -1,32 +1,39 @@
-"""The demo's pipeline on emulated hosts, under one fault per run, checked from the log.
+"""The demo's pipeline on emulated hosts, under faults one after another, checked from the log.
 
-    run = run_cluster_fault(Fault("partition", "trainer", seconds=50), settings=settings,
-                            workdir=Path("/tmp/cluster-run"))
+    run = run_cluster([Fault("partition", "trainer", seconds=50)], settings=settings,
+                      workdir=Path("/tmp/cluster-run"))
     print(run.verdict())
 
 Each part runs on a host of its own (``tests.cluster.hosts``): a KRaft broker on ``kafka``,
 Redis on ``redis``, and the demo's stages (``reef_stream.demo.run.Demo``) on ``reward``,
 ``processor``, ``trainer``, ``evaluator`` and ``replica-<i>``, each reaching the others only
-through the bridge. The demo runs the recipe ``reef_stream.demo.recipes:sao`` with target 0;
-``at_s`` seconds after every stage reported running and the trainer's first step, the fault
-comes:
+through the bridge. The demo runs the recipe ``reef_stream.demo.recipes:sao`` with target 0.
+The faults come in order, never together: the first ``at_s`` seconds after every stage
+reported running and the trainer's first step, each later one ``at_s`` seconds after the
+trainer stepped again after the one before (or ``RECOVER_WAIT_S`` after its end, if it did
+not). Kinds:
 
 - ``partition``: the host's link goes down, both ways, for ``seconds``, then comes back;
+- ``partition-out`` / ``partition-in``: a one-way partition for ``seconds`` (nftables in the
+  host drops its packets to every other host, or those from them), then healed;
 - ``pause``: SIGSTOP of every process on the host for ``seconds``, then SIGCONT;
 - ``kill``: SIGKILL of every process on the host. A broker's host (``kafka-<i>`` of three)
   gets its node restarted ``seconds`` later; the demo restarts no stage, so of the stages'
   hosts only a replica's and the reward worker's may be killed (the others are left for a
   scenario with a supervisor).
 
-With ``brokers=3`` the broker is three KRaft nodes on hosts ``kafka-1`` to ``kafka-3``
-(replication 3, ``min.insync.replicas=2``), else one on ``kafka``.
+``tests.cluster.nemesis`` draws such a sequence from a seed. With ``brokers=3`` the broker is
+three KRaft nodes on hosts ``kafka-1`` to ``kafka-3`` (replication 3,
+``min.insync.replicas=2``), else one on ``kafka``.
 
-The run stops once the fault was undone and ``versions_after`` versions were promoted since;
-the replicas stop, the other stages drain, and the checks are: every acknowledged generation
-is in its topic and has exactly one outcome; no unit trained twice or lost
-(``run.unit_ledger``); the trainer's committed checkpoints form one chain
-(``verify.checkpoint_chain``); and the trainer trained again after the fault (recovery: from
-the fault's end to its next step, in seconds).
+The run stops once every fault was undone, ``versions_after`` versions were promoted since
+the last, and every replica's heartbeat says it serves the newest promoted version (or
+``SERVED_WAIT_S`` passed without that); the replicas stop, the other stages drain, and the
+checks are: every acknowledged generation is in its topic and has exactly one outcome; no
+unit trained twice or lost (``run.unit_ledger``); the trainer's committed checkpoints form
+one chain (``verify.checkpoint_chain``); the trainer trained again after every fault
+(recovery: from the fault's end to its next step, in seconds); and, after the last fault,
+the replicas served the newest promoted version.
 """
 
 from __future__ import annotations
@@ -39,72 +46,81 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reef_stream.core.events import Decision
+from reef_stream.core.events import Decision, Publication
 from reef_stream.core.settings import Settings
 from reef_stream.demo.faults import Checked
-from reef_stream.demo.run import GROUP, PIPELINE, Demo, DemoOptions, DemoResult
+from reef_stream.demo.run import GROUP, MODEL, PIPELINE, Demo, DemoOptions, DemoResult
 from reef_stream.demo.verify import checkpoint_chain, committed_checkpoints
+from reef_stream.publishing.fleet import Fleet
 from reef_stream.servers.kafka_local import LocalCluster
 from reef_stream.servers.redis_local import LocalRedis
+from tests.cluster.faults import Fault, broker_hosts, stage_hosts
 from tests.cluster.hosts import Hosts
 
-#: The fault kinds ``Fault.kind`` may name.
-KINDS = ("partition", "pause", "kill")
+#: Seconds the next fault waits, at most, for the trainer to step again after one.
+RECOVER_WAIT_S = 180.0
+#: Seconds the run waits, at most, after its other stop conditions held, for every replica to
+#: serve the newest promoted version.
+SERVED_WAIT_S = 60.0
 #: The port the broker listens on inside its host (its controller on the next one).
 KAFKA_PORT = 9092
 REDIS_PORT = 6379
-#: A fenced process says so in its log with this (the trainer's ``TrainerFenced``).
-FENCED = re.compile(r"fenced", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One fault: ``kind`` (``KINDS``) of ``host``, ``at_s`` seconds after every stage
-    reported running, undone ``seconds`` later (a kill only on a broker's host: its node is
-    restarted)."""
-
-    kind: str
-    host: str
-    seconds: float = 50.0
-    at_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"a fault's kind is one of {', '.join(KINDS)}, not {self.kind!r}")
-
-    @classmethod
-    def parse(cls, text: str, **defaults: float) -> Fault:
-        """``KIND:HOST`` or ``KIND:HOST:SECONDS``, e.g. ``partition:trainer:50``."""
-        kind, _, rest = text.partition(":")
-        host, _, seconds = rest.partition(":")
-        if not host:
-            raise ValueError(f"a fault is KIND:HOST[:SECONDS], not {text!r}")
-        if seconds:
-            defaults = {**defaults, "seconds": float(seconds)}
-        return cls(kind, host, **defaults)
-
-    def name(self) -> str:
-        return f"{self.kind} {self.host}" + ("" if self.kind == "kill" and not
-                                             self.host.startswith("kafka") else
-                                             f" {self.seconds:.0f}s")
+#: A write refused by a fence, as the stages' logs say it: the trainer's ``TrainerFenced`` and
+#: the evaluator's ``EvaluatorFenced`` ("was fenced at"), a processor's fence past its rejoins
+#: or of its transactional id, the stage loop's rejoin after one. Not the evaluator's start
+#: line ("any older evaluator of the recipe is fenced"), which every run has.
+FENCED = re.compile(r"\bwas fenced\b|\bfenced \d+ times\b|\bis fenced too\b|"
+                    r"rejoining with a new consumer", re.IGNORECASE)
 
 
 @dataclass
-class ClusterRun(Checked):
-    """A scenario's result: the demo's, the fault's timing, and the trainer's chain."""
+class Injected:
+    """One fault of a run as it happened: seconds since the injector started (None: not yet,
+    or never)."""
 
     fault: Fault
-    result: DemoResult
     injected_at: float | None = None
     undone_at: float | None = None
     #: Seconds from the fault's end (its injection for a kill) to the trainer's next step.
     recover_s: float | None = None
+    error: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Injected, undone where it is undone, and the trainer stepped again after it."""
+        return (self.error is None and self.injected_at is not None
+                and (not _restarted(self.fault) or self.undone_at is not None)
+                and self.recover_s is not None)
+
+    def line(self) -> str:
+        return (f"{self.fault.name()} at {_seconds(self.injected_at)}, undone at "
+                f"{_seconds(self.undone_at)}, recovered {_seconds(self.recover_s)} later"
+                + (f"; injector failed: {self.error}" if self.error else ""))
+
+
+@dataclass
+class ClusterRun(Checked):
+    """A scenario's result: the demo's, each fault's timing, the trainer's chain and the
+    version served at the end."""
+
+    faults: tuple[Fault, ...]
+    result: DemoResult
+    injected: list[Injected] = field(default_factory=list)
     steps_after: int = 0
     promoted_after: int = 0
     chain: dict[str, int] = field(default_factory=dict)
     fenced_writes: int = 0
     acknowledged: int = 0
-    injector_error: str | None = None
+    #: The newest promoted version and what each replica's heartbeat said it served, when the
+    #: run stopped waiting for them to agree (None: it never looked).
+    newest_promoted: int | None = None
+    served: dict[str, int | None] | None = None
+
+    @property
+    def recover_s(self) -> float | None:
+        """The slowest recovery of the run (None: some fault was not recovered from)."""
+        times = [i.recover_s for i in self.injected]
+        return None if not times or None in times else max(times)
 
     def counts(self) -> dict[str, int]:
         """The row of ``bench/cluster.py``'s table."""
@@ -123,19 +139,20 @@ class ClusterRun(Checked):
         """``(what, held, detail)`` for every promise the run checks."""
         r = self.result
         return [
-            ("the fault was injected and undone",
-             self.injector_error is None and self.injected_at is not None
-             and (not _restarted(self.fault) or self.undone_at is not None),
-             (f"{self.fault.name()} at {_seconds(self.injected_at)}, undone at "
-              f"{_seconds(self.undone_at)}")
-             + (f"; injector failed: {self.injector_error}" if self.injector_error else "")),
+            ("every fault was injected and undone, and the trainer trained after each",
+             len(self.injected) == len(self.faults)
+             and all(i.complete for i in self.injected),
+             "; ".join(i.line() for i in self.injected) or "none injected"),
             *r.log_checks(self.acknowledged),
             ("the committed checkpoints form one chain",
              self.chain.get("steps", 0) > 0 and self.chain.get("forks") == 0
              and self.chain.get("breaks") == 0, str(self.chain)),
-            ("the trainer trained again after the fault", self.steps_after > 0,
-             (f"{self.steps_after} steps, {self.promoted_after} versions promoted after it; "
-              f"the first {_seconds(self.recover_s)} after the fault ended")),
+            ("the trainer trained again after the last fault", self.steps_after > 0,
+             f"{self.steps_after} steps, {self.promoted_after} versions promoted after it"),
+            ("the replicas serve the newest promoted version after the faults",
+             self.newest_promoted is not None and bool(self.served)
+             and all(v == self.newest_promoted for v in self.served.values()),
+             f"newest promoted {self.newest_promoted}, served {self.served}"),
         ]
 
 
@@ -148,25 +165,31 @@ def _seconds(value: float | None) -> str:
     return "never" if value is None else f"{value:.1f} s"
 
 
-class Injector:
-    """Injects ``fault`` on a thread of its own once ``ready`` is set and ``at_s`` passed;
-    ``done`` is set once it was undone (or failed: ``error``). Watches ``demo.steps`` for the
-    trainer's first step after the fault."""
+def newest_promoted(publications: list[tuple[float, Publication]]) -> int | None:
+    """The version of the last PROMOTED publication in log order (what followers converge
+    on: a rollback's is older than the one before it), or None."""
+    for _, publication in reversed(publications):
+        if publication.decision is Decision.PROMOTED:
+            return publication.policy_version
+    return None
 
-    def __init__(self, hosts: Hosts, demo: Demo, fault: Fault, say: Callable[[str], None],
-                 restart: Callable[[], None]) -> None:
+
+class Injector:
+    """Injects ``faults`` one after another on a thread of its own (see the module
+    docstring); ``done`` is set once the last was undone (or one failed: its ``error``).
+    Watches ``demo.steps`` for the trainer's first step after each fault."""
+
+    def __init__(self, hosts: Hosts, demo: Demo, faults: tuple[Fault, ...],
+                 say: Callable[[str], None], restart: Callable[[], None]) -> None:
         """``restart``: what brings a killed broker's host back (``LocalCluster.up``)."""
-        self.hosts, self.demo, self.fault, self.say = hosts, demo, fault, say
+        self.hosts, self.demo, self.faults, self.say = hosts, demo, faults, say
         self.restart = restart
         self.done, self._stop = threading.Event(), threading.Event()
-        #: Promoted versions when the fault ended (``promoted_after`` counts from there).
+        #: Promoted versions when the last fault ended (``promoted_after`` counts from there).
         self.promoted_at_end: int | None = None
         self.started = time.monotonic()
-        self.injected_at: float | None = None
-        self.undone_at: float | None = None
-        self.recover_s: float | None = None
+        self.injected: list[Injected] = []
         self.steps_at_end = 0
-        self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="reef-cluster-fault", daemon=True)
 
     def start(self) -> None:
@@ -175,7 +198,13 @@ class Injector:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(self.fault.seconds + 30)
+        self._thread.join(max(f.seconds for f in self.faults) + 30)
+
+    @property
+    def recovered(self) -> bool:
+        """Every fault injected and the trainer stepped after the last."""
+        return (len(self.injected) == len(self.faults)
+                and self.injected[-1].recover_s is not None)
 
     def promoted(self) -> int:
         """Versions promoted so far (the demo's watcher appends them)."""
@@ -183,78 +212,131 @@ class Injector:
                    if p.decision is Decision.PROMOTED)
 
     def promoted_after(self) -> int:
-        """Versions promoted since the fault ended."""
+        """Versions promoted since the last fault ended."""
         return 0 if self.promoted_at_end is None else self.promoted() - self.promoted_at_end
 
     def _now(self) -> float:
         return time.monotonic() - self.started
 
     def _run(self) -> None:
-        f, hosts = self.fault, self.hosts
-        try:
-            # Every stage reported running and the trainer acknowledged a step: the fault
-            # meets a pipeline at work, however slowly a loaded machine started it.
-            while not set(PIPELINE) <= self.demo.running or self.demo.steps < 1:
-                if self._stop.wait(0.5):
-                    return
-            if self._stop.wait(f.at_s):
+        # Every stage reported running and the trainer acknowledged a step: the first fault
+        # meets a pipeline at work, however slowly a loaded machine started it.
+        while not set(PIPELINE) <= self.demo.running or self.demo.steps < 1:
+            if self._stop.wait(0.5):
+                self.done.set()
                 return
-            pids = hosts.pids(f.host)
-            self.injected_at = self._now()
-            self.say(f"fault: {f.name()} at {self.injected_at:.0f} s")
-            if f.kind == "partition":
-                hosts.partition(f.host)
-            elif f.kind == "pause":
-                for pid in pids:
-                    hosts.pause(pid)
-            else:
-                hosts.kill_host(f.host)
-            if _restarted(f):
-                self._stop.wait(f.seconds)
-                if f.kind == "partition":
-                    hosts.heal(f.host)
-                elif f.kind == "pause":
-                    for pid in pids:
-                        hosts.resume(pid)
-                else:
-                    self.restart()   # blocks until every node answers
-                self.undone_at = self._now()
-                self.say(f"fault undone at {self.undone_at:.0f} s")
-            self.steps_at_end = self.demo.steps
-            self.promoted_at_end = self.promoted()
-            end = time.monotonic()
-            self.done.set()
-            while not self._stop.wait(0.2):
-                if self.demo.steps > self.steps_at_end:
-                    self.recover_s = time.monotonic() - end
-                    self.say(f"the trainer stepped again {self.recover_s:.1f} s after the fault")
+        try:
+            for fault in self.faults:
+                if self._stop.wait(fault.at_s):
                     return
-        except BaseException as error:  # noqa: BLE001 - reported by the caller
-            self.error = error
+                one = Injected(fault)
+                self.injected.append(one)
+                try:
+                    self._one(one)
+                except BaseException as error:  # noqa: BLE001 - reported by the run
+                    one.error = repr(error)
+                    return
+                if self._stop.is_set():
+                    return
         finally:
             self.done.set()
 
+    def _one(self, one: Injected) -> None:
+        """Inject ``one.fault``, undo it, and wait (up to ``RECOVER_WAIT_S``) for the trainer's
+        next step."""
+        f, hosts = one.fault, self.hosts
+        pids = hosts.pids(f.host)
+        one.injected_at = self._now()
+        self.say(f"fault: {f.name()} at {one.injected_at:.0f} s")
+        if f.kind == "partition":
+            hosts.partition(f.host)
+        elif f.kind in ("partition-out", "partition-in"):
+            hosts.partition_one_way(f.host, direction=f.kind.split("-")[1])
+        elif f.kind == "pause":
+            for pid in pids:
+                hosts.pause(pid)
+        else:
+            hosts.kill_host(f.host)
+        if _restarted(f):
+            self._stop.wait(f.seconds)
+            if f.kind.startswith("partition"):
+                hosts.heal(f.host)
+            elif f.kind == "pause":
+                for pid in pids:
+                    hosts.resume(pid)
+            else:
+                self.restart()   # blocks until every node answers
+            one.undone_at = self._now()
+            self.say(f"fault undone at {one.undone_at:.0f} s")
+        self.steps_at_end = self.demo.steps
+        self.promoted_at_end = self.promoted()
+        end = time.monotonic()
+        while not self._stop.wait(0.2):
+            if self.demo.steps > self.steps_at_end:
+                one.recover_s = time.monotonic() - end
+                self.say(f"the trainer stepped again {one.recover_s:.1f} s after the fault")
+                return
+            if time.monotonic() - end > RECOVER_WAIT_S:
+                self.say(f"the trainer did not step in the {RECOVER_WAIT_S:.0f} s after the "
+                         "fault")
+                return
 
-def run_cluster_fault(fault: Fault, *, settings: Settings, workdir: Path,
-                      options: DemoOptions | None = None, versions_after: int = 3,
-                      brokers: int = 1, say: Callable[[str], None] = print) -> ClusterRun:
-    """Make the hosts, start the broker and Redis on theirs, run the demo with ``fault``, stop
-    everything and remove the hosts; see the module docstring. ``options``: the demo's
-    (target, drain and run_dir are set here)."""
+
+class Served:
+    """Whether every replica's heartbeat (the fleet projection in Redis) names the newest
+    promoted version the demo has read; remembers what it saw last."""
+
+    def __init__(self, demo: Demo, redis_url: str, replicas: list[str]) -> None:
+        import redis
+
+        self.demo, self.replicas = demo, replicas
+        self.fleet = Fleet(redis.Redis.from_url(redis_url, socket_timeout=5,
+                                                socket_connect_timeout=5,
+                                                decode_responses=True), demo.ns)
+        self.newest: int | None = None
+        self.served: dict[str, int | None] | None = None
+
+    def agree(self) -> bool:
+        """Look once: True when every replica serves the newest promoted version. Blocks for
+        one Redis round trip; a Redis error counts as not yet."""
+        self.newest = newest_promoted(list(self.demo.publications))
+        try:
+            seen = {r.replica_id: r.version for r in self.fleet.replicas(MODEL)}
+        except Exception:  # noqa: BLE001 - Redis unreachable: look again later
+            return False
+        self.served = {name: seen.get(name) for name in self.replicas}
+        return self.newest is not None and all(v == self.newest for v in self.served.values())
+
+
+def run_cluster_fault(fault: Fault, **options) -> ClusterRun:
+    """``run_cluster`` with the one fault ``fault``."""
+    return run_cluster((fault,), **options)
+
+
+def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, workdir: Path,
+                options: DemoOptions | None = None, versions_after: int = 3,
+                brokers: int = 1, say: Callable[[str], None] = print) -> ClusterRun:
+    """Make the hosts, start the broker and Redis on theirs, run the demo with ``faults`` one
+    after another, stop everything and remove the hosts; see the module docstring.
+    ``options``: the demo's (target, drain and run_dir are set here)."""
+    faults = tuple(faults)
+    if not faults:
+        raise ValueError("a cluster run injects at least one fault")
     options = options or DemoOptions(replicas=1, rate=50.0, time_limit=600)
     options = dataclasses.replace(options, recipe="reef_stream.demo.recipes:sao", target=0.0,
                                   drain_s=options.drain_s or 240, run_dir=workdir / "run")
-    stages = ["reward", "processor", "trainer", "evaluator",
-              *(f"replica-{i}" for i in range(options.replicas))]
-    kafka = ["kafka"] if brokers == 1 else [f"kafka-{i}" for i in range(1, brokers + 1)]
-    if fault.host not in (*kafka, "redis", *stages):
-        raise ValueError(f"no host {fault.host!r} in this scenario")
-    if fault.kind == "kill" and fault.host not in ("reward", *kafka) \
-            and not fault.host.startswith("replica-"):
-        raise ValueError("a kill of a host whose stage the demo does not restart ends the run; "
-                         "kill a broker's, a replica's or the reward worker's host")
+    stages = stage_hosts(options.replicas)
+    kafka = broker_hosts(brokers)
+    for fault in faults:
+        if fault.host not in (*kafka, "redis", *stages):
+            raise ValueError(f"no host {fault.host!r} in this scenario")
+        if fault.kind == "kill" and fault.host not in ("reward", *kafka) \
+                and not fault.host.startswith("replica-"):
+            raise ValueError("a kill of a host whose stage the demo does not restart ends the "
+                             "run; kill a broker's, a replica's or the reward worker's host")
     settings = dataclasses.replace(settings, home=workdir / "home")
     (workdir / "hosts").mkdir(parents=True, exist_ok=True)
+    replicas = [s for s in stages if s.startswith("replica-")]
     with Hosts([*kafka, "redis", *stages], workdir=workdir / "hosts") as hosts:
         say(f"hosts on {hosts.address('redis').rsplit('.', 1)[0]}.0/24: "
             + ", ".join(f"{n} {hosts.address(n)}" for n in hosts.names))
@@ -268,24 +350,30 @@ def run_cluster_fault(fault: Fault, *, settings: Settings, workdir: Path,
             redis_url = redis.up(port=REDIS_PORT)
             demo = Demo(options, settings=settings, bootstrap=bootstrap, redis_url=redis_url,
                         broker_pids=(), wrap=hosts.wrap)
-            injector = Injector(hosts, demo, fault, say, restart=cluster.up)
+            injector = Injector(hosts, demo, faults, say, restart=cluster.up)
+            served = Served(demo, redis_url, replicas)
+            settled: list[float] = []   # when the other stop conditions first held
 
             def may_stop() -> bool:
-                return injector.done.is_set() and injector.recover_s is not None \
-                    and injector.promoted_after() >= versions_after
+                # Every fault is over, and the pipeline went on (or did not recover from one,
+                # which fails the run: no use waiting longer).
+                if not injector.done.is_set() or (
+                        injector.recovered and injector.promoted_after() < versions_after):
+                    return False
+                if not settled:
+                    settled.append(time.monotonic())
+                return served.agree() or time.monotonic() - settled[0] > SERVED_WAIT_S
 
             injector.start()
             try:
                 result = demo.run(may_stop=may_stop)
             finally:
                 injector.stop()
-            run = ClusterRun(fault, result, injector.injected_at, injector.undone_at,
-                             injector.recover_s,
+            run = ClusterRun(faults, result, injected=list(injector.injected),
                              steps_after=max(demo.steps - injector.steps_at_end, 0)
                              if injector.done.is_set() else 0,
                              promoted_after=injector.promoted_after(),
-                             injector_error=None if injector.error is None
-                             else repr(injector.error))
+                             newest_promoted=served.newest, served=served.served)
             run.chain = checkpoint_chain(committed_checkpoints(bootstrap, demo.ns,
                                                                demo.recipe.name, GROUP))
             run.fenced_writes = sum(len(FENCED.findall(stage.log.read_text(errors="replace")))

@@ -3,7 +3,8 @@ a network namespace of its own (broker, Redis, reward worker, processor, trainer
 a replica), the trainer's host partitioned away for 50 s (past the consumer groups' 45 s
 session timeout) and healed, then every promise checked from the log: every acknowledged
 generation in its topic with exactly one outcome, no unit trained twice or lost, one chain of
-committed checkpoints, and the trainer training again after the heal.
+committed checkpoints, the trainer training again after the heal, and the replica serving
+the newest promoted version after it.
 ``bench/cluster.py`` runs the same with its table. Needs root (``ip netns``)."""
 
 from __future__ import annotations
@@ -35,5 +36,6 @@ def test_a_partitioned_trainer_host_heals_and_nothing_is_lost_or_trained_twice(
     counts = run.counts()
     assert counts["acknowledged"] > 0 and counts["lost"] == 0
     assert counts["trained_twice"] == 0 and counts["forks"] == 0
+    assert run.served == {"replica-0": run.newest_promoted}
     # The hosts, their links and processes are gone.
     assert (sorted(namespaces()), sorted(links())) == before

@@ -1,17 +1,25 @@
-"""The trainer's acknowledgement never leaves a transaction open after a failure.
+"""The trainer's acknowledgement never leaves a transaction open after a failure, and its
+resume after a failed step waits a broker fault out.
 
 Found on emulated hosts (tests/faults/test_cluster.py): a trainer partitioned from the broker
 inside ``send_offsets_to_transaction`` got a timeout, which librdkafka calls retriable, not
 ``txn_requires_abort``; the transaction stayed open and every later step failed at
 ``begin_transaction`` ("Operation not valid in state InTransaction") after the heal, for ever.
-Here the producer is a double that fails the way librdkafka did; no broker."""
+Here the producer is a double that fails the way librdkafka did; no broker.
+
+Found by the seeded nemesis (``bench/cluster.py --nemesis 1``): after a step failed while
+the group's coordinator was cut off, the resume's read of the committed offsets got
+NOT_COORDINATOR and the trainer exited 1. Now the resume is tried again until the brokers
+answer. Seed 29 then found an abort refused as INVALID_TXN_STATE taken for a fence."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
 
+from reef_stream.consumers.trainer import trainer as trainer_module
 from reef_stream.consumers.trainer.trainer import Trainer, TrainerFenced
 from reef_stream.core.errors import RetryableError
 from reef_stream.core.events import TopicOffset
@@ -56,6 +64,7 @@ def _trainer(producer: Producer) -> SimpleNamespace:
         consumer=SimpleNamespace(consumer_group_metadata=lambda: None), topic="units",
         group="g", recipe=SimpleNamespace(name="r"), _abort_pending=False,
         _produce_checkpoint_event=lambda producer, stored, contents: None)
+    trainer._abort = lambda producer, step: Trainer._abort(trainer, producer, step)
     return trainer
 
 
@@ -88,8 +97,62 @@ def test_an_abort_that_fails_too_is_retried_before_the_next_step():
     assert producer.committed == 1 and not trainer._abort_pending
 
 
+INVALID_STATE = KafkaError(KafkaError.INVALID_TXN_STATE, "Failed to end transaction: Broker: "
+                           "Producer attempted a transactional operation in an invalid state",
+                           fatal=True)
+
+
+def test_an_abort_refused_by_the_coordinators_state_renews_the_producer_not_a_fence():
+    # Found by the seeded nemesis (seed 29): kafka-2, the coordinator, paused 42 s; the commit
+    # timed out, the abort was refused as INVALID_TXN_STATE (fatal, the epoch unchanged: no
+    # newer trainer), and the trainer exited as if fenced. Now it drops the producer; the
+    # resume makes a new one (``_fence``) and reads whether the step was committed.
+    producer = Producer(commit=TIMED_OUT, abort=INVALID_STATE)
+    trainer = _trainer(producer)
+    with pytest.raises(RetryableError, match="not acknowledged"):
+        Trainer._acknowledge(trainer, _step(1))
+    assert trainer.fence_producer is None and not trainer._abort_pending
+
+
 def test_a_fenced_abort_stops_the_trainer():
     fenced = KafkaError(KafkaError._FENCED, "fenced", fatal=True)
     producer = Producer(send_offsets=TIMED_OUT, abort=fenced)
     with pytest.raises(TrainerFenced):
         Trainer._acknowledge(_trainer(producer), _step(1))
+
+
+class Resumes:
+    """A trainer whose ``_resume`` raises each of ``errors`` in turn, then resumes."""
+
+    def __init__(self, *errors: Exception) -> None:
+        self.errors, self.calls = list(errors), 0
+        self._stop_asked = threading.Event()
+
+    def _resume(self) -> list[str]:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return ["assignment"]
+
+
+NOT_COORDINATOR = KafkaError(KafkaError.NOT_COORDINATOR,
+                             "Failed to get committed offsets: Broker: Not coordinator")
+
+
+def test_a_resume_that_the_brokers_cannot_answer_is_tried_again(monkeypatch):
+    monkeypatch.setattr(trainer_module, "RETRY_BACKOFF_S", 0.0)
+    trainer = Resumes(KafkaException(NOT_COORDINATOR), RetryableError("offsets: timed out"),
+                      TimeoutError("checkpoints not read to their end"))
+    assert Trainer._resume_after_failure(trainer) == ["assignment"]
+    assert trainer.calls == 4
+
+
+def test_a_fatal_error_or_a_stop_ends_the_retries(monkeypatch):
+    monkeypatch.setattr(trainer_module, "RETRY_BACKOFF_S", 0.0)
+    fatal = KafkaException(KafkaError(KafkaError._FENCED, "fenced", fatal=True))
+    with pytest.raises(KafkaException):
+        Trainer._resume_after_failure(Resumes(fatal))
+    stopping = Resumes(KafkaException(NOT_COORDINATOR))
+    stopping._stop_asked.set()
+    with pytest.raises(KafkaException):
+        Trainer._resume_after_failure(stopping)

@@ -74,6 +74,11 @@ POLL_TIMEOUT_S = 0.1
 #: How long the broker keeps a transaction of a vanished producer open (a restarted
 #: instance aborts it at once; another instance's would block readers this long).
 TRANSACTION_TIMEOUT_MS = 30_000
+#: What an abort of a transaction open past its timeout is refused with once its coordinator
+#: aborted it (and bumped the producer's epoch): then the fence is the broker's, and the
+#: processor renews its producer (``_renew_producer``) as a restart would.
+ABORTED_BY_COORDINATOR = (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
+                          KafkaError.INVALID_PRODUCER_EPOCH, KafkaError.INVALID_TXN_STATE)
 SESSION_TIMEOUT_MS = 10_000
 #: Longest a record waits (wall clock, from when it was read) for the other topic of its
 #: pair to be read past its timestamp while that topic has unread records.
@@ -528,7 +533,11 @@ class ProcessorRuntime:
                 except KafkaException as abort:
                     failed = FatalError(f"the processor's transaction failed ({error}) and could "
                                         f"not be aborted: {abort.args[0]}")
-                    if not (timed_out and abort.args[0].code() == KafkaError._FENCED):
+                    # Open past its timeout, the coordinator aborted it itself: the abort is
+                    # refused as fenced, or as INVALID_TXN_STATE when the coordinator's host
+                    # was paused past the timeout (the seeded nemesis, seed 29).
+                    timed_out = time.monotonic() - began >= self.transaction_timeout_ms / 1000
+                    if not (timed_out and abort.args[0].code() in ABORTED_BY_COORDINATOR):
                         raise failed from abort
                     self._renew_producer(failed)
             self.aborted += 1

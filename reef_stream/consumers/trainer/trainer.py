@@ -74,12 +74,12 @@ from reef_stream.engine.training import TorchBackend, select_rows, unit_members,
 from reef_stream.publishing.rollback import CHECK_EVERY_S, Agreed, StallWatch, Verdict, Vote, agree
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics, namespace_topics
-from reef_stream.topics.connect import new_admin, new_producer
+from reef_stream.topics.connect import ask_broker, new_admin, new_producer
 from reef_stream.topics.dead_letters import dead_letter
-from reef_stream.topics.fencing import TransactionalIdentity, is_fenced
-from reef_stream.topics.kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
+from reef_stream.topics.fencing import FENCED_CODES, TransactionalIdentity
+from reef_stream.topics.kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
 from reef_stream.topics.metrics import MetricsWriter
-from reef_stream.topics.reading import TopicReader
+from reef_stream.topics.reading import NewestFirst
 
 log = logging.getLogger(__name__)
 
@@ -106,27 +106,35 @@ def trainer_transactional_id(namespace: str, recipe: str, group: str) -> str:
 
 
 def committed_checkpoint(bootstrap: str, namespace: str, recipe: str, group: str, *,
-                         registry: SchemaRegistry | None = None) -> Checkpoint | None:
+                         registry: SchemaRegistry | None = None,
+                         reader: NewestFirst | None = None) -> Checkpoint | None:
     """The newest ``Checkpoint`` event of ``recipe``'s ``group`` committed to
     ``<ns>.checkpoints`` (read_committed: an aborted or open transaction's event is not seen),
-    or None. The tip of the group's lineage. Blocks while it reads the topic to its end;
-    raises ``TimeoutError`` past ``reading.READ_TIMEOUT_S``."""
+    or None. The tip of the group's lineage: the last such event in the log, the same one a
+    read from the beginning ends with. It reads back from the topic's end in windows
+    (``NewestFirst``) and stops at the first window that holds one, so its cost depends on
+    the events written after the group's newest (other groups'), not on how many the topic
+    holds; a group with none reads the whole topic. ``reader``: one to read with (closed
+    here), to count what was read. Blocks; raises ``TimeoutError`` past
+    ``reading.READ_TIMEOUT_S`` per window."""
     registry = registry or SchemaRegistry.default()
-    newest, key = None, group.encode()
-    with TopicReader(bootstrap, declarations.checkpoints(namespace)) as reader:
-        for message in reader.to_end():
-            if message.key() != key:
-                continue
-            try:
-                event = registry.decode(message.value(), message.headers(), Checkpoint,
-                                        topic=message.topic(), partition=message.partition(),
-                                        offset=message.offset())
-            except ReefError as error:
-                log.warning("skipping an undecodable checkpoint event: %s", error)
-                continue
-            if event.recipe == recipe and event.trainer_group == group:
-                newest = event
-    return newest
+    key = group.encode()
+    with reader or NewestFirst(bootstrap, declarations.checkpoints(namespace)) as windows:
+        for records in windows:
+            for message in reversed(records):
+                if message.key() != key:
+                    continue
+                try:
+                    event = registry.decode(message.value(), message.headers(), Checkpoint,
+                                            topic=message.topic(),
+                                            partition=message.partition(),
+                                            offset=message.offset())
+                except ReefError as error:
+                    log.warning("skipping an undecodable checkpoint event: %s", error)
+                    continue
+                if event.recipe == recipe and event.trainer_group == group:
+                    return event
+    return None
 
 
 @dataclass
@@ -463,29 +471,48 @@ class Trainer:
             producer.commit_transaction(ACK_TIMEOUT_S)
         except KafkaException as exc:
             error = exc.args[0]
-            if is_fenced(error):
+            if error.code() in FENCED_CODES:
                 raise TrainerFenced(
                     f"trainer of group {self.group} (recipe {self.recipe.name}) was fenced at "
                     f"step {contents.step}: a newer trainer of the group took over, so this one "
                     f"stops; its files at {stored.uri} are garbage ({error.str()})") from exc
-            # Any other failure leaves the transaction open (a timed-out call, as when the
-            # host is partitioned from the coordinator, is retriable, not abortable, in
-            # librdkafka's terms): abort it, here or before the next step's, or every later
-            # begin_transaction fails with "Operation not valid in state InTransaction".
-            self._abort_pending = True
-            try:
-                producer.abort_transaction(ACK_TIMEOUT_S)
-                self._abort_pending = False
-            except KafkaException as abort:
-                if is_fenced(abort.args[0]):
-                    raise TrainerFenced(
-                        f"trainer of group {self.group} (recipe {self.recipe.name}) was fenced "
-                        f"at step {contents.step}: a newer trainer of the group took over, so "
-                        f"this one stops ({abort.args[0].str()})") from abort
+            broken = error if error.fatal() else self._abort(producer, contents.step)
+            if broken is not None:
+                # A fatal state of this producer's own, not a newer trainer's fence (that
+                # bumps the epoch: FENCED_CODES): INVALID_TXN_STATE when the answer to a
+                # commit was lost while the coordinator's host was paused and the commit went
+                # on. A new producer under the same id (``_fence``, at the resume) leaves it,
+                # and the resume reads whether the step was committed.
+                log.warning("the acknowledgement's producer cannot go on (%s); a new one takes "
+                            "the group's transactional id at the resume", broken.str())
+                self.fence_producer, self._abort_pending = None, False
             raise RetryableError(f"step {contents.step} was not acknowledged: "
                                  f"{error.str()}") from exc
         failpoint("trainer.after-commit", step=contents.step)
         return stored
+
+    def _abort(self, producer: Any, step: int) -> KafkaError | None:
+        """Abort the acknowledgement's open transaction after a failure that is not fatal.
+        Such a failure leaves it open (a timed-out call, as when the host is partitioned from
+        the coordinator, is retriable, not abortable, in librdkafka's terms): it is aborted
+        here, or before the next step's if this abort fails too (``_abort_pending``), or every
+        later begin_transaction fails with "Operation not valid in state InTransaction".
+        Raises ``TrainerFenced`` when a newer trainer fenced the producer; returns the error
+        when the abort left the producer in a fatal state of its own, else None."""
+        self._abort_pending = True
+        try:
+            producer.abort_transaction(ACK_TIMEOUT_S)
+            self._abort_pending = False
+        except KafkaException as abort:
+            error = abort.args[0]
+            if error.code() in FENCED_CODES:
+                raise TrainerFenced(
+                    f"trainer of group {self.group} (recipe {self.recipe.name}) was fenced "
+                    f"at step {step}: a newer trainer of the group took over, so "
+                    f"this one stops ({error.str()})") from abort
+            if error.fatal():
+                return error
+        return None
 
     def _produce_checkpoint_event(self, producer: Any, stored: StoredCheckpoint,
                                   contents: CheckpointContents) -> None:
@@ -527,8 +554,7 @@ class Trainer:
             except (RetryableError, CheckpointError, KafkaException) as error:
                 log.error("checkpoint before the rollback failed: %s; resuming from the "
                           "newest checkpoint", error)
-                time.sleep(RETRY_BACKOFF_S)
-                self.consumer.assign(self._resume())
+                self.consumer.assign(self._resume_after_failure())
                 return
         verdict = Verdict.DONE
         if target is not None and self.watch is not None:
@@ -565,8 +591,10 @@ class Trainer:
         self._fence()   # before the read: no older trainer commits after it
         latest = committed_checkpoint(self.bootstrap, self.ns, self.recipe.name, self.group,
                                       registry=self.registry)
-        committed = {tp.partition: tp.offset for tp in self.consumer.committed(
-            [TopicPartition(self.topic, p) for p in self.partitions], timeout=30) if tp.offset >= 0}
+        committed = {tp.partition: tp.offset for tp in ask_broker(
+            "reading the group's committed offsets", lambda: self.consumer.committed(
+                [TopicPartition(self.topic, p) for p in self.partitions], timeout=30))
+            if tp.offset >= 0}
         if latest is not None:
             contents = self._load_newest(latest)
             if contents.recipe != self.recipe.name or contents.trainer_group != self.group:
@@ -596,6 +624,24 @@ class Trainer:
             self.world.gather_bytes(b"")   # every rank resumed before any trains
         return [TopicPartition(self.topic, p, self.offsets.get(p, OFFSET_BEGINNING))
                 for p in self.owned]
+
+    def _resume_after_failure(self) -> list[TopicPartition]:
+        """``_resume`` after a failed step, ``RETRY_BACKOFF_S`` after it and again every
+        ``RETRY_BACKOFF_S`` while the brokers cannot answer it (a coordinator moving, a
+        partition, a broker restarting): a broker fault is waited out, not an exit. Raises at
+        once what is not a broker's passing trouble (a fatal client error, a bad checkpoint),
+        and anything once a stop was asked. Blocks."""
+        while True:
+            time.sleep(RETRY_BACKOFF_S)
+            try:
+                return self._resume()
+            except (RetryableError, KafkaException, TimeoutError) as error:
+                fatal = isinstance(error, KafkaException) and error.args \
+                    and getattr(error.args[0], "fatal", lambda: False)()
+                if fatal or self._stop_asked.is_set():
+                    raise
+                log.warning("resuming from the newest checkpoint failed (%s); trying again "
+                            "in %g s", error, RETRY_BACKOFF_S)
 
     def _load_newest(self, latest: Checkpoint) -> CheckpointContents:
         """The newest committed checkpoint's contents. While its store cannot be reached (an
@@ -777,8 +823,7 @@ class _Steps:
                 trainer._take(record)
         except (RetryableError, CheckpointError, KafkaException) as error:
             log.error("a step was aborted (%s); resuming from the newest checkpoint", error)
-            time.sleep(RETRY_BACKOFF_S)
-            trainer.consumer.assign(trainer._resume())
+            trainer.consumer.assign(trainer._resume_after_failure())
             return
         if took:
             self._last_unit = time.monotonic()

@@ -1,0 +1,58 @@
+"""The faults a cluster scenario injects, and the hosts it has: data only, no broker, no hosts.
+
+    fault = Fault.parse("partition:trainer:50")    # Fault("partition", "trainer", 50.0)
+    broker_hosts(3), stage_hosts(1)               # the names of a scenario's hosts
+
+``tests.cluster.scenario`` injects them, ``tests.cluster.nemesis`` draws them from a seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: The fault kinds ``Fault.kind`` may name.
+KINDS = ("partition", "partition-out", "partition-in", "pause", "kill")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: ``kind`` (``KINDS``) of ``host``, ``at_s`` seconds after the pipeline ran
+    (the first of a run) or recovered from the fault before, undone ``seconds`` later (a kill
+    only on a broker's host: its node is restarted). Kinds and what undoing means:
+    ``tests.cluster.scenario``."""
+
+    kind: str
+    host: str
+    seconds: float = 50.0
+    at_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"a fault's kind is one of {', '.join(KINDS)}, not {self.kind!r}")
+
+    @classmethod
+    def parse(cls, text: str, **defaults: float) -> Fault:
+        """``KIND:HOST`` or ``KIND:HOST:SECONDS``, e.g. ``partition:trainer:50``."""
+        kind, _, rest = text.partition(":")
+        host, _, seconds = rest.partition(":")
+        if not host:
+            raise ValueError(f"a fault is KIND:HOST[:SECONDS], not {text!r}")
+        if seconds:
+            defaults = {**defaults, "seconds": float(seconds)}
+        return cls(kind, host, **defaults)
+
+    def name(self) -> str:
+        return f"{self.kind} {self.host}" + ("" if self.kind == "kill" and not
+                                             self.host.startswith("kafka") else
+                                             f" {self.seconds:.0f}s")
+
+
+def broker_hosts(brokers: int) -> list[str]:
+    """The brokers' hosts of a scenario with ``brokers`` KRaft nodes."""
+    return ["kafka"] if brokers == 1 else [f"kafka-{i}" for i in range(1, brokers + 1)]
+
+
+def stage_hosts(replicas: int) -> list[str]:
+    """The stages' hosts of a scenario with ``replicas`` replicas."""
+    return ["reward", "processor", "trainer", "evaluator",
+            *(f"replica-{i}" for i in range(replicas))]

@@ -1,0 +1,68 @@
+"""A seeded nemesis: a reproducible sequence of faults for one run of the cluster scenario.
+
+    faults = schedule(seed=7, count=4, brokers=["kafka-1", "kafka-2", "kafka-3"],
+                      stages=["reward", "processor", "trainer", "evaluator", "replica-0"])
+    print(describe(faults))
+
+The same seed, count and hosts give the same faults, on any machine (``random.Random(seed)``,
+nothing else drawn from it). Each fault is one of:
+
+- ``partition``: a host's link down, both ways (a broker's or a stage's host);
+- ``partition-out`` / ``partition-in``: a one-way partition, the host's packets to every other
+  host dropped, or those from them (nftables in the host);
+- ``kill``: SIGKILL of every process on a broker's host, its node restarted ``seconds`` later
+  (the scenario restarts no stage, so no stage's host is killed);
+- ``pause``: SIGSTOP of every process on a broker's or a stage's host, SIGCONT ``seconds``
+  later.
+
+Faults come one after another, never together: each ``at_s`` seconds after the trainer
+stepped again after the one before (the first: after every stage reported running), so every
+fault meets a pipeline that recovered, and each has a recovery time of its own. Redis is never
+a target: it holds projections only, and the scenario checks the log. Pure: no broker.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from tests.cluster.faults import Fault
+
+#: The kinds a nemesis draws from, in the order ``random.choice`` sees them.
+NEMESIS_KINDS = ("partition", "partition-out", "partition-in", "kill", "pause")
+#: Seconds a partition or a pause lasts: from shorter than the consumer groups' session
+#: timeout (librdkafka's 45 s) to past it.
+HOLD_S = (20, 60)
+#: Seconds before a killed broker's node is restarted.
+KILL_S = (5, 20)
+#: Seconds between the pipeline's recovery from one fault and the next fault.
+GAP_S = (10, 30)
+
+
+def schedule(seed: int, count: int, *, brokers: Sequence[str],
+             stages: Sequence[str]) -> tuple[Fault, ...]:
+    """``count`` faults drawn from ``seed`` over the hosts ``brokers`` (whose host may be
+    killed) and ``stages`` (partitioned and paused only); see the module docstring. Pure and
+    deterministic: the same arguments give the same faults."""
+    if count < 1:
+        raise ValueError(f"a nemesis injects at least one fault, not {count}")
+    if not brokers:
+        raise ValueError("a nemesis needs the brokers' hosts")
+    draw = random.Random(seed)
+    hosts = [*brokers, *stages]
+    faults = []
+    for _ in range(count):
+        kind = draw.choice(NEMESIS_KINDS)
+        if kind == "kill":
+            host, seconds = draw.choice(list(brokers)), draw.randint(*KILL_S)
+        else:
+            host, seconds = draw.choice(hosts), draw.randint(*HOLD_S)
+        faults.append(Fault(kind, host, seconds=float(seconds),
+                            at_s=float(draw.randint(*GAP_S))))
+    return tuple(faults)
+
+
+def describe(faults: Sequence[Fault]) -> str:
+    """The schedule, one line a fault: its number, the gap before it, what and how long."""
+    return "\n".join(f"{i:>2}. after {f.at_s:.0f} s: {f.name()}"
+                     for i, f in enumerate(faults, 1))

@@ -1,0 +1,61 @@
+"""The seeded nemesis (``tests/cluster/nemesis.py``) without a broker: the same seed draws the
+same faults, a different one others, and every fault is one the cluster scenario can inject
+and undo. The run itself is ``bench/cluster.py --nemesis SEED``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.nemesis import GAP_S, HOLD_S, KILL_S, NEMESIS_KINDS, describe, schedule
+from tests.cluster.faults import KINDS, broker_hosts, stage_hosts
+
+BROKERS = broker_hosts(3)
+STAGES = stage_hosts(2)
+
+
+def test_the_same_seed_draws_the_same_faults_and_another_seed_others():
+    first = schedule(7, 6, brokers=BROKERS, stages=STAGES)
+    assert schedule(7, 6, brokers=BROKERS, stages=STAGES) == first
+    assert describe(schedule(7, 6, brokers=BROKERS, stages=STAGES)) == describe(first)
+    # A longer schedule of the same seed begins with the shorter one.
+    assert schedule(7, 9, brokers=BROKERS, stages=STAGES)[:6] == first
+    assert len({schedule(seed, 6, brokers=BROKERS, stages=STAGES)
+                for seed in range(20)}) == 20
+
+
+def test_the_schedule_is_the_same_in_another_process():
+    # Nothing in it depends on the process: not hash randomisation, not the time.
+    code = ("from tests.cluster.nemesis import describe, schedule; "
+            "from tests.cluster.faults import broker_hosts, stage_hosts; "
+            "print(describe(schedule(11, 8, brokers=broker_hosts(3), "
+            "stages=stage_hosts(2))))")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, check=True, env={"PYTHONPATH": str(root),
+                                                     "PYTHONHASHSEED": "random"}).stdout
+    assert out == describe(schedule(11, 8, brokers=BROKERS, stages=STAGES)) + "\n"
+
+
+def test_every_fault_is_one_the_scenario_injects_and_undoes():
+    faults = [f for seed in range(50)
+              for f in schedule(seed, 8, brokers=BROKERS, stages=STAGES)]
+    assert {f.kind for f in faults} == set(NEMESIS_KINDS) <= set(KINDS)
+    for fault in faults:
+        if fault.kind == "kill":   # only a broker's host: its node comes back
+            assert fault.host in BROKERS and KILL_S[0] <= fault.seconds <= KILL_S[1]
+        else:
+            assert fault.host in (*BROKERS, *STAGES)
+            assert HOLD_S[0] <= fault.seconds <= HOLD_S[1]
+        assert GAP_S[0] <= fault.at_s <= GAP_S[1]
+    assert "redis" not in {f.host for f in faults}
+
+
+def test_a_schedule_has_at_least_one_fault_and_brokers():
+    with pytest.raises(ValueError, match="at least one fault"):
+        schedule(1, 0, brokers=BROKERS, stages=STAGES)
+    with pytest.raises(ValueError, match="brokers"):
+        schedule(1, 3, brokers=[], stages=STAGES)
