@@ -1,9 +1,10 @@
 """Transactional identities: a writer's producer, the fences it survives, the watchdog.
 
 Every writer whose records others act on writes through a Kafka transaction with a stable
-transactional id, so a newer instance fences every older one (``is_fenced`` tells the error
-that says so). The processor's is ``reef-process.<ns>.<recipe>.<group>.<instance>``, the
-trainer's ``reef-train.<ns>.<recipe>.<group>`` (``consumers.trainer``), the evaluator's
+transactional id, so a newer instance fences every older one (``FENCED_CODES``: the errors
+that say so; a fatal error of another code is the producer's own state, not a fence). The
+processor's is ``reef-process.<ns>.<recipe>.<group>.<instance>``, the trainer's
+``reef-train.<ns>.<recipe>.<group>`` (``consumers.trainer``), the evaluator's
 ``reef-evaluate.<ns>.<recipe>`` (``consumers.evaluator``). A restarted
 instance fences its predecessor and aborts its open transaction at ``init_transactions``
 (``TransactionalIdentity.new_producer``), so nothing waits for ``transaction.timeout.ms``.
@@ -45,12 +46,6 @@ PROBE_KEY = b"reef.probe"
 #: Errors that mean a newer producer holds this transactional id.
 FENCED_CODES = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
                           KafkaError.INVALID_PRODUCER_EPOCH})
-
-
-def is_fenced(error: KafkaError) -> bool:
-    """True when ``error`` (from a transactional producer's call) means the producer is
-    fenced, or in a fatal state it cannot leave: nothing it writes from now on can commit."""
-    return error.fatal() or error.code() in FENCED_CODES
 
 
 class TransactionalIdentity:

@@ -68,7 +68,7 @@ from reef_stream.topics import declarations
 from reef_stream.topics.connect import bootstrap_servers, new_producer
 from reef_stream.topics.dead_letters import dead_letter
 from reef_stream.topics.delivery import DELIVERY_TIMEOUT_S, deliver
-from reef_stream.topics.fencing import TransactionalIdentity, is_fenced
+from reef_stream.topics.fencing import FENCED_CODES, TransactionalIdentity
 from reef_stream.topics.kafka import Consumer, KafkaException, Message, Producer, TopicPartition
 from reef_stream.topics.metrics import MetricsWriter
 
@@ -599,11 +599,21 @@ class EvaluatorWorker:
             producer.commit_transaction(DELIVERY_TIMEOUT_S)
         except KafkaException as exc:
             error = exc.args[0]
-            if is_fenced(error):
+            if error.code() in FENCED_CODES:
                 raise EvaluatorFenced(
                     f"evaluator {self.group} was fenced at {what}: a newer evaluator of recipe "
                     f"{self.recipe.name} took over, so this one stops; nothing it wrote counts "
                     f"({error.str()})") from exc
+            if error.fatal():
+                # A fatal state of this producer's own, not a newer evaluator's fence (that
+                # bumps the epoch: FENCED_CODES), e.g. INVALID_TXN_STATE when the answer to a
+                # commit was lost while the coordinator's host was paused (the trainer's
+                # case, found by the seeded nemesis). Drop it: the next fence takes the id.
+                self._fence_producer = None
+                raise FatalError(
+                    f"{what} was not committed: the decisions' producer is in a fatal state "
+                    f"({error.str()}), though no newer evaluator fenced it; nothing of it "
+                    "counts, and a restart decides the checkpoint again") from exc
             if error.txn_requires_abort():
                 try:
                     producer.abort_transaction(DELIVERY_TIMEOUT_S)
