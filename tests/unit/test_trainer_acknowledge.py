@@ -1,5 +1,5 @@
 """The trainer's acknowledgement never leaves a transaction open after a failure, and its
-resume after a failed step waits a broker fault out.
+resume after a failed step, and its first resume at start, wait a broker fault out.
 
 Found on emulated hosts (tests/faults/test_cluster.py): a trainer partitioned from the broker
 inside ``send_offsets_to_transaction`` got a timeout, which librdkafka calls retriable, not
@@ -156,3 +156,16 @@ def test_a_fatal_error_or_a_stop_ends_the_retries(monkeypatch):
     stopping._stop_asked.set()
     with pytest.raises(KafkaException):
         Trainer._resume_after_failure(stopping)
+
+
+def test_the_first_resume_is_tried_at_once_and_waits_a_broker_fault_out(monkeypatch):
+    slept = []
+    monkeypatch.setattr(trainer_module.time, "sleep", slept.append)
+    trainer = Resumes()
+    assert Trainer._resume_after_failure(trainer, at_start=True) == ["assignment"]
+    assert (trainer.calls, slept) == (1, [])           # no wait before the first try
+    trainer = Resumes(KafkaException(NOT_COORDINATOR))
+    assert Trainer._resume_after_failure(trainer, at_start=True) == ["assignment"]
+    assert (trainer.calls, slept) == (2, [trainer_module.RETRY_BACKOFF_S])
+    assert Trainer._resume_after_failure(Resumes()) == ["assignment"]   # after a failed step:
+    assert len(slept) == 2                                               # a wait first

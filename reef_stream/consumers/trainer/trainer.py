@@ -625,14 +625,19 @@ class Trainer:
         return [TopicPartition(self.topic, p, self.offsets.get(p, OFFSET_BEGINNING))
                 for p in self.owned]
 
-    def _resume_after_failure(self) -> list[TopicPartition]:
+    def _resume_after_failure(self, *, at_start: bool = False) -> list[TopicPartition]:
         """``_resume`` after a failed step, ``RETRY_BACKOFF_S`` after it and again every
         ``RETRY_BACKOFF_S`` while the brokers cannot answer it (a coordinator moving, a
         partition, a broker restarting): a broker fault is waited out, not an exit. Raises at
         once what is not a broker's passing trouble (a fatal client error, a bad checkpoint),
-        and anything once a stop was asked. Blocks."""
+        and anything once a stop was asked. ``at_start``: the trainer's first resume, tried at
+        once (a trainer restarted during a broker fault waits it out too, instead of exiting
+        into its supervisor's restart loop). Blocks."""
+        wait = not at_start
         while True:
-            time.sleep(RETRY_BACKOFF_S)
+            if wait:
+                time.sleep(RETRY_BACKOFF_S)
+            wait = True
             try:
                 return self._resume()
             except (RetryableError, KafkaException, TimeoutError) as error:
@@ -768,7 +773,7 @@ class _Steps:
         if trainer.ranks > 1:
             log.info("rank %d of %d owns partitions %s", trainer.rank, trainer.ranks,
                      trainer.owned)
-        start = trainer._resume()
+        start = trainer._resume_after_failure(at_start=True)
         summary = trainer.summary
         summary.resumed_from = trainer.step
         summary.resume_seconds = time.monotonic() - trainer._started
