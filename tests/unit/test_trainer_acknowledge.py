@@ -65,6 +65,7 @@ def _trainer(producer: Producer) -> SimpleNamespace:
         group="g", recipe=SimpleNamespace(name="r"), _abort_pending=False,
         _produce_checkpoint_event=lambda producer, stored, contents: None)
     trainer._abort = lambda producer, step: Trainer._abort(trainer, producer, step)
+    trainer._fenced = lambda *args: Trainer._fenced(trainer, *args)
     return trainer
 
 

@@ -472,10 +472,7 @@ class Trainer:
         except KafkaException as exc:
             error = exc.args[0]
             if error.code() in FENCED_CODES:
-                raise TrainerFenced(
-                    f"trainer of group {self.group} (recipe {self.recipe.name}) was fenced at "
-                    f"step {contents.step}: a newer trainer of the group took over, so this one "
-                    f"stops; its files at {stored.uri} are garbage ({error.str()})") from exc
+                raise self._fenced(contents.step, error, stored.uri) from exc
             broken = error if error.fatal() else self._abort(producer, contents.step)
             if broken is not None:
                 # A fatal state of this producer's own, not a newer trainer's fence (that
@@ -506,13 +503,19 @@ class Trainer:
         except KafkaException as abort:
             error = abort.args[0]
             if error.code() in FENCED_CODES:
-                raise TrainerFenced(
-                    f"trainer of group {self.group} (recipe {self.recipe.name}) was fenced "
-                    f"at step {step}: a newer trainer of the group took over, so "
-                    f"this one stops ({error.str()})") from abort
+                raise self._fenced(step, error) from abort
             if error.fatal():
                 return error
         return None
+
+    def _fenced(self, step: int, error: KafkaError, files: str | None = None) -> TrainerFenced:
+        """The error that stops this trainer: a newer trainer of the group fenced it at
+        ``step`` (``files``: the step's checkpoint, written but never committed)."""
+        garbage = "" if files is None else f"; its files at {files} are garbage"
+        return TrainerFenced(
+            f"trainer of group {self.group} (recipe {self.recipe.name}) was fenced at step "
+            f"{step}: a newer trainer of the group took over, so this one stops{garbage} "
+            f"({error.str()})")
 
     def _produce_checkpoint_event(self, producer: Any, stored: StoredCheckpoint,
                                   contents: CheckpointContents) -> None:
