@@ -22,6 +22,7 @@ import pytest
 from reef_stream.consumers.trainer import trainer as trainer_module
 from reef_stream.consumers.trainer.trainer import Trainer, TrainerFenced
 from reef_stream.core.errors import RetryableError
+from reef_stream.engine.checkpoints import CheckpointError
 from reef_stream.core.events import TopicOffset
 from reef_stream.topics.kafka import KafkaError, KafkaException
 
@@ -127,7 +128,10 @@ class Resumes:
 
     def __init__(self, *errors: Exception) -> None:
         self.errors, self.calls = list(errors), 0
-        self._stop_asked = threading.Event()
+        self._stop, self._stop_asked = threading.Event(), threading.Event()
+
+    def _stopping(self) -> bool:
+        return Trainer._stopping(self)
 
     def _resume(self) -> list[str]:
         self.calls += 1
@@ -170,3 +174,23 @@ def test_the_first_resume_is_tried_at_once_and_waits_a_broker_fault_out(monkeypa
     assert (trainer.calls, slept) == (2, [trainer_module.RETRY_BACKOFF_S])
     assert Trainer._resume_after_failure(Resumes()) == ["assignment"]   # after a failed step:
     assert len(slept) == 2                                               # a wait first
+
+
+def test_a_single_trainers_stop_ends_the_waits_for_the_brokers_and_the_store(monkeypatch):
+    """One rank's ``stop`` sets ``_stop``, not ``_stop_asked`` (that is the data-parallel
+    ranks'): the waits must end on either, or a SIGTERM during an outage is ignored (seen: a
+    demo's trainer, its broker gone, ran on for minutes after SIGTERM)."""
+    monkeypatch.setattr(trainer_module, "RETRY_BACKOFF_S", 0.0)
+    stopping = Resumes(KafkaException(NOT_COORDINATOR))
+    stopping._stop.set()
+    with pytest.raises(KafkaException):
+        Trainer._resume_after_failure(stopping)
+    assert stopping.calls == 1
+
+    def unreachable(uri, sha256):
+        raise CheckpointError(f"{uri} cannot be opened") from ConnectionError("refused")
+
+    monkeypatch.setattr(trainer_module, "load", unreachable)
+    with pytest.raises(CheckpointError, match="cannot be opened"):
+        Trainer._load_newest(stopping, SimpleNamespace(uri="s3://c/step-1", sha256="0",
+                                                       step=1))

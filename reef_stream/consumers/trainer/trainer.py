@@ -263,6 +263,11 @@ class Trainer:
         at their next meeting (``_meet``). Any thread; a signal handler."""
         (self._stop_asked if self.ranks > 1 else self._stop).set()
 
+    def _stopping(self) -> bool:
+        """Whether a stop was asked, on one rank (``_stop``) or many (``_stop_asked``): the
+        waits for a broker or a store to come back end on it."""
+        return self._stop.is_set() or self._stop_asked.is_set()
+
     # ----------------------------------------------------------------- the loop
 
     def run(self) -> TrainerSummary:
@@ -646,7 +651,7 @@ class Trainer:
             except (RetryableError, KafkaException, TimeoutError) as error:
                 fatal = isinstance(error, KafkaException) and error.args \
                     and getattr(error.args[0], "fatal", lambda: False)()
-                if fatal or self._stop_asked.is_set():
+                if fatal or self._stopping():
                     raise
                 log.warning("resuming from the newest checkpoint failed (%s); trying again "
                             "in %g s", error, RETRY_BACKOFF_S)
@@ -660,7 +665,7 @@ class Trainer:
             try:
                 return load(latest.uri, latest.sha256)
             except CheckpointError as error:
-                if not store_unreachable(error) or self._stop_asked.is_set():
+                if not store_unreachable(error) or self._stopping():
                     raise
                 log.warning("the store of step %d cannot be reached (%s); trying again in "
                             "%g s", latest.step, error, RETRY_BACKOFF_S)
