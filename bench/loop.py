@@ -1,6 +1,7 @@
-"""The loop against its lower bound: the synchronous loop once, then the live loop N times.
+"""The loop against its lower bound: the synchronous loop over several seeds, then the live
+loop N times.
 
-    python bench/loop.py [--runs 3] [--recipe methods.sao] [--target 0.9] [--time-limit 600]
+    python bench/loop.py [--runs 3] [--sync-seeds 5] [--recipe methods.sao] [--target 0.9]
 
 In one invocation, on this machine:
 
@@ -8,7 +9,9 @@ In one invocation, on this machine:
    bound recipe -- sample a step's worth, score, build units with the recipe's processor,
    train, measure -- until the recipe's evaluator measures the target. Its stopwatch pauses
    while measuring and nothing is published or served: the lower bound. It runs first, before
-   any server is up, so nothing else takes its CPU;
+   any server is up, so nothing else takes its CPU, once per seed (``--sync-seeds``, 0 to
+   N-1), and its figures are the medians: the samples one seed needs vary by more than two to
+   one;
 2. one local Kafka broker and one Redis in a temporary REEF_HOME, for the whole invocation
    (REEF_BOOTSTRAP_SERVERS / REEF_REDIS_URL, when set, are used instead and nothing is
    started; the broker's CPU then counts only if it runs on this host, as this user);
@@ -21,7 +24,8 @@ The last line is
     SCORECARD sync_s=... live_s=... ratio=... staleness_mean=... goodput=... infra_cpu_share=...
     checkpoint_to_serving_p50_s=...
 
-(one line): ``sync_s`` the synchronous loop's seconds to the target, ``live_s`` the median
+(one line): ``sync_s`` the synchronous loop's seconds to the target (median over the seeds),
+``live_s`` the median
 over the live runs of the scorecard's time to target (first generation -> first promoted
 version measured at the target), ``ratio`` = live_s / sync_s; the other figures are medians
 over the live runs of the scorecards' figures (``infra_cpu_share``: the CPU of the reward
@@ -33,7 +37,8 @@ above the SCORECARD line. Figures, never assertions: nothing here is tuned.
 With ``--device-model [gen_ms=G,train_ms=T[,batch=B]]`` (no value: the default,
 ``reef_stream.demo.devices.DEFAULT_SPEC``) both loops run on the modelled accelerators
 (``reef demo --device-model``; the synchronous loop uses the same ``--replicas`` devices and the
-trainer's in turn), raw Kafka is measured once on the same broker, and the last line is
+trainer's in turn; its devices' time is counted on its stopwatch, not slept, which is the
+same figure for a loop that does nothing while they wait), raw Kafka is measured once on the same broker, and the last line is
 
     SCORECARD device_model=G/T sync_s=... live_s=... speedup=... bound=... overlap_efficiency=...
     samples_ratio=... trainer_busy=... staleness_mean=... goodput=... infra_cpu_vs_raw=...
@@ -45,7 +50,8 @@ figures in ms): ``speedup`` = sync_s / live_s;
 ``--replicas`` devices (``ceil(samples / (replicas x B)) x G``) and t its training (samples x T)
 (``DeviceModel.overlap_bound``; one replica device of batch B: the issue's ``(G+T)/max(G,T)``
 per step's work); ``overlap_efficiency`` = speedup / bound; ``samples_ratio`` = samples trained
-to the target, live (the scorecard's) over sync; ``trainer_busy`` and ``replicas_busy``: each
+to the target, live (the scorecard's, median over the live runs) over sync (median over the
+seeds); ``trainer_busy`` and ``replicas_busy``: each
 modelled device's waits over the span from its first wait to its last (the replicas': their
 mean), median over the live runs; ``infra_cpu_vs_raw``: the CPU of the reward worker, the
 processor and the broker per generation over raw Kafka's CPU per record (produce and consume
@@ -62,6 +68,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import demo_arguments, figure, live_run, run, say, servers  # first: it puts the project on sys.path
@@ -96,9 +103,39 @@ def live_seconds(result: DemoResult, time_limit: float) -> float:
     return seconds if seconds is not None else result.seconds
 
 
-def scorecard_line(sync: SyncResult, runs: list[DemoResult], time_limit: float) -> str:
+@dataclass(frozen=True)
+class Synchronous:
+    """The synchronous loop's runs, one per seed, and their medians: how many samples a seed
+    needs to reach the target varies by more than two to one (80 to 220 steps to 0.5 over
+    seeds 0-8 of the demo's SAO), so one seed is no baseline."""
+
+    runs: tuple[SyncResult, ...]
+    time_limit: float
+
+    @property
+    def seconds(self) -> float:
+        """The median time to target, a run that did not reach it counting as the limit."""
+        return statistics.median(r.seconds if r.reached else self.time_limit for r in self.runs)
+
+    @property
+    def samples(self) -> float:
+        """The median samples to the target (or to the limit)."""
+        return statistics.median(r.samples for r in self.runs)
+
+    @property
+    def reached(self) -> bool:
+        return all(r.reached for r in self.runs)
+
+    def spread(self) -> str:
+        steps = sorted(r.steps for r in self.runs)
+        return (f"{len(self.runs)} seeds: steps to target {', '.join(map(str, steps))}; median "
+                f"{statistics.median(steps):g} steps, {self.samples:g} samples, "
+                f"{self.seconds:.1f} s")
+
+
+def scorecard_line(sync: Synchronous, runs: list[DemoResult], time_limit: float) -> str:
     """The last line (see the module docstring)."""
-    sync_s = sync.seconds if sync.reached else time_limit
+    sync_s = sync.seconds
     live_s = statistics.median(live_seconds(r, time_limit) for r in runs)
     cards = [r.scorecard for r in runs if r.scorecard is not None]
     figures = {
@@ -130,11 +167,11 @@ def infra_cpu_per_generation(result: DemoResult) -> float | None:
     return sum(card.cpu_seconds.get(k, 0.0) for k in INFRA) / card.generated
 
 
-def device_scorecard_line(device: DeviceModel, bound: float, sync: SyncResult,
+def device_scorecard_line(device: DeviceModel, bound: float, sync: Synchronous,
                           runs: list[DemoResult], devices: list[dict[str, float | None]],
                           raw_per_record: float | None, time_limit: float) -> str:
     """The last line with a device model (see the module docstring)."""
-    sync_s = sync.seconds if sync.reached else time_limit
+    sync_s = sync.seconds
     live_s = statistics.median(live_seconds(r, time_limit) for r in runs)
     cards = [r.scorecard for r in runs if r.scorecard is not None]
     speedup = sync_s / live_s if live_s else None
@@ -176,6 +213,10 @@ def main() -> int:
                              "--recipe methods.grpo --set objective.normalisation=rloo; the "
                              "loss options of issue 29 (rollout importance weights) need a bound "
                              "recipe path built with them (docs/design-notes.md)")
+    parser.add_argument("--sync-seeds", type=int, default=5,
+                        help="seeds of the synchronous loop, whose medians are the baseline "
+                             "(default 5: one seed's samples to the target vary by more than "
+                             "two to one)")
     parser.add_argument("--raw-records", type=int, default=20000,
                         help="records of the raw Kafka measurement (--device-model; default "
                              "20000)")
@@ -185,6 +226,8 @@ def main() -> int:
         args.runs, args.target, args.time_limit = 1, QUICK_TARGET, QUICK_TIME_LIMIT
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.sync_seeds < 1:
+        parser.error("--sync-seeds must be at least 1")
     try:
         device = DeviceModel.parse(args.device_model) if args.device_model else None
     except ConfigurationError as error:
@@ -199,16 +242,27 @@ def main() -> int:
             f"generation on {args.replicas} replica devices and {t:.0f} ms of training "
             f"({100 * g / (g + t) if g + t else math.nan:.0f} % generation); bound {bound:.3g}")
 
-    say(f"synchronous loop: {args.recipe} to {args.target:g} (at most {args.time_limit:g} s)")
-    sync = run_synchronous(recipe, target=args.target, time_limit=args.time_limit, seed=0,
-                           device=device, replicas=args.replicas)
-    say(sync.line())
-    if device is not None and sync.seconds:
-        say(f"synchronous devices: generation {sync.generation_busy_s:.1f} s, training "
-            f"{sync.training_busy_s:.1f} s of {sync.seconds:.1f} s (trainer busy "
-            f"{sync.training_busy_s / sync.seconds:.2f})")
-    print("  curve (step, s, accuracy): " + ", ".join(
-        f"({s}, {t:.1f}, {a:.2f})" for s, t, a in sync.curve[::max(len(sync.curve) // 12, 1)]))
+    say(f"synchronous loop: {args.recipe} to {args.target:g} (at most {args.time_limit:g} s), "
+        f"seeds 0-{args.sync_seeds - 1}" + ("" if device is None else
+                                           ", device time counted on the stopwatch"))
+    results = []
+    for seed in range(args.sync_seeds):
+        # The synchronous loop does nothing while its devices wait: counting their time on
+        # its stopwatch gives the slept figure without sleeping it (reef_stream.demo.sync).
+        result = run_synchronous(recipe, target=args.target, time_limit=args.time_limit,
+                                 seed=seed, device=device, replicas=args.replicas,
+                                 sleep_device=False)
+        results.append(result)
+        say(f"seed {seed}: {result.line()}")
+        if device is not None and result.seconds:
+            say(f"  devices: generation {result.generation_busy_s:.1f} s, training "
+                f"{result.training_busy_s:.1f} s of {result.seconds:.1f} s (trainer busy "
+                f"{result.training_busy_s / result.seconds:.2f})")
+        print("  curve (step, s, accuracy): " + ", ".join(
+            f"({s}, {t:.1f}, {a:.2f})"
+            for s, t, a in result.curve[::max(len(result.curve) // 12, 1)]))
+    sync = Synchronous(tuple(results), args.time_limit)
+    say(f"synchronous loop, {sync.spread()}")
 
     runs: list[DemoResult] = []
     devices: list[dict[str, float | None]] = []
@@ -251,7 +305,7 @@ def main() -> int:
         for r in runs))
     notes = []
     if not sync.reached:
-        notes.append(f"the synchronous loop did not reach {args.target:g}: sync_s is its time "
+        notes.append(f"a synchronous seed did not reach {args.target:g}: it counts as the time "
                      "limit")
     if unreached:
         notes.append(f"live run(s) {unreached} did not reach {args.target:g}: each counts as "
@@ -264,7 +318,7 @@ def main() -> int:
     assert bound is not None
     trained = _median([float(r.scorecard.trained) for r in runs if r.scorecard is not None])
     live_s = statistics.median(live_seconds(r, args.time_limit) for r in runs)
-    sync_s = sync.seconds if sync.reached else args.time_limit
+    sync_s = sync.seconds
     # Samples per second, live over sync: the speedup with the samples' efficiency left out.
     rate_speedup = (trained / live_s) / (sync.samples / sync_s) if trained and sync.samples \
         and live_s and sync_s else None

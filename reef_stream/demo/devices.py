@@ -152,14 +152,19 @@ class DeviceModel:
 class DeviceClock:
     """One modelled device: ``wait_ms`` sleeps (off the CPU) and adds the wait to ``busy_s``.
 
+    With ``sleep=False`` it only counts: ``wait_ms`` adds the wait to ``busy_s`` and returns at
+    once. That is for a loop that does nothing else while its device is busy (the synchronous
+    loop): its stopwatch adds ``busy_s`` instead of sleeping it, the same figure without the
+    wall-clock wait (``reef_stream.demo.sync``); its ``busy_fraction`` then means nothing.
+
     ``busy_fraction`` is ``busy_s`` over the span from the start of the first wait to the end
     of the last. With ``report``, the figures are written there as JSON (``write``) at most every
     ``REPORT_EVERY_S`` and whenever ``write`` is called. Thread-safe; ``wait_ms`` blocks for its
     wait.
     """
 
-    def __init__(self, name: str, report: Path | None = None) -> None:
-        self.name, self.report = name, report
+    def __init__(self, name: str, report: Path | None = None, *, sleep: bool = True) -> None:
+        self.name, self.report, self.sleep = name, report, sleep
         self._lock = threading.Lock()
         self.busy_s = 0.0
         self.waits = 0
@@ -168,14 +173,20 @@ class DeviceClock:
         self._written = 0.0
 
     def wait_ms(self, milliseconds: float) -> None:
-        """Be busy for ``milliseconds``: a sleep, counted. Does nothing for 0."""
+        """Be busy for ``milliseconds``: a sleep, counted (only counted with ``sleep=False``).
+        Does nothing for 0."""
         if milliseconds <= 0:
             return
         started = time.time()
-        time.sleep(milliseconds / 1000.0)
-        ended = time.time()
+        if self.sleep:
+            time.sleep(milliseconds / 1000.0)
+            ended = time.time()
+            busy = ended - started
+        else:
+            busy = milliseconds / 1000.0
+            ended = started + busy
         with self._lock:
-            self.busy_s += ended - started
+            self.busy_s += busy
             self.waits += 1
             self.first = started if self.first is None else self.first
             self.last = ended

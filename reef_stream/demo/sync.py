@@ -20,7 +20,14 @@ With a device model (``device``, ``reef_stream.demo.devices``) the loop uses the
 devices in turn, as a synchronous RL loop does: each sampling call waits its generation's device
 time spread over ``replicas`` replicas' devices (``DeviceModel.generation_ms``), each step its
 training's (``DeviceModel.training_ms`` of the samples trained, per epoch), both on the
-stopwatch. The waits change no computation.
+stopwatch. The waits change no computation. With ``sleep_device=False`` they are counted on
+the stopwatch instead of slept: the loop does nothing else while a device of its is busy, so
+the figure is the same without the wall-clock wait, and several seeds' runs take minutes, not
+an hour (``bench/loop.py --sync-seeds``).
+
+With ``lag`` k, each step samples from the weights of k steps before (stamped with that
+version), as a live loop's replicas serve a version behind its trainer: what staleness alone
+costs in samples, without the live loop's plumbing or timing (``bench/staleness.py``).
 
 Every ``measure_every`` steps the new version is measured with the recipe's evaluator's
 ``measure`` (for the demo: held-out greedy accuracy, what the live evaluator publishes) on a
@@ -33,6 +40,8 @@ this is the lower bound, not a fair race. Seeded: the weights of version 0 by th
 from __future__ import annotations
 
 import asyncio
+import collections
+import copy
 import inspect
 import time
 import uuid
@@ -98,7 +107,8 @@ class SynchronousLoop:
     Not thread-safe. Every method blocks for its computation."""
 
     def __init__(self, recipe: Recipe, *, seed: int = 0, measure: str = "accuracy",
-                 device: DeviceModel | None = None, replicas: int = 1) -> None:
+                 device: DeviceModel | None = None, replicas: int = 1,
+                 sleep_device: bool = True, lag: int = 0) -> None:
         if recipe.reward is None:
             raise ConfigurationError(f"recipe {recipe.name!r} has no reward function: the "
                                      "synchronous loop scores its own samples")
@@ -118,17 +128,38 @@ class SynchronousLoop:
         #: The modelled devices (None: none): ``replicas`` replicas' devices, one clock for
         #: them all (they run in parallel), and the trainer's.
         self.device, self.replicas = device, max(replicas, 1)
-        self.generation_clock = DeviceClock("replicas")
-        self.training_clock = DeviceClock("trainer")
+        self.generation_clock = DeviceClock("replicas", sleep=sleep_device)
+        self.training_clock = DeviceClock("trainer", sleep=sleep_device)
+        #: Samples come from the weights ``lag`` steps behind (``lag_versions``, oldest first,
+        #: copies; the newest is the current weights'), stamped with that version: the
+        #: staleness a live loop's samples have, without its plumbing (``bench/staleness.py``).
+        if lag < 0:
+            raise ConfigurationError(f"lag must be at least 0, not {lag}")
+        self.lag = lag
+        self.lagged = copy.deepcopy(self.model) if lag else self.model
+        self.lag_versions: collections.deque[dict[str, torch.Tensor]] = collections.deque(
+            [self._weights()], maxlen=lag + 1)
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    @property
+    def device_busy_s(self) -> float:
+        """Seconds the modelled devices were busy so far, generating and training."""
+        return self.generation_clock.busy_s + self.training_clock.busy_s
 
     # ----------------------------------------------------------------- one step
 
     def rollouts(self, prompts: int) -> tuple[list[Generation], list[Feedback]]:
-        """``prompts`` prompts, ``group_size`` completions each from the current weights (one
-        forward pass), and each one's reward as Feedback."""
+        """``prompts`` prompts, ``group_size`` completions each from the current weights, or
+        those ``lag`` steps behind (one forward pass), and each one's reward as Feedback."""
         batch = self.problems.take(prompts)
-        self.model.eval()
-        completions = sample(self.model, prompt_tensor(
+        policy, version = self.model, self.version
+        if self.lag:
+            policy, version = self.lagged, max(self.version - self.lag, 0)
+            policy.load_state_dict(self.lag_versions[0])
+        policy.eval()
+        completions = sample(policy, prompt_tensor(
             [p for p in batch for _ in range(self.group_size)]), temperature=TEMPERATURE,
             generator=self.generator)
         if self.device is not None:
@@ -139,7 +170,7 @@ class SynchronousLoop:
             group_id = uuid.uuid4().hex if self.group_size > 1 else None
             for row in range(i * self.group_size, (i + 1) * self.group_size):
                 generations.append(make_generation(
-                    model=MODEL, policy_version=self.version, replica_id="sync",
+                    model=MODEL, policy_version=version, replica_id="sync",
                     problem=problem, token_ids=completions.token_ids[row],
                     logprobs=completions.logprobs[row], temperature=TEMPERATURE,
                     group_id=group_id, group_size=self.group_size))
@@ -182,6 +213,8 @@ class SynchronousLoop:
         self.version += 1
         self.units_trained += len(units)
         self.processor.observe_checkpoint(self.version)
+        if self.lag:
+            self.lag_versions.append(self._weights())
         return metrics
 
     # ----------------------------------------------------------------- measuring
@@ -214,13 +247,17 @@ class SynchronousLoop:
 def run_synchronous(recipe: Recipe | str = "reef_stream.demo.recipes:sao", *, target: float,
                     time_limit: float, seed: int = 0, measure_every: int = 1,
                     measure: str = "accuracy", threads: int | None = None,
-                    device: DeviceModel | None = None, replicas: int = 1) -> SyncResult:
+                    device: DeviceModel | None = None, replicas: int = 1,
+                    sleep_device: bool = True, lag: int = 0,
+                    max_steps: int | None = None) -> SyncResult:
     """Train ``recipe`` (a bound recipe or its path) synchronously until its evaluator measures
     ``target`` (``measure``) or the stopwatch passes ``time_limit`` seconds; see the module
     docstring. ``threads``: torch intra-op threads for the run (None: torch's setting, by
     default one per core), restored at the end. ``device``: the modelled devices, ``replicas``
-    of them generating (None: none). Blocks; seeds torch's global RNG, as the trainer
-    does."""
+    of them generating (None: none); ``sleep_device=False``: their waits are counted on the
+    stopwatch, not slept (see the module docstring). ``lag``: sample from the weights that many
+    steps behind (``SynchronousLoop``). ``max_steps``: stop after that many steps too. Blocks; seeds torch's global RNG, as the
+    trainer does."""
     if isinstance(recipe, str):
         recipe = load_recipe(recipe, complete=True)
     if measure_every < 1:
@@ -230,13 +267,16 @@ def run_synchronous(recipe: Recipe | str = "reef_stream.demo.recipes:sao", *, ta
         torch.set_num_threads(threads)
     try:
         loop = SynchronousLoop(recipe, seed=seed, measure=measure, device=device,
-                               replicas=replicas)
+                               replicas=replicas, sleep_device=sleep_device, lag=lag)
         curve = [(0, 0.0, loop.measure())]
         elapsed = 0.0
-        while curve[-1][2] < target and elapsed < time_limit:
-            started = time.perf_counter()
+        while curve[-1][2] < target and elapsed < time_limit \
+                and (max_steps is None or loop.version < max_steps):
+            started, busy = time.perf_counter(), loop.device_busy_s
             loop.step()
             elapsed += time.perf_counter() - started
+            if not sleep_device:
+                elapsed += loop.device_busy_s - busy
             if loop.version % measure_every == 0:
                 curve.append((loop.version, elapsed, loop.measure()))   # not on the stopwatch
         if curve[-1][0] != loop.version:

@@ -15,7 +15,7 @@ from reef_stream.demo.devices import (
     DEFAULT_SPEC, DEVICE_MODEL_ENV, GENERATION_BOUND_SPEC, DeviceClock, DeviceModel,
     DeviceTimedLoss, read_reports,
 )
-from reef_stream.demo.sync import SynchronousLoop
+from reef_stream.demo.sync import SynchronousLoop, run_synchronous
 
 
 def test_a_spec_parses_into_a_frozen_model_and_back():
@@ -157,3 +157,37 @@ def test_the_demo_gives_its_replicas_and_its_trainer_the_model(tmp_path, monkeyp
                                            str(tmp_path / "run" / "devices" / "replica-1.json")]
     with pytest.raises(ConfigurationError, match="batch"):
         demo(device_model="gen_ms=1,train_ms=1,batch=0")
+
+
+def test_a_counted_device_gives_the_slept_run_s_weights_and_its_modelled_time():
+    """``sleep_device=False`` (``bench/loop.py``'s synchronous seeds): the same computation as
+    sleeping the waits, every modelled millisecond on the stopwatch, none of it slept."""
+    device = DeviceModel(gen_ms=20, train_ms=0.05, batch=32)
+    runs = {}
+    for sleep in (True, False):
+        with torch.random.fork_rng(devices=[]):
+            loop = SynchronousLoop(recipes.sao, seed=3, device=device, replicas=2,
+                                   sleep_device=sleep)
+            for _ in range(2):
+                loop.step()
+            runs[sleep] = loop.backend.state()[0], loop
+    (slept, slept_loop), (counted, counted_loop) = runs[True], runs[False]
+    for name in slept:
+        assert torch.equal(slept[name], counted[name]), name
+    samples = recipes.sao.schedule.units_per_step
+    g, t = device.step_ms(samples, 2, recipes.sao.schedule.epochs)
+    assert counted_loop.device_busy_s == pytest.approx(2 * (g + t) / 1000)
+    assert slept_loop.device_busy_s >= 2 * (g + t) / 1000 * 0.99
+
+
+def test_a_counted_synchronous_run_puts_its_device_time_on_the_stopwatch(monkeypatch):
+    device = DeviceModel(gen_ms=500, train_ms=1, batch=32)   # 2.256 s a step, never slept
+    slept = []
+    sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: (slept.append(s), sleep(s)))
+    result = run_synchronous(recipes.sao, target=1.01, time_limit=3.0, seed=1, device=device,
+                             replicas=2, sleep_device=False)
+    assert result.steps == 2          # 2.26 s, then 4.5 s: past the limit
+    assert result.seconds >= result.generation_busy_s + result.training_busy_s == \
+        pytest.approx(2 * 2.256)
+    assert not [s for s in slept if s >= 0.1]      # counted, not slept

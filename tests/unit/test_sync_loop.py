@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from reef_stream.api.recipe import load_recipe
 from reef_stream.demo.sync import SynchronousLoop, run_synchronous
@@ -63,7 +64,7 @@ def test_the_loop_bench_explains_itself():
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     for said in ("--runs", "--recipe", "--time-limit", "--target", "SCORECARD sync_s=",
-                 "--device-model", "--quick", "SCORECARD device_model=", "overlap_efficiency="):
+                 "--device-model", "--quick", "--sync-seeds", "SCORECARD device_model=", "overlap_efficiency="):
         assert said in result.stdout, said
 
 
@@ -82,3 +83,28 @@ def test_a_backlog_bound_sheds_nothing_in_the_synchronous_loop():
         loop.step()
     assert loop.version == 3
     assert loop.samples == loop.units_trained == 3 * bounded.schedule.units_per_step
+
+
+def test_a_lagged_loop_samples_from_the_weights_of_lag_steps_before():
+    sao = load_recipe("reef_stream.demo.recipes:sao", complete=True)
+    loop = SynchronousLoop(sao, seed=2, lag=2)
+    rollouts, stamped = loop.rollouts, []
+
+    def recording(prompts):
+        generations, feedback = rollouts(prompts)
+        versions = {g.policy_version for g in generations}
+        sampled = {k: v.clone() for k, v in loop.lagged.state_dict().items()}
+        stamped.append((versions, sampled))
+        return generations, feedback
+
+    loop.rollouts = recording
+    weights = [loop._weights()]
+    for _ in range(4):
+        loop.step()
+        weights.append(loop._weights())
+    assert any(not torch.equal(weights[1][k], weights[0][k]) for k in weights[0])
+    # Versions 0 and 1 sample version 0 (nothing older); 2 and 3 the versions 2 behind.
+    assert [versions for versions, _ in stamped] == [{0}, {0}, {0}, {1}]
+    for (versions, sampled), version in zip(stamped, (0, 0, 0, 1), strict=True):
+        for name, tensor in weights[version].items():
+            assert torch.equal(sampled[name], tensor), (version, name)
