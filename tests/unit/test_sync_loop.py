@@ -108,3 +108,14 @@ def test_a_lagged_loop_samples_from_the_weights_of_lag_steps_before():
     for (versions, sampled), version in zip(stamped, (0, 0, 0, 1), strict=True):
         for name, tensor in weights[version].items():
             assert torch.equal(sampled[name], tensor), (version, name)
+
+
+def test_the_staleness_bench_counts_each_variant_s_samples_per_lag():
+    bench = Path(__file__).resolve().parents[2] / "bench" / "staleness.py"
+    result = subprocess.run(
+        [sys.executable, str(bench), "--only", "grpo-proximal", "--lags", "0,1", "--seeds", "1",
+         "--target", "1.01", "--max-steps", "2"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    # Two steps of 16 groups of 16 at each lag, the target out of reach.
+    assert result.stdout.splitlines()[-1] == (
+        "STALENESS variant=grpo-proximal target=1.01 seeds=1 lag0=512 lag1=512 ratio_lag1=1")
