@@ -102,6 +102,8 @@ class DecisionRequests:
                            tp.offset if tp.offset >= 0 else OFFSET_BEGINNING)
             for tp in committed])
         self.started = True
+        log.info("reads a person's decision requests on %s from %s (group %s)", self.topic,
+                 {tp.partition: tp.offset for tp in committed}, self._group)
 
     def take(self) -> list[Message]:
         """The requests fetched since the last call, in log order (up to ``BATCH``); []
