@@ -28,6 +28,11 @@ when they are revoked (``_unfence``); a standby fences nothing and decides nothi
 included. A paused or partitioned zombie that wakes up and writes before it learns it lost
 them fails at that write (``EvaluatorFenced``, one line, the process exits); nothing it wrote
 counts for a read_committed reader, and it writes nothing to Redis (that follows a commit).
+
+A person's decisions (``reef approve`` / ``reject`` / ``rollback``) are requests the member
+that holds the fence applies while it polls, each in a transaction of its own with its outcome
+and the request's offset (``_apply_requests``, ``reef_stream.consumers.evaluator.requests``):
+every decision in ``<ns>.publications`` is this fenced writer's, in order.
 ``run`` is called from one thread, which runs ``measure`` and ``select``; ``stop`` from any
 thread. The long form: ``docs/stages.md`` ("The evaluator").
 """
