@@ -404,6 +404,52 @@ class Publication:
     rolled_back_to: int | None = None
 
 
+class DecisionKind(enum.Enum):
+    """What a person asks of the evaluator (schema enum ``reef.events.DecisionKind``)."""
+
+    APPROVE = "APPROVE"
+    REJECT = "REJECT"
+    ROLLBACK = "ROLLBACK"
+
+
+@_event
+class DecisionRequest:
+    """A person's decision asked for (``reef approve`` / ``reject`` / ``rollback``); the
+    recipe's fenced evaluator applies it against its own ledger, or refuses it
+    (``DecisionOutcome``). ``version``: the version decided on as the person saw it (the one
+    waiting, or the one a rollback takes out of service)."""
+
+    SCHEMA: ClassVar[str] = "reef.events.DecisionRequest"
+
+    request_id: str
+    kind: DecisionKind
+    model: str
+    version: int
+    #: ROLLBACK: the promoted version served again. None otherwise.
+    rolled_back_to: int | None = None
+    decided_by: str
+    #: Why, in the person's words (required for REJECT).
+    reason: str | None = None
+    created_at: EpochMillis
+
+
+@_event
+class DecisionOutcome:
+    """What the evaluator did with one ``DecisionRequest``: ``applied`` (``text`` is the
+    decision's line) or refused (``text`` says why), in the transaction of the decision."""
+
+    SCHEMA: ClassVar[str] = "reef.events.DecisionOutcome"
+
+    request_id: str
+    model: str
+    applied: bool
+    text: str
+    #: Applied: the publication's version. None when refused.
+    policy_version: int | None = None
+    evaluator_group: str
+    created_at: EpochMillis
+
+
 @_event
 class Metric:
     """One measurement from one stage of the pipeline."""
@@ -451,11 +497,13 @@ class DeadLetter:
 EVENT_TYPES: Mapping[str, type] = types.MappingProxyType(
     {
         cls.SCHEMA: cls
-        for cls in (Generation, Feedback, RolloutUnit, Checkpoint, Publication, Metric, DeadLetter)
+        for cls in (Generation, Feedback, RolloutUnit, Checkpoint, Publication, Metric, DeadLetter,
+                    DecisionRequest, DecisionOutcome)
     }
 )
 
-Event = Generation | Feedback | RolloutUnit | Checkpoint | Publication | Metric | DeadLetter
+Event = (Generation | Feedback | RolloutUnit | Checkpoint | Publication | Metric | DeadLetter
+         | DecisionRequest | DecisionOutcome)
 EventT = TypeVar("EventT")
 
 

@@ -1,14 +1,23 @@
-"""A person's decisions, as events: approve or reject a staged version, roll a model back.
+"""A person's decisions, as requests the recipe's fenced evaluator applies: approve or reject a
+staged version, roll a model back.
 
     reef approve MODEL VERSION [--reason ...]
     reef reject MODEL VERSION --reason ...
     reef rollback MODEL [--to VERSION] [--reason ...]
 
-Each reads ``<ns>.publications`` to its end (``PublicationLedger``), builds one Publication
-(``approval``, ``rejection``, ``rollback``: pure, a ``ConfigurationError`` saying what is wrong
-when the decision does not apply), produces it acknowledged (``record``) and updates the Redis
-projection when there is one. The person is ``decided_by``, the time ``created_at``, the why
-``reason``.
+A decision is built by one of the pure functions here (``approval``, ``rejection``,
+``rollback``: a ``ConfigurationError`` saying what is wrong when it does not apply) against a
+``PublicationLedger`` read to its end, twice: by the command, against its own read, so that a
+mistake is refused at once; then as a ``DecisionRequest`` (``request_for``) on
+``<ns>.decision-requests``, by the recipe's active evaluator against its own ledger at the
+moment it applies it (``applied``), in its transaction under the recipe's transactional id
+(``reef_stream.consumers.evaluator.requests``). So every decision in ``<ns>.publications`` is
+written by one fenced writer, in order: a request built on a read the log has moved past since
+(the evaluator's canary decided the version meanwhile, another person decided it) is refused
+with the reason, never published as a second decision. ``ask`` sends a request and waits for
+its ``DecisionOutcome`` (applied, with the decision's line, or refused, with why); none comes
+while no evaluator runs, and the request stays queued until one does. The person is
+``decided_by``, the time ``created_at``, the why ``reason``.
 
 - approve: the version waiting for a decision (CANARY, awaiting the canary or a person) is
   PROMOTED: every replica serves it.
@@ -26,17 +35,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+import uuid
 
-from reef_stream.core.errors import ConfigurationError
-from reef_stream.core.events import Decision, Publication, now_ms
+from reef_stream.core.errors import ConfigurationError, InvalidRecord
+from reef_stream.core.events import (
+    Decision, DecisionKind, DecisionOutcome, DecisionRequest, Publication, now_ms,
+)
 from reef_stream.core.serde import SchemaRegistry
 from reef_stream.engine.checkpoints import CheckpointError, verify
-from reef_stream.publishing.publications import PublicationLedger, publication_key
+from reef_stream.publishing.publications import PublicationLedger
 from reef_stream.topics import declarations
-from reef_stream.topics.connect import new_producer
+from reef_stream.topics.connect import new_consumer, new_producer, watermarks
 from reef_stream.topics.delivery import DELIVERY_TIMEOUT_S, deliver
+from reef_stream.topics.kafka import TopicPartition
 
-__all__ = ["approval", "record", "rejection", "rollback"]
+__all__ = ["applied", "approval", "ask", "decision_line", "rejection", "request_for",
+           "rollback"]
 
 log = logging.getLogger(__name__)
 
@@ -122,25 +137,85 @@ def _to(withdrawn: Publication, target: Publication, *, share: float | None, by:
         artifact_kind=target.artifact_kind)
 
 
-def record(bootstrap: str, namespace: str, publication: Publication, *,
-           ledger: PublicationLedger | None = None, fleet: object | None = None) -> None:
-    """Produce ``publication`` to ``<ns>.publications`` and wait for the broker's
-    acknowledgement (``FatalError`` otherwise); then update the Redis projection (best
-    effort: ``reef fleet --rebuild`` restores it)."""
-    producer = new_producer(bootstrap, {
-        "acks": "all", "enable.idempotence": True, "linger.ms": 0,
-        "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000) - 5000})
-    value, headers = SchemaRegistry.default().encode(publication)
-    deliver(producer, declarations.publications(namespace), publication_key(publication), value,
-            headers, f"the {publication.decision.value} decision on {publication.model} "
-                     f"version {publication.policy_version}")
-    incumbent = None
-    if ledger is not None:
-        ledger.record(publication)
-        incumbent = ledger.incumbent(publication.model)
-    if fleet is not None:
-        try:
-            fleet.record_publication(publication, incumbent)
-        except Exception as error:  # noqa: BLE001 - Redis is a projection
-            log.warning("could not update the fleet projection in Redis (%s); `reef fleet "
-                        "--rebuild` restores it", error)
+def decision_line(publication: Publication) -> str:
+    """The decision in one line, as ``reef approve`` / ``reject`` / ``rollback`` print it."""
+    target = "" if publication.rolled_back_to is None else \
+        f"; replicas serve version {publication.rolled_back_to} again"
+    return (f"{publication.decision.value} {publication.model} version "
+            f"{publication.policy_version} by {publication.decided_by}: "
+            f"{publication.reason}{target}")
+
+
+def request_for(kind: DecisionKind, publication: Publication, *, reason: str | None,
+                request_id: str | None = None) -> DecisionRequest:
+    """The request of ``publication``, the decision a person's command built against its own
+    read of the ledger: the version it decides on (and for a rollback, the version served
+    again), so the evaluator refuses it when its ledger no longer agrees. ``reason``: the
+    person's own words (the publication's reason says more)."""
+    return DecisionRequest(
+        request_id=request_id or uuid.uuid4().hex, kind=kind, model=publication.model,
+        version=publication.policy_version, rolled_back_to=publication.rolled_back_to,
+        decided_by=publication.decided_by or "", reason=reason, created_at=now_ms())
+
+
+def applied(ledger: PublicationLedger, request: DecisionRequest) -> Publication:
+    """The publication ``request`` makes against ``ledger`` now (the evaluator's, read to its
+    end); ``ConfigurationError`` saying why when it no longer applies (as ``approval``,
+    ``rejection`` and ``rollback`` do; and a rollback that would now take another version
+    out of service than the one the person saw). Pure but for a rollback's verification of
+    the target's published copy (blocks for the read)."""
+    model, by = request.model, request.decided_by
+    if request.kind is DecisionKind.APPROVE:
+        return approval(ledger, model, request.version, by=by, reason=request.reason)
+    if request.kind is DecisionKind.REJECT:
+        return rejection(ledger, model, request.version, by=by, reason=request.reason or "")
+    publication = rollback(ledger, model, by=by, to=request.rolled_back_to,
+                           reason=request.reason)
+    if publication.policy_version != request.version:
+        raise ConfigurationError(
+            f"a rollback of {model!r} now takes version {publication.policy_version} out of "
+            f"service, not version {request.version} as asked: the log moved on since")
+    return publication
+
+
+def ask(bootstrap: str, namespace: str, request: DecisionRequest,
+        wait_s: float) -> DecisionOutcome | None:
+    """Produce ``request`` to ``<ns>.decision-requests`` (acknowledged, ``FatalError``
+    otherwise), then wait up to ``wait_s`` seconds for its outcome on
+    ``<ns>.decision-outcomes`` (read_committed, from the end as of before the request was
+    sent). Returns the outcome, or None when no evaluator decided in time (the request stays
+    queued). Blocks. ``ConfigurationError`` when a topic does not exist."""
+    registry = SchemaRegistry.default()
+    topic = declarations.decision_outcomes(namespace)
+    consumer = new_consumer(bootstrap, f"reef-decide-{uuid.uuid4().hex}",
+                            {"enable.partition.eof": False})
+    try:
+        metadata = consumer.list_topics(topic, timeout=30).topics.get(topic)
+        if metadata is None or metadata.error is not None or not metadata.partitions:
+            raise ConfigurationError(f"topic {topic} does not exist: run `reef topics create`")
+        # Any outcome of this request is written after it is sent, so after these ends.
+        consumer.assign([TopicPartition(topic, p, watermarks(consumer, topic, p)[1])
+                         for p in sorted(metadata.partitions)])
+        producer = new_producer(bootstrap, {
+            "acks": "all", "enable.idempotence": True, "linger.ms": 0,
+            "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000) - 5000})
+        value, headers = registry.encode(request)
+        deliver(producer, declarations.decision_requests(namespace), request.model.encode(),
+                value, headers, f"the request to {request.kind.value.lower()} "
+                                f"{request.model} version {request.version}")
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            for message in consumer.consume(100, timeout=min(left, 0.5)):
+                if message.error() is not None or message.value() is None:
+                    continue
+                try:
+                    outcome = registry.decode(message.value(), message.headers(),
+                                              DecisionOutcome)
+                except InvalidRecord as error:
+                    log.warning("skipping an outcome that does not decode: %s", error)
+                    continue
+                if outcome.request_id == request.request_id:
+                    return outcome
+        return None
+    finally:
+        consumer.close()

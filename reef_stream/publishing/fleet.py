@@ -7,7 +7,7 @@ Redis holds projections only; every key below can be rebuilt from Kafka
 | --- | --- | --- | --- |
 | ``models`` | set | evaluator, replicas | every model with a decision or a replica |
 | ``published:<model>`` | hash | evaluator | the newest PROMOTED publication: version, checkpoint_id, uri, sha256, evaluator, evaluated, decided_at |
-| ``staged:<model>`` | hash | evaluator, ``reef approve``/``reject`` | the version waiting for a decision (a CANARY): version, share, awaiting (canary or approval), reason, evaluator, decided_at |
+| ``staged:<model>`` | hash | evaluator (a person's decisions included) | the version waiting for a decision (a CANARY): version, share, awaiting (canary or approval), reason, evaluator, decided_at |
 | ``serving:<model>`` | string, expires | replicas | the current serving version: the newest version a live replica serves (for routers) |
 | ``replicas:<model>`` | sorted set | replicas | replica ids scored by last heartbeat (ms); entries older than the TTL are pruned |
 | ``replica:<id>`` | hash, expires | replicas | model, version ('' before the first load), host, state (serving, canary, waiting), last_seen (ms) |

@@ -11,6 +11,8 @@ refuses to use one that exists with different settings.
 | ``<ns>.units.<recipe>`` | unit id | one topic per recipe, read by that recipe's trainer groups; broker timestamps (LogAppendTime) |
 | ``<ns>.checkpoints`` | trainer group | one partition: checkpoint events are totally ordered |
 | ``<ns>.publications`` | model (``<model>#rejected`` for rejections) | compacted: the latest promotion and the latest rejection per model are kept forever |
+| ``<ns>.decision-requests`` | model | a person's decisions asked of the recipe's fenced evaluator (``reef approve`` / ``reject`` / ``rollback``); one partition: applied in the order asked |
+| ``<ns>.decision-outcomes`` | request id | what the evaluator did with each request, in the transaction of the decision; read back by the command that asked |
 | ``<ns>.metrics`` | stage | short retention |
 | ``<ns>.dead-letters`` | source key | long retention; large records (the original bytes travel with the reason) |
 """
@@ -76,6 +78,14 @@ def publications(ns: str) -> str:
     return f"{ns}.publications"
 
 
+def decision_requests(ns: str) -> str:
+    return f"{ns}.decision-requests"
+
+
+def decision_outcomes(ns: str) -> str:
+    return f"{ns}.decision-outcomes"
+
+
 def metrics(ns: str) -> str:
     return f"{ns}.metrics"
 
@@ -102,6 +112,10 @@ def declare_topics(ns: str, recipes: tuple[str, ...] = (),
             "max.message.bytes": str(1 * MiB),
             "min.compaction.lag.ms": str(DAY_MS),
         }, doc="Publication decisions, compacted by model"),
+        Topic(decision_requests(ns), 1, config=_delete(30, 1 * MiB),
+              doc="A person's decisions, asked of the recipe's fenced evaluator"),
+        Topic(decision_outcomes(ns), 1, config=_delete(30, 1 * MiB),
+              doc="What the evaluator did with each decision request: applied or refused"),
         Topic(metrics(ns), 3, config=_delete(3, 1 * MiB),
               doc="Metric events from every stage"),
         Topic(dead_letters(ns), 3, config=_delete(30, 16 * MiB),

@@ -12,6 +12,10 @@ its decision on version 1 when it woke, and on every later candidate, a second o
 B is started in a consumer group of its own so that it need not wait out A's session
 (librdkafka's 45 s): the fence is the recipe's, not the group's, so a replacement in A's group
 fences A the same way once the group hands it the checkpoints.
+
+A person's decision is fenced the same way: it is a request the active evaluator applies in
+its transaction, so a paused evaluator that wakes after its replacement applied a request, and
+reads the same request, fails at that write; the request has one outcome and one decision.
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ import threading
 from collections import Counter
 
 
-from reef_stream.core.events import Publication
+from reef_stream.api.recipe import load_recipe
+from reef_stream.consumers.evaluator.evaluator import EvaluateOptions, EvaluatorWorker
+from reef_stream.core.events import DecisionOutcome, Publication
 from reef_stream.publishing.publications import PublicationLedger
-from reef_stream.topics.declarations import publications
+from reef_stream.topics.declarations import decision_outcomes, publications
 from tests.faults.test_trainer_kills import started  # noqa: F401 - the fixture
-from tests.helpers import events_to_end, wait_until
-from tests.integration.publishing import create_topics, produce_checkpoints, write_checkpoint
+from tests.helpers import events_to_end, reef, wait_until
+from tests.integration.publishing import (
+    create_topics, produce_checkpoints, run_evaluator, settings_for, write_checkpoint,
+)
 
 RECIPE = "tests.recipes.gated"
 VERSIONS = 4
@@ -93,3 +101,63 @@ def test_a_paused_evaluator_is_fenced_by_its_replacement_and_publishes_nothing_m
     assert zombie.returncode == 1, said[-3000:]
     fenced = [line for line in said.splitlines() if "was fenced" in line]
     assert len(fenced) == 1 and "newer evaluator of recipe gated" in fenced[0], said[-3000:]
+
+
+def test_a_paused_evaluator_cannot_apply_a_persons_decision_after_its_replacement_started(
+        kafka_bootstrap, cli_env, redis_url, namespace, tmp_path, started):  # noqa: F811
+    """Evaluator A of recipe ``approval`` holds the fence and reads the decision requests; it
+    is paused (SIGSTOP); B starts in a group of its own and fences A; ann's ``reef approve`` is
+    applied by B. A, resumed, reads the same request and fails at its first write: one decision
+    and one outcome for the request, both B's."""
+    create_topics(kafka_bootstrap, namespace)
+    settings = settings_for(kafka_bootstrap, redis_url, namespace, tmp_path / "home")
+    produce_checkpoints(kafka_bootstrap, namespace,
+                        write_checkpoint(tmp_path / "ckpt", 1, 0.5, recipe="approval"))
+    run_evaluator("approval", settings, idle_exit=2.0)  # version 1 waits for a person
+    env = {**cli_env, "COLUMNS": "1000"}
+
+    zombie = subprocess.Popen(
+        [sys.executable, "-m", "reef_stream.cli", "evaluate", "--recipe",
+         "tests.recipes.approval", "--no-supersede"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    zombie.lines = []
+    zombie.reader = threading.Thread(target=lambda: zombie.lines.extend(zombie.stderr),
+                                     daemon=True)
+    zombie.reader.start()
+    started.append(zombie)
+    wait_until(lambda: "reads a person's decision requests" in "".join(zombie.lines)
+               or zombie.poll() is not None, timeout=60,
+               message=lambda: "evaluator A never read the requests:\n"
+                               + "".join(zombie.lines)[-3000:])
+    os.kill(zombie.pid, signal.SIGSTOP)
+    try:
+        assert zombie.poll() is None, "".join(zombie.lines)[-3000:]
+        replacement = EvaluatorWorker(
+            load_recipe("tests.recipes.approval"), settings=settings,
+            options=EvaluateOptions(group=f"{namespace}.evaluate.replacement", supersede=False))
+        thread = threading.Thread(target=replacement.run, daemon=True)
+        thread.start()
+        try:
+            out = reef("approve", "tiny", "1", "--by", "ann", env=env).stdout
+            assert "PROMOTED tiny version 1 by ann: approved by ann" in out
+        finally:
+            replacement.stop()
+            thread.join(60)
+        assert (replacement.summary.requests_applied, replacement.summary.requests_refused) \
+            == (1, 0)
+    finally:
+        os.kill(zombie.pid, signal.SIGCONT)
+    zombie.wait(timeout=120)
+    zombie.reader.join(5)
+    said = "".join(zombie.lines)
+
+    assert zombie.returncode == 1, said[-3000:]
+    fenced = [line for line in said.splitlines() if "was fenced" in line]
+    assert len(fenced) == 1 and "newer evaluator of recipe approval" in fenced[0], said[-3000:]
+    assert "was fenced at the approve request" in fenced[0], fenced[0]
+    decided = events_to_end(kafka_bootstrap, publications(namespace), Publication)
+    assert [(p.policy_version, p.decision.value, p.decided_by) for p in decided] == [
+        (1, "CANARY", None), (1, "PROMOTED", "ann")]
+    outcomes = events_to_end(kafka_bootstrap, decision_outcomes(namespace), DecisionOutcome)
+    assert [(o.applied, o.evaluator_group) for o in outcomes] == [
+        (True, f"{namespace}.evaluate.replacement")]

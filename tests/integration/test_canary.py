@@ -240,11 +240,14 @@ def test_a_person_approves_rejects_and_rolls_back_and_each_decision_is_an_event(
         setup, cli_env, kafka_bootstrap, namespace, tmp_path):
     settings, fleet = setup
     store = tmp_path / "ckpt"
+    evaluator = Running("approval", settings, fleet)  # applies the person's decisions
 
     def candidate(step: int, alpha: float) -> None:
+        before = len(decided(kafka_bootstrap, namespace))
         produce_checkpoints(kafka_bootstrap, namespace,
                             write_checkpoint(store, step, alpha, recipe="approval"))
-        run_evaluator("approval", settings, fleet=fleet, idle_exit=2.0)
+        eventually(lambda: len(decided(kafka_bootstrap, namespace)) == before + 1, 30,
+                   f"the decision on version {step}")
 
     candidate(1, 0.5)
     waiting = json.loads(reef("fleet", "--json", env=cli_env).stdout)["models"][0]
@@ -281,6 +284,8 @@ def test_a_person_approves_rejects_and_rolls_back_and_each_decision_is_an_event(
         eventually(lambda: replica.policy_version == 1, 30, "the replica back on version 1")
         assert fleet.snapshot().model("tiny").published.version == 1
     assert loads.versions == [1, 3, 1]
+    summary = evaluator.stop()
+    assert (summary.requests_applied, summary.requests_refused) == (4, 0)
 
     events = read_publications(kafka_bootstrap, namespace, 7)
     assert [(p.policy_version, p.decision, p.decided_by) for p in events] == [

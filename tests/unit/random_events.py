@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from reef_stream.core.events import (
-    Checkpoint, DeadLetter, Decision, Feedback, FinishReason, Generation, MessageHeader, Metric,
-    Publication, RolloutUnit, Sample, SamplingParams, TopicOffset,
+    Checkpoint, DeadLetter, Decision, DecisionKind, DecisionOutcome, DecisionRequest, Feedback,
+    FinishReason, Generation, MessageHeader, Metric, Publication, RolloutUnit, Sample,
+    SamplingParams, TopicOffset,
 )
 
 _TEXT = ["", "a", "gen-0000001", "välue ✓", "模型-7b", "x" * 200, "judge:gpt"]
@@ -148,7 +149,21 @@ class RandomEvents:
                           key=self.maybe(self.blob), value=self.maybe(self.blob), headers=headers,
                           stage=self.text(), created_at=self.millis())
 
+    def decision_request(self) -> DecisionRequest:
+        return DecisionRequest(
+            request_id=self.text(), kind=list(DecisionKind)[int(self.rng.integers(3))],
+            model=self.text(), version=self.integer(_INT64),
+            rolled_back_to=self.maybe(lambda: self.integer(_INT64)), decided_by=self.text(),
+            reason=self.maybe(self.text), created_at=self.millis())
+
+    def decision_outcome(self) -> DecisionOutcome:
+        return DecisionOutcome(request_id=self.text(), model=self.text(),
+                               applied=bool(self.rng.random() < 0.5), text=self.text(),
+                               policy_version=self.maybe(lambda: self.integer(_INT64)),
+                               evaluator_group=self.text(), created_at=self.millis())
+
     def of(self, cls: type):
         return {Generation: self.generation, Feedback: self.feedback, RolloutUnit: self.unit,
                 Checkpoint: self.checkpoint, Publication: self.publication, Metric: self.metric,
-                DeadLetter: self.dead_letter}[cls]()
+                DeadLetter: self.dead_letter, DecisionRequest: self.decision_request,
+                DecisionOutcome: self.decision_outcome}[cls]()

@@ -14,7 +14,8 @@ from reef_stream.core.errors import (
     ConfigurationError, CorruptRecordError, InvalidRecord, UnknownSchemaError,
 )
 from reef_stream.core.events import (
-    EVENT_TYPES, Checkpoint, DeadLetter, Decision, Feedback, FinishReason, Generation,
+    EVENT_TYPES, Checkpoint, DeadLetter, Decision, DecisionKind, DecisionOutcome,
+    DecisionRequest, Feedback, FinishReason, Generation,
     MessageHeader, Metric, Publication, RolloutUnit, Sample, SamplingParams, TopicOffset,
     events_equal, to_avro,
 )
@@ -161,6 +162,10 @@ EXAMPLES = [
         stage="intake",
         created_at=T0,
     ),
+    DecisionRequest(request_id="r1", kind=DecisionKind.ROLLBACK, model="m", version=3,
+                    rolled_back_to=1, decided_by="ann", created_at=T0),
+    DecisionOutcome(request_id="r1", model="m", applied=False, text="not waiting",
+                    evaluator_group="reef.evaluate.sao", created_at=T0),
 ]
 
 

@@ -28,6 +28,11 @@ when they are revoked (``_unfence``); a standby fences nothing and decides nothi
 included. A paused or partitioned zombie that wakes up and writes before it learns it lost
 them fails at that write (``EvaluatorFenced``, one line, the process exits); nothing it wrote
 counts for a read_committed reader, and it writes nothing to Redis (that follows a commit).
+
+A person's decisions (``reef approve`` / ``reject`` / ``rollback``) are requests the member
+that holds the fence applies while it polls, each in a transaction of its own with its outcome
+and the request's offset (``_apply_requests``, ``reef_stream.consumers.evaluator.requests``):
+every decision in ``<ns>.publications`` is this fenced writer's, in order.
 ``run`` is called from one thread, which runs ``measure`` and ``select``; ``stop`` from any
 thread. The long form: ``docs/stages.md`` ("The evaluator").
 """
@@ -37,7 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,13 +51,14 @@ from reef_stream.api.recipe import Recipe
 from reef_stream.consumers.evaluator.canary import (
     CanaryRunner, Release, cadence_reason, prune_copies, stage, waiting_reason,
 )
+from reef_stream.consumers.evaluator.requests import DecisionRequests, outcome_of, owns
 from reef_stream.consumers.evaluator.superseding import superseded_reason, superseding
 from reef_stream.consumers.stage import (
     CommitsItself, DeadLetters, FetchEnd, Group, Positions, Rebalancing, StageLoop, StageOptions,
     kafka_consumers,
 )
 from reef_stream.core.errors import ConfigurationError, FatalError, InvalidRecord
-from reef_stream.core.events import Checkpoint, Decision, Publication, now_ms
+from reef_stream.core.events import Checkpoint, Decision, DecisionRequest, Publication, now_ms
 from reef_stream.core.metric_names import (
     EVALUATOR_CANDIDATE_VERSION, EVALUATOR_CANDIDATES_SKIPPED, EVALUATOR_CANDIDATES_SUPERSEDED,
     EVALUATOR_DECISIONS, EVALUATOR_MEASURE_SECONDS, EVALUATOR_MEASUREMENT, STAGE_EVALUATOR,
@@ -185,7 +191,9 @@ class EvaluateSummary:
     ``skipped``: checkpoints of another recipe or model; ``undecodable``: checkpoint events
     dead-lettered; ``failed_measures``: tries of ``measure`` that raised;
     ``undecodable_publications``: records of ``<ns>.publications`` dead-lettered (see the
-    module docstring)."""
+    module docstring); ``requests_applied`` / ``requests_refused``: a person's decision
+    requests published / refused (``reef_stream.consumers.evaluator.requests``), not counted
+    in the decisions above."""
 
     group: str = ""
     checkpoints: int = 0
@@ -199,6 +207,8 @@ class EvaluateSummary:
     undecodable: int = 0
     failed_measures: int = 0
     undecodable_publications: int = 0
+    requests_applied: int = 0
+    requests_refused: int = 0
     elapsed_s: float = 0.0
 
     @property
@@ -209,7 +219,7 @@ class EvaluateSummary:
         """One line for the log: ``evaluator <group>: checkpoints=... promoted=... ...``."""
         names = ("checkpoints", "promoted", "rejected", "superseded", "duplicates", "skipped",
                  "undecodable", "failed_measures", "undecodable_publications", "canaries",
-                 "rolled_back")
+                 "rolled_back", "requests_applied", "requests_refused")
         counts = " ".join(f"{name}={getattr(self, name)}" for name in names)
         return f"evaluator {self.group}: {counts} elapsed_s={self.elapsed_s:.1f}"
 
@@ -261,6 +271,10 @@ class EvaluatorWorker:
         self._last_assigned: float | None = None
         #: The transactional producer of decisions (``_fence``), once this member was assigned.
         self._fence_producer: Producer | None = None
+        #: A person's decision requests (``run``), read while this member holds the fence;
+        #: the fence (producer) they were started under.
+        self._requests: DecisionRequests | None = None
+        self._requests_fence: Producer | None = None
         #: Whether candidates are superseded: nothing to save without measuring.
         self._supersedes = options.supersede and bool(self.evaluator.evaluates)
 
@@ -311,6 +325,7 @@ class EvaluatorWorker:
                                 {"group": self.group, "recipe": self.recipe.name})
         self._canary = CanaryRunner(self.bootstrap, self.namespace, self.release,
                                     registry=self._registry)
+        self._requests = DecisionRequests(self.bootstrap, self.namespace, self.recipe.name)
         try:
             ledger.open()
             ledger.catch_up()
@@ -328,6 +343,7 @@ class EvaluatorWorker:
             ).run()
         finally:
             self._canary.close()
+            self._requests.close()
             ledger.close()
             self.summary.elapsed_s = time.monotonic() - started
         return self.summary
@@ -374,13 +390,69 @@ class EvaluatorWorker:
             self.summary.rolled_back += publication.decision is Decision.ROLLED_BACK
             self._after_commit(publication)
 
-    def _after_commit(self, publication: Publication) -> None:
-        """After the decision's transaction committed: log, update the Redis projection,
-        prune old copies (best effort: both can be redone from the log), ``on_decision``."""
+    def _apply_requests(self, ledger: PublicationLedger) -> int:
+        """Apply or refuse the decision requests that arrived (``requests``), each in one
+        transaction with its outcome and its offset (``_write``, for ``requests_group``),
+        against the ledger read to its end; then the post-commit steps of an applied one. Only
+        the member that holds the fence reads them (from the recipe's committed position, at
+        each fence). A request that does not decode is dead-lettered in its offset's
+        transaction; one on a model this evaluator does not decide (``owns``) gets only its
+        offset committed. Returns how many were read. Blocks for the broker (and a rollback's
+        verification); raises as ``_write``."""
+        requests = self._requests
+        if self._fence_producer is None:
+            requests.stop()
+            return 0
+        if self._requests_fence is not self._fence_producer:
+            requests.start()
+            self._requests_fence = self._fence_producer
+        consumer, messages = requests.consumer, requests.take()
+        if messages:
+            ledger.catch_up()
+        outcomes = declarations.decision_outcomes(self.namespace)
+        for message in messages:
+            offsets = {(message.topic(), message.partition()): message.offset() + 1}
+            where = f"{message.topic()}[{message.partition()}]@{message.offset()}"
+            try:
+                request = self._registry.decode(
+                    message.value(), message.headers(), DecisionRequest, topic=message.topic(),
+                    partition=message.partition(), offset=message.offset())
+            except InvalidRecord as error:
+                letter = dead_letter(f"undecodable decision request: {error}",
+                                     type(error).__name__, stage=STAGE, message=message)
+                self._write(None, offsets, consumer, f"the dead letter of request {where}",
+                            also=[(declarations.dead_letters(self.namespace), message.key(),
+                                   letter)])
+                log.warning("dead-lettered %s: undecodable decision request: %s", where, error)
+                continue
+            if not owns(ledger, request.model, self.evaluator.name, self.options.model):
+                self._write(None, offsets, consumer, f"the offset of request {where}")
+                continue
+            publication, outcome = outcome_of(ledger, request, self.group)
+            self._write(publication, offsets, consumer,
+                        f"the {request.kind.value.lower()} request {request.request_id} on "
+                        f"{request.model} version {request.version}",
+                        also=[(outcomes, request.request_id.encode(), outcome)])
+            if publication is None:
+                self.summary.requests_refused += 1
+                log.info("refused the %s request %s by %s on %s version %d: %s",
+                         request.kind.value.lower(), request.request_id, request.decided_by,
+                         request.model, request.version, outcome.text)
+                continue
+            ledger.record(publication)
+            self.summary.requests_applied += 1
+            self._after_commit(publication, ledger.incumbent(publication.model))
+        return len(messages)
+
+    def _after_commit(self, publication: Publication,
+                      incumbent: Publication | None = None) -> None:
+        """After the decision's transaction committed: log, update the Redis projection
+        (``incumbent``: what the ledger serves after it, for a rollback), prune old copies
+        (best effort: both can be redone from the log), ``on_decision``."""
         log.info("%s version %d of model %s (checkpoint %s): %s", publication.decision.value,
                  publication.policy_version, publication.model, publication.checkpoint_id,
                  publication.reason)
-        self._project(publication)
+        self._project(publication, incumbent)
         prune_copies(self.store, publication, self.options.keep_published)
         if self._on_decision is not None:
             self._on_decision(publication)
@@ -566,13 +638,15 @@ class EvaluatorWorker:
                      "fence", self.group)
 
     def _write(self, publication: Publication | None, offsets: Positions,
-               consumer: Consumer | None, what: str) -> None:
+               consumer: Consumer | None, what: str, *,
+               also: Sequence[tuple[str, bytes | None, object]] = ()) -> None:
         """Write a decision, in this order, in one Kafka transaction; any failure aborts it.
 
         1. Begin a transaction (``_fence``'s producer).
-        2. Produce ``publication`` (if any) to ``<ns>.publications``.
+        2. Produce ``publication`` (if any) to ``<ns>.publications``, then each event of
+           ``also`` as (topic, key, event): a decision request's outcome or dead letter.
         3. Add ``offsets`` for the group of ``consumer`` (``send_offsets_to_transaction``;
-           none for a canary's decision).
+           none for a canary's decision; a decision request's own offset for a request).
         4. Commit. From here the decision exists for every read_committed reader, and the
            group reads its checkpoint no more.
 
@@ -592,6 +666,9 @@ class EvaluatorWorker:
                 value, headers = self._registry.encode(publication)
                 producer.produce(self.publications_topic, key=publication_key(publication),
                                  value=value, headers=headers)
+            for topic, key, event in also:
+                value, headers = self._registry.encode(event)
+                producer.produce(topic, key=key, value=value, headers=headers)
             if offsets:
                 producer.send_offsets_to_transaction(
                     [TopicPartition(t, p, o) for (t, p), o in sorted(offsets.items())],
@@ -652,11 +729,11 @@ class EvaluatorWorker:
         log.warning("dead-lettered %s[%d]@%d: %s", message.topic(), message.partition(),
                     message.offset(), reason)
 
-    def _project(self, publication: Publication) -> None:
+    def _project(self, publication: Publication, incumbent: Publication | None = None) -> None:
         if self.fleet is None:
             return
         try:
-            self.fleet.record_publication(publication)
+            self.fleet.record_publication(publication, incumbent)
         except Exception as error:  # noqa: BLE001 - Redis is a projection; `reef fleet --rebuild`
             log.warning("could not update the fleet projection in Redis (%s); "
                         "`reef fleet --rebuild` restores it", error)
@@ -750,6 +827,8 @@ class _Decisions:
             return
         self.ledger.poll(0)  # meanwhile: what others publish, and letters for what is bad
         worker._judge_canaries(self.ledger)
+        if worker._apply_requests(self.ledger):
+            self._last_activity = time.monotonic()
         idle = options.idle_exit
         if idle is not None:
             if worker._last_assigned is None:  # still joining the group: allow for it
