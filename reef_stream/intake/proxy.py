@@ -58,7 +58,7 @@ from reef_stream.core.events import (
 from reef_stream.intake.aio import AsyncRecordProducer
 from reef_stream.intake.formats import parse_feedback, parse_generations
 from reef_stream.intake.spool import SpoolFull
-from reef_stream.intake.trajectories import IDLE_S, Trajectories
+from reef_stream.intake.trajectories import IDLE_S, Given, Trajectories
 from reef_stream.topics.metrics import MetricsWriter, PeriodicMetrics
 
 __all__ = [
@@ -533,7 +533,7 @@ class RecordingProxy:
     # ----------------------------------------------------------------- recording
 
     def _generations(self, response: dict[str, Any], plan: _Plan, context: _Context,
-                     streamed: _Collected | None = None) -> tuple[list[str], list[Generation]]:
+                     streamed: _Collected | None = None) -> tuple[list[str], list[Given]]:
         """The ids of a complete (or collected) response's choices, and the Generations to
         record now (a tool-calling turn of a conversation is held: ``_chain``); none when
         none can be made."""
@@ -590,16 +590,17 @@ class RecordingProxy:
                 self._remember_group(generation.generation_id, generation.group_id)
         served = [g.generation_id for g in recorded]
         if plan.kind == "chat" and context.group_id is not None and len(generations) == 1:
-            recorded = self._chain(context, recorded, calls_tools)
-        return served, recorded
+            return served, self._chain(context, recorded, calls_tools)
+        return served, [Given(g, None) for g in recorded]
 
-    def _chain(self, context: _Context, generations: list[Generation],
-               calls_tools: bool) -> list[Generation]:
+    def _chain(self, context: _Context, recorded: list[Generation],
+               calls_tools: bool) -> list[Given]:
         """A conversation's turn through ``trajectories``: what to record now."""
+        generations: list[Given] = []
         try:
-            if generations:
+            if recorded:
                 generations = self.trajectories.turn(
-                    context.group_id or "", generations[0], calls_tools=calls_tools,
+                    context.group_id or "", recorded[0], calls_tools=calls_tools,
                     environment_role=context.environment_role)
         except InvalidRecord as error:
             log.warning("a trajectory of conversation %s was not recorded: %s",
@@ -612,13 +613,13 @@ class RecordingProxy:
             generations = []
         return self._chained(generations)
 
-    def _chained(self, generations: list[Generation]) -> list[Generation]:
+    def _chained(self, generations: list[Given]) -> list[Given]:
         self.counts.trajectories.update(self.trajectories.counts)
         self.trajectories.counts.clear()
         self.counts.trajectories["held"] = len(self.trajectories)
         return generations
 
-    def _record(self, generations: list[Generation]) -> None:
+    def _record(self, generations: list[Given]) -> None:
         """Hand ``generations`` to the producer in a task of their own: never awaited here."""
         if not generations:
             return
@@ -626,8 +627,8 @@ class RecordingProxy:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, generations: list[Generation]) -> None:
-        for generation in generations:
+    async def _send(self, generations: list[Given]) -> None:
+        for generation, _ in generations:
             try:
                 await self.producer.send(generation)
                 self.counts.recorded += 1
