@@ -11,12 +11,16 @@ One file, ``trajectories.journal`` in the proxy's spool directory, of frames
   fingerprint), named by its first turn's id, with the wall-clock time of its last turn. One is
   written after each turn that leaves a trajectory held; it supersedes the trajectory's
   entries before it;
+- ``ENDED``: the trajectory was given back to be recorded, as the Generation to record (written
+  before it is handed to the producer, so a kill in between records it again: a duplicate of
+  one generation id, never a loss);
 - ``DONE``: the trajectory was handed to the producer (which spools what the broker has not
   acknowledged): its entries are dead.
 
 Opening reads the file: a frame cut short or with a bad checksum (a crash mid-append) ends
 what is read, with a warning, and never raises; an entry that does not decode is skipped the
-same way. The trajectories held and not done are ``restored``, in the order of their last turn;
+same way. The trajectories held or ended and not done are ``restored``, in the order of their
+last entry;
 the file is rewritten with only their entries (compaction). While running, the file is
 rewritten so once its dead bytes pass both its live bytes and ``COMPACT_BYTES``: it stays
 within about twice what is held, plus ``COMPACT_BYTES``.
@@ -62,7 +66,7 @@ _ENTRY_SCHEMA = parse_schema({
     "type": "record", "name": "JournalEntry", "namespace": "reef.proxy",
     "fields": [
         {"name": "kind", "type": {"type": "enum", "name": "JournalEntryKind",
-                                  "symbols": ["HELD", "DONE"]}},
+                                  "symbols": ["HELD", "ENDED", "DONE"]}},
         {"name": "trajectory", "type": "string"},
         {"name": "conversation", "type": "string"},
         {"name": "held_at", "type": "double"},
@@ -77,12 +81,14 @@ _ENTRY_SCHEMA = parse_schema({
 @dataclass(frozen=True)
 class Restored:
     """A trajectory the journal holds: its conversation, its first turn's id, the trajectory
-    so far as one Generation, and when its last turn came (wall-clock seconds)."""
+    so far as one Generation, and when its last entry was written (wall-clock seconds).
+    ``ended``: it was given back to be recorded (record it), else it is held (hold it again)."""
 
     conversation: str
     trajectory: str
     generation: Generation
     held_at: float
+    ended: bool = False
 
 
 class TrajectoryJournal:
@@ -100,7 +106,7 @@ class TrajectoryJournal:
         self.fsync, self.fsync_interval = fsync, fsync_interval
         self.compact_bytes, self.clock = compact_bytes, clock
         self.damaged: list[str] = []
-        #: trajectory -> (conversation, its latest HELD frame), in the order of last turn.
+        #: trajectory -> (conversation, its latest HELD or ENDED frame), in the order written.
         self._live: dict[str, tuple[str, bytes]] = {}
         self._live_bytes = 0
         self._file_bytes = 0
@@ -113,8 +119,17 @@ class TrajectoryJournal:
     def hold(self, conversation: str, trajectory: str, so_far: Generation) -> None:
         """Write that ``conversation`` holds ``trajectory`` (its first turn's id) as
         ``so_far`` now. Raises ``InvalidRecord`` when ``so_far`` does not fit its schema."""
-        value, headers = encode(so_far)
-        frame = _frame({"kind": "HELD", "trajectory": trajectory, "conversation": conversation,
+        self._write("HELD", conversation, trajectory, so_far)
+
+    def end(self, trajectory: str, generation: Generation) -> None:
+        """Write that ``trajectory`` was given back to be recorded as ``generation``; call it
+        before handing ``generation`` to the producer. Raises ``InvalidRecord`` as ``hold``."""
+        self._write("ENDED", "", trajectory, generation)
+
+    def _write(self, kind: str, conversation: str, trajectory: str,
+               generation: Generation) -> None:
+        value, headers = encode(generation)
+        frame = _frame({"kind": kind, "trajectory": trajectory, "conversation": conversation,
                         "held_at": self.clock(), "generation": value,
                         "headers": [{"key": k, "value": v} for k, v in headers]})
         self._append(frame)
@@ -163,7 +178,7 @@ class TrajectoryJournal:
         entries: dict[str, Restored] = {}
         for entry, frame, position in self._frames():
             trajectory = entry["trajectory"]
-            if entry["kind"] == "HELD":
+            if entry["kind"] != "DONE":
                 try:
                     generation = decode(entry["generation"],
                                         [(h["key"], h["value"]) for h in entry["headers"]],
@@ -174,10 +189,10 @@ class TrajectoryJournal:
                     continue
             self._forget(trajectory)
             entries.pop(trajectory, None)
-            if entry["kind"] != "HELD":
+            if entry["kind"] == "DONE":
                 continue
             entries[trajectory] = Restored(entry["conversation"], trajectory, generation,
-                                           entry["held_at"])
+                                           entry["held_at"], ended=entry["kind"] == "ENDED")
             self._live[trajectory] = (entry["conversation"], frame)
             self._live_bytes += len(frame)
         return list(entries.values())

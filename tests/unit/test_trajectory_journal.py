@@ -128,3 +128,16 @@ def test_a_trajectory_restored_from_the_journal_chains_its_next_turn_as_the_orig
     assert got.trajectory == want.trajectory == "t0"
     assert events_equal(got.generation, want.generation)
     assert got.generation.metadata["proxy.turns"] == "3"
+
+
+def test_a_trajectory_ended_but_not_done_comes_back_to_be_recorded(tmp_path):
+    journal = TrajectoryJournal(tmp_path)
+    journal.hold("c", "t0", turn("t0", [1], [2]))
+    whole = turn("t1", [1, 2, 3], [4])
+    journal.end("t0", whole)   # given back; killed before it was handed to the producer
+    again = TrajectoryJournal(tmp_path)
+    (restored,) = again.restored
+    assert restored.ended and restored.trajectory == "t0"
+    assert events_equal(restored.generation, whole)
+    again.done("t0")   # recorded by the proxy started again
+    assert TrajectoryJournal(tmp_path).restored == []
