@@ -216,8 +216,9 @@ class ProxyCounts:
     dropped: Counter[str] = field(default_factory=Counter)
     unrecorded: Counter[str] = field(default_factory=Counter)
     feedback: int = 0
-    #: Tool-calling trajectories: turns ``chained``, trajectories ``split`` or ``expired``
-    #: (``Trajectories.counts``), and ``held`` now.
+    #: Tool-calling trajectories: turns ``chained``, trajectories ``split``, ``expired`` or
+    #: ``restored`` (``Trajectories.counts``), journal entries ``journal_damaged`` and writes
+    #: ``journal_failed``, and ``held`` now (``PROXY_TRAJECTORIES``, ``_HELD``).
     trajectories: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -247,6 +248,10 @@ def _write_counts(counts: ProxyCounts, writer: MetricsWriter, _state: Any) -> No
     writer.write_counts(metric_names.PROXY_DROPPED, counts.dropped, "reason")
     writer.write_counts(metric_names.PROXY_UNRECORDED, counts.unrecorded, "reason")
     writer.write(metric_names.PROXY_FEEDBACK, counts.feedback)
+    trajectories = Counter(counts.trajectories)
+    held = trajectories.pop("held", 0)
+    writer.write_counts(metric_names.PROXY_TRAJECTORIES, trajectories, "outcome")
+    writer.write(metric_names.PROXY_TRAJECTORIES_HELD, held)
 
 
 # ------------------------------------------------------------------------- what is asked, stripped

@@ -33,7 +33,13 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.core.events import Feedback, Generation, Metric
-from reef_stream.core.metric_names import PROXY_DROPPED, STAGE_INTAKE
+from reef_stream.core.metric_names import (
+    PROXY_DROPPED,
+    PROXY_TRAJECTORIES,
+    PROXY_TRAJECTORIES_HELD,
+    STAGE_INTAKE,
+)
+from reef_stream.core.prometheus import exposition
 from reef_stream.core.processes import free_ports
 from reef_stream.core.settings import load_settings
 from reef_stream.intake.aio import AsyncRecordProducer
@@ -737,17 +743,33 @@ def test_at_start_a_journalled_trajectory_is_held_again_and_an_ended_one_recorde
         proxy, kafka_bootstrap, namespace, tmp_path):
     """What a proxy killed outright left in its journal: a trajectory given back but not yet
     handed to the producer is recorded at start; a held one is held again, and recorded as it
-    is when the proxy stops. Then nothing is left in the journal."""
+    is when the proxy stops. Then nothing is left in the journal. The counts are metrics, in
+    the topic and for Prometheus."""
     left = TrajectoryJournal(tmp_path / "spool")   # never closed: killed
     left.hold("conv-h", "chatcmpl-h:0", factories.generation("chatcmpl-h:0", group_id="conv-h"))
     left.hold("conv-e", "chatcmpl-e0:0",
               factories.generation("chatcmpl-e0:0", group_id="conv-e"))
     left.end("chatcmpl-e0:0", factories.generation("chatcmpl-e2:0", group_id="conv-e",
                                                    metadata={"proxy.turns": "3"}))
-    server = proxy(journal=TrajectoryJournal(tmp_path / "spool"))
+    server = proxy(journal=TrajectoryJournal(tmp_path / "spool"),
+                   metrics=ProxyMetrics(kafka_bootstrap, namespace, every_s=0.2,
+                                        instance="restarted"))
     wait_recorded(server, 1)
     assert server.recording.counts.as_dict()["trajectories"] == {"restored": 1, "held": 1}
+    labels = {"client": "proxy", "instance": "restarted"}
+    wait_until(lambda: exposition().value(STAGE_INTAKE, PROXY_TRAJECTORIES, outcome="restored",
+                                          **labels) == 1, 30, "the restored metric")
+    assert exposition().value(STAGE_INTAKE, PROXY_TRAJECTORIES_HELD, **labels) == 1
     server.stop()
+
+    def written() -> set[tuple[str, str, float]] | None:
+        seen = {(m.name, m.labels.get("outcome", ""), m.value)
+                for m in read_all(kafka_bootstrap, metrics_topic(namespace), Metric)
+                if m.stage == STAGE_INTAKE and m.labels.get("instance") == "restarted"}
+        return seen if {(PROXY_TRAJECTORIES, "restored", 1.0),
+                        (PROXY_TRAJECTORIES_HELD, "", 0.0)} <= seen else None
+
+    wait_until(written, 30, "the trajectories' metrics in the topic, held 0 once stopped")
     stored = {g.generation_id: g for g in read_all(kafka_bootstrap, generations(namespace),
                                                    Generation)}
     assert set(stored) == {"chatcmpl-e2:0", "chatcmpl-h:0"}
