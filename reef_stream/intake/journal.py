@@ -25,9 +25,10 @@ the file is rewritten with only their entries (compaction). While running, the f
 rewritten so once its dead bytes pass both its live bytes and ``COMPACT_BYTES``: it stays
 within about twice what is held, plus ``COMPACT_BYTES``.
 
-Each entry reaches the OS before ``hold`` or ``done`` returns (a killed process loses none);
-``fsync``: ``batch`` (the default, as the spool's) fsyncs at most every ``fsync_interval``
-seconds, when an entry is written; ``always`` at every entry (survives a power cut too).
+Each entry reaches the OS before ``hold``, ``end`` or ``done`` returns (a killed process loses
+none); ``fsync``: ``batch`` (the default, as the spool's) fsyncs when an entry is written at
+least ``fsync_interval`` seconds after the last fsync, and at ``sync`` (the proxy calls it about
+every second); ``always`` at every entry (survives a power cut too); ``never``: the OS decides.
 Blocking (a write, an fsync now and then); not thread-safe: one event loop calls it. Raises
 ``OSError`` when the file cannot be written; the caller decides (the proxy logs and serves on).
 """
@@ -111,6 +112,7 @@ class TrajectoryJournal:
         self._live_bytes = 0
         self._file_bytes = 0
         self._last_fsync = time.monotonic()
+        self._unsynced = False
         self.restored = self._read()
         self._rewrite()
 
@@ -149,10 +151,12 @@ class TrajectoryJournal:
         self._compact_if_due()
 
     def sync(self) -> None:
-        """Force every entry written to the disk."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._last_fsync = time.monotonic()
+        """Force every entry written to the disk; nothing when every one is (cheap to call
+        often: the proxy calls it about every second)."""
+        if self._unsynced and not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._last_fsync, self._unsynced = time.monotonic(), False
 
     def close(self) -> None:
         """Rewrite the file with the trajectories still held (none after a clean stop), fsync
@@ -240,11 +244,10 @@ class TrajectoryJournal:
         self._file.write(frame)
         self._file.flush()
         self._file_bytes += len(frame)
-        now = time.monotonic()
-        if self.fsync == "always" or (self.fsync == "batch"
-                                      and now - self._last_fsync >= self.fsync_interval):
-            os.fsync(self._file.fileno())
-            self._last_fsync = now
+        self._unsynced = True
+        if self.fsync == "always" or (self.fsync == "batch" and time.monotonic()
+                                      - self._last_fsync >= self.fsync_interval):
+            self.sync()
 
     def _compact_if_due(self) -> None:
         dead = self._file_bytes - self._live_bytes
@@ -267,6 +270,7 @@ class TrajectoryJournal:
         finally:
             os.close(directory)
         self._file_bytes = self._live_bytes
+        self._unsynced = False
         if reopen:
             self._file = open(self.path, "ab")  # noqa: SIM115 - held open until close
             self._last_fsync = time.monotonic()

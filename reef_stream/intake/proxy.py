@@ -10,7 +10,8 @@ Routes:
   Each choice that finished becomes one Generation (``reef_stream.intake.formats``); a
   choice of a batch of prompts has its own prompt and group. The tool-calling turns of a
   conversation are held and recorded as one multi-turn Generation when its answer comes
-  (``reef_stream.intake.trajectories``).
+  (``reef_stream.intake.trajectories``); with a journal (``reef_stream.intake.journal``), a
+  proxy killed outright and started again on it holds them again.
 - ``POST /v1/feedback``: ``{"generation_ids": [...], "reward": 1.0, "source": "thumbs"}``
   (``generation_id`` for one; ``source`` defaults to the proxy's; ``components`` optional):
   one Feedback per id, answered once durable (acknowledged or spooled).
@@ -439,10 +440,13 @@ class RecordingProxy:
             await asyncio.to_thread(self.metrics.emit, self.counts, True)
 
     async def _sweep(self) -> None:
-        """Record the trajectories that waited ``trajectory_idle_s`` for a next turn."""
+        """Record the trajectories that waited ``trajectory_idle_s`` for a next turn; fsync
+        the journal's last entries."""
         while True:
             await asyncio.sleep(min(1.0, max(0.05, self.options.trajectory_idle_s)))
             self._record(self._chained(self.trajectories.expired()))
+            if self.journal is not None:
+                self._journal(self.journal.sync)
 
     async def _write_metrics(self) -> None:
         assert self.metrics is not None
