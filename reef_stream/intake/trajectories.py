@@ -204,9 +204,8 @@ class Trajectories:
         for ``conversation`` before (split), and the oldest past ``max_held``."""
         out = []
         previous = self._held.pop(conversation, None)
-        if previous is not None:
+        if previous is not None:   # not ``split``: no turn failed to extend it
             out.append(previous.given())
-            self.counts["split"] += 1
         self._held[conversation] = _Held.restored(so_far, trajectory, self.clock() - idle_for)
         self.counts["restored"] += 1
         return out + self._over_bound()
