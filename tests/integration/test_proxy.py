@@ -777,6 +777,44 @@ def test_at_start_a_journalled_trajectory_is_held_again_and_an_ended_one_recorde
     assert TrajectoryJournal(tmp_path / "spool").restored == []
 
 
+class BrokenJournal:
+    """A journal on a disk that fails: every write raises ``OSError`` (``sync`` does nothing)."""
+
+    path = Path("/full-disk/trajectories.journal")
+    restored: list = []
+    damaged: list = []
+
+    def hold(self, *_: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    end = done = close = hold
+
+    def sync(self) -> None:
+        pass
+
+
+def test_a_journal_that_cannot_be_written_is_counted_and_serving_and_recording_go_on(
+        proxy, kafka_bootstrap, namespace):
+    server = proxy(journal=BrokenJournal())
+    messages = [{"role": "user", "content": "add 1 and 2"}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    first = call(server.url + "/v1/chat/completions",
+                 {"model": "tiny", "messages": messages, "max_tokens": 2, "tools": tools},
+                 request_id="broken-0", headers={"x-reef-conversation-id": "conv-broken"})
+    assert first.status == 200
+    messages = [*messages, first.json()["choices"][0]["message"],
+                {"role": "tool", "tool_call_id": "call-0", "content": "3"}]
+    last = call(server.url + "/v1/chat/completions",
+                {"model": "tiny", "messages": messages, "max_tokens": 2, "stream": True},
+                request_id="broken-1", headers={"x-reef-conversation-id": "conv-broken"})
+    assert last.status == 200
+    wait_until(lambda: server.recording.counts.trajectories["journal_failed"] == 3, 30,
+               "the held, ended and done writes counted as failed")
+    (g,) = [g for g in recorded(kafka_bootstrap, namespace, server).values()
+            if g.group_id == "conv-broken"]
+    assert (g.generation_id, g.metadata["proxy.turns"]) == ("chatcmpl-broken-1:0", "2")
+
+
 def test_the_version_is_what_the_upstream_served_and_redaction_drops_text(
         upstream, proxy, kafka_bootstrap, namespace, tmp_path):
     version_file = tmp_path / "served-version"
