@@ -131,7 +131,8 @@ def _listen(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[s
 @click.option("--feedback-source", default="user", show_default=True,
               help="The source of POST /v1/feedback records that name none.")
 @click.option("--spool", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Spool directory for records the broker has not acknowledged "
+              help="Spool directory for records the broker has not acknowledged, and the "
+                   "journal of held tool-calling trajectories "
                    "[default: $REEF_HOME/spool/<namespace>-proxy]. One per proxy.")
 @click.option("--spool-max-bytes", type=click.IntRange(min=1), default=1 << 30,
               show_default=True,
@@ -154,6 +155,7 @@ def proxy(ctx: click.Context, upstream: str, listen: tuple[str, int], model: str
     from aiohttp import web
 
     from reef_stream.intake.aio import AsyncRecordProducer
+    from reef_stream.intake.journal import TrajectoryJournal
     from reef_stream.intake.proxy import (
         ProxyMetrics,
         ProxyOptions,
@@ -176,7 +178,8 @@ def proxy(ctx: click.Context, upstream: str, listen: tuple[str, int], model: str
                                        spool_max_bytes=spool_max_bytes, block_timeout=0,
                                        client="proxy")
         recording = RecordingProxy(producer, options,
-                                   metrics=ProxyMetrics(bootstrap, settings.namespace))
+                                   metrics=ProxyMetrics(bootstrap, settings.namespace),
+                                   journal=TrajectoryJournal(spool_dir))
         application = recording.app()
 
         async def close_producer(_: web.Application) -> None:

@@ -61,6 +61,14 @@ PROXY_DROPPED = "proxy_dropped"                  # labels: reason
 PROXY_UNRECORDED = "proxy_unrecorded"            # labels: reason
 #: Feedback records ``POST /v1/feedback`` made durable.
 PROXY_FEEDBACK = "proxy_feedback"
+#: Its tool-calling trajectories (running totals) by ``outcome``: turns ``chained`` onto a held
+#: trajectory; trajectories ``split`` (a turn did not extend one), ``expired`` (idle, or past
+#: the bound on what is held), ``restored`` from its journal at start (a proxy before it was
+#: killed holding them); journal entries ``journal_damaged`` (skipped at start: a write cut
+#: short) and writes ``journal_failed`` (the trajectory held in memory only).
+PROXY_TRAJECTORIES = "proxy_trajectories"        # labels: outcome
+#: Trajectories it holds now, waiting for their next turn.
+PROXY_TRAJECTORIES_HELD = "proxy_trajectories_held"
 
 # --------------------------------------------------------------------------- processor
 

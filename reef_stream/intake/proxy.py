@@ -10,7 +10,8 @@ Routes:
   Each choice that finished becomes one Generation (``reef_stream.intake.formats``); a
   choice of a batch of prompts has its own prompt and group. The tool-calling turns of a
   conversation are held and recorded as one multi-turn Generation when its answer comes
-  (``reef_stream.intake.trajectories``).
+  (``reef_stream.intake.trajectories``); with a journal (``reef_stream.intake.journal``), a
+  proxy killed outright and started again on it holds them again.
 - ``POST /v1/feedback``: ``{"generation_ids": [...], "reward": 1.0, "source": "thumbs"}``
   (``generation_id`` for one; ``source`` defaults to the proxy's; ``components`` optional):
   one Feedback per id, answered once durable (acknowledged or spooled).
@@ -38,6 +39,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -57,8 +59,9 @@ from reef_stream.core.events import (
 )
 from reef_stream.intake.aio import AsyncRecordProducer
 from reef_stream.intake.formats import parse_feedback, parse_generations
+from reef_stream.intake.journal import TrajectoryJournal
 from reef_stream.intake.spool import SpoolFull
-from reef_stream.intake.trajectories import IDLE_S, Trajectories
+from reef_stream.intake.trajectories import IDLE_S, Given, Trajectories
 from reef_stream.topics.metrics import MetricsWriter, PeriodicMetrics
 
 __all__ = [
@@ -214,8 +217,9 @@ class ProxyCounts:
     dropped: Counter[str] = field(default_factory=Counter)
     unrecorded: Counter[str] = field(default_factory=Counter)
     feedback: int = 0
-    #: Tool-calling trajectories: turns ``chained``, trajectories ``split`` or ``expired``
-    #: (``Trajectories.counts``), and ``held`` now.
+    #: Tool-calling trajectories: turns ``chained``, trajectories ``split``, ``expired`` or
+    #: ``restored`` (``Trajectories.counts``), journal entries ``journal_damaged`` and writes
+    #: ``journal_failed``, and ``held`` now (``PROXY_TRAJECTORIES``, ``_HELD``).
     trajectories: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -245,6 +249,10 @@ def _write_counts(counts: ProxyCounts, writer: MetricsWriter, _state: Any) -> No
     writer.write_counts(metric_names.PROXY_DROPPED, counts.dropped, "reason")
     writer.write_counts(metric_names.PROXY_UNRECORDED, counts.unrecorded, "reason")
     writer.write(metric_names.PROXY_FEEDBACK, counts.feedback)
+    trajectories = Counter(counts.trajectories)
+    held = trajectories.pop("held", 0)
+    writer.write_counts(metric_names.PROXY_TRAJECTORIES, trajectories, "outcome")
+    writer.write(metric_names.PROXY_TRAJECTORIES_HELD, held)
 
 
 # ------------------------------------------------------------------------- what is asked, stripped
@@ -343,10 +351,14 @@ class RecordingProxy:
     The caller owns ``producer`` (build it with ``block_timeout=0``, so a full spool refuses
     at once) and closes it after the app's cleanup, which waits for the records in flight.
     ``metrics``: writes the counts while the app runs, and once more at its cleanup.
+    ``journal``: where the held trajectories are written (``reef_stream.intake.journal``, in the
+    producer's spool directory): the app's startup holds again what it holds, and its cleanup
+    closes it. Without one, a proxy killed outright loses the trajectories it held.
     """
 
     def __init__(self, producer: AsyncRecordProducer, options: ProxyOptions,
-                 metrics: ProxyMetrics | None = None):
+                 metrics: ProxyMetrics | None = None,
+                 journal: TrajectoryJournal | None = None):
         self.producer = producer
         self.options = options
         self.metrics = metrics
@@ -358,6 +370,7 @@ class RecordingProxy:
         self._tasks: set[asyncio.Task] = set()
         self._groups: OrderedDict[str, str] = OrderedDict()
         self.trajectories = Trajectories(options.trajectory_idle_s)
+        self.journal = journal
         self._sweeper: asyncio.Task | None = None
 
     def app(self) -> web.Application:
@@ -389,6 +402,28 @@ class RecordingProxy:
         if self.metrics is not None:
             self._metrics_task = asyncio.get_running_loop().create_task(self._write_metrics())
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        self._restore()
+
+    def _restore(self) -> None:
+        """Hold again the trajectories the journal holds (a proxy before this one was killed
+        with them), with the idle time they had; record at once those it says were given back
+        to be recorded, and an older trajectory of a conversation that holds a newer one."""
+        if self.journal is None:
+            return
+        now = time.time()
+        for restored in self.journal.restored:
+            if restored.ended:
+                self._record([Given(restored.generation, restored.trajectory)])
+                continue
+            self._record(self.trajectories.restore(
+                restored.conversation, restored.generation, restored.trajectory,
+                idle_for=max(0.0, now - restored.held_at)))
+        if self.journal.damaged:
+            self.counts.trajectories["journal_damaged"] += len(self.journal.damaged)
+        if self.journal.restored:
+            log.info("%d held trajectories restored from %s", len(self.journal.restored),
+                     self.journal.path)
+        self._chained([])
 
     async def _stop(self, _: web.Application) -> None:
         if self._sweeper is not None:
@@ -396,6 +431,8 @@ class RecordingProxy:
         self._record(self._chained(self.trajectories.close()))
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.journal is not None:
+            self._journal(self.journal.close)
         if self._session is not None:
             await self._session.close()
         if self._metrics_task is not None and self.metrics is not None:
@@ -403,10 +440,13 @@ class RecordingProxy:
             await asyncio.to_thread(self.metrics.emit, self.counts, True)
 
     async def _sweep(self) -> None:
-        """Record the trajectories that waited ``trajectory_idle_s`` for a next turn."""
+        """Record the trajectories that waited ``trajectory_idle_s`` for a next turn; fsync
+        the journal's last entries."""
         while True:
             await asyncio.sleep(min(1.0, max(0.05, self.options.trajectory_idle_s)))
             self._record(self._chained(self.trajectories.expired()))
+            if self.journal is not None:
+                self._journal(self.journal.sync)
 
     async def _write_metrics(self) -> None:
         assert self.metrics is not None
@@ -533,7 +573,7 @@ class RecordingProxy:
     # ----------------------------------------------------------------- recording
 
     def _generations(self, response: dict[str, Any], plan: _Plan, context: _Context,
-                     streamed: _Collected | None = None) -> tuple[list[str], list[Generation]]:
+                     streamed: _Collected | None = None) -> tuple[list[str], list[Given]]:
         """The ids of a complete (or collected) response's choices, and the Generations to
         record now (a tool-calling turn of a conversation is held: ``_chain``); none when
         none can be made."""
@@ -590,16 +630,17 @@ class RecordingProxy:
                 self._remember_group(generation.generation_id, generation.group_id)
         served = [g.generation_id for g in recorded]
         if plan.kind == "chat" and context.group_id is not None and len(generations) == 1:
-            recorded = self._chain(context, recorded, calls_tools)
-        return served, recorded
+            return served, self._chain(context, recorded, calls_tools)
+        return served, [Given(g, None) for g in recorded]
 
-    def _chain(self, context: _Context, generations: list[Generation],
-               calls_tools: bool) -> list[Generation]:
+    def _chain(self, context: _Context, recorded: list[Generation],
+               calls_tools: bool) -> list[Given]:
         """A conversation's turn through ``trajectories``: what to record now."""
+        generations: list[Given] = []
         try:
-            if generations:
+            if recorded:
                 generations = self.trajectories.turn(
-                    context.group_id or "", generations[0], calls_tools=calls_tools,
+                    context.group_id or "", recorded[0], calls_tools=calls_tools,
                     environment_role=context.environment_role)
         except InvalidRecord as error:
             log.warning("a trajectory of conversation %s was not recorded: %s",
@@ -610,24 +651,52 @@ class RecordingProxy:
             log.exception("a turn of conversation %s was not recorded", context.group_id)
             self._unrecorded("trajectory_error")
             generations = []
+        else:
+            if recorded and self.journal is not None:
+                self._journal(self._hold, context.group_id or "")
         return self._chained(generations)
 
-    def _chained(self, generations: list[Generation]) -> list[Generation]:
+    def _hold(self, conversation: str) -> None:
+        """Write the trajectory ``conversation`` holds now, if any, to the journal."""
+        assert self.journal is not None
+        held = self.trajectories.held(conversation)
+        if held is not None:
+            self.journal.hold(conversation, held.trajectory, held.generation)
+
+    def _journal(self, write: Callable[..., None], *args: Any) -> None:
+        """``write(*args)`` on the journal; a failure is logged and counted, and serving and
+        recording go on (the trajectory is then held in memory only)."""
+        try:
+            write(*args)
+        except Exception:   # noqa: BLE001 - the client is served whatever the disk does
+            self.counts.trajectories["journal_failed"] += 1
+            log.exception("the trajectory journal %s could not be written",
+                          self.journal.path if self.journal is not None else None)
+
+    def _chained(self, generations: list[Given]) -> list[Given]:
         self.counts.trajectories.update(self.trajectories.counts)
         self.trajectories.counts.clear()
         self.counts.trajectories["held"] = len(self.trajectories)
         return generations
 
-    def _record(self, generations: list[Generation]) -> None:
-        """Hand ``generations`` to the producer in a task of their own: never awaited here."""
+    def _record(self, generations: list[Given]) -> None:
+        """Hand ``generations`` to the producer in a task of their own: never awaited here.
+        A trajectory among them is first written to the journal as ended (``_send`` writes it
+        done once handed over): a kill in between records it again, never loses it."""
         if not generations:
             return
+        if self.journal is not None:
+            for generation, trajectory in generations:
+                if trajectory is not None:
+                    self._journal(self.journal.end, trajectory, generation)
         task = asyncio.get_running_loop().create_task(self._send(generations))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, generations: list[Generation]) -> None:
-        for generation in generations:
+    async def _send(self, generations: list[Given]) -> None:
+        """Each Generation to the producer; a trajectory handed over (or dropped for a full
+        spool, or invalid: never to be recorded) is done in the journal."""
+        for generation, trajectory in generations:
             try:
                 await self.producer.send(generation)
                 self.counts.recorded += 1
@@ -641,9 +710,12 @@ class RecordingProxy:
             except InvalidRecord as error:
                 log.warning("generation %s not recorded: %s", generation.generation_id, error)
                 self._unrecorded("invalid")
-            except ReefError as error:   # the producer is closed
+            except ReefError as error:   # the producer is closed: the journal keeps it
                 log.error("generation %s not recorded: %s", generation.generation_id, error)
                 self._unrecorded("producer_closed")
+                continue
+            if trajectory is not None and self.journal is not None:
+                self._journal(self.journal.done, trajectory)
 
     def _unrecorded(self, reason: str, count: int = 1) -> None:
         self.counts.unrecorded[reason] += count

@@ -21,7 +21,10 @@ Generation of each chat response of a conversation (one choice) and:
 - gives back a trajectory held ``idle_s`` without a next turn (``expired``), the oldest one
   when more than ``max_held`` are held, and all of them at ``close``, as they are.
 
-A held trajectory is in memory only: a proxy killed without ``close`` loses it.
+What is given back is a ``Given``: the Generation to record and the trajectory it ends (the id
+of its first turn; None for a turn never held). ``held`` is a held trajectory as one Generation
+so far and ``restore`` holds it again from that Generation: what the proxy's journal
+(``reef_stream.intake.journal``) writes and replays, so a proxy killed outright loses nothing.
 Pure (no I/O), not thread-safe: one event loop calls it.
 """
 
@@ -32,13 +35,14 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from reef_stream.core.events import Generation, Segment, SegmentSource
 from reef_stream.intake.validation import validate
 
-__all__ = ["IDLE_S", "MAX_HELD", "TURNS_KEY", "Trajectories"]
+__all__ = ["IDLE_S", "MAX_HELD", "TURNS_KEY", "Given", "Trajectories"]
 
 #: Seconds a trajectory is held without a next turn before it is recorded as it is.
 IDLE_S = 600.0
@@ -46,6 +50,14 @@ IDLE_S = 600.0
 MAX_HELD = 10_000
 #: ``metadata[TURNS_KEY]``: how many policy turns a chained Generation holds.
 TURNS_KEY = "proxy.turns"
+
+
+class Given(NamedTuple):
+    """A Generation to record now, and the trajectory it ends: the generation id of its first
+    turn (what names the trajectory while it is held), None for a turn that was never held."""
+
+    generation: Generation
+    trajectory: str | None
 
 
 @dataclass
@@ -61,12 +73,29 @@ class _Held:
     segments: list[Segment] = field(default_factory=list)
     seen: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     turns: int = 0
+    #: A restored trajectory's first turn id (``first`` is then the trajectory so far).
+    first_turn: str | None = None
 
     @classmethod
     def start(cls, generation: Generation, now: float) -> _Held:
         held = cls(generation, generation, now)
         held._policy(generation)
         return held
+
+    @classmethod
+    def restored(cls, so_far: Generation, trajectory: str, now: float) -> _Held:
+        """The trajectory whose ``generation()`` was ``so_far`` (first turn ``trajectory``)."""
+        completion = so_far.completion_token_ids
+        segments = list(so_far.segments) or [
+            Segment(source=SegmentSource.POLICY, length=int(completion.size), role="assistant")]
+        return cls(so_far, so_far, now, [completion], [so_far.completion_logprobs], segments,
+                   np.concatenate([so_far.prompt_token_ids, completion]),
+                   int(so_far.metadata.get(TURNS_KEY, "1")), trajectory)
+
+    @property
+    def trajectory(self) -> str:
+        """The id of its first turn: what names it while it is held."""
+        return self.first_turn or self.first.generation_id
 
     def extended_by(self, generation: Generation) -> bool:
         prompt = generation.prompt_token_ids
@@ -100,6 +129,9 @@ class _Held:
         self.seen = np.concatenate([generation.prompt_token_ids, completion])
         self.turns += 1
 
+    def given(self) -> Given:
+        return Given(self.generation(), self.trajectory)
+
     def generation(self) -> Generation:
         """The trajectory as one Generation (a single turn: that turn's, unchanged)."""
         if self.turns == 1:
@@ -124,7 +156,8 @@ class _Held:
 class Trajectories:
     """The proxy's held trajectories, by conversation (module docstring). ``counts``:
     ``chained`` turns added to a trajectory, ``split`` trajectories ended by a turn that did not
-    extend them, ``expired`` ones recorded after ``idle_s`` or past ``max_held``."""
+    extend them, ``expired`` ones recorded after ``idle_s`` or past ``max_held``, ``restored``
+    ones held again by ``restore``."""
 
     def __init__(self, idle_s: float = IDLE_S, max_held: int = MAX_HELD,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -133,7 +166,7 @@ class Trajectories:
         self._held: OrderedDict[str, _Held] = OrderedDict()
 
     def turn(self, conversation: str, generation: Generation, *, calls_tools: bool,
-             environment_role: str = "") -> list[Generation]:
+             environment_role: str = "") -> list[Given]:
         """Take the Generation of one turn of ``conversation``; returns what is to be recorded
         now (none while the trajectory is held). ``calls_tools``: its choice called tools.
         ``environment_role``: what the prompt's messages since the last assistant turn are.
@@ -147,19 +180,44 @@ class Trajectories:
             self.counts["chained"] += 1
         else:
             if held is not None:
-                out.append(held.generation())
+                out.append(held.given())
                 self.counts["split"] += 1
             held = _Held.start(generation, now)
         if not calls_tools:
-            out.append(held.generation())
+            out.append(held.given() if held.turns > 1 else Given(generation, None))
             return out
         self._held[conversation] = held
+        return out + self._over_bound()
+
+    def held(self, conversation: str) -> Given | None:
+        """The trajectory held for ``conversation`` as one Generation so far, and its first
+        turn's id; None when none is held. ``restore`` takes them back."""
+        held = self._held.get(conversation)
+        return None if held is None else held.given()
+
+    def restore(self, conversation: str, so_far: Generation, trajectory: str,
+                idle_for: float = 0.0) -> list[Given]:
+        """Hold again for ``conversation`` the trajectory ``held`` gave as ``so_far`` (first
+        turn ``trajectory``), as if its last turn came ``idle_for`` seconds ago: its next turn
+        extends it as it would have extended the original. Call it in the order the
+        trajectories were last touched. Returns what is to be recorded now: a trajectory held
+        for ``conversation`` before (split), and the oldest past ``max_held``."""
+        out = []
+        previous = self._held.pop(conversation, None)
+        if previous is not None:   # not ``split``: no turn failed to extend it
+            out.append(previous.given())
+        self._held[conversation] = _Held.restored(so_far, trajectory, self.clock() - idle_for)
+        self.counts["restored"] += 1
+        return out + self._over_bound()
+
+    def _over_bound(self) -> list[Given]:
+        out = []
         while len(self._held) > self.max_held:
-            out.append(self._held.popitem(last=False)[1].generation())
+            out.append(self._held.popitem(last=False)[1].given())
             self.counts["expired"] += 1
         return out
 
-    def expired(self, now: float | None = None) -> list[Generation]:
+    def expired(self, now: float | None = None) -> list[Given]:
         """The trajectories held longer than ``idle_s`` since their last turn, taken out."""
         now = self.clock() if now is None else now
         out = []
@@ -168,13 +226,13 @@ class Trajectories:
             if now - held.touched < self.idle_s:
                 break
             del self._held[conversation]
-            out.append(held.generation())
+            out.append(held.given())
             self.counts["expired"] += 1
         return out
 
-    def close(self) -> list[Generation]:
+    def close(self) -> list[Given]:
         """Every held trajectory, as it is, taken out."""
-        out = [held.generation() for held in self._held.values()]
+        out = [held.given() for held in self._held.values()]
         self._held.clear()
         return out
 

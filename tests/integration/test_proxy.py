@@ -33,10 +33,17 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
 from reef_stream.core.events import Feedback, Generation, Metric
-from reef_stream.core.metric_names import PROXY_DROPPED, STAGE_INTAKE
+from reef_stream.core.metric_names import (
+    PROXY_DROPPED,
+    PROXY_TRAJECTORIES,
+    PROXY_TRAJECTORIES_HELD,
+    STAGE_INTAKE,
+)
+from reef_stream.core.prometheus import exposition
 from reef_stream.core.processes import free_ports
 from reef_stream.core.settings import load_settings
 from reef_stream.intake.aio import AsyncRecordProducer
+from reef_stream.intake.journal import TrajectoryJournal
 from reef_stream.intake.producer import RecordProducer
 from reef_stream.intake.proxy import (
     GENERATION_IDS_HEADER,
@@ -50,6 +57,7 @@ from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import declare_topics, feedback, generations
 from reef_stream.topics.declarations import metrics as metrics_topic
+from tests import factories
 from tests.helpers import events_to_end, reef, wait_until
 from tests.integration.publishing import (
     produce_publications,
@@ -316,16 +324,18 @@ class Proxy:
 
 @pytest.fixture
 def proxy(kafka_bootstrap, namespace, tmp_path, upstream) -> Iterator:
-    """``proxy(bootstrap=None, spool_max_bytes=1 GiB, metrics=None, **options)``: a proxy in
-    front of ``upstream`` recording to the session's broker (or ``bootstrap``), with
-    ``ProxyOptions`` ``options``; stopped after the test."""
+    """``proxy(bootstrap=None, spool_max_bytes=1 GiB, metrics=None, journal=None,
+    **options)``: a proxy in front of ``upstream`` recording to the session's broker (or
+    ``bootstrap``), spooling in ``tmp_path / "spool"``, with ``ProxyOptions`` ``options``;
+    stopped after the test."""
     ensure_topics(AdminClient(client_config(kafka_bootstrap)), declare_topics(namespace))
     settings = load_settings({"REEF_BOOTSTRAP_SERVERS": kafka_bootstrap,
                               "REEF_NAMESPACE": namespace, "REEF_HOME": str(tmp_path / "home")})
     started: list[Proxy] = []
 
     def start(bootstrap: str | None = None, spool_max_bytes: int = 1 << 30,
-              metrics: ProxyMetrics | None = None, **options) -> Proxy:
+              metrics: ProxyMetrics | None = None, journal: TrajectoryJournal | None = None,
+              **options) -> Proxy:
         holder: dict[str, Any] = {}
 
         async def make() -> web.Application:
@@ -335,7 +345,7 @@ def proxy(kafka_bootstrap, namespace, tmp_path, upstream) -> Iterator:
                                            metrics_every_s=None, client="proxy")
             recording = RecordingProxy(producer, ProxyOptions(**{"upstream": upstream,
                                                                  **options}),
-                                       metrics=metrics)
+                                       metrics=metrics, journal=journal)
             holder.update(producer=producer, recording=recording)
             return recording.app()
 
@@ -729,6 +739,82 @@ def test_a_conversations_tool_calling_turns_are_recorded_as_one_masked_trajector
     assert stored["chatcmpl-edit-0:0"].segments == stored["chatcmpl-edit-1:0"].segments == ()
 
 
+def test_at_start_a_journalled_trajectory_is_held_again_and_an_ended_one_recorded(
+        proxy, kafka_bootstrap, namespace, tmp_path):
+    """What a proxy killed outright left in its journal: a trajectory given back but not yet
+    handed to the producer is recorded at start; a held one is held again, and recorded as it
+    is when the proxy stops. Then nothing is left in the journal. The counts are metrics, in
+    the topic and for Prometheus."""
+    left = TrajectoryJournal(tmp_path / "spool")   # never closed: killed
+    left.hold("conv-h", "chatcmpl-h:0", factories.generation("chatcmpl-h:0", group_id="conv-h"))
+    left.hold("conv-e", "chatcmpl-e0:0",
+              factories.generation("chatcmpl-e0:0", group_id="conv-e"))
+    left.end("chatcmpl-e0:0", factories.generation("chatcmpl-e2:0", group_id="conv-e",
+                                                   metadata={"proxy.turns": "3"}))
+    server = proxy(journal=TrajectoryJournal(tmp_path / "spool"),
+                   metrics=ProxyMetrics(kafka_bootstrap, namespace, every_s=0.2,
+                                        instance="restarted"))
+    wait_recorded(server, 1)
+    assert server.recording.counts.as_dict()["trajectories"] == {"restored": 1, "held": 1}
+    labels = {"client": "proxy", "instance": "restarted"}
+    wait_until(lambda: exposition().value(STAGE_INTAKE, PROXY_TRAJECTORIES, outcome="restored",
+                                          **labels) == 1, 30, "the restored metric")
+    assert exposition().value(STAGE_INTAKE, PROXY_TRAJECTORIES_HELD, **labels) == 1
+    server.stop()
+
+    def written() -> set[tuple[str, str, float]] | None:
+        seen = {(m.name, m.labels.get("outcome", ""), m.value)
+                for m in read_all(kafka_bootstrap, metrics_topic(namespace), Metric)
+                if m.stage == STAGE_INTAKE and m.labels.get("instance") == "restarted"}
+        return seen if {(PROXY_TRAJECTORIES, "restored", 1.0),
+                        (PROXY_TRAJECTORIES_HELD, "", 0.0)} <= seen else None
+
+    wait_until(written, 30, "the trajectories' metrics in the topic, held 0 once stopped")
+    stored = {g.generation_id: g for g in read_all(kafka_bootstrap, generations(namespace),
+                                                   Generation)}
+    assert set(stored) == {"chatcmpl-e2:0", "chatcmpl-h:0"}
+    assert stored["chatcmpl-e2:0"].metadata["proxy.turns"] == "3"
+    assert TrajectoryJournal(tmp_path / "spool").restored == []
+
+
+class BrokenJournal:
+    """A journal on a disk that fails: every write raises ``OSError`` (``sync`` does nothing)."""
+
+    path = Path("/full-disk/trajectories.journal")
+    restored: list = []
+    damaged: list = []
+
+    def hold(self, *_: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    end = done = close = hold
+
+    def sync(self) -> None:
+        pass
+
+
+def test_a_journal_that_cannot_be_written_is_counted_and_serving_and_recording_go_on(
+        proxy, kafka_bootstrap, namespace):
+    server = proxy(journal=BrokenJournal())
+    messages = [{"role": "user", "content": "add 1 and 2"}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    first = call(server.url + "/v1/chat/completions",
+                 {"model": "tiny", "messages": messages, "max_tokens": 2, "tools": tools},
+                 request_id="broken-0", headers={"x-reef-conversation-id": "conv-broken"})
+    assert first.status == 200
+    messages = [*messages, first.json()["choices"][0]["message"],
+                {"role": "tool", "tool_call_id": "call-0", "content": "3"}]
+    last = call(server.url + "/v1/chat/completions",
+                {"model": "tiny", "messages": messages, "max_tokens": 2, "stream": True},
+                request_id="broken-1", headers={"x-reef-conversation-id": "conv-broken"})
+    assert last.status == 200
+    wait_until(lambda: server.recording.counts.trajectories["journal_failed"] == 3, 30,
+               "the held, ended and done writes counted as failed")
+    (g,) = [g for g in recorded(kafka_bootstrap, namespace, server).values()
+            if g.group_id == "conv-broken"]
+    assert (g.generation_id, g.metadata["proxy.turns"]) == ("chatcmpl-broken-1:0", "2")
+
+
 def test_the_version_is_what_the_upstream_served_and_redaction_drops_text(
         upstream, proxy, kafka_bootstrap, namespace, tmp_path):
     version_file = tmp_path / "served-version"
@@ -861,12 +947,10 @@ class CliProxy:
     returncode: int | None = None
 
 
-@contextlib.contextmanager
-def reef_intake_proxy(upstream: str, bootstrap: str, namespace: str, home: Path,
-                      *args: str) -> Iterator[CliProxy]:
+def spawn_reef_intake_proxy(upstream: str, bootstrap: str, namespace: str, home: Path,
+                            *args: str) -> CliProxy:
     """`reef intake proxy --upstream UPSTREAM ARGS...` on a free port, recording to
-    ``namespace`` (its topics declared here), answering when entered; SIGTERM on exit, which
-    the proxy must survive with status 0 (its closing report is then in ``output``)."""
+    ``namespace`` (its topics declared here), once it answers; the caller stops it."""
     ensure_topics(AdminClient(client_config(bootstrap)), declare_topics(namespace))
     port = free_ports(1)[0]
     env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": bootstrap, "REEF_NAMESPACE": namespace,
@@ -876,15 +960,30 @@ def reef_intake_proxy(upstream: str, bootstrap: str, namespace: str, home: Path,
     running = CliProxy(f"http://127.0.0.1:{port}",
                        subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True))
-    try:
-        def answers() -> Reply | None:
-            assert running.process.poll() is None, running.process.communicate()[0]
-            try:
-                return call(running.url + "/reef/stats")
-            except OSError:
-                return None
 
+    def answers() -> Reply | None:
+        assert running.process.poll() is None, running.process.communicate()[0]
+        try:
+            return call(running.url + "/reef/stats")
+        except OSError:
+            return None
+
+    try:
         wait_until(answers, 60, "the proxy to answer")
+    except BaseException:
+        running.process.kill()
+        running.process.communicate(timeout=60)
+        raise
+    return running
+
+
+@contextlib.contextmanager
+def reef_intake_proxy(upstream: str, bootstrap: str, namespace: str, home: Path,
+                      *args: str) -> Iterator[CliProxy]:
+    """``spawn_reef_intake_proxy``, answering when entered; SIGTERM on exit, which the proxy
+    must survive with status 0 (its closing report is then in ``output``)."""
+    running = spawn_reef_intake_proxy(upstream, bootstrap, namespace, home, *args)
+    try:
         yield running
     finally:
         running.process.send_signal(signal.SIGTERM)
@@ -910,6 +1009,68 @@ def test_reef_intake_proxy_serves_records_and_reports_at_sigterm(
     assert (g.model, g.policy_version, g.replica_id) == ("my-model", 7,
                                                          f"proxy@{upstream[len('http://'):]}")
     assert "prompt" not in g.metadata
+
+
+def test_a_proxy_killed_outright_holding_a_trajectory_records_it_whole_once_restarted(
+        upstream, kafka_bootstrap, namespace, tmp_path):
+    """The tool-calling turns a proxy holds are journalled in its spool directory: killed with
+    SIGKILL mid-conversation and started again on the same directory, it holds the trajectory
+    again, the next turn chains onto it, and exactly one Generation holds every turn."""
+    home = tmp_path / "home"
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    messages = [{"role": "user", "content": "add 17 and 25"}]
+    conversation = {"x-reef-conversation-id": "conv-kill"}
+
+    def agent_turn(url: str, i: int, max_tokens: int, result: str | None) -> Reply:
+        nonlocal messages
+        body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens,
+                **({"tools": tools} if result else {"stream": True})}
+        reply = call(url + "/v1/chat/completions", body, request_id=f"kill-{i}",
+                     headers=conversation)
+        assert reply.status == 200
+        if result is not None:
+            message = reply.json()["choices"][0]["message"]
+            assert message["tool_calls"]
+            messages = [*messages, message, {"role": "tool", "tool_call_id": "call-0",
+                                             "content": result}]
+        return reply
+
+    killed = spawn_reef_intake_proxy(upstream, kafka_bootstrap, namespace, home)
+    try:
+        agent_turn(killed.url, 0, 3, "42")
+        agent_turn(killed.url, 1, 2, "ok")
+        assert call(killed.url + "/reef/stats").json()["trajectories"] == {"chained": 1,
+                                                                          "held": 1}
+    finally:
+        killed.process.kill()
+        killed.process.communicate(timeout=60)
+    assert killed.process.returncode == -signal.SIGKILL
+
+    with reef_intake_proxy(upstream, kafka_bootstrap, namespace, home) as server:
+        restarted = call(server.url + "/reef/stats").json()["trajectories"]
+        assert agent_turn(server.url, 2, 4, None).headers[GENERATION_IDS_HEADER] == \
+            "chatcmpl-kill-2:0"
+    assert "proxy closed: 1 recorded, 0 dropped" in server.output
+
+    stored = [g for g in read_all(kafka_bootstrap, generations(namespace), Generation)
+              if g.group_id == "conv-kill"]
+    assert [g.generation_id for g in stored] == ["chatcmpl-kill-2:0"], "exactly one"
+    (g,) = stored
+    assert g.metadata.get("proxy.turns") == "3", "the turns before the kill are in it"
+    tokens = [(completion_of(0, 3), "assistant"), (prompt_ids("42"), "tool:add"),
+              (completion_of(0, 2), "assistant"), (prompt_ids("ok"), "tool:add"),
+              (completion_of(0, 4), "assistant")]
+    assert g.prompt_token_ids.tolist() == prompt_ids("add 17 and 25")
+    assert g.completion_token_ids.tolist() == [
+        t for part, _ in tokens for t in (part[0] if isinstance(part, tuple) else part)]
+    assert g.completion_logprobs.tolist() == [
+        v for part, _ in tokens
+        for v in (part[1] if isinstance(part, tuple) else [0.0] * len(part))]
+    assert [(t.role, t.token_ids.size) for t in g.turns()] == [
+        (role, len(part[0] if isinstance(part, tuple) else part)) for part, role in tokens]
+    assert restarted == {"restored": 1, "held": 1}
+    journal = home / "spool" / f"{namespace}-proxy" / "trajectories.journal"
+    assert journal.stat().st_size == 0, "handed to the producer: nothing left in the journal"
 
 
 def test_stripping_nulls_only_the_added_keys_never_text_that_looks_like_them():
