@@ -88,6 +88,32 @@ def _measure(label: str, calls: int, one) -> None:
           f"{busy * ms:6.2f} ms", flush=True)
 
 
+def _private_tmp() -> None:
+    """A call's tmp as the sandbox makes it (the same system calls, made here: the steps
+    measure what the kernel's part costs, the same in both trees of ``--before``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(worker.CLONE_NEWNS | worker.CLONE_NEWIPC) != 0:
+        raise OSError(ctypes.get_errno(), "unshare")
+    libc.mount(b"none", b"/", None, worker.MS_REC | worker.MS_PRIVATE, None)
+    for path in worker.PRIVATE_TMP:
+        if os.path.isdir(path) and not os.path.islink(path):
+            libc.mount(b"tmpfs", path.encode(), b"tmpfs", worker.MS_NOSUID | worker.MS_NODEV,
+                       f"size={LIMITS.file_mb}m,mode=1777".encode())
+
+
+def _limits(uid: int | None) -> None:
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * resource.getpagesize()
+    for which, soft in ((resource.RLIMIT_CPU, LIMITS.cpu_s),
+                        (resource.RLIMIT_AS, mapped + LIMITS.memory_mb * 2**20),
+                        (resource.RLIMIT_FSIZE, LIMITS.file_mb * 2**20),
+                        (resource.RLIMIT_NOFILE, LIMITS.open_files),
+                        (resource.RLIMIT_NPROC, LIMITS.processes), (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(which, (soft, soft))
+    if uid is not None:
+        worker.become(uid)
+
+
 def _forked(steps: int, uid: int | None, filtered: bool, outputs: tuple[int, int]):
     """One call's process that goes as far as ``steps`` of the set-up, then exits."""
     def one() -> None:
@@ -106,11 +132,9 @@ def _forked(steps: int, uid: int | None, filtered: bool, outputs: tuple[int, int
                     os.dup2(outputs[1], 2)
                     os.closerange(3, 1 << 16)
                 if steps >= 2:
-                    worker._private_tmp(LIMITS)
+                    _private_tmp()
                 if steps >= 3:
-                    worker._set_limits(LIMITS, uid)
-                    if uid is not None:
-                        worker.become(uid)
+                    _limits(uid)
                 if steps >= 4 and filtered:
                     seccomp.install()
             finally:
@@ -177,11 +201,15 @@ def measure(calls: int, config: dict) -> int:
              ("+ tmp", _forked(2, uid, filtered, outputs)),
              ("+ limits, uid", _forked(3, uid, filtered, outputs)),
              ("+ seccomp", _forked(4, uid, filtered, outputs))]
-    params = inspect.signature(worker.run_call).parameters
+    if "sandbox" in inspect.signature(worker.run_call).parameters:  # one Sandbox per worker
+        sandbox = worker.prepare(LIMITS, uid, slot, filtered,
+                                 worker._filesystem(LIMITS) == "private", tmp)
+        arguments: tuple = (sandbox, sink)
+    else:
+        arguments = (LIMITS, uid, sink, tmp, slot, filtered)
 
     def call() -> None:
-        extra = {"filtered": filtered} if "filtered" in params else {}
-        answer = worker.run_call(reward, g, LIMITS, uid, sink, tmp, slot, **extra)
+        answer = worker.run_call(reward, g, *arguments)
         assert "ok" in answer, answer
 
     kinds.append(("run_call", call))
