@@ -30,6 +30,8 @@ import ctypes
 import errno
 import platform
 
+from reef_stream.consumers.reward.sandbox import libc
+
 __all__ = ["DENIED", "SUPPORTED", "install", "status"]
 
 SUPPORTED = ("x86_64",)
@@ -83,13 +85,11 @@ def _program() -> list[tuple[int, int, int, int]]:
 
 
 _CODE = _program()
-#: Built once, in the worker, with the C library's handle and the machine's name: each call's
-#: process only loads it (two ``prctl``), and touches as few of the worker's pages as it can
-#: (each one it writes is copied).
+#: Built once, in the worker, with the machine's name: each call's process only loads it (two
+#: ``prctl``), and writes as few of the worker's pages as it can (each one it writes is copied).
 _FILTERS = (_Filter * len(_CODE))(*(_Filter(*row) for row in _CODE))
 _PROGRAM = _Program(len(_CODE), _FILTERS)
 _PROGRAM_ADDRESS = ctypes.c_void_p(ctypes.addressof(_PROGRAM))
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 _MACHINE = platform.machine()
 
 
@@ -104,7 +104,7 @@ def install() -> None:
     ``OSError`` when the architecture is not supported or the kernel refuses."""
     if _MACHINE not in SUPPORTED:
         raise OSError(errno.ENOSYS, f"no seccomp table for {_MACHINE}")
-    if _PRCTL(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    if _PRCTL(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _PROGRAM_ADDRESS, 0, 0) != 0:
+    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _PROGRAM_ADDRESS, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reef_stream.api.rewards import is_transient
-from reef_stream.consumers.reward.sandbox import seccomp
+from reef_stream.consumers.reward.sandbox import libc, seccomp
 from reef_stream.consumers.reward.sandbox.categories import (
     CRASHED, EXIT, MEMORY, OUTPUT_INVALID, SANDBOX_UNAVAILABLE, TIMEOUT, Limits, signal_name,
 )
@@ -109,10 +109,6 @@ STDERR_TAIL = 1500
 #: A call's processes' ``oom_score_adj``: the OOM killer of the worker's slot chooses them first.
 OOM_FIRST = 1000
 _MEMORY_RESULT = b'{"memory": true}'
-#: The C library and the functions a call's process needs, looked up once in the worker: a
-#: call's process writes as few of the worker's pages as it can (each one it writes is copied).
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_UNSHARE, _MOUNT, _PRCTL = _LIBC.unshare, _LIBC.mount, _LIBC.prctl
 
 
 @dataclass(frozen=True)
@@ -197,11 +193,11 @@ def _read_exactly(fd: int, size: int) -> bytes | None:
 def isolate_network() -> str:
     """``isolated`` when this process now has a network namespace of its own; otherwise why
     not."""
-    if _UNSHARE(CLONE_NEWNET) == 0:
+    if libc.unshare(CLONE_NEWNET) == 0:
         return "isolated"
     first = os.strerror(ctypes.get_errno())
     uid, gid = os.getuid(), os.getgid()
-    if _UNSHARE(CLONE_NEWUSER | CLONE_NEWNET) == 0:
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
         try:  # stay the same user inside (files keep their owner)
             with open("/proc/self/setgroups", "w") as f:
                 f.write("deny")
@@ -312,12 +308,12 @@ def _private_tmp(mounts: tuple[bytes, ...], options: bytes) -> bool:
     ``mounts`` (``_tmp_mounts``): nothing written there is shared with another call or
     outlives this one, and a unix socket there on the host is out of reach. False when the
     namespace is refused; raises ``OSError`` when a mount fails after it was granted."""
-    if _UNSHARE(CLONE_NEWNS | CLONE_NEWIPC) != 0 and _UNSHARE(CLONE_NEWNS) != 0:
+    if libc.unshare(CLONE_NEWNS | CLONE_NEWIPC) != 0 and libc.unshare(CLONE_NEWNS) != 0:
         return False
-    if _MOUNT(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
         raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
     for path in mounts:
-        if _MOUNT(b"tmpfs", path, b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
+        if libc.mount(b"tmpfs", path, b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
             raise OSError(ctypes.get_errno(), f"mount tmpfs on {path.decode()}")
     return True
 
@@ -738,7 +734,7 @@ def main() -> None:
     slot, cgroup = make_slot(groups, limits)
     filtering = seccomp.status()
     filesystem = _filesystem(limits)
-    _PRCTL(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     from reef_stream.core.events import Generation
     from reef_stream.core.serde import decode
     for name in PRELOADED:  # the calls' user may not be able to read the installation
