@@ -17,8 +17,8 @@ other jobs on the machine count too, so read it beside the load average printed 
 3. ``+ tmp``: its mount and IPC namespaces and private tmp mounts;
 4. ``+ limits, uid``: its rlimits and its user;
 5. ``+ seccomp``: its filter;
-6. ``run_call``: the whole call as the worker makes it, a trivial reward (its directory,
-   output files, pipe, frames, the slot emptied).
+6. ``run_call``: the whole call as the worker makes it, a trivial reward (its outputs, pipe,
+   frames, the slot emptied).
 
 The differences between lines are what each step costs, its teardown at exit included. With
 ``--before REV`` it runs as revision REV has it and as this tree has it, alternating
@@ -36,6 +36,7 @@ import inspect
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -189,7 +190,8 @@ def measure(calls: int, config: dict) -> int:
     filtered = seccomp.status() == "filtered"
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
-    print(f"bench/sandbox_call.py: reward {config['target']}, uid {uid}, network {network}, cgroup {cgroup}, seccomp "
+    print(f"bench/sandbox_call.py: reward {config['target']}, uid {uid}, network {network}, "
+          f"cgroup {cgroup}, seccomp "
           f"{seccomp.status()}; this worker: RSS {_status('VmRSS')}, page tables "
           f"{_status('VmPTE')}, {len(sys.modules)} modules; load average {load}", flush=True)
     tmp = os.path.join("/tmp", f"reef-bench-call-{os.getpid()}")
@@ -217,6 +219,7 @@ def measure(calls: int, config: dict) -> int:
         _measure(label, calls, one)
     with open("/proc/loadavg") as f:
         print(f"load average at the end {' '.join(f.read().split()[:3])}")
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

@@ -373,7 +373,8 @@ def _child(reward: Any, generation: Any, sandbox: Sandbox, workdir: str, result_
     memory_result = _MEMORY_RESULT
     uid = sandbox.uid
     try:
-        adjust = os.open("/proc/self/oom_score_adj", os.O_WRONLY)  # the OOM killer's first
+        # the OOM killer's first choice (os.open and os.write: as few pages written as can be)
+        adjust = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
         os.write(adjust, b"%d" % OOM_FIRST)
         os.close(adjust)
         os.setpgid(0, 0)
