@@ -51,6 +51,7 @@ def _hostile(generation: Generation) -> Reward:
         sys.stdout.write(junk)
         sys.stderr.write(junk)
     if what == "exit":
+        sys.stderr.write(generation.metadata.get("say", ""))
         sys.exit(3)
     if what == "sleep":
         time.sleep(60)

@@ -10,7 +10,7 @@
 - ``write_outside``: writes a file into the directory named by ``metadata["path"]``;
 - ``socket``: connects to ``metadata["host"]:metadata["port"]``;
 - ``garbage``: prints 4 MB of garbage to stdout and stderr, then scores;
-- ``exit``: ``sys.exit(3)``;
+- ``exit``: writes ``metadata["say"]`` (if any) to stderr, then ``sys.exit(3)``;
 - ``sleep``: sleeps 60 s (past any test's timeout);
 - ``bad_output``: returns a string, not a Reward;
 - ``nan``: returns a NaN reward;

@@ -130,6 +130,15 @@ def test_refusals_inside_the_reward_are_the_function_raising(pool, tmp_path):
     _no_leaks(pool, fds)
 
 
+def test_a_failed_calls_stderr_ends_its_reason_and_leaves_no_file(pool):
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(SandboxFailure) as failure:
+        pool.call(_gen("exit", say="x" * 4000 + "the judge gave up\n"), timeout=20)
+    assert failure.value.category == "exit"
+    assert str(failure.value).endswith("its stderr ends: " + "x" * 1482 + "the judge gave up")
+    _no_leaks(pool, fds)
+
+
 def test_garbage_on_stdout_cannot_corrupt_the_result(pool):
     assert pool.call(_gen("garbage"), timeout=20).reward == 1.0
 

@@ -30,6 +30,8 @@ import ctypes
 import errno
 import platform
 
+from reef_stream.consumers.reward.sandbox import libc
+
 __all__ = ["DENIED", "SUPPORTED", "install", "status"]
 
 SUPPORTED = ("x86_64",)
@@ -83,27 +85,26 @@ def _program() -> list[tuple[int, int, int, int]]:
 
 
 _CODE = _program()
-#: Built once, in the worker: each call's process only loads it.
+#: Built once, in the worker, with the machine's name: each call's process only loads it (two
+#: ``prctl``), and writes as few of the worker's pages as it can (each one it writes is copied).
 _FILTERS = (_Filter * len(_CODE))(*(_Filter(*row) for row in _CODE))
+_PROGRAM = _Program(len(_CODE), _FILTERS)
+_PROGRAM_ADDRESS = ctypes.c_void_p(ctypes.addressof(_PROGRAM))
+_MACHINE = platform.machine()
 
 
 def status() -> str:
     """``filtered`` where ``install`` can load the filter (this machine's architecture is
     supported), otherwise why not."""
-    machine = platform.machine()
-    return "filtered" if machine in SUPPORTED else f"not filtered: no table for {machine}"
+    return "filtered" if _MACHINE in SUPPORTED else f"not filtered: no table for {_MACHINE}"
 
 
 def install() -> None:
     """Set ``no_new_privs`` and load the filter into the calling process, for good. Raises
     ``OSError`` when the architecture is not supported or the kernel refuses."""
-    machine = platform.machine()
-    if machine not in SUPPORTED:
-        raise OSError(errno.ENOSYS, f"no seccomp table for {machine}")
-    libc = ctypes.CDLL(None, use_errno=True)
-    program = _Program(len(_CODE), _FILTERS)
+    if _MACHINE not in SUPPORTED:
+        raise OSError(errno.ENOSYS, f"no seccomp table for {_MACHINE}")
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.c_void_p(
-            ctypes.addressof(program)), 0, 0) != 0:
+    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _PROGRAM_ADDRESS, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")

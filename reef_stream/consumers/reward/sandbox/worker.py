@@ -18,23 +18,29 @@ fork of the reward worker and its Kafka clients). At start it:
 5. writes its ready frame (with ``torch``: whether torch was imported, and ``modules``: how
    many modules were), then serves calls one at a time until its stdin closes.
 
+What every call runs under is settled once, at the start (``Sandbox``, ``prepare``): the
+calls' environment (``HOME``, ``TMPDIR``, ... at their private /tmp) is set in the worker
+itself, and the C library's functions, the seccomp program and the tmp mounts' options are
+built there, so that a call's process does only what must be done per call (each page of
+the worker it writes is copied).
+
 Each call: the request frame carries the generation as its Avro record (value and headers,
-base64 in JSON); the worker decodes it, makes a fresh temporary directory of its own, opens
-the call's stdout and stderr files there (it later reads only these descriptors, bounded)
-and forks the call's process, which makes a process group of its own, points stdin at
-/dev/null and stdout and stderr at those files, gets private tmp mounts (``_private_tmp``;
-where refused, a directory of its own instead) and works in its /tmp (``HOME`` and
-``TMPDIR`` too), sets the ``Limits``, drops to the call's user (as root: a uid of
-``uid_range`` the worker holds for its life, ``claim_uid``; never another pool's), loads the
-seccomp filter (``seccomp``: no ``ptrace``, no new namespaces, no mounts, ...), runs the
-reward function (a coroutine on a fresh event loop) and writes its result as JSON to a pipe. The
-worker writes a frame with the call's pid (the pool kills that process group on a wall-clock
-timeout), waits for the call's process, kills what is left of its process group and every
-other process of its slot (``_empty_slot``: a ``setsid`` daemon too; without a slot, every
-process of its uid: ``kill_user``), reaps, removes the
-directory and answers with one frame: ``{"ok": {"reward", "components"}}``, ``{"raised":
-{"type", "message", "transient"}}``, or ``{"failure": {"category", "detail"}}``
-(``reef_stream.consumers.reward.sandbox.categories``).
+base64 in JSON); the worker decodes it, makes the call's stdout and stderr as anonymous
+files in memory (``memfd``: no name the call could replace; it later reads only these
+descriptors, bounded), works out its rlimits and forks the call's process, which makes a
+process group of its own, points stdin at /dev/null and stdout and stderr at those files,
+gets private tmp mounts (``_private_tmp``; where the worker found them refused at its start,
+a directory of its own instead, which the worker makes and removes) and works in its /tmp,
+sets the ``Limits``, drops to the call's user (as root: a uid of ``uid_range`` the worker
+holds for its life, ``claim_uid``; never another pool's), loads the seccomp filter
+(``seccomp``: no ``ptrace``, no new namespaces, no mounts, ...), runs the reward function (a
+coroutine on a fresh event loop) and writes its result as JSON to a pipe. The worker writes
+a frame with the call's pid (the pool kills that process group on a wall-clock timeout),
+waits for the call's process, kills what is left of its process group and every other
+process of its slot (``_empty_slot``: a ``setsid`` daemon too; without a slot, every process
+of its uid: ``kill_user``), reaps, and answers with one frame: ``{"ok": {"reward",
+"components"}}``, ``{"raised": {"type", "message", "transient"}}``, or ``{"failure":
+{"category", "detail"}}`` (``reef_stream.consumers.reward.sandbox.categories``).
 
 Frames: a 4-byte big-endian length, then that many bytes of JSON. Never pickle.
 """
@@ -60,10 +66,11 @@ import struct
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from reef_stream.api.rewards import is_transient
-from reef_stream.consumers.reward.sandbox import seccomp
+from reef_stream.consumers.reward.sandbox import libc, seccomp
 from reef_stream.consumers.reward.sandbox.categories import (
     CRASHED, EXIT, MEMORY, OUTPUT_INVALID, SANDBOX_UNAVAILABLE, TIMEOUT, Limits, signal_name,
 )
@@ -71,7 +78,8 @@ from reef_stream.consumers.reward.sandbox.cgroups import (
     SLOT_PROCESSES, Groups, SlotGroup, find, remove_stale,
 )
 
-__all__ = ["claim_uid", "kill_user", "read_frame", "write_frame"]
+__all__ = ["Sandbox", "claim_uid", "kill_user", "prepare", "read_frame", "run_call",
+           "write_frame"]
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWNS = 0x00020000
@@ -101,6 +109,46 @@ STDERR_TAIL = 1500
 #: A call's processes' ``oom_score_adj``: the OOM killer of the worker's slot chooses them first.
 OOM_FIRST = 1000
 _MEMORY_RESULT = b'{"memory": true}'
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """What every call of a worker runs under, settled once at the worker's start
+    (``prepare``), so that each call's process does only what must be done per call.
+
+    ``private``: each call gets private tmp mounts (``_private_tmp``: a tmpfs with
+    ``mount_options`` on each of ``mounts``) and works in ``PRIVATE_TMP[0]``, whose
+    environment (``HOME``, ``TMPDIR``, ...) the worker set in its own, once; otherwise each call
+    works in a directory of its own under ``tmp`` (the worker's), its environment set by its
+    process. ``filtered``: each call loads the seccomp filter. ``slot``: the worker's cgroup,
+    or None."""
+
+    limits: Limits
+    uid: int | None
+    slot: SlotGroup | None = None
+    filtered: bool = False
+    private: bool = False
+    tmp: str | None = None
+    mounts: tuple[bytes, ...] = ()
+    mount_options: bytes = b""
+
+
+def prepare(limits: Limits, uid: int | None, slot: SlotGroup | None, filtered: bool,
+            private: bool, tmp: str | None) -> Sandbox:
+    """This worker's ``Sandbox``; with ``private``, also sets the calls' environment in this
+    process (after the reward's module was imported: it imported in the worker's own)."""
+    mounts, options = _tmp_mounts(limits)
+    if private:
+        _enter_workdir(PRIVATE_TMP[0])
+    return Sandbox(limits, uid, slot, filtered, private, tmp, mounts, options)
+
+
+def _enter_workdir(workdir: str) -> None:
+    """``workdir`` as the calls' ``HOME``, ``TMPDIR``, ``TMP``, ``TEMP`` and
+    ``tempfile.tempdir``, with ``REEF_SANDBOXED_CALL=1``."""
+    os.environ.update(HOME=workdir, TMPDIR=workdir, TMP=workdir, TEMP=workdir,
+                      REEF_SANDBOXED_CALL="1")
+    tempfile.tempdir = workdir
 
 
 def become(uid: int) -> None:
@@ -145,7 +193,6 @@ def _read_exactly(fd: int, size: int) -> bytes | None:
 def isolate_network() -> str:
     """``isolated`` when this process now has a network namespace of its own; otherwise why
     not."""
-    libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWNET) == 0:
         return "isolated"
     first = os.strerror(ctypes.get_errno())
@@ -247,23 +294,27 @@ def kill_user(uid: int, seconds: float = 1.0, reap: bool = True) -> bool:
 
 # --------------------------------------------------------------------------- one call
 
-def _private_tmp(limits: Limits) -> bool:
+def _tmp_mounts(limits: Limits) -> tuple[tuple[bytes, ...], bytes]:
+    """The directories of ``PRIVATE_TMP`` that exist here (a symbolic link is not one), and
+    the options of the tmpfs of ``limits.file_mb`` MB each gets."""
+    paths = tuple(path.encode() for path in PRIVATE_TMP
+                  if os.path.isdir(path) and not os.path.islink(path))
+    return paths, f"size={limits.file_mb}m,mode=1777".encode()
+
+
+def _private_tmp(mounts: tuple[bytes, ...], options: bytes) -> bool:
     """In the call's process, as root: a mount namespace (and an IPC namespace) of its own,
-    every mount private, and a fresh tmpfs of ``limits.file_mb`` MB (nosuid, nodev) on each
-    of ``PRIVATE_TMP`` that exists: nothing written there is shared with another call or
+    every mount private, and a fresh tmpfs with ``options`` (nosuid, nodev) on each of
+    ``mounts`` (``_tmp_mounts``): nothing written there is shared with another call or
     outlives this one, and a unix socket there on the host is out of reach. False when the
-    namespace is refused (the call then works in a directory of the worker's); raises
-    ``OSError`` when a mount fails after it was granted."""
-    libc = ctypes.CDLL(None, use_errno=True)
+    namespace is refused; raises ``OSError`` when a mount fails after it was granted."""
     if libc.unshare(CLONE_NEWNS | CLONE_NEWIPC) != 0 and libc.unshare(CLONE_NEWNS) != 0:
         return False
     if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
         raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
-    options = f"size={limits.file_mb}m,mode=1777".encode()
-    for path in PRIVATE_TMP:
-        if os.path.isdir(path) and not os.path.islink(path) and \
-                libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
-            raise OSError(ctypes.get_errno(), f"mount tmpfs on {path}")
+    for path in mounts:
+        if libc.mount(b"tmpfs", path, b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
+            raise OSError(ctypes.get_errno(), f"mount tmpfs on {path.decode()}")
     return True
 
 
@@ -273,7 +324,7 @@ def _filesystem(limits: Limits) -> str:
     pid = os.fork()
     if pid == 0:
         try:
-            os._exit(0 if _private_tmp(limits) else 1)
+            os._exit(0 if _private_tmp(*_tmp_mounts(limits)) else 1)
         except BaseException:  # noqa: BLE001 - said by the status
             os._exit(2)
     status = os.waitpid(pid, 0)[1]
@@ -294,32 +345,38 @@ def _user_processes(uid: int) -> int:
     return count
 
 
-def _set_limits(limits: Limits, uid: int | None) -> None:
-    """The call's limits, soft and hard alike (the reward cannot raise them again)."""
+def _rlimits(limits: Limits, uid: int | None) -> tuple[tuple[int, int, int], ...]:
+    """The call's limits as ``(resource, soft, hard)``, soft and hard alike but for the CPU
+    (the reward cannot raise them again), worked out in the worker just before the fork: the
+    address space is counted from what the worker has mapped then, which the call's process
+    starts with."""
     with open("/proc/self/statm") as f:
         mapped = int(f.read().split()[0]) * resource.getpagesize()
     processes = limits.processes if uid is not None else limits.processes + \
         _user_processes(os.getuid())
-    for which, soft, hard in (
-            (resource.RLIMIT_CPU, limits.cpu_s, limits.cpu_s + 1),
-            (resource.RLIMIT_AS, mapped + limits.memory_mb * 2**20, None),
-            (resource.RLIMIT_FSIZE, limits.file_mb * 2**20, None),
-            (resource.RLIMIT_NOFILE, limits.open_files, None),
-            (resource.RLIMIT_NPROC, processes, None),
-            (resource.RLIMIT_CORE, 0, None)):
-        resource.setrlimit(which, (soft, soft if hard is None else hard))
+    return tuple((which, soft, soft if hard is None else hard) for which, soft, hard in (
+        (resource.RLIMIT_CPU, limits.cpu_s, limits.cpu_s + 1),
+        (resource.RLIMIT_AS, mapped + limits.memory_mb * 2**20, None),
+        (resource.RLIMIT_FSIZE, limits.file_mb * 2**20, None),
+        (resource.RLIMIT_NOFILE, limits.open_files, None),
+        (resource.RLIMIT_NPROC, processes, None),
+        (resource.RLIMIT_CORE, 0, None)))
 
 
-def _child(reward: Any, generation: Any, workdir: str, result_fd: int, outputs: tuple[int, int],
-           limits: Limits, uid: int | None, filtered: bool) -> None:
+def _child(reward: Any, generation: Any, sandbox: Sandbox, workdir: str, result_fd: int,
+           outputs: tuple[int, int], rlimits: tuple[tuple[int, int, int], ...]) -> None:
     """The call's process (after the fork, born in the worker's slot): ``outputs`` are its
-    stdout and stderr, opened by the worker; with ``filtered``, the seccomp filter is the
-    last step of its set-up. Never returns."""
+    stdout and stderr, opened by the worker; ``workdir`` its directory where its tmp is not
+    private; with ``sandbox.filtered``, the seccomp filter is the last step of its set-up.
+    Never returns."""
     me = os.getpid()
     memory_result = _MEMORY_RESULT
+    uid = sandbox.uid
     try:
-        with open("/proc/self/oom_score_adj", "w") as f:  # the OOM killer's first choice
-            f.write(str(OOM_FIRST))
+        # the OOM killer's first choice (os.open and os.write: as few pages written as can be)
+        adjust = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        os.write(adjust, b"%d" % OOM_FIRST)
+        os.close(adjust)
         os.setpgid(0, 0)
         for number in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(number, signal.SIG_DFL)
@@ -329,20 +386,21 @@ def _child(reward: Any, generation: Any, workdir: str, result_fd: int, outputs: 
         os.dup2(outputs[1], 2)
         os.closerange(3, result_fd)
         os.closerange(result_fd + 1, 1 << 16)
-        if _private_tmp(limits):
-            workdir = PRIVATE_TMP[0]
+        if sandbox.private:  # its environment is the worker's, set once (``prepare``)
+            if not _private_tmp(sandbox.mounts, sandbox.mount_options):
+                raise OSError("the call's mount namespace was refused")
+            os.chdir(PRIVATE_TMP[0])
         else:
             os.makedirs(workdir, 0o700, exist_ok=True)
             if uid is not None:
                 os.chown(workdir, uid, uid)
-        os.chdir(workdir)
-        os.environ.update(HOME=workdir, TMPDIR=workdir, TMP=workdir, TEMP=workdir,
-                          REEF_SANDBOXED_CALL="1")
-        tempfile.tempdir = workdir
-        _set_limits(limits, uid)
+            os.chdir(workdir)
+            _enter_workdir(workdir)
+        for which, soft, hard in rlimits:
+            resource.setrlimit(which, (soft, hard))
         if uid is not None:
             become(uid)
-        if filtered:
+        if sandbox.filtered:
             seccomp.install()
     except BaseException as error:  # noqa: BLE001 - the sandbox could not be set up
         _write_all(result_fd, json.dumps({"setup": f"{type(error).__name__}: {error}"}).encode())
@@ -465,16 +523,16 @@ def _reap() -> None:
             return
 
 
-def _open_output(directory: str, name: str) -> int:
-    """A new regular file ``name`` in the worker's own ``directory``, for reading and
-    appending (never a path the call chose: ``O_EXCL | O_NOFOLLOW``)."""
-    return os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT | os.O_EXCL
-                   | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC, 0o600)
+def _open_output(name: str) -> int:
+    """A new anonymous file (``memfd``) for one of the call's outputs: in memory (charged to
+    the call's slot and limited by its RLIMIT_FSIZE), in no directory, so no name the call
+    could replace, and gone when the worker closes it."""
+    return os.memfd_create(name, os.MFD_CLOEXEC)
 
 
 def _tail(fd: int) -> str:
     """At most the last ``STDERR_TAIL`` bytes of the regular file open on ``fd`` (the
-    worker's own descriptor: whatever the call did to the file's name, it reads this file)."""
+    worker's own descriptor: whatever the call did, it reads this file)."""
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -485,13 +543,12 @@ def _tail(fd: int) -> str:
         return ""
 
 
-def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
-             out_fd: int, tmp: str | None = None, slot: SlotGroup | None = None,
-             filtered: bool = False) -> dict:
-    """One call in a forked process (see the module docstring), born in the worker's ``slot``
+def run_call(reward: Any, generation: Any, sandbox: Sandbox, out_fd: int) -> dict:
+    """One call in a forked process (see the module docstring), born in the worker's slot
     where it has one (memory and processes limited per call: ``cgroups``), which holds only
-    the worker again when this returns, under the seccomp filter with ``filtered``; the
-    answer frame."""
+    the worker again when this returns, under the seccomp filter where the sandbox has it;
+    the answer frame."""
+    limits, slot, uid = sandbox.limits, sandbox.slot, sandbox.uid
     oom_before = 0
     if slot is not None:
         try:
@@ -500,12 +557,16 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
         except OSError as error:
             return {"failure": {"category": SANDBOX_UNAVAILABLE,
                                 "detail": f"the call's memory limit could not be set: {error}"}}
-    own = tempfile.mkdtemp(prefix="call-", dir=tmp)  # the worker's; the call cannot change it
+    # where its tmp is not private, a directory of the worker's that the call cannot change,
+    # in which it makes its own (work)
+    own = "" if sandbox.private else tempfile.mkdtemp(prefix="call-", dir=sandbox.tmp)
     outputs: tuple[int, ...] = ()
     try:
-        os.chmod(own, 0o711)  # its files stay the worker's (0600)
-        workdir = os.path.join(own, "work")  # made by the call where /tmp is not its own
-        outputs = (_open_output(own, "stdout"), _open_output(own, "stderr"))
+        if own:
+            os.chmod(own, 0o711)
+        workdir = os.path.join(own, "work") if own else ""
+        outputs = (_open_output("stdout"), _open_output("stderr"))
+        rlimits = _rlimits(limits, uid)
         read_fd, write_fd = os.pipe()
         try:
             pid = os.fork()
@@ -517,7 +578,7 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
         if pid == 0:
             try:
                 os.close(read_fd)
-                _child(reward, generation, workdir, write_fd, outputs, limits, uid, filtered)
+                _child(reward, generation, sandbox, workdir, write_fd, outputs, rlimits)
             finally:
                 os._exit(70)
         os.close(write_fd)
@@ -539,7 +600,8 @@ def run_call(reward: Any, generation: Any, limits: Limits, uid: int | None,
     finally:
         for fd in outputs:
             os.close(fd)
-        shutil.rmtree(own, ignore_errors=True)
+        if own:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 def _empty_slot(slot: SlotGroup, seconds: float = 1.0) -> bool:
@@ -672,7 +734,8 @@ def main() -> None:
     remove_stale(groups)
     slot, cgroup = make_slot(groups, limits)
     filtering = seccomp.status()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    filesystem = _filesystem(limits)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     from reef_stream.core.events import Generation
     from reef_stream.core.serde import decode
     for name in PRELOADED:  # the calls' user may not be able to read the installation
@@ -682,8 +745,10 @@ def main() -> None:
     except BaseException as error:  # noqa: BLE001 - said in the ready frame
         write_frame(out_fd, {"ready": False, "error": f"{type(error).__name__}: {error}"})
         return
+    sandbox = prepare(limits, uid, slot, filtering == "filtered", filesystem == "private",
+                      config.get("tmp"))
     write_frame(out_fd, {"ready": True, "network": network, "pid": os.getpid(), "uid": uid,
-                         "unreadable": _unreadable(uid), "filesystem": _filesystem(limits),
+                         "unreadable": _unreadable(uid), "filesystem": filesystem,
                          "cgroup": cgroup, "seccomp": filtering,
                          "torch": "torch" in sys.modules,
                          "modules": len(sys.modules)})
@@ -698,8 +763,7 @@ def main() -> None:
                                              "detail": f"the generation did not decode in the "
                                                        f"sandbox: {error}"}})
             continue
-        write_frame(out_fd, run_call(reward, generation, limits, uid, out_fd, config.get("tmp"),
-                                     slot, filtering == "filtered"))
+        write_frame(out_fd, run_call(reward, generation, sandbox, out_fd))
 
 
 if __name__ == "__main__":
