@@ -20,7 +20,7 @@ import pytest
 
 from reef_stream.consumers.reward.sandbox.categories import Limits, RaisedInSandbox, SandboxFailure
 from reef_stream.consumers.reward.sandbox.code_reward import CodeExecutionReward, CodeTest
-from reef_stream.consumers.reward.sandbox.pool import SandboxPool, Ticket
+from reef_stream.consumers.reward.sandbox.pool import RECYCLE_S, SandboxPool, Ticket
 from reef_stream.core.errors import ConfigurationError
 from tests.faults.records import generation
 from tests.helpers import wait_until
@@ -148,7 +148,11 @@ def test_a_killed_call_frees_its_caller_at_once_and_counts(pool):
     with pytest.raises(SandboxFailure):
         pool.call(_gen("sleep"), timeout=0.5)
     assert time.monotonic() - started < 2.0
-    stats = pool.stats()
+    # The worker answers for the killed call on a thread of the pool's, after the caller was
+    # freed: wait for that (within its RECYCLE_S), then it must have been recycled, not
+    # replaced (on a loaded machine the count was read before the thread got to it).
+    stats = wait_until(lambda: (lambda s: s if s["recycled"] or s["restarts"] else None)(
+        pool.stats()), RECYCLE_S + 5, "the killed call's worker recycled or replaced")
     assert stats["recycled"] >= 1 and stats["network_isolated"] == 1.0
     assert stats["warm_starts"] > 0 and stats["size"] == 2
     assert pool.failures["timeout"] >= 1
