@@ -24,6 +24,7 @@ from reef_stream.core.serde import encode
 from reef_stream.core.settings import Settings, load_settings
 from reef_stream.engine.checkpoints import CheckpointContents, CheckpointStore
 from reef_stream.publishing.fleet import Fleet
+from reef_stream.publishing.publications import PublicationLedger
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import checkpoints, declare_topics, publications
@@ -125,3 +126,26 @@ class Loads:
 def eventually(predicate, timeout: float = 15.0, what: str = "the condition") -> None:
     """Wait until ``predicate()`` is true (polling), or fail the test (``wait_until``)."""
     wait_until(predicate, timeout, what)
+
+
+class Running:
+    """An evaluator of ``tests.recipes.<recipe>`` on a thread, until ``stop`` (which returns
+    its summary)."""
+
+    def __init__(self, recipe: str, settings: Settings, fleet: Fleet | None) -> None:
+        self.worker = EvaluatorWorker(load_recipe(f"tests.recipes.{recipe}"), settings=settings,
+                                      options=EvaluateOptions(supersede=False), fleet=fleet)
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> EvaluateSummary:
+        self.worker.stop()
+        self.thread.join(60)
+        assert not self.thread.is_alive()
+        return self.worker.summary
+
+
+def decided(bootstrap: str, namespace: str) -> list[Publication]:
+    """Every publication in the namespace, read to the end."""
+    with PublicationLedger(bootstrap, namespace) as ledger:
+        return ledger.catch_up()

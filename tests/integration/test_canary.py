@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import threading
 
 import pytest
 from confluent_kafka import Producer
@@ -21,7 +20,6 @@ from confluent_kafka import Producer
 from reef_stream.api.canary import Action
 from reef_stream.api.recipe import load_recipe
 from reef_stream.consumers.evaluator.canary import CanaryWatch
-from reef_stream.consumers.evaluator.evaluator import EvaluateOptions, EvaluatorWorker
 from reef_stream.core.events import (
     Decision, SamplingParams, now_ms,
 )
@@ -34,8 +32,8 @@ from reef_stream.topics.declarations import feedback, generations
 from tests import factories
 from tests.helpers import reef
 from tests.integration.publishing import (
-    Loads, create_topics, eventually, fleet_of, produce_checkpoints, publication_keys,
-    read_publications, run_evaluator, settings_for, write_checkpoint,
+    Loads, Running, create_topics, decided, eventually, fleet_of, produce_checkpoints,
+    publication_keys, read_publications, run_evaluator, settings_for, write_checkpoint,
 )
 
 
@@ -104,27 +102,6 @@ class Traffic:
                 value, headers = encode(event)
                 self.producer.produce(topic, key=gid.encode(), value=value, headers=headers)
         assert self.producer.flush(30) == 0
-
-
-class Running:
-    """An evaluator of tests.recipes.<recipe> on a thread, until ``stop``."""
-
-    def __init__(self, recipe: str, settings, fleet) -> None:
-        self.worker = EvaluatorWorker(load_recipe(f"tests.recipes.{recipe}"), settings=settings,
-                                      options=EvaluateOptions(supersede=False), fleet=fleet)
-        self.thread = threading.Thread(target=self.worker.run, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.worker.stop()
-        self.thread.join(60)
-        assert not self.thread.is_alive()
-        return self.worker.summary
-
-
-def decided(bootstrap: str, namespace: str) -> list:
-    with PublicationLedger(bootstrap, namespace) as ledger:
-        return ledger.catch_up()
 
 
 def test_a_worse_candidate_is_rolled_back_by_its_canary_and_a_better_one_promoted(

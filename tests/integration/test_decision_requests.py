@@ -15,24 +15,20 @@ the trainer (checkpoints of the tiny model).
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 from click.testing import CliRunner
 from confluent_kafka import Producer
 
-from reef_stream.api.recipe import load_recipe
 from reef_stream.cli.main import main
-from reef_stream.consumers.evaluator.evaluator import EvaluateOptions, EvaluatorWorker
 from reef_stream.core.events import DeadLetter, Decision, DecisionOutcome
 from reef_stream.publishing import decisions
-from reef_stream.publishing.publications import PublicationLedger
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import dead_letters, decision_outcomes, decision_requests
 from tests.helpers import consume_events, reef
 from tests.integration.publishing import (
-    create_topics, fleet_of, produce_checkpoints, run_evaluator, settings_for,
-    write_checkpoint,
+    Running, create_topics, decided, fleet_of, produce_checkpoints, run_evaluator,
+    settings_for, write_checkpoint,
 )
 
 
@@ -41,27 +37,6 @@ def setup(kafka_bootstrap, redis_url, namespace, tmp_path):
     create_topics(kafka_bootstrap, namespace)
     settings = settings_for(kafka_bootstrap, redis_url, namespace, tmp_path / "home")
     return settings, fleet_of(redis_url, namespace)
-
-
-class Running:
-    """An evaluator of tests.recipes.approval on a thread, until ``stop``."""
-
-    def __init__(self, settings, fleet) -> None:
-        self.worker = EvaluatorWorker(load_recipe("tests.recipes.approval"), settings=settings,
-                                      options=EvaluateOptions(supersede=False), fleet=fleet)
-        self.thread = threading.Thread(target=self.worker.run, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.worker.stop()
-        self.thread.join(60)
-        assert not self.thread.is_alive()
-        return self.worker.summary
-
-
-def decided(bootstrap: str, namespace: str) -> list:
-    with PublicationLedger(bootstrap, namespace) as ledger:
-        return ledger.catch_up()
 
 
 def waiting_for_approval(kafka_bootstrap, namespace, store, version: int, settings) -> None:
@@ -77,7 +52,7 @@ def test_a_decision_built_on_a_stale_read_is_refused_and_the_version_has_one_dec
         setup, cli_env, kafka_bootstrap, namespace, tmp_path, monkeypatch):
     settings, fleet = setup
     waiting_for_approval(kafka_bootstrap, namespace, tmp_path / "ckpt", 1, settings)
-    evaluator = Running(settings, fleet)
+    evaluator = Running("approval", settings, fleet)
     try:
         real, raced = decisions.rejection, []
 
@@ -143,7 +118,7 @@ def test_an_undecodable_request_is_a_dead_letter_and_the_evaluator_goes_on(
     producer = Producer(client_config(kafka_bootstrap))
     producer.produce(decision_requests(namespace), key=b"tiny", value=b"approve it, please")
     assert producer.flush(30) == 0
-    evaluator = Running(settings, fleet)
+    evaluator = Running("approval", settings, fleet)
     try:
         out = reef("reject", "tiny", "1", "--by", "bob", "--reason", "answers got longer",
                    env=cli_env).stdout
