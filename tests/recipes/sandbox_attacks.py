@@ -12,8 +12,9 @@ tests/unit/test_sandbox_escape.py. What it does is named by ``metadata["do"]``:
 - ``connect_unix``: connects to the unix socket ``metadata["path"]`` (raises if refused);
 - ``daemon``: starts a ``setsid`` grandchild that runs ``sleep 600.<metadata["token"]>``,
   then scores (or, with ``metadata["then_sleep"]``, sleeps that many seconds first);
-- ``killer``: starts a ``setsid`` grandchild that kills every process its user may signal,
-  every 10 ms for ``metadata["seconds"]``, then scores;
+- ``killer``: starts a ``setsid`` grandchild that, once the call's own process is gone (it
+  scores meanwhile), kills every process its user may signal, every 10 ms for
+  ``metadata["seconds"]``;
 - ``children``: forks ``metadata["n"]`` children that each touch ``metadata["mb"]`` MB and
   wait 1 s; reward 1.0 if every one of them exited 0, else 0;
 - ``leave``: leaves what it can for the next call: ``REEF_LEFT`` in its environment (and
@@ -57,14 +58,32 @@ def _daemon(body) -> None:
         os._exit(0)
 
 
-def _killer(seconds: float) -> None:
+def _killer(seconds: float, spare: int) -> None:
+    # Not the call that started it: killing that (same user) before it answered only made
+    # the attack fail its own call, on a loaded machine.
     deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and _alive(spare):
+        time.sleep(0.001)
     while time.monotonic() < deadline:
         try:
             os.kill(-1, signal.SIGKILL)
         except OSError:
             pass
         time.sleep(0.01)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (not reaped yet) has answered: it is gone for the attack's purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _children(n: int, mb: int) -> bool:
@@ -208,7 +227,8 @@ def _attack(generation: Generation) -> Reward:
         _daemon(lambda: os.execv("/bin/sleep", ["sleep", f"600.{meta['token']}"]))
         time.sleep(float(meta.get("then_sleep", 0)))
     if what == "killer":
-        _daemon(lambda: _killer(float(meta["seconds"])))
+        call = os.getpid()
+        _daemon(lambda: _killer(float(meta["seconds"]), call))
     if what == "children":
         return Reward(reward=float(_children(int(meta["n"]), int(meta["mb"]))))
     if what == "leave":
