@@ -47,6 +47,7 @@ def _options(function):
 def _decide(ctx: click.Context, kind: str, build, reason: str | None, wait: float) -> None:
     from reef_stream.core.errors import ConfigurationError, RetryableError
     from reef_stream.core.events import DecisionKind
+    from reef_stream.core.failpoints import failpoint
     from reef_stream.publishing.decisions import ask, request_for
     from reef_stream.publishing.publications import PublicationLedger
     from reef_stream.topics import declarations
@@ -58,6 +59,7 @@ def _decide(ctx: click.Context, kind: str, build, reason: str | None, wait: floa
         ledger.catch_up()
         publication = build(ledger)  # refused here when it does not apply to what was read
     request = request_for(DecisionKind[kind], publication, reason=reason)
+    failpoint("decide.before-request")   # the fault tests' moment between the read and the ask
     outcome = ask(bootstrap, settings.namespace, request, wait)
     if outcome is None:
         raise RetryableError(

@@ -15,17 +15,17 @@ the trainer (checkpoints of the tiny model).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 
 import pytest
-from click.testing import CliRunner
 from confluent_kafka import Producer
 
-from reef_stream.cli.main import main
 from reef_stream.core.events import DeadLetter, Decision, DecisionOutcome
-from reef_stream.publishing import decisions
+from reef_stream.core.failpoints import ENV as FAILPOINTS_ENV, RELEASE_ENV
 from reef_stream.topics.connect import client_config
 from reef_stream.topics.declarations import dead_letters, decision_outcomes, decision_requests
-from tests.helpers import consume_events, reef
+from tests.helpers import consume_events, reef, wait_until
 from tests.integration.publishing import (
     Running, create_topics, decided, fleet_of, produce_checkpoints, run_evaluator,
     settings_for, write_checkpoint,
@@ -49,35 +49,41 @@ def waiting_for_approval(kafka_bootstrap, namespace, store, version: int, settin
 
 
 def test_a_decision_built_on_a_stale_read_is_refused_and_the_version_has_one_decision(
-        setup, cli_env, kafka_bootstrap, namespace, tmp_path, monkeypatch):
+        setup, cli_env, kafka_bootstrap, namespace, tmp_path):
     settings, fleet = setup
     waiting_for_approval(kafka_bootstrap, namespace, tmp_path / "ckpt", 1, settings)
     evaluator = Running("approval", settings, fleet)
+    release = tmp_path / "release-bob"
     try:
-        real, raced = decisions.rejection, []
-
-        def stale(ledger, model, version, **kwargs):
-            """bob's rejection, built on his read (version 1 waiting); before it is sent, ann
-            approves version 1 (another process): bob's read is stale when he writes."""
-            publication = real(ledger, model, version, **kwargs)
-            if not raced:
-                raced.append(reef("approve", "tiny", "1", "--by", "ann", "--reason",
-                                  "read 20 samples", env=cli_env).stdout)
-            return publication
-
-        monkeypatch.setattr(decisions, "rejection", stale)
-        result = CliRunner().invoke(main, ["reject", "tiny", "1", "--by", "bob", "--reason",
-                                           "answers got longer"], env=cli_env)
+        # bob's rejection, built on his read (version 1 waiting), stops before it is sent
+        # (a failpoint); meanwhile ann approves version 1 in another process, so bob's read is
+        # stale when his request goes out.
+        bob = subprocess.Popen(
+            [sys.executable, "-m", "reef_stream.cli", "reject", "tiny", "1", "--by", "bob",
+             "--reason", "answers got longer"],
+            env={**cli_env, "COLUMNS": "200", FAILPOINTS_ENV: "decide.before-request",
+                 RELEASE_ENV: str(release)},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_until(lambda: "failpoint decide.before-request reached" in
+                       bob.stderr.readline(), 120, "bob's read of the ledger")
+            raced = reef("approve", "tiny", "1", "--by", "ann", "--reason", "read 20 samples",
+                         env=cli_env).stdout
+            release.touch()
+            out, err = bob.communicate(timeout=120)
+        finally:
+            bob.kill()
+            bob.wait()
     finally:
         summary = evaluator.stop()
 
-    assert "PROMOTED tiny version 1 by ann: approved by ann: read 20 samples" in raced[0]
+    assert "PROMOTED tiny version 1 by ann: approved by ann: read 20 samples" in raced
     events = decided(kafka_bootstrap, namespace)
     assert [(p.policy_version, p.decision, p.decided_by) for p in events] == [
         (1, Decision.CANARY, None), (1, Decision.PROMOTED, "ann")], events
-    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert bob.returncode == 2, (bob.returncode, out, err)
     assert "the evaluator refused the decision: version 1 of model 'tiny' is not waiting " \
-           "for a decision (nothing is; it serves version 1)" in " ".join(result.output.split())
+           "for a decision (nothing is; it serves version 1)" in " ".join(err.split())
     assert (summary.requests_applied, summary.requests_refused) == (1, 1)
     outcomes = consume_events(kafka_bootstrap, decision_outcomes(namespace), 2, DecisionOutcome)
     assert [(o.applied, o.policy_version) for o in outcomes] == [(True, 1), (False, None)]
