@@ -290,6 +290,7 @@ class Trainer:
             registry=self.registry, metrics=self.metrics, stop_event=self._stop, logger=log,
         ).run()
         self.summary.last_step = self.step
+        self.world.leave()
         return self.summary
 
     def _done(self) -> bool:
