@@ -6,6 +6,7 @@ field a keyword overrides.
     feedback("g-7", source="exact", reward=0.0)
     sample("g-7", reward=1.0)
     rollout_unit(sample("g-7"), sample("g-8"), recipe="sao")
+    ledger_of(publication(1), publication(2, Decision.CANARY, share=0.0, awaiting="approval"))
 
 Every override reaches the event exactly as given (never converted), so a test that needs a wrong
 dtype, a list where an array belongs or a missing value gets exactly what it built; ``ids`` and
@@ -30,8 +31,9 @@ import numpy as np
 
 from reef_stream.api.processor import unit_id as derived_unit_id
 from reef_stream.core.events import (
-    Feedback, FinishReason, Generation, RolloutUnit, Sample, SamplingParams,
+    Decision, Feedback, FinishReason, Generation, Publication, RolloutUnit, Sample, SamplingParams,
 )
+from reef_stream.publishing.publications import PublicationLedger
 
 #: the default ``created_at`` of every factory (epoch milliseconds: 2026-11-18)
 T0 = 1_795_000_000_000
@@ -86,6 +88,29 @@ def rollout_unit(*members: Sample, recipe: str = "tiny", **overrides: Any) -> Ro
         created_at=T0)
     fields.update(overrides)
     return RolloutUnit(**fields)
+
+
+def publication(version: int, decision: Decision = Decision.PROMOTED,
+                **overrides: Any) -> Publication:
+    """A ``Publication`` of model ``m`` at ``version`` (checkpoint ``c<version>``, published at
+    ``/pub/v<version>`` with sha256 ``sha<version>``), decided ``decision`` by evaluator ``e``
+    after evaluating it, for reason ``because``; the checkpoint and the decision both created
+    at ``1000 * version``. Any field is a keyword."""
+    fields: dict[str, Any] = dict(
+        model="m", policy_version=version, checkpoint_id=f"c{version}", uri=f"/pub/v{version}",
+        sha256=f"sha{version}", decision=decision, reason="because", evaluator="e",
+        evaluated=True, created_at=1000 * version, checkpoint_created_at=1000 * version)
+    fields.update(overrides)
+    return Publication(**fields)
+
+
+def ledger_of(*publications: Publication) -> PublicationLedger:
+    """A ``PublicationLedger`` (of no broker: it is never caught up) that recorded
+    ``publications`` in order."""
+    ledger = PublicationLedger("unused:9092", "ns")
+    for one in publications:
+        ledger.record(one)
+    return ledger
 
 
 def ids(values: Sequence[int]) -> np.ndarray:

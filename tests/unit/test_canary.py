@@ -15,31 +15,17 @@ from reef_stream.consumers.evaluator.canary import (
 )
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.events import (
-    Checkpoint, Decision, Feedback, Generation, Publication, SamplingParams,
+    Checkpoint, Decision, Feedback, Generation, SamplingParams,
 )
 from reef_stream.publishing.decisions import approval, rejection
 from reef_stream.publishing.decisions import rollback as rollback_of
 from reef_stream.publishing.publications import (
-    PublicationLedger, canary_slot, publication_key, takes_canary,
+    canary_slot, publication_key, takes_canary,
 )
 from tests import factories
+from tests.factories import ledger_of
+from tests.factories import publication as pub
 from tests.recipes.evaluators import HeldOutScore
-
-
-def pub(version: int, decision: Decision = Decision.PROMOTED, **fields) -> Publication:
-    base = dict(model="m", policy_version=version, checkpoint_id=f"c{version}",
-                uri=f"/pub/v{version}", sha256=f"sha{version}", decision=decision,
-                reason="because", evaluator="e", evaluated=True, created_at=1000 * version,
-                checkpoint_created_at=1000 * version)
-    base.update(fields)
-    return Publication(**base)
-
-
-def ledger_of(*publications: Publication) -> PublicationLedger:
-    ledger = PublicationLedger("unused:9092", "ns")
-    for publication in publications:
-        ledger.record(publication)
-    return ledger
 
 
 def test_each_stage_has_its_key_and_a_decided_canary_replaces_its_canary_record():

@@ -13,22 +13,8 @@ from reef_stream.core.events import Decision, DecisionKind, Publication
 from reef_stream.publishing.decisions import (
     applied, approval, decision_line, rejection, request_for, rollback,
 )
-from reef_stream.publishing.publications import PublicationLedger
-
-
-def pub(version: int, decision: Decision = Decision.PROMOTED, **fields) -> Publication:
-    base = dict(model="m", policy_version=version, checkpoint_id=f"c{version}",
-                uri=f"/pub/v{version}", sha256=f"sha{version}", decision=decision,
-                reason="because", evaluator="e", evaluated=True, created_at=1000 * version)
-    base.update(fields)
-    return Publication(**base)
-
-
-def ledger_of(*publications: Publication) -> PublicationLedger:
-    ledger = PublicationLedger("unused:9092", "ns")
-    for publication in publications:
-        ledger.record(publication)
-    return ledger
+from tests.factories import ledger_of
+from tests.factories import publication as pub
 
 
 def waiting(version: int = 2) -> Publication:
