@@ -13,10 +13,23 @@ The default upstream is a fast local OpenAI-compatible server (a process of its 
 streams ``--tokens`` tokens per request in vLLM's shape at once, so what is measured is the
 proxy's own cost. ``--upstream URL`` measures against another server, e.g. vLLM
 (``--model`` names its model). Client, upstream, proxy and broker share this machine's CPUs:
-the figures, never assertions, are only as steady as the machine. The last line, for the
-first upstream at 16 streams (or the largest concurrency measured below 16), is::
+the figures, never assertions, are only as steady as the machine.
 
-    PROXY throughput_ratio=X added_p50_ms=X added_p99_ms=X cpu_ms_per_request=X
+``--token-ms T`` makes the fast upstream stream a token every T ms, waited off the CPU, as a
+GPU-bound engine's decoding is for the host: what is measured then is what a streaming client
+of such an engine sees the proxy add. At 0 (the default) the upstream does no more work per
+token than the proxy (a JSON chunk written), so the proxy, which also parses, strips and
+records each one, cannot keep its pace on an equal core: that run measures the proxy's
+capacity, not what serving through it costs.
+
+``--pin`` gives the proxy a core of its own, as it has beside a GPU-bound server whose host
+CPUs are mostly idle: the clients and the upstream run on CPU 0 in both the direct and the
+proxied runs, the proxy and the broker on CPU 1 (the other CPUs unused). Without it, on two
+cores, the proxied run has three busy processes where the direct run has two, and the ratio
+measures the machine's cores as much as the proxy. The last line, for the first upstream at
+16 streams (or the largest concurrency measured below 16), is::
+
+    PROXY throughput_ratio=X added_p50_ms=X added_p99_ms=X cpu_ms_per_request=X pinned=yes|no token_ms=X
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from aiohttp import web
 
 from reef_stream.core.processes import free_ports
 from reef_stream.core.settings import load_settings
+from reef_stream.demo.run import local_broker_pids
 from reef_stream.servers.kafka_local import configured_or_throwaway
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import new_admin
@@ -46,8 +60,9 @@ from reef_stream.topics.declarations import declare_topics
 # --------------------------------------------------------------------------- the fast upstream
 
 
-def _fast_upstream(port: int, tokens: int) -> None:
-    """Serve streamed (and whole) completions in vLLM's shape, as fast as it can."""
+def _fast_upstream(port: int, tokens: int, token_ms: float = 0.0) -> None:
+    """Serve streamed (and whole) completions in vLLM's shape, as fast as it can, or with a
+    token every ``token_ms`` milliseconds, waited off the CPU as an engine's GPU decodes."""
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
@@ -75,6 +90,8 @@ def _fast_upstream(port: int, tokens: int) -> None:
                       "token_ids": [7 + j] if with_ids else None}
             chunk = {"id": rid, "object": "text_completion", "created": 1,
                      "model": body["model"], "choices": [choice], "usage": None}
+            if token_ms and j:
+                await asyncio.sleep(token_ms / 1000)
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -85,8 +102,12 @@ def _fast_upstream(port: int, tokens: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-def _proxy(port: int, upstream: str, bootstrap: str, namespace: str, home: str) -> None:
+def _proxy(port: int, upstream: str, bootstrap: str, namespace: str, home: str,
+           cpus: set[int] | None) -> None:
     from reef_stream.intake.aio import AsyncRecordProducer
+
+    if cpus:
+        os.sched_setaffinity(0, cpus)   # before any thread starts: they inherit it
     from reef_stream.intake.proxy import ProxyOptions, RecordingProxy
 
     settings = load_settings({"REEF_BOOTSTRAP_SERVERS": bootstrap, "REEF_NAMESPACE": namespace,
@@ -166,6 +187,15 @@ async def _load(url: str, model: str, concurrency: int, seconds: float, tokens: 
         return Run(len(latencies), time.monotonic() - started, latencies)
 
 
+def _pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` (a JVM's too, whose threads run already) on ``cpus``."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:
+            pass   # a thread that ended meanwhile
+
+
 def _cpu_seconds(process: psutil.Process) -> float:
     times = process.cpu_times()
     return times.user + times.system
@@ -182,12 +212,23 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--upstream", default=None, help="another upstream, e.g. vLLM's URL")
     parser.add_argument("--model", default="fast")
+    parser.add_argument("--token-ms", type=float, default=0.0,
+                        help="the fast upstream streams a token every this many ms, waited "
+                             "off the CPU as a GPU engine's decoding is (0: at once)")
+    parser.add_argument("--pin", action="store_true",
+                        help="clients and upstream on CPU 0, proxy and broker on CPU 1")
     args = parser.parse_args()
+    if args.pin and not {0, 1} <= os.sched_getaffinity(0):
+        parser.error("--pin needs CPUs 0 and 1")
     levels = [int(c) for c in args.concurrency.split(",")]
     context = multiprocessing.get_context("spawn")
     settings = load_settings()
     with tempfile.TemporaryDirectory() as workdir, \
             configured_or_throwaway(settings, Path(workdir)) as bootstrap:
+        if args.pin:
+            for pid in local_broker_pids(bootstrap):
+                _pin_process(pid, {1})
+            os.sched_setaffinity(0, {0})   # the clients, and the upstream it starts
         namespace = f"bench{uuid.uuid4().hex[:8]}"
         ensure_topics(new_admin(bootstrap), declare_topics(namespace))
         upstream_port, proxy_port = free_ports(2)
@@ -195,10 +236,12 @@ def main() -> None:
         upstream = args.upstream
         if upstream is None:
             children.append(context.Process(target=_fast_upstream,
-                                            args=(upstream_port, args.tokens), daemon=True))
+                                            args=(upstream_port, args.tokens, args.token_ms),
+                                            daemon=True))
             upstream = f"http://127.0.0.1:{upstream_port}"
         proxy = context.Process(target=_proxy, daemon=True, args=(
-            proxy_port, upstream, bootstrap, namespace, str(Path(workdir) / "home")))
+            proxy_port, upstream, bootstrap, namespace, str(Path(workdir) / "home"),
+            {1} if args.pin else None))
         children.append(proxy)
         for child in children:
             child.start()
@@ -238,7 +281,8 @@ def main() -> None:
     print(f"PROXY throughput_ratio={through.rate / direct.rate:.3f} "
           f"added_p50_ms={through.quantile(0.5) - direct.quantile(0.5):.2f} "
           f"added_p99_ms={through.quantile(0.99) - direct.quantile(0.99):.2f} "
-          f"cpu_ms_per_request={cpu_ms:.2f}")
+          f"cpu_ms_per_request={cpu_ms:.2f} pinned={'yes' if args.pin else 'no'} "
+          f"token_ms={args.token_ms:g}")
 
 
 if __name__ == "__main__":
