@@ -59,3 +59,14 @@ def test_a_schedule_has_at_least_one_fault_and_brokers():
         schedule(1, 0, brokers=BROKERS, stages=STAGES)
     with pytest.raises(ValueError, match="brokers"):
         schedule(1, 3, brokers=[], stages=STAGES)
+
+
+def test_with_a_store_the_nemesis_also_isolates_stages_and_kills_the_store():
+    faults = [f for seed in range(50)
+              for f in schedule(seed, 8, brokers=BROKERS, stages=STAGES, store="store")]
+    assert {f.kind for f in faults} == set(KINDS)
+    assert {f.host for f in faults if f.kind == "isolate"} <= set(STAGES)
+    assert {f.host for f in faults if f.kind == "kill"} == {*BROKERS, "store"}
+    # Without a store a seed draws what it drew before the store existed.
+    assert all(f.kind in NEMESIS_KINDS and f.host != "store"
+               for f in schedule(29, 8, brokers=BROKERS, stages=STAGES))
