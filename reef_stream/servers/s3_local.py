@@ -55,8 +55,8 @@ class S3Status:
 
 
 class LocalS3:
-    """An S3Proxy process on 127.0.0.1, kept in ``data_dir``. ``up``/``down`` are idempotent
-    and block until the server answers or is gone."""
+    """An S3Proxy process on 127.0.0.1 (or ``address``), kept in ``data_dir``. ``up``/``down``
+    are idempotent and block until the server answers or is gone."""
 
     def __init__(self, data_dir: Path, cache_dir: Path, address: str = "127.0.0.1",
                  wrap: Sequence[str] = ()):
