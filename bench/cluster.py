@@ -2,7 +2,7 @@
 
     python bench/cluster.py [--faults partition:trainer:50,pause:trainer:50] [--rate 50]
                             [--brokers 1|3] [--at 30] [--versions-after 3] [--drain 240]
-                            [--workdir DIR]
+                            [--store dir|s3] [--workdir DIR]
     python bench/cluster.py --nemesis SEED [--faults-count 4] [--brokers 3] ...
 
 Every part of the pipeline runs on a host of its own, a Linux network namespace joined to the
@@ -12,16 +12,24 @@ worker, the processor, the trainer, the evaluator and the replicas (the recipe
 KIND is ``partition`` (the host's link down, both ways), ``partition-out`` or
 ``partition-in`` (one way, nftables), ``pause`` (SIGSTOP of every process on the host) or
 ``kill`` (SIGKILL of every process on it: a broker's host, ``kafka-<i>`` with ``--brokers
-3``, whose node is restarted after SECONDS; a replica's or the reward worker's)) a fresh
+3``, whose node is restarted after SECONDS; a replica's or the reward worker's; ``store``
+with ``--store s3``, whose S3Proxy is restarted after SECONDS on the same data) or
+``isolate`` (the host cut off from the brokers' hosts only, both ways, e.g.
+``isolate:trainer:50``: a trainer that reaches the store but not the broker)) a fresh
 cluster runs the demo, injects the fault ``--at`` seconds after every stage reported running,
 undoes it after SECONDS, and stops once the trainer stepped again, ``--versions-after``
 versions were promoted since and the replicas serve the newest. Then the replicas stop, the
-other stages drain, and the log is checked (``tests/cluster/scenario.py``).
+other stages drain, and the log is checked (``tests/cluster/scenario.py``). With ``--store
+s3`` S3Proxy runs on a host ``store`` of its own, the trainer's checkpoints and the
+evaluator's published copies are at ``s3://`` URLs on it (credentials from the environment),
+and the run also checks that every committed checkpoint is an object in its bucket.
 
 With ``--nemesis SEED`` there is one run instead, under ``--faults-count`` faults one after
 another that ``tests/cluster/nemesis.py`` draws from SEED (partitions both ways and one way,
-pauses, kills of a broker's host); the schedule is printed first, and the same SEED (with the
-same ``--faults-count``, ``--brokers`` and ``--replicas``) gives the same schedule. Each fault
+pauses, kills of a broker's host; with ``--store s3`` also isolations of a stage's host from
+the brokers, and the store's host among the targets); the schedule is printed first, and the
+same SEED (with the same ``--faults-count``, ``--brokers``, ``--replicas`` and ``--store``)
+gives the same schedule. Each fault
 comes once the pipeline recovered from the one before; the run ends with the same checks.
 
 One row per run: acknowledged (generations the replicas saw acknowledged), trained (units),
@@ -52,7 +60,7 @@ from common import run  # first: it puts the project on sys.path
 from reef_stream.core.settings import load_settings
 from reef_stream.demo.run import DemoOptions
 from reef_stream.topics.connect import KAFKA_LOGGER
-from tests.cluster.faults import Fault, broker_hosts, stage_hosts
+from tests.cluster.faults import STORE_HOST, Fault, broker_hosts, stage_hosts
 from tests.cluster.nemesis import describe, schedule
 from tests.cluster.scenario import RECOVER_WAIT_S, ClusterRun, run_cluster
 
@@ -115,6 +123,9 @@ def main() -> int:
                         help="KRaft nodes, each on a host of its own (kafka-1..3 with 3; "
                              "replication 3, min.insync.replicas 2) [default: 1, on kafka]")
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--store", choices=("dir", "s3"), default="dir",
+                        help="where checkpoints live: the run directory, or S3Proxy on a host "
+                             "'store' of its own [default: %(default)s]")
     parser.add_argument("--rate", type=float, default=50.0,
                         help="generations/s per replica [default: 50]")
     parser.add_argument("--versions-after", type=int, default=3,
@@ -131,7 +142,8 @@ def main() -> int:
     KAFKA_LOGGER.setLevel(logging.CRITICAL)
     if args.nemesis is not None:
         faults = schedule(args.nemesis, args.faults_count, brokers=broker_hosts(args.brokers),
-                          stages=stage_hosts(args.replicas))
+                          stages=stage_hosts(args.replicas),
+                          store=STORE_HOST if args.store == "s3" else None)
         print(f"nemesis seed {args.nemesis}, {len(faults)} faults:\n{describe(faults)}",
               flush=True)
         runs_of = [faults]
@@ -152,7 +164,7 @@ def main() -> int:
             print(f"== {', '.join(f.name() for f in faults)}", flush=True)
             one = run_cluster(faults, settings=settings, workdir=root / f"run-{i}",
                               options=options, versions_after=args.versions_after,
-                              brokers=args.brokers,
+                              brokers=args.brokers, store=args.store,
                               say=lambda line: print(f"   {line}", flush=True))
             print(one.verdict(), flush=True)
             runs.append(one)

@@ -151,6 +151,11 @@ class DemoOptions:
     #: bindings (``demo.recipes``, ``demo.tool_recipes``); a bound recipe of one's own waits
     #: when built with ``demo.recipes.timed``. The toy engine only. None: none (the default).
     device_model: str | None = None
+    #: Where the trainer keeps its checkpoints (``<store>/checkpoints``) and the evaluator its
+    #: published copies (``<store>/published``): any fsspec URL, e.g. ``s3://bucket/run``,
+    #: whose credentials the stages take from the environment. None: the run directory's
+    #: ``checkpoints`` and ``$REEF_HOME/published``.
+    store: str | None = None
 
 
 #: The engines ``DemoOptions.engine`` may name.
@@ -350,7 +355,8 @@ class Demo:
         #: Where the modelled devices write their busy time (``DemoOptions.device_model``).
         self.device_dir = self.run_dir / "devices"
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.store = self.run_dir / "checkpoints"
+        self.store: Path | str = self.run_dir / "checkpoints" if options.store is None \
+            else f"{options.store.rstrip('/')}/checkpoints"
         # The stages share the demo's settings: its cluster, Redis, namespace and home (where
         # the evaluator keeps published copies and the replicas their spools).
         self.env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": bootstrap, "REEF_REDIS_URL": redis_url,
@@ -425,7 +431,9 @@ class Demo:
                                          MODEL, "--checkpoints", str(self.store), "--keep", "0"],
                              self.env, logs / "trainer.log"),
             "evaluator": Stage("evaluator", [*reef, "evaluate", *recipe, *(
-                ("--canary-share", str(self.options.canary)) if self.options.canary else ())],
+                ("--canary-share", str(self.options.canary)) if self.options.canary else ()), *(
+                ("--publish-to", f"{self.options.store.rstrip('/')}/published")
+                if self.options.store else ())],
                 self.env, logs / "evaluator.log"),
         }
         for i in range(self.options.replicas if self.engine is None else 0):
@@ -836,7 +844,7 @@ def end_offset(consumer: Consumer, topic: str) -> int:
         return -1
 
 
-def unit_ledger(bootstrap: str, ns: str, recipe: str, store: Path) -> dict[str, int]:
+def unit_ledger(bootstrap: str, ns: str, recipe: str, store: Path | str) -> dict[str, int]:
     """Every unit the trainer acknowledged, against every unit in the log before its offsets:
     reads the checkpoints in ``store``, the units topic up to the newest one's offsets and the
     trainer's dead letters, and returns ``verify.ledger_counts`` of them (``trained_twice`` and

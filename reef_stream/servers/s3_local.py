@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from reef_stream.core.errors import ConfigurationError, FatalError
 from reef_stream.core.processes import log_tail, port_is_free, process_matches, terminate
@@ -55,10 +55,15 @@ class S3Status:
 
 
 class LocalS3:
-    """An S3Proxy process on 127.0.0.1, kept in ``data_dir``. ``up``/``down`` are idempotent
-    and block until the server answers or is gone."""
+    """An S3Proxy process on 127.0.0.1 (or ``address``), kept in ``data_dir``. ``up``/``down``
+    are idempotent and block until the server answers or is gone."""
 
-    def __init__(self, data_dir: Path, cache_dir: Path):
+    def __init__(self, data_dir: Path, cache_dir: Path, address: str = "127.0.0.1",
+                 wrap: Sequence[str] = ()):
+        """``address``: where S3Proxy listens (an emulated host's address for the cluster
+        tests). ``wrap``: an argv prefix it is started under (``ip netns exec NS``, which execs
+        it: the recorded pid is the JVM's)."""
+        self.address, self.wrap = address, list(wrap)
         self.data_dir = Path(data_dir).resolve()
         self.cache_dir = Path(cache_dir)
         self.state_file = self.data_dir / "s3.json"
@@ -113,14 +118,14 @@ class LocalS3:
             S3_INFRA_DIR / "pom.xml", self.cache_dir, f"S3Proxy {S3PROXY_VERSION}'s jars",
             instead="point checkpoint URLs at an existing S3 service", progress=progress)
         port = state.get("port", port)
-        if not port_is_free(port):
+        if not self.wrap and not port_is_free(port):
             raise ConfigurationError(
                 f"Port {port} on 127.0.0.1 is already in use by another process, so the object "
                 "store cannot listen there. Stop that process, or use another --data directory "
                 "with another --port.")
         objects = self.data_dir / "objects"
         objects.mkdir(parents=True, exist_ok=True)
-        state = {"port": port, "endpoint": f"http://127.0.0.1:{port}",
+        state = {"port": port, "endpoint": f"http://{self.address}:{port}",
                  "access_key": state.get("access_key", ACCESS_KEY),
                  "secret_key": state.get("secret_key") or secrets.token_hex(16), "pid": None}
         properties = self.properties_file
@@ -137,7 +142,7 @@ class LocalS3:
         ]) + "\n")
         with open(self.log_file, "ab") as out:
             process = subprocess.Popen(
-                [java, f"-Xmx{JAVA_HEAP}", "-cp", classpath, MAIN_CLASS,
+                [*self.wrap, java, f"-Xmx{JAVA_HEAP}", "-cp", classpath, MAIN_CLASS,
                  "--properties", str(properties)],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, cwd=self.data_dir,

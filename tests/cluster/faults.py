@@ -1,6 +1,7 @@
 """The faults a cluster scenario injects, and the hosts it has: data only, no broker, no hosts.
 
     fault = Fault.parse("partition:trainer:50")    # Fault("partition", "trainer", 50.0)
+    Fault.parse("isolate:trainer:20")             # cut off from the brokers, not the store
     broker_hosts(3), stage_hosts(1)               # the names of a scenario's hosts
 
 ``tests.cluster.scenario`` injects them, ``tests.cluster.nemesis`` draws them from a seed.
@@ -11,14 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: The fault kinds ``Fault.kind`` may name.
-KINDS = ("partition", "partition-out", "partition-in", "pause", "kill")
+KINDS = ("partition", "partition-out", "partition-in", "pause", "kill", "isolate")
 
 
 @dataclass(frozen=True)
 class Fault:
     """One fault: ``kind`` (``KINDS``) of ``host``, ``at_s`` seconds after the pipeline ran
     (the first of a run) or recovered from the fault before, undone ``seconds`` later (a kill
-    only on a broker's host: its node is restarted). Kinds and what undoing means:
+    only on a broker's host or the object store's: its server is restarted; ``isolate``: the
+    host cut off from the brokers' hosts only, both ways). Kinds and what undoing means:
     ``tests.cluster.scenario``."""
 
     kind: str
@@ -43,8 +45,13 @@ class Fault:
 
     def name(self) -> str:
         return f"{self.kind} {self.host}" + ("" if self.kind == "kill" and not
-                                             self.host.startswith("kafka") else
+                                             self.host.startswith("kafka") and
+                                             self.host != STORE_HOST else
                                              f" {self.seconds:.0f}s")
+
+
+#: The object store's host (S3Proxy) of a scenario whose checkpoints are at ``s3://`` URLs.
+STORE_HOST = "store"
 
 
 def broker_hosts(brokers: int) -> list[str]:

@@ -13,7 +13,12 @@ nothing else drawn from it). Each fault is one of:
 - ``kill``: SIGKILL of every process on a broker's host, its node restarted ``seconds`` later
   (the scenario restarts no stage, so no stage's host is killed);
 - ``pause``: SIGSTOP of every process on a broker's or a stage's host, SIGCONT ``seconds``
-  later.
+  later;
+- with an object store's host (``store=``; checkpoints at ``s3://`` URLs), also ``isolate``:
+  a stage's host cut off from the brokers' hosts only, both ways, for ``seconds`` (it still
+  reaches the store); and the store's host among those partitioned, paused and killed (its
+  S3Proxy restarted ``seconds`` later). Without it the draws are those of the kinds above,
+  so a seed gives the schedule it gave before the store existed.
 
 Faults come one after another, never together: each ``at_s`` seconds after the trainer
 stepped again after the one before (the first: after every stage reported running), so every
@@ -30,6 +35,8 @@ from tests.cluster.faults import Fault
 
 #: The kinds a nemesis draws from, in the order ``random.choice`` sees them.
 NEMESIS_KINDS = ("partition", "partition-out", "partition-in", "kill", "pause")
+#: The kinds drawn from when the scenario has an object store's host.
+STORE_NEMESIS_KINDS = (*NEMESIS_KINDS, "isolate")
 #: Seconds a partition or a pause lasts: from shorter than the consumer groups' session
 #: timeout (librdkafka's 45 s) to past it.
 HOLD_S = (20, 60)
@@ -40,21 +47,25 @@ GAP_S = (10, 30)
 
 
 def schedule(seed: int, count: int, *, brokers: Sequence[str],
-             stages: Sequence[str]) -> tuple[Fault, ...]:
+             stages: Sequence[str], store: str | None = None) -> tuple[Fault, ...]:
     """``count`` faults drawn from ``seed`` over the hosts ``brokers`` (whose host may be
-    killed) and ``stages`` (partitioned and paused only); see the module docstring. Pure and
+    killed), ``stages`` (partitioned, paused and, with ``store``, isolated) and ``store`` (the
+    object store's host, or None: none; it may be killed); see the module docstring. Pure and
     deterministic: the same arguments give the same faults."""
     if count < 1:
         raise ValueError(f"a nemesis injects at least one fault, not {count}")
     if not brokers:
         raise ValueError("a nemesis needs the brokers' hosts")
     draw = random.Random(seed)
-    hosts = [*brokers, *stages]
+    hosts = [*brokers, *stages, *([store] if store else [])]
+    killable = [*brokers, *([store] if store else [])]
     faults = []
     for _ in range(count):
-        kind = draw.choice(NEMESIS_KINDS)
+        kind = draw.choice(STORE_NEMESIS_KINDS if store else NEMESIS_KINDS)
         if kind == "kill":
-            host, seconds = draw.choice(list(brokers)), draw.randint(*KILL_S)
+            host, seconds = draw.choice(killable), draw.randint(*KILL_S)
+        elif kind == "isolate":
+            host, seconds = draw.choice(list(stages)), draw.randint(*HOLD_S)
         else:
             host, seconds = draw.choice(hosts), draw.randint(*HOLD_S)
         faults.append(Fault(kind, host, seconds=float(seconds),

@@ -21,10 +21,21 @@ not). Kinds:
   gets its node restarted ``seconds`` later; the demo restarts no stage, so of the stages'
   hosts only a replica's and the reward worker's may be killed (the others are left for a
   scenario with a supervisor).
+- ``isolate``: the host cut off from the brokers' hosts only, both ways (nftables drops its
+  packets to them and theirs to it) for ``seconds``, then healed; its links to the object
+  store, Redis and the other stages work on (a trainer that reaches the store but not the
+  brokers: it writes a checkpoint it cannot acknowledge);
+- ``kill`` of ``store`` (with ``store="s3"``): S3Proxy SIGKILLed, perhaps in the middle of a
+  checkpoint, and started again ``seconds`` later on the same data directory.
 
 ``tests.cluster.nemesis`` draws such a sequence from a seed. With ``brokers=3`` the broker is
 three KRaft nodes on hosts ``kafka-1`` to ``kafka-3`` (replication 3,
-``min.insync.replicas=2``), else one on ``kafka``.
+``min.insync.replicas=2``), else one on ``kafka``. With ``store="s3"`` S3Proxy runs on a host
+``store`` and the trainer's checkpoints and the evaluator's published copies are at
+``s3://reef/<namespace>/...`` on it; the stages (and this process, which reads the checkpoints
+back) take its credentials from the environment, never from a URL, and the run checks that
+every committed checkpoint is an object in the bucket (listed through the S3 API) and that
+no stage's log carries the secret.
 
 The run stops once every fault was undone, ``versions_after`` versions were promoted since
 the last, and every replica's heartbeat says it serves the newest promoted version (or
@@ -38,23 +49,29 @@ the replicas served the newest promoted version.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import fsspec
 
 from reef_stream.core.events import Decision, Publication
 from reef_stream.core.settings import Settings
 from reef_stream.demo.faults import Checked
 from reef_stream.demo.run import GROUP, MODEL, PIPELINE, Demo, DemoOptions, DemoResult
 from reef_stream.demo.verify import checkpoint_chain, committed_checkpoints
+from reef_stream.engine.checkpoints import MANIFEST
 from reef_stream.publishing.fleet import Fleet
 from reef_stream.servers.kafka_local import LocalCluster
 from reef_stream.servers.redis_local import LocalRedis
-from tests.cluster.faults import Fault, broker_hosts, stage_hosts
+from reef_stream.servers.s3_local import LocalS3
+from tests.cluster.faults import STORE_HOST, Fault, broker_hosts, stage_hosts
 from tests.cluster.hosts import Hosts
 
 #: Seconds the next fault waits, at most, for the trainer to step again after one.
@@ -65,6 +82,9 @@ SERVED_WAIT_S = 60.0
 #: The port the broker listens on inside its host (its controller on the next one).
 KAFKA_PORT = 9092
 REDIS_PORT = 6379
+S3_PORT = 9000
+#: The object store's bucket (``store="s3"``).
+BUCKET = "reef"
 #: A write refused by a fence, as the stages' logs say it: the trainer's ``TrainerFenced`` and
 #: the evaluator's ``EvaluatorFenced`` ("was fenced at"), a processor's fence past its rejoins
 #: or of its transactional id, the stage loop's rejoin after one. Not the evaluator's start
@@ -115,6 +135,12 @@ class ClusterRun(Checked):
     #: run stopped waiting for them to agree (None: it never looked).
     newest_promoted: int | None = None
     served: dict[str, int | None] | None = None
+    #: ``store="s3"``: the committed checkpoints' URIs, the step directories holding a manifest
+    #: in the bucket (listed through the S3 API at the end), and the lines of the stages' logs
+    #: and the URIs that carry the store's secret. None: checkpoints in a directory.
+    committed_uris: list[str] = field(default_factory=list)
+    stored: set[str] | None = None
+    secret_leaks: int | None = None
 
     @property
     def recover_s(self) -> float | None:
@@ -153,12 +179,25 @@ class ClusterRun(Checked):
              self.newest_promoted is not None and bool(self.served)
              and all(v == self.newest_promoted for v in self.served.values()),
              f"newest promoted {self.newest_promoted}, served {self.served}"),
+            *self._store_checks(),
         ]
+
+    def _store_checks(self) -> list[tuple[str, bool, str]]:
+        """With the object store: the committed checkpoints are its objects, no secret shown."""
+        if self.stored is None:
+            return []
+        missing = [u for u in self.committed_uris if u not in self.stored]
+        return [("every committed checkpoint is an object in the store's bucket",
+                 bool(self.committed_uris) and not missing,
+                 f"{len(self.committed_uris)} committed, {len(self.stored)} in the bucket, "
+                 f"missing {missing[:3]}"),
+                ("no stage's log and no checkpoint URI carries the store's secret",
+                 self.secret_leaks == 0, f"{self.secret_leaks} lines")]
 
 
 def _restarted(fault: Fault) -> bool:
     """Whether the fault is undone: all but the kill of a stage's host."""
-    return fault.kind != "kill" or fault.host.startswith("kafka")
+    return fault.kind != "kill" or fault.host.startswith("kafka") or fault.host == STORE_HOST
 
 
 def _seconds(value: float | None) -> str:
@@ -180,10 +219,12 @@ class Injector:
     Watches ``demo.steps`` for the trainer's first step after each fault."""
 
     def __init__(self, hosts: Hosts, demo: Demo, faults: tuple[Fault, ...],
-                 say: Callable[[str], None], restart: Callable[[], None]) -> None:
-        """``restart``: what brings a killed broker's host back (``LocalCluster.up``)."""
+                 say: Callable[[str], None], restart: Callable[[], None],
+                 restart_store: Callable[[], object] | None = None) -> None:
+        """``restart``: what brings a killed broker's host back (``LocalCluster.up``);
+        ``restart_store``: the object store's (``LocalS3.up``)."""
         self.hosts, self.demo, self.faults, self.say = hosts, demo, faults, say
-        self.restart = restart
+        self.restart, self.restart_store = restart, restart_store
         self.done, self._stop = threading.Event(), threading.Event()
         #: Promoted versions when the last fault ended (``promoted_after`` counts from there).
         self.promoted_at_end: int | None = None
@@ -252,6 +293,8 @@ class Injector:
             hosts.partition(f.host)
         elif f.kind in ("partition-out", "partition-in"):
             hosts.partition_one_way(f.host, direction=f.kind.split("-")[1])
+        elif f.kind == "isolate":
+            isolate(hosts, f.host)
         elif f.kind == "pause":
             for pid in pids:
                 hosts.pause(pid)
@@ -259,11 +302,13 @@ class Injector:
             hosts.kill_host(f.host)
         if _restarted(f):
             self._stop.wait(f.seconds)
-            if f.kind.startswith("partition"):
+            if f.kind.startswith("partition") or f.kind == "isolate":
                 hosts.heal(f.host)
             elif f.kind == "pause":
                 for pid in pids:
                     hosts.resume(pid)
+            elif f.host == STORE_HOST and self.restart_store is not None:
+                self.restart_store()   # blocks until S3Proxy answers
             else:
                 self.restart()   # blocks until every node answers
             one.undone_at = self._now()
@@ -280,6 +325,14 @@ class Injector:
                 self.say(f"the trainer did not step in the {RECOVER_WAIT_S:.0f} s after the "
                          "fault")
                 return
+
+
+def isolate(hosts: Hosts, host: str) -> None:
+    """Drop ``host``'s packets to the brokers' hosts and theirs to it (nftables inside the host,
+    ``Hosts.heal`` undoes it); every other link of the host works on."""
+    brokers = [n for n in hosts.names if n.startswith("kafka")]
+    hosts.partition_one_way(host, brokers, direction="out")
+    hosts.partition_one_way(host, brokers, direction="in")
 
 
 class Served:
@@ -308,6 +361,47 @@ class Served:
         return self.newest is not None and all(v == self.newest for v in self.served.values())
 
 
+@contextlib.contextmanager
+def object_store(hosts: Hosts, data_dir: Path, settings: Settings) -> Iterator[LocalS3]:
+    """S3Proxy on the host ``store`` with the bucket ``BUCKET``, its client environment
+    (``LocalS3.environment``: endpoint, credentials) set in this process's for the block (the
+    stages inherit it, as after ``eval $(reef s3 env)``; this process reads the checkpoints
+    back), then S3Proxy stopped and the environment as it was."""
+    s3 = LocalS3(data_dir, settings.cache_dir, address=hosts.address(STORE_HOST),
+                 wrap=hosts.wrap(STORE_HOST))
+    saved: dict[str, str | None] = {}
+    try:
+        s3.up(port=S3_PORT)
+        s3.create_bucket(BUCKET)
+        for name, value in s3.environment().items():
+            saved[name] = os.environ.get(name)
+            os.environ[name] = value
+        fsspec.filesystem("s3").clear_instance_cache()   # none made for another endpoint
+        yield s3
+    finally:
+        s3.down()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        fsspec.filesystem("s3").clear_instance_cache()
+
+
+def stored_checks(run: ClusterRun, s3: LocalS3, events: list, demo: Demo) -> None:
+    """Fill ``run``'s store fields: the committed checkpoints' URIs, the step directories with
+    a manifest in ``BUCKET`` (``ListObjectsV2`` through S3Proxy, not its directory) and the
+    stage log lines and URIs that carry the secret."""
+    pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
+    run.stored = {f"s3://{BUCKET}/{item['Key'].rsplit('/', 1)[0]}" for page in pages
+                  for item in page.get("Contents", ()) if item["Key"].endswith(f"/{MANIFEST}")}
+    run.committed_uris = [event.uri for event in events]
+    secret = s3.environment()["AWS_SECRET_ACCESS_KEY"]
+    lines = [line for stage in demo.stages.values() if stage.log.exists()
+             for line in stage.log.read_text(errors="replace").splitlines()]
+    run.secret_leaks = sum(secret in line for line in [*lines, *run.committed_uris])
+
+
 def run_cluster_fault(fault: Fault, **options) -> ClusterRun:
     """``run_cluster`` with the one fault ``fault``."""
     return run_cluster((fault,), **options)
@@ -315,10 +409,15 @@ def run_cluster_fault(fault: Fault, **options) -> ClusterRun:
 
 def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, workdir: Path,
                 options: DemoOptions | None = None, versions_after: int = 3,
-                brokers: int = 1, say: Callable[[str], None] = print) -> ClusterRun:
+                brokers: int = 1, say: Callable[[str], None] = print,
+                store: str = "dir") -> ClusterRun:
     """Make the hosts, start the broker and Redis on theirs, run the demo with ``faults`` one
     after another, stop everything and remove the hosts; see the module docstring.
-    ``options``: the demo's (target, drain and run_dir are set here)."""
+    ``options``: the demo's (target, drain, run_dir and, with ``store="s3"``, store are set
+    here). ``store``: ``"dir"`` (checkpoints in the run directory) or ``"s3"`` (S3Proxy on a
+    host ``store``)."""
+    if store not in ("dir", "s3"):
+        raise ValueError(f"a cluster run's store is 'dir' or 's3', not {store!r}")
     faults = tuple(faults)
     if not faults:
         raise ValueError("a cluster run injects at least one fault")
@@ -327,17 +426,20 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
                                   drain_s=options.drain_s or 240, run_dir=workdir / "run")
     stages = stage_hosts(options.replicas)
     kafka = broker_hosts(brokers)
+    extra = [STORE_HOST] if store == "s3" else []
     for fault in faults:
-        if fault.host not in (*kafka, "redis", *stages):
+        if fault.host not in (*kafka, "redis", *extra, *stages):
             raise ValueError(f"no host {fault.host!r} in this scenario")
-        if fault.kind == "kill" and fault.host not in ("reward", *kafka) \
+        if fault.kind == "kill" and fault.host not in ("reward", *kafka, *extra) \
                 and not fault.host.startswith("replica-"):
             raise ValueError("a kill of a host whose stage the demo does not restart ends the "
-                             "run; kill a broker's, a replica's or the reward worker's host")
+                             "run; kill a broker's, a replica's, the reward worker's or the "
+                             "object store's host")
     settings = dataclasses.replace(settings, home=workdir / "home")
     (workdir / "hosts").mkdir(parents=True, exist_ok=True)
     replicas = [s for s in stages if s.startswith("replica-")]
-    with Hosts([*kafka, "redis", *stages], workdir=workdir / "hosts") as hosts:
+    with Hosts([*kafka, "redis", *extra, *stages], workdir=workdir / "hosts") as hosts, \
+            contextlib.ExitStack() as stack:
         say(f"hosts on {hosts.address('redis').rsplit('.', 1)[0]}.0/24: "
             + ", ".join(f"{n} {hosts.address(n)}" for n in hosts.names))
         cluster = LocalCluster(workdir / "kafka", settings.cache_dir,
@@ -348,9 +450,16 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
             bootstrap = cluster.up(nodes=brokers, port=KAFKA_PORT)
             say(f"broker at {bootstrap}")
             redis_url = redis.up(port=REDIS_PORT)
+            s3 = None
+            if store == "s3":
+                s3 = stack.enter_context(object_store(hosts, workdir / "s3", settings))
+                options = dataclasses.replace(options, store=f"s3://{BUCKET}/{options.namespace}"
+                                              if options.namespace else f"s3://{BUCKET}/run")
+                say(f"object store at {s3.endpoint}, checkpoints under {options.store}")
             demo = Demo(options, settings=settings, bootstrap=bootstrap, redis_url=redis_url,
                         broker_pids=(), wrap=hosts.wrap)
-            injector = Injector(hosts, demo, faults, say, restart=cluster.up)
+            injector = Injector(hosts, demo, faults, say, restart=cluster.up,
+                                restart_store=None if s3 is None else s3.up)
             served = Served(demo, redis_url, replicas)
             settled: list[float] = []   # when the other stop conditions first held
 
@@ -374,8 +483,10 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
                              if injector.done.is_set() else 0,
                              promoted_after=injector.promoted_after(),
                              newest_promoted=served.newest, served=served.served)
-            run.chain = checkpoint_chain(committed_checkpoints(bootstrap, demo.ns,
-                                                               demo.recipe.name, GROUP))
+            events = committed_checkpoints(bootstrap, demo.ns, demo.recipe.name, GROUP)
+            run.chain = checkpoint_chain(events)
+            if s3 is not None:
+                stored_checks(run, s3, events, demo)
             run.fenced_writes = sum(len(FENCED.findall(stage.log.read_text(errors="replace")))
                                     for stage in demo.stages.values() if stage.log.exists())
             run.acknowledged = sum(len(path.read_text().split())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.nemesis import GAP_S, HOLD_S, KILL_S, NEMESIS_KINDS, describe, schedule
-from tests.cluster.faults import KINDS, broker_hosts, stage_hosts
+from tests.cluster.faults import KINDS, Fault, broker_hosts, stage_hosts
 
 BROKERS = broker_hosts(3)
 STAGES = stage_hosts(2)
@@ -59,3 +59,22 @@ def test_a_schedule_has_at_least_one_fault_and_brokers():
         schedule(1, 0, brokers=BROKERS, stages=STAGES)
     with pytest.raises(ValueError, match="brokers"):
         schedule(1, 3, brokers=[], stages=STAGES)
+
+
+def test_with_a_store_the_nemesis_also_isolates_stages_and_kills_the_store():
+    faults = [f for seed in range(50)
+              for f in schedule(seed, 8, brokers=BROKERS, stages=STAGES, store="store")]
+    assert {f.kind for f in faults} == set(KINDS)
+    assert {f.host for f in faults if f.kind == "isolate"} <= set(STAGES)
+    assert {f.host for f in faults if f.kind == "kill"} == {*BROKERS, "store"}
+    # Without a store a seed draws what it drew before the store existed.
+    assert all(f.kind in NEMESIS_KINDS and f.host != "store"
+               for f in schedule(29, 8, brokers=BROKERS, stages=STAGES))
+
+
+def test_isolate_and_a_kill_of_the_store_parse_and_say_how_long():
+    assert Fault.parse("isolate:trainer:50") == Fault("isolate", "trainer", 50.0)
+    assert Fault.parse("isolate:trainer:50").name() == "isolate trainer 50s"
+    # The store's S3Proxy is restarted after SECONDS, as a broker's node is.
+    assert Fault.parse("kill:store:10").name() == "kill store 10s"
+    assert Fault.parse("kill:replica-0").name() == "kill replica-0"
