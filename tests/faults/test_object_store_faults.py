@@ -8,19 +8,32 @@ by a file); the store is SIGKILLed there, then the trainer goes on and meets it 
 abort the step, say so, and keep trying while the store stays down; once the store is back
 (``reef s3 up`` again, on the same data), it trains to the end. Every step has exactly one
 committed ``Checkpoint`` event, in order, and each one verifies against its sha256.
+
+The evaluator meets a store that is down when it verifies a candidate: it waits the outage
+out and decides once the store is back, instead of rejecting the candidate for a store it
+could not reach (which it did: the cluster scenario's ``kill:store`` saw version 4 rejected,
+"failed verification: ... Could not connect to the endpoint URL").
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
 
+import fsspec
+
+from reef_stream.core.events import Decision
 from reef_stream.engine.checkpoints import verify
 from tests.faults.test_trainer_kills import _start, _wait_for_line, lineage, started  # noqa: F401
 from tests.integration.test_object_store import (  # noqa: F401 - the fixtures
     BUCKET, _reef, _store, s3_env, store_home,
 )
+from tests.integration.publishing import (
+    Running, decided, eventually, produce_checkpoints, settings_for, write_checkpoint,
+)
+from tests.integration.publishing import create_topics as create_all_topics
 from tests.unit_log import create_topics, produce_units, rollout_unit
 
 STEPS = 6
@@ -62,3 +75,30 @@ def test_the_store_killed_in_the_middle_of_a_checkpoint_costs_no_step_and_no_for
     for event in events:
         assert event.uri.startswith(f"s3://{BUCKET}/")
         assert set(verify(event.uri, event.sha256)) >= {"model.safetensors", "meta.json"}
+
+
+def test_the_evaluator_waits_out_a_store_outage_instead_of_rejecting_the_candidate(
+        kafka_bootstrap, redis_url, namespace, tmp_path, s3_env, store_home, request,  # noqa: F811
+        monkeypatch, caplog):
+    create_all_topics(kafka_bootstrap, namespace)
+    candidate = write_checkpoint(f"s3://{BUCKET}/{request.node.name}", 1, 0.5)
+    assert _reef(store_home, "s3", "down").returncode == 0
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")   # s3fs retries for long by itself otherwise
+    fsspec.filesystem("s3").clear_instance_cache()
+    caplog.set_level(logging.WARNING, logger="reef_stream.consumers.evaluator")
+    evaluator = Running("promoting", settings_for(kafka_bootstrap, redis_url, namespace,
+                                                  tmp_path / "home"), None)
+    try:
+        produce_checkpoints(kafka_bootstrap, namespace, candidate)
+        eventually(lambda: any("the store cannot be reached" in r.getMessage()
+                               for r in caplog.records), 60, "the evaluator meeting the outage")
+        assert decided(kafka_bootstrap, namespace) == []
+        assert _reef(store_home, "s3", "up").returncode == 0
+        eventually(lambda: decided(kafka_bootstrap, namespace), 120, "the decision")
+    finally:
+        _reef(store_home, "s3", "up")   # for the module's other tests, had this one failed
+        summary = evaluator.stop()
+    [publication] = decided(kafka_bootstrap, namespace)
+    assert (publication.policy_version, publication.decision) == (1, Decision.PROMOTED), \
+        publication.reason
+    assert (summary.promoted, summary.rejected) == (1, 0)

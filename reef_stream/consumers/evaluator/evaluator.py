@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from reef_stream.api.evaluator import Incumbent, Measurement, Selection
 from reef_stream.api.recipe import Recipe
@@ -65,7 +65,9 @@ from reef_stream.core.metric_names import (
 )
 from reef_stream.core.serde import SchemaRegistry
 from reef_stream.core.settings import Settings, load_settings
-from reef_stream.engine.checkpoints import CheckpointError, load_weights, verify
+from reef_stream.engine.checkpoints import (
+    CheckpointError, load_weights, store_unreachable, verify,
+)
 from reef_stream.publishing.publications import (
     PublicationLedger, PublicationStore, default_publication_url, publication_key,
 )
@@ -87,10 +89,14 @@ __all__ = ["EvaluateOptions", "EvaluateSummary", "EvaluatorFenced", "EvaluatorWo
            "default_publication_url", "evaluator_transactional_id", "publication_key"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STAGE = STAGE_EVALUATOR
 #: The longest wait between two tries of ``measure``.
 MAX_BACKOFF_S = 60.0
+#: The first wait before reading a checkpoint again whose store could not be reached; each
+#: next wait doubles, up to ``MAX_BACKOFF_S``.
+STORE_BACKOFF_S = 1.0
 #: With ``idle_exit``: how much longer a worker waits that the group has not assigned yet.
 JOIN_GRACE_S = 30.0
 #: With ``supersede``: the most checkpoint events that wait before they are decided, even when
@@ -494,7 +500,8 @@ class EvaluatorWorker:
         if candidate.rolled_back_to is not None:  # verified as its weights load
             return self._decide_rollback(candidate, current, incumbent)
         try:
-            verify(candidate.uri, candidate.sha256)
+            self._reaching_store(f"verifying checkpoint {candidate.checkpoint_id}",
+                                 lambda: verify(candidate.uri, candidate.sha256))
         except CheckpointError as error:
             return self._publication(candidate, Measurement(), incumbent, Selection(
                 Decision.REJECTED, f"the candidate failed verification: {error}"), candidate.uri)
@@ -513,7 +520,9 @@ class EvaluatorWorker:
         uri, artifact = candidate.uri, None
         if selection.promoted:
             try:
-                uri, artifact = self._copy(candidate)
+                uri, artifact = self._reaching_store(
+                    f"publishing checkpoint {candidate.checkpoint_id}",
+                    lambda: self._copy(candidate))
             except CheckpointError as error:  # changed between verification and copy
                 return self._publication(candidate, measurement, incumbent, Selection(
                     Decision.REJECTED, f"the candidate failed verification while it was "
@@ -522,6 +531,26 @@ class EvaluatorWorker:
                                         artifact)
         return stage(publication, self.release, current is not None) if selection.promoted \
             else publication
+
+    def _reaching_store(self, what: str, call: Callable[[], T]) -> T:
+        """``call()``, tried again while it fails because a store cannot be reached (an
+        object store down, a partition: ``store_unreachable``), after ``STORE_BACKOFF_S``,
+        doubling up to ``MAX_BACKOFF_S``, until it succeeds or the worker is asked to stop
+        (``_Stopped``). An outage is waited out: a candidate is never rejected, nor a rollback
+        refused, for a store it could not reach. Any other ``CheckpointError`` (missing,
+        corrupt) raises at once. Blocks."""
+        wait = STORE_BACKOFF_S
+        while True:
+            try:
+                return call()
+            except CheckpointError as error:
+                if not store_unreachable(error):
+                    raise
+                log.warning("%s: the store cannot be reached (%s); trying again in %g s",
+                            what, error, wait)
+            if self._stop.wait(wait):
+                raise _Stopped
+            wait = min(wait * 2, MAX_BACKOFF_S)
 
     def _copy(self, candidate: Checkpoint) -> tuple[str, ServingArtifact | None]:
         """Publish a promoted candidate's copy (its URI) and, when the recipe's model is a
@@ -545,12 +574,15 @@ class EvaluatorWorker:
         docstring) before it hands over the weights (a promoted one's copy for publication
         reads them again); one that does not verify is REJECTED as any candidate is."""
         try:
-            mine = load_weights(candidate.uri, candidate.sha256)
+            mine = self._reaching_store(f"reading rollback {candidate.checkpoint_id}",
+                                        lambda: load_weights(candidate.uri, candidate.sha256))
         except CheckpointError as error:
             return self._publication(candidate, Measurement(), incumbent, Selection(
                 Decision.REJECTED, f"the candidate failed verification: {error}"), candidate.uri)
         try:
-            theirs = None if current is None else load_weights(current.uri, current.sha256)
+            theirs = None if current is None else self._reaching_store(
+                f"reading the incumbent, version {current.policy_version}",
+                lambda: load_weights(current.uri, current.sha256))
         except CheckpointError as error:
             log.warning("the incumbent's weights do not load (%s): the rollback %s is rejected",
                         error, candidate.checkpoint_id)
@@ -561,7 +593,9 @@ class EvaluatorWorker:
         uri, artifact = candidate.uri, None
         if decision is Decision.PROMOTED:
             try:
-                uri, artifact = self._copy(candidate)
+                uri, artifact = self._reaching_store(
+                    f"publishing rollback {candidate.checkpoint_id}",
+                    lambda: self._copy(candidate))
             except CheckpointError as error:
                 decision, reason = Decision.REJECTED, (
                     f"the rollback failed verification while it was copied for publication: "
