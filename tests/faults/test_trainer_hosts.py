@@ -36,10 +36,11 @@ RECIPE = "tests.recipes.trainable_dp"
 #: Seconds a job may take on a loaded machine before the test gives up on it.
 JOB_TIMEOUT_S = 300
 #: Seconds an exchange between the ranks waits for the other (``--ranks-timeout-s``) in the
-#: fault test: a rank whose peer's host is cut off raises past it, and so the job fails. Longer
-#: than the tiny model's checkpoint and acknowledgement take here under load (under a second
-#: on a quiet machine), during which rank 1 waits for rank 0.
-RANKS_TIMEOUT_S = 20
+#: fault test: a rank whose peer's host is cut off raises past it, and so the job fails. With
+#: room for what one rank may do while the other waits on a loaded machine: start up (the
+#: rendezvous has the same timeout), open its transactional producer on a fresh broker, write
+#: and acknowledge a checkpoint of the tiny model (under a second when quiet).
+RANKS_TIMEOUT_S = 30
 #: The units of the whole run: STEPS steps of 4, and 2 more.
 UNITS = [rollout_unit(i, policy_version=i // 4) for i in range(STEPS * 4 + 2)]
 
