@@ -85,7 +85,8 @@ def _watch_peers(hosts: Hosts, host: str, stop: threading.Event) -> set[tuple[st
 def _reaches(wrap: list[str], port: int) -> bool:
     """A TCP connection to 127.0.0.1:``port`` from the namespace ``wrap`` runs in."""
     code = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2).close()"
-    return subprocess.run([*wrap, "python3", "-c", code], capture_output=True).returncode == 0
+    return subprocess.run([*wrap, sys.executable, "-c", code],
+                          capture_output=True).returncode == 0
 
 
 @contextmanager
@@ -141,9 +142,11 @@ def test_two_ranks_on_two_hosts_train_the_weights_of_two_ranks_on_one(settings, 
         assert apart.master_addr == hosts.address("rank-0")
         stop = threading.Event()
         peers = _watch_peers(hosts, "rank-1", stop)
-        apart.start()
-        codes = apart.wait(JOB_TIMEOUT_S)
-        stop.set()
+        try:
+            apart.start()
+            codes = apart.wait(JOB_TIMEOUT_S)
+        finally:
+            stop.set()
         assert codes == {"rank-0": 0, "rank-1": 0}, _failed(apart, codes)
         for host in ("rank-0", "rank-1"):
             assert apart.log(host).count(f"now at step {STEPS}") == 1, apart.log(host)[-3000:]
