@@ -51,10 +51,15 @@ from reef_stream.cli.recipe_options import set_option
               help="Also checkpoint once this long has passed since the last checkpoint, "
                    "whatever the recipe's schedule.checkpoint_every (steps) says: bounds the "
                    "work a crash makes the trainer redo.")
+@click.option("--ranks-timeout-s", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS",
+              help="Data-parallel ranks: how long one waits for the others in an exchange "
+                   "before the job fails (a rank's host cut off) [default: torch's, 30 min]. "
+                   "Give every rank the same; longer than a checkpoint takes.")
 @metrics_port_option
 def train(path: str, group: str, url: str | None, keep: int, model_name: str | None,
           max_steps: int | None, idle_exit: float | None, checkpoint_every_s: float | None,
-          metrics_port: int | None, overrides: tuple[str, ...] = ()) -> None:
+          ranks_timeout_s: float | None, metrics_port: int | None, overrides: tuple[str, ...] = ()) -> None:
     """Train a recipe as a consumer group; checkpoints are the acknowledgements.
 
     Each step's units come from the units topic in an order fixed by the log
@@ -76,7 +81,8 @@ def train(path: str, group: str, url: str | None, keep: int, model_name: str | N
     trainer = Trainer(recipe, bootstrap=bootstrap_servers(settings), namespace=settings.namespace,
                       group=group, checkpoints=url, keep=keep, model_name=model_name,
                       max_steps=max_steps, idle_exit=idle_exit,
-                      checkpoint_every_s=checkpoint_every_s, settings=settings)
+                      checkpoint_every_s=checkpoint_every_s, settings=settings,
+                      ranks_timeout_s=ranks_timeout_s)
     if metrics_port:  # one port per rank on a host (torchrun sets LOCAL_RANK)
         metrics_port += int(os.environ.get("LOCAL_RANK", "0"))
     serve_metrics(metrics_port)

@@ -32,9 +32,19 @@ class Ranks:
         self.rank, self.ranks = rank, ranks
 
     @classmethod
-    def join(cls, recipe: Any) -> Ranks:
+    def join(cls, recipe: Any, timeout_s: float | None = None) -> Ranks:
         """This process's rank as the launcher set it; ``ConfigurationError`` when the number
-        of processes launched is not the recipe's ``data_parallel_size``."""
+        of processes launched is not the recipe's ``data_parallel_size``.
+
+        ``timeout_s``: how long any exchange between the ranks (``gather_bytes``, the gradient
+        all-reduce, ...) waits for the others before it raises on this rank (None: torch's
+        default, 30 minutes). A rank whose host is cut off from the others meets no one; with
+        a bound, every rank's next exchange raises, the trainer exits and ``torchrun`` fails
+        the job, instead of waiting half an hour (``tests/faults/test_trainer_hosts.py``). It
+        must be longer than a rank may work between two exchanges: rank 0's checkpoint write
+        and acknowledgement, during which the others wait."""
+        from datetime import timedelta
+
         from accelerate import PartialState
 
         if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1"):
@@ -46,7 +56,8 @@ class Ranks:
                 "HuggingFace(path, sharding='fsdp') (--set backend.model.sharding=fsdp), and "
                 "launch the ranks without accelerate's FSDP (torchrun, or distributed_type "
                 "MULTI_GPU or MULTI_CPU); docs/deployment.md, 'The trainer across hosts'")
-        state = PartialState(cpu=not torch.cuda.is_available())
+        options = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        state = PartialState(cpu=not torch.cuda.is_available(), **options)
         rank, ranks = state.process_index, state.num_processes
         declared = recipe.backend.data_parallel_size
         if ranks != declared:

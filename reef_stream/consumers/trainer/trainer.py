@@ -214,7 +214,7 @@ class Trainer:
                  checkpoints: str | None = None, keep: int = 5, model_name: str | None = None,
                  max_steps: int | None = None, idle_exit: float | None = None,
                  checkpoint_every_s: float | None = None,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, ranks_timeout_s: float | None = None) -> None:
         settings = settings or load_settings()
         self.recipe, self.bootstrap, self.ns, self.group = recipe, bootstrap, namespace, group
         self.topic = declarations.units(namespace, recipe.name)
@@ -222,6 +222,8 @@ class Trainer:
             settings.home, namespace, recipe.name, group))
         self.keep, self.max_steps, self.idle_exit = keep, max_steps, idle_exit
         self.checkpoint_every_s = checkpoint_every_s
+        #: How long an exchange between data-parallel ranks waits (``Ranks.join``).
+        self.ranks_timeout_s = ranks_timeout_s
         self.model_name = model_name or recipe.backend.model_name or group
         self.registry = SchemaRegistry.default()
         self.summary = TrainerSummary()
@@ -775,7 +777,7 @@ class _Steps:
         partitions this rank owns (``p % ranks == rank``) from its offsets. Blocks (loading
         the checkpoint; every rank waits for the others); called once."""
         trainer = self.trainer
-        trainer.world = Ranks.join(trainer.recipe)
+        trainer.world = Ranks.join(trainer.recipe, trainer.ranks_timeout_s)
         trainer.rank, trainer.ranks = trainer.world.rank, trainer.world.ranks
         trainer.partitions = partitions[trainer.topic]
         trainer.owned = [p for p in trainer.partitions if p % trainer.ranks == trainer.rank]
