@@ -18,9 +18,13 @@ not). Kinds:
   host drops its packets to every other host, or those from them), then healed;
 - ``pause``: SIGSTOP of every process on the host for ``seconds``, then SIGCONT;
 - ``kill``: SIGKILL of every process on the host. A broker's host (``kafka-<i>`` of three)
-  gets its node restarted ``seconds`` later; the demo restarts no stage, so of the stages'
-  hosts only a replica's and the reward worker's may be killed (the others are left for a
-  scenario with a supervisor).
+  gets its node restarted ``seconds`` later; a replica's and the reward worker's host stay
+  dead; the processor's, the trainer's or the evaluator's is answered by the supervisor
+  (``tests.cluster.supervisor``), which starts the stage on a spare host ``<host>-b``;
+- ``pause-replace``: SIGSTOP of every process on a supervised stage's host, the stage started
+  on its spare host (the trainer's: until it trained a step), and ``seconds`` later SIGCONT
+  of the old one: a zombie its stage's fence must stop at its first write (``ClusterRun.
+  replaced`` says what became of it).
 
 ``tests.cluster.nemesis`` draws such a sequence from a seed. With ``brokers=3`` the broker is
 three KRaft nodes on hosts ``kafka-1`` to ``kafka-3`` (replication 3,
@@ -56,6 +60,7 @@ from reef_stream.servers.kafka_local import LocalCluster
 from reef_stream.servers.redis_local import LocalRedis
 from tests.cluster.faults import Fault, broker_hosts, stage_hosts
 from tests.cluster.hosts import Hosts
+from tests.cluster.supervisor import SUPERVISED, Replacement, Supervisor, spare_hosts
 
 #: Seconds the next fault waits, at most, for the trainer to step again after one.
 RECOVER_WAIT_S = 180.0
@@ -115,6 +120,11 @@ class ClusterRun(Checked):
     #: run stopped waiting for them to agree (None: it never looked).
     newest_promoted: int | None = None
     served: dict[str, int | None] | None = None
+    #: The stages the supervisor replaced, by host (``tests.cluster.supervisor``).
+    replaced: dict[str, Replacement] = field(default_factory=dict)
+    #: The writer of each committed checkpoint, in log order (a replaced trainer's, then its
+    #: replacement's).
+    writers: list[str] = field(default_factory=list)
 
     @property
     def recover_s(self) -> float | None:
@@ -153,16 +163,45 @@ class ClusterRun(Checked):
              self.newest_promoted is not None and bool(self.served)
              and all(v == self.newest_promoted for v in self.served.values()),
              f"newest promoted {self.newest_promoted}, served {self.served}"),
+            *self.replacement_checks(),
+        ]
+
+    def replacement_checks(self) -> list[tuple[str, bool, str]]:
+        """What the supervisor's replacements must show (none without one): each replacement
+        started; each old stage exited and left nothing on its host, a resumed zombie fenced
+        at its first write (its log says so, its exit status is not 0); and the committed
+        checkpoints have one writer after another, none writing again once replaced."""
+        if not self.replaced:
+            return []
+        blocks = [w for i, w in enumerate(self.writers) if i == 0 or w != self.writers[i - 1]]
+        return [
+            ("every replaced stage's replacement started, its old process is gone and left "
+             "nothing on its host, a resumed zombie fenced",
+             all(r.new_started and r.old_status is not None and not r.left_on_host
+                 and (r.how != "pause" or (r.old_fenced > 0 and r.old_status != 0))
+                 for r in self.replaced.values()),
+             "; ".join(f"{h}: {r.how}, replaced on {r.spare} (started {r.new_started}), old "
+                       f"exit {r.old_status}, fenced {r.old_fenced}, left on host "
+                       f"{r.left_on_host}" for h, r in self.replaced.items())),
+            ("no trainer commits a checkpoint once another took over",
+             len(blocks) == len(set(blocks)) and bool(blocks),
+             f"writers in log order: {blocks}"),
         ]
 
 
 def _restarted(fault: Fault) -> bool:
-    """Whether the fault is undone: all but the kill of a stage's host."""
+    """Whether the fault is undone: all but the kill of a stage's host (a supervised stage's
+    is replaced instead)."""
     return fault.kind != "kill" or fault.host.startswith("kafka")
 
 
 def _seconds(value: float | None) -> str:
     return "never" if value is None else f"{value:.1f} s"
+
+
+def _fenced(log: Path) -> int:
+    """Lines of a stage's log that say a write of it was fenced (``FENCED``)."""
+    return len(FENCED.findall(log.read_text(errors="replace")))
 
 
 def newest_promoted(publications: list[tuple[float, Publication]]) -> int | None:
@@ -180,10 +219,12 @@ class Injector:
     Watches ``demo.steps`` for the trainer's first step after each fault."""
 
     def __init__(self, hosts: Hosts, demo: Demo, faults: tuple[Fault, ...],
-                 say: Callable[[str], None], restart: Callable[[], None]) -> None:
-        """``restart``: what brings a killed broker's host back (``LocalCluster.up``)."""
+                 say: Callable[[str], None], restart: Callable[[], None],
+                 supervisor: Supervisor | None = None) -> None:
+        """``restart``: what brings a killed broker's host back (``LocalCluster.up``);
+        ``supervisor``: what replaces a supervised stage whose host is killed or paused."""
         self.hosts, self.demo, self.faults, self.say = hosts, demo, faults, say
-        self.restart = restart
+        self.restart, self.supervisor = restart, supervisor
         self.done, self._stop = threading.Event(), threading.Event()
         #: Promoted versions when the last fault ended (``promoted_after`` counts from there).
         self.promoted_at_end: int | None = None
@@ -255,6 +296,8 @@ class Injector:
         elif f.kind == "pause":
             for pid in pids:
                 hosts.pause(pid)
+        elif self._supervised(f):
+            self._replace(f)
         else:
             hosts.kill_host(f.host)
         if _restarted(f):
@@ -264,6 +307,8 @@ class Injector:
             elif f.kind == "pause":
                 for pid in pids:
                     hosts.resume(pid)
+            elif f.kind == "pause-replace":
+                self.supervisor.resume(f.host)
             else:
                 self.restart()   # blocks until every node answers
             one.undone_at = self._now()
@@ -280,6 +325,19 @@ class Injector:
                 self.say(f"the trainer did not step in the {RECOVER_WAIT_S:.0f} s after the "
                          "fault")
                 return
+
+
+    def _supervised(self, fault: Fault) -> bool:
+        return fault.kind in ("kill", "pause-replace") and fault.host in SUPERVISED
+
+    def _replace(self, fault: Fault) -> None:
+        """A supervised stage's host killed or paused, the stage replaced on its spare."""
+        if self.supervisor is None:
+            raise RuntimeError(f"{fault.name()} needs a supervisor to replace the stage")
+        if fault.kind == "kill":
+            self.supervisor.kill(fault.host)
+        else:
+            self.supervisor.pause(fault.host)
 
 
 class Served:
@@ -330,14 +388,18 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
     for fault in faults:
         if fault.host not in (*kafka, "redis", *stages):
             raise ValueError(f"no host {fault.host!r} in this scenario")
-        if fault.kind == "kill" and fault.host not in ("reward", *kafka) \
+        if fault.kind == "kill" and fault.host not in ("reward", *kafka, *SUPERVISED) \
                 and not fault.host.startswith("replica-"):
             raise ValueError("a kill of a host whose stage the demo does not restart ends the "
                              "run; kill a broker's, a replica's or the reward worker's host")
+        if fault.kind == "pause-replace" and fault.host not in SUPERVISED:
+            raise ValueError(f"pause-replace pauses a supervised stage's host "
+                             f"({', '.join(SUPERVISED)}), not {fault.host!r}")
+    spares = spare_hosts(faults)
     settings = dataclasses.replace(settings, home=workdir / "home")
     (workdir / "hosts").mkdir(parents=True, exist_ok=True)
     replicas = [s for s in stages if s.startswith("replica-")]
-    with Hosts([*kafka, "redis", *stages], workdir=workdir / "hosts") as hosts:
+    with Hosts([*kafka, "redis", *stages, *spares], workdir=workdir / "hosts") as hosts:
         say(f"hosts on {hosts.address('redis').rsplit('.', 1)[0]}.0/24: "
             + ", ".join(f"{n} {hosts.address(n)}" for n in hosts.names))
         cluster = LocalCluster(workdir / "kafka", settings.cache_dir,
@@ -350,7 +412,9 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
             redis_url = redis.up(port=REDIS_PORT)
             demo = Demo(options, settings=settings, bootstrap=bootstrap, redis_url=redis_url,
                         broker_pids=(), wrap=hosts.wrap)
-            injector = Injector(hosts, demo, faults, say, restart=cluster.up)
+            supervisor = Supervisor(hosts, demo, say)
+            injector = Injector(hosts, demo, faults, say, restart=cluster.up,
+                                supervisor=supervisor)
             served = Served(demo, redis_url, replicas)
             settled: list[float] = []   # when the other stop conditions first held
 
@@ -374,10 +438,13 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
                              if injector.done.is_set() else 0,
                              promoted_after=injector.promoted_after(),
                              newest_promoted=served.newest, served=served.served)
-            run.chain = checkpoint_chain(committed_checkpoints(bootstrap, demo.ns,
-                                                               demo.recipe.name, GROUP))
-            run.fenced_writes = sum(len(FENCED.findall(stage.log.read_text(errors="replace")))
-                                    for stage in demo.stages.values() if stage.log.exists())
+            committed = committed_checkpoints(bootstrap, demo.ns, demo.recipe.name, GROUP)
+            run.chain = checkpoint_chain(committed)
+            run.writers = [e.uri.rstrip("/").rsplit("/", 1)[-1].partition(".")[2]
+                           for e in committed]
+            run.fenced_writes = sum(_fenced(stage.log) for stage in demo.stages.values()
+                                    if stage.log.exists())
+            run.replaced = supervisor.finish(_fenced)
             run.acknowledged = sum(len(path.read_text().split())
                                    for path in (workdir / "run").glob("acknowledged-*.txt"))
             return run
