@@ -59,3 +59,25 @@ def test_a_schedule_has_at_least_one_fault_and_brokers():
         schedule(1, 0, brokers=BROKERS, stages=STAGES)
     with pytest.raises(ValueError, match="brokers"):
         schedule(1, 3, brokers=[], stages=STAGES)
+
+
+def test_a_supervised_nemesis_also_replaces_each_supervised_stage_at_most_once():
+    # The scenario's supervisor has one spare host per supervised stage.
+    from tests.cluster.faults import SUPERVISED
+    from tests.cluster.supervisor import spare_hosts
+
+    runs = [schedule(seed, 8, brokers=BROKERS, stages=STAGES, supervised=True)
+            for seed in range(50)]
+    faults = [f for run in runs for f in run]
+    assert {f.kind for f in faults} == {*NEMESIS_KINDS, "pause-replace"}
+    assert {f.host for f in faults if f.kind == "kill"} == {*BROKERS, *SUPERVISED}
+    assert {f.host for f in faults if f.kind == "pause-replace"} == set(SUPERVISED)
+    for run in runs:
+        replaced = [f.host for f in run if f.kind == "pause-replace"
+                    or (f.kind == "kill" and f.host in SUPERVISED)]
+        assert len(replaced) == len(set(replaced))
+        assert spare_hosts(run) == [f"{host}-b" for host in replaced]
+    # Unsupervised, the draws are those of before the option: seed 1 of docs/deployment.md.
+    assert describe(schedule(1, 4, brokers=BROKERS, stages=stage_hosts(1))) == (
+        " 1. after 13 s: partition-out kafka-2 36s\n 2. after 30 s: kill kafka-2 20s\n"
+        " 3. after 25 s: kill kafka-1 8s\n 4. after 29 s: partition evaluator 47s")
