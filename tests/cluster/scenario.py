@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 import threading
 import time
 from collections.abc import Callable
@@ -125,6 +126,8 @@ class ClusterRun(Checked):
     #: The writer of each committed checkpoint, in log order (a replaced trainer's, then its
     #: replacement's).
     writers: list[str] = field(default_factory=list)
+    #: Checkpoints with more than one committed PROMOTED or REJECTED publication.
+    decided_twice: int = 0
 
     @property
     def recover_s(self) -> float | None:
@@ -168,24 +171,23 @@ class ClusterRun(Checked):
 
     def replacement_checks(self) -> list[tuple[str, bool, str]]:
         """What the supervisor's replacements must show (none without one): each replacement
-        started; each old stage exited and left nothing on its host, a resumed zombie fenced
-        at its first write (its log says so, its exit status is not 0); and the committed
-        checkpoints have one writer after another, none writing again once replaced."""
+        started and each old stage settled (``Replacement.settled``: gone, or a resumed
+        zombie fenced at its first write, or an evaluator standing by); the committed
+        checkpoints have one writer after another, none writing again once replaced; and no
+        candidate was decided twice."""
         if not self.replaced:
             return []
         blocks = [w for i, w in enumerate(self.writers) if i == 0 or w != self.writers[i - 1]]
         return [
             ("every replaced stage's replacement started, its old process is gone and left "
-             "nothing on its host, a resumed zombie fenced",
-             all(r.new_started and r.old_status is not None and not r.left_on_host
-                 and (r.how != "pause" or (r.old_fenced > 0 and r.old_status != 0))
-                 for r in self.replaced.values()),
-             "; ".join(f"{h}: {r.how}, replaced on {r.spare} (started {r.new_started}), old "
-                       f"exit {r.old_status}, fenced {r.old_fenced}, left on host "
-                       f"{r.left_on_host}" for h, r in self.replaced.items())),
+             "nothing on its host, a resumed zombie fenced (an evaluator: fenced or standing "
+             "by)", all(r.settled() for r in self.replaced.values()),
+             "; ".join(r.line() for r in self.replaced.values())),
             ("no trainer commits a checkpoint once another took over",
              len(blocks) == len(set(blocks)) and bool(blocks),
              f"writers in log order: {blocks}"),
+            ("no candidate was decided twice", self.decided_twice == 0,
+             f"{self.decided_twice} checkpoints with more than one committed decision"),
         ]
 
 
@@ -197,6 +199,14 @@ def _restarted(fault: Fault) -> bool:
 
 def _seconds(value: float | None) -> str:
     return "never" if value is None else f"{value:.1f} s"
+
+
+def _decided_twice(publications: list[tuple[float, Publication]]) -> int:
+    """Checkpoints with more than one PROMOTED or REJECTED publication among
+    ``publications`` (the demo's, read committed): a zombie evaluator's decision that counted."""
+    decided = Counter(p.checkpoint_id for _, p in publications
+                      if p.decision in (Decision.PROMOTED, Decision.REJECTED))
+    return sum(1 for n in decided.values() if n > 1)
 
 
 def _fenced(log: Path) -> int:
@@ -445,6 +455,7 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
             run.fenced_writes = sum(_fenced(stage.log) for stage in demo.stages.values()
                                     if stage.log.exists())
             run.replaced = supervisor.finish(_fenced)
+            run.decided_twice = _decided_twice(list(demo.publications))
             run.acknowledged = sum(len(path.read_text().split())
                                    for path in (workdir / "run").glob("acknowledged-*.txt"))
             return run

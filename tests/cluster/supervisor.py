@@ -32,8 +32,22 @@ from tests.cluster.hosts import Hosts
 REPLACE_DELAY_S = 5.0
 #: Seconds ``pause`` waits, at most, for a replacement trainer's first step.
 REPLACEMENT_STEP_WAIT_S = 240.0
+#: What a replacement's log says once it holds its stage's fence (``pause`` waits for it;
+#: the trainer's is its first step, read from the demo's metrics instead).
+FENCE_TAKEN = {"evaluator": "any older evaluator of the recipe is fenced"}
+#: What an evaluator's log says when the group took the checkpoints from it: it writes nothing
+#: more until assigned them again (a resumed evaluator rejoins its group, and one that learns
+#: of the revocation before it writes is never fenced).
+GAVE_UP_FENCE = "so it gave up the fence"
 #: Fault kinds that make the supervisor replace a stage (``tests.cluster.faults.KINDS``).
 REPLACING_KINDS = ("kill", "pause-replace")
+
+
+def _text(log: Path) -> str:
+    try:
+        return log.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def spare_host(host: str) -> str:
@@ -73,6 +87,27 @@ class Replacement:
     left_on_host: list[int] = field(default_factory=list)
     #: Whether the replacement was started.
     new_started: bool = False
+    #: The old stage's log size when it was resumed, and whether it said after that that it
+    #: gave up its fence (``GAVE_UP_FENCE``: an evaluator that learnt of the revocation).
+    log_at_resume: int = 0
+    gave_up_fence: bool = False
+
+    def settled(self) -> bool:
+        """What must have become of the old stage: gone, with nothing left on its host; a
+        resumed one fenced at its first write (exited non-zero, its log says so), or, an
+        evaluator, standing by: it gave up the fence when its group revoked its checkpoints."""
+        if not self.new_started or self.left_on_host:
+            return False
+        if self.how == "kill":
+            return self.old_status is not None
+        fenced = self.old_status not in (None, 0) and self.old_fenced > 0
+        return fenced or (self.stage == "evaluator" and self.gave_up_fence)
+
+    def line(self) -> str:
+        return (f"{self.stage}: {self.how}, replaced on {self.spare} (started "
+                f"{self.new_started}), old exit {self.old_status}, fenced {self.old_fenced}"
+                + (", gave up its fence" if self.gave_up_fence else "")
+                + f", left on host {self.left_on_host}")
 
 
 class Supervisor:
@@ -95,9 +130,10 @@ class Supervisor:
 
     def pause(self, host: str) -> Replacement:
         """SIGSTOP every process on ``host``, start the stage on its spare after ``delay_s``,
-        and (the trainer) wait until the replacement trained a step, so that it fenced the
-        paused one; ``resume`` wakes the paused processes. Returns once the replacement is
-        started (and stepped)."""
+        and wait (up to ``REPLACEMENT_STEP_WAIT_S``) until the replacement holds the stage's
+        fence: the trainer's trained a step, the evaluator's log says ``FENCE_TAKEN``;
+        ``resume`` wakes the paused processes. Returns once the replacement is started (and
+        holds the fence, or the wait ran out)."""
         one = self._retire(host, "pause")
         one.paused = self.hosts.pids(host)
         for pid in one.paused:
@@ -105,16 +141,24 @@ class Supervisor:
         self.say(f"supervisor: {len(one.paused)} processes paused on {host}")
         steps = self.demo.steps
         self._replace(one)
+        deadline = time.monotonic() + REPLACEMENT_STEP_WAIT_S
         if host == "trainer":
-            deadline = time.monotonic() + REPLACEMENT_STEP_WAIT_S
             while self.demo.steps <= steps and one.new.alive and time.monotonic() < deadline:
                 time.sleep(0.2)
             self.say(f"supervisor: the replacement trainer is at step {self.demo.steps}")
+        elif host in FENCE_TAKEN:
+            while FENCE_TAKEN[host] not in _text(one.new.log) and one.new.alive \
+                    and time.monotonic() < deadline:
+                time.sleep(0.5)
+            self.say(f"supervisor: the replacement {host} holds the fence: "
+                     f"{FENCE_TAKEN[host] in _text(one.new.log)}")
         return one
 
     def resume(self, host: str) -> None:
         """SIGCONT the processes ``pause`` stopped on ``host``: the old stage runs on."""
         one = self.replaced[host]
+        log = self.demo.stages[one.stage].log
+        one.log_at_resume = log.stat().st_size if log.exists() else 0
         for pid in one.paused:
             try:
                 self.hosts.resume(pid)
@@ -134,6 +178,8 @@ class Supervisor:
             one.old_fenced = fenced(old.log) if old.log.exists() else 0
             one.left_on_host = self.hosts.pids(host)
             one.new_started = one.new is not None and one.new.starts > 0
+            one.gave_up_fence = one.resumed_at is not None and GAVE_UP_FENCE in \
+                _text(old.log)[one.log_at_resume:]
         return self.replaced
 
     def _retire(self, host: str, how: str) -> Replacement:
