@@ -22,9 +22,10 @@ not). Kinds:
   dead; the processor's, the trainer's or the evaluator's is answered by the supervisor
   (``tests.cluster.supervisor``), which starts the stage on a spare host ``<host>-b``;
 - ``pause-replace``: SIGSTOP of every process on a supervised stage's host, the stage started
-  on its spare host (the trainer's: until it trained a step), and ``seconds`` later SIGCONT
-  of the old one: a zombie its stage's fence must stop at its first write (``ClusterRun.
-  replaced`` says what became of it).
+  on its spare host (and, the trainer's and the evaluator's, holding its fence), and
+  ``seconds`` later SIGCONT of the old one: a zombie its stage's fence must stop at its first
+  write, or, an evaluator, that its group tells to stand by (``ClusterRun.replaced`` says
+  what became of it).
 
 ``tests.cluster.nemesis`` draws such a sequence from a seed. With ``brokers=3`` the broker is
 three KRaft nodes on hosts ``kafka-1`` to ``kafka-3`` (replication 3,
@@ -36,17 +37,18 @@ the last, and every replica's heartbeat says it serves the newest promoted versi
 checks are: every acknowledged generation is in its topic and has exactly one outcome; no
 unit trained twice or lost (``run.unit_ledger``); the trainer's committed checkpoints form
 one chain (``verify.checkpoint_chain``); the trainer trained again after every fault
-(recovery: from the fault's end to its next step, in seconds); and, after the last fault,
-the replicas served the newest promoted version.
+(recovery: from the fault's end to its next step, in seconds); after the last fault, the
+replicas served the newest promoted version; and, where the supervisor replaced a stage,
+``ClusterRun.replacement_checks``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections import Counter
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,9 +181,9 @@ class ClusterRun(Checked):
             return []
         blocks = [w for i, w in enumerate(self.writers) if i == 0 or w != self.writers[i - 1]]
         return [
-            ("every replaced stage's replacement started, its old process is gone and left "
-             "nothing on its host, a resumed zombie fenced (an evaluator: fenced or standing "
-             "by)", all(r.settled() for r in self.replaced.values()),
+            (("every replaced stage's replacement started, its old process is gone and left "
+              "nothing on its host, a resumed zombie fenced (an evaluator: fenced or standing "
+              "by)"), all(r.settled() for r in self.replaced.values()),
              "; ".join(r.line() for r in self.replaced.values())),
             ("no trainer commits a checkpoint once another took over",
              len(blocks) == len(set(blocks)) and bool(blocks),
@@ -335,7 +337,6 @@ class Injector:
                 self.say(f"the trainer did not step in the {RECOVER_WAIT_S:.0f} s after the "
                          "fault")
                 return
-
 
     def _supervised(self, fault: Fault) -> bool:
         return fault.kind in ("kill", "pause-replace") and fault.host in SUPERVISED
