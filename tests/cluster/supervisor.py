@@ -11,10 +11,11 @@ spare is ``<host>-b`` (``spare_host``), made with the other hosts before the run
 (``spare_hosts``). A replacement starts ``REPLACE_DELAY_S`` after the host was lost (an
 orchestrator notices late) and runs the stage's command unchanged on the spare: the same
 broker, Redis and checkpoint store (the hosts share one filesystem). The demo retires the old
-stage at once (``Demo.supersede``): its death is no failure of the run, and a paused one left
-running is the zombie the stage's own fence must stop at its first write (the trainer's and
-the evaluator's Kafka transactions, the processor's transactional id). A stage is replaced at
-most once a run (one spare each).
+stage at once (``Demo.retire``; ``Demo.supersede`` adds the replacement): its death is no
+failure of the run, and a paused one left running is the zombie the stage's own fence must
+stop at its first write (the trainer's and the evaluator's Kafka transactions, the
+processor's transactional id), or, an evaluator, that its consumer group tells to stand by.
+A stage is replaced at most once a run (one spare each).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tests.cluster.hosts import Hosts
 
 #: Seconds between the loss of a stage's host and the start of its replacement.
 REPLACE_DELAY_S = 5.0
-#: Seconds ``pause`` waits, at most, for a replacement trainer's first step.
+#: Seconds ``pause`` waits, at most, for the replacement to hold the fence (``pause``).
 REPLACEMENT_STEP_WAIT_S = 240.0
 #: What a replacement's log says once it holds its stage's fence (``pause`` waits for it;
 #: the trainer's is its first step, read from the demo's metrics instead).
