@@ -3,7 +3,8 @@
     python bench/cluster.py [--faults partition:trainer:50,pause:trainer:50] [--rate 50]
                             [--brokers 1|3] [--at 30] [--versions-after 3] [--drain 240]
                             [--store dir|s3] [--workdir DIR]
-    python bench/cluster.py --nemesis SEED [--faults-count 4] [--brokers 3] ...
+    python bench/cluster.py --faults pause-replace:trainer:20+kill:processor   # one run, two
+    python bench/cluster.py --nemesis SEED [--faults-count 4] [--brokers 3] [--supervised] ...
 
 Every part of the pipeline runs on a host of its own, a Linux network namespace joined to the
 others by a bridge (``tests/cluster/hosts.py``; needs root): a KRaft broker, Redis, the reward
@@ -12,14 +13,19 @@ worker, the processor, the trainer, the evaluator and the replicas (the recipe
 KIND is ``partition`` (the host's link down, both ways), ``partition-out`` or
 ``partition-in`` (one way, nftables), ``pause`` (SIGSTOP of every process on the host) or
 ``kill`` (SIGKILL of every process on it: a broker's host, ``kafka-<i>`` with ``--brokers
-3``, whose node is restarted after SECONDS; a replica's or the reward worker's; ``store``
-with ``--store s3``, whose S3Proxy is restarted after SECONDS on the same data) or
-``isolate`` (the host cut off from the brokers' hosts only, both ways, e.g.
-``isolate:trainer:50``: a trainer that reaches the store but not the broker)) a fresh
-cluster runs the demo, injects the fault ``--at`` seconds after every stage reported running,
-undoes it after SECONDS, and stops once the trainer stepped again, ``--versions-after``
-versions were promoted since and the replicas serve the newest. Then the replicas stop, the
-other stages drain, and the log is checked (``tests/cluster/scenario.py``). With ``--store
+3``, whose node is restarted after SECONDS; a replica's or the reward worker's; the
+processor's, the trainer's or the evaluator's, whose stage the scenario's supervisor starts
+again on a spare host ``<host>-b``; ``store`` with ``--store s3``, whose S3Proxy is restarted
+after SECONDS on the same data), ``pause-replace`` (SIGSTOP of every process on the
+processor's, the trainer's or the evaluator's host, the stage started on the spare, the old
+one resumed SECONDS later: a zombie that must be fenced at its first write) or ``isolate``
+(the host cut off from the brokers' hosts only, both ways, e.g. ``isolate:trainer:50``: a
+trainer that reaches the store but not the broker)) a fresh cluster runs the demo, injects
+the fault ``--at`` seconds after every stage reported running, undoes it after SECONDS, and
+stops once the trainer stepped again, ``--versions-after`` versions were promoted since and
+the replicas serve the newest. Then the replicas stop, the other stages drain, and the log is
+checked (``tests/cluster/scenario.py``). Faults joined by ``+``
+(``pause-replace:trainer:20+kill:processor``) are one run, one after another. With ``--store
 s3`` S3Proxy runs on a host ``store`` of its own, the trainer's checkpoints and the
 evaluator's published copies are at ``s3://`` URLs on it (credentials from the environment),
 and the run also checks that every committed checkpoint is an object in its bucket.
@@ -31,6 +37,8 @@ the brokers, and the store's host among the targets); the schedule is printed fi
 same SEED (with the same ``--faults-count``, ``--brokers``, ``--replicas`` and ``--store``)
 gives the same schedule. Each fault
 comes once the pipeline recovered from the one before; the run ends with the same checks.
+With ``--supervised`` the nemesis also draws ``pause-replace`` and kills of the processor's,
+the trainer's and the evaluator's hosts (each stage replaced at most once).
 
 One row per run: acknowledged (generations the replicas saw acknowledged), trained (units),
 shed (generations and units dead-lettered with a reason: expired, too stale, shed), lost
@@ -111,12 +119,15 @@ def main() -> int:
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--faults", default="partition:trainer:50",
-                        help="comma-separated KIND:HOST[:SECONDS], one run each "
-                             "[default: %(default)s]")
+                        help="comma-separated KIND:HOST[:SECONDS], one run each; faults "
+                             "joined by + are one run [default: %(default)s]")
     parser.add_argument("--nemesis", type=int, default=None, metavar="SEED",
                         help="one run under faults drawn from SEED (instead of --faults)")
     parser.add_argument("--faults-count", type=int, default=4, metavar="N",
                         help="faults the nemesis draws [default: 4]")
+    parser.add_argument("--supervised", action="store_true",
+                        help="the nemesis also draws pause-replace and kills of the "
+                             "supervised stages' hosts (tests/cluster/supervisor.py)")
     parser.add_argument("--at", type=float, default=30.0, metavar="S",
                         help="seconds after every stage reported running [default: 30]")
     parser.add_argument("--brokers", type=int, choices=(1, 3), default=1,
@@ -143,7 +154,8 @@ def main() -> int:
     if args.nemesis is not None:
         faults = schedule(args.nemesis, args.faults_count, brokers=broker_hosts(args.brokers),
                           stages=stage_hosts(args.replicas),
-                          store=STORE_HOST if args.store == "s3" else None)
+                          store=STORE_HOST if args.store == "s3" else None,
+                          supervised=args.supervised)
         print(f"nemesis seed {args.nemesis}, {len(faults)} faults:\n{describe(faults)}",
               flush=True)
         runs_of = [faults]
@@ -151,7 +163,7 @@ def main() -> int:
         need = 180 + sum(f.at_s + f.seconds + RECOVER_WAIT_S for f in faults)
         time_limit = max(args.time_limit, need)
     else:
-        runs_of = [(Fault.parse(text.strip(), at_s=args.at),)
+        runs_of = [tuple(Fault.parse(one.strip(), at_s=args.at) for one in text.split("+"))
                    for text in args.faults.split(",")]
         time_limit = args.time_limit
     settings = load_settings()

@@ -130,7 +130,7 @@ HEAVY_FILES = frozenset({
     "test_demo.py", "test_demo_tool.py", "test_demo_vllm.py", "test_demo_replica.py",
     "test_vllm_engine.py", "test_trainer_kills.py", "test_broker_faults.py",
     "test_processor_kill.py", "test_trainer_fencing.py", "test_quickstart.py",
-    "test_cluster.py", "test_trainer_hosts.py"})
+    "test_cluster.py", "test_trainer_hosts.py", "test_cluster_supervisor.py"})
 HEAVY_TESTS = frozenset({"test_the_main_job_command_runs_the_demo_on_the_embedded_default"})
 
 

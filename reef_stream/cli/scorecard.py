@@ -69,7 +69,7 @@ def scorecard(ctx: click.Context, namespace: str | None, recipe: str, target: fl
     if checkpoints is not None:
         from reef_stream.demo.run import unit_ledger
 
-        card.ledger = unit_ledger(bootstrap, ns, recipe, checkpoints)
+        card.ledger = unit_ledger(bootstrap, ns, recipe, checkpoints, group)
     if as_json:
         click.echo(json.dumps(card.as_dict()))
     else:

@@ -411,7 +411,15 @@ class Demo:
         self.reward_faults = "" if not options.reward_faults else \
             RewardFaults.parse(options.reward_faults).anchored(time.time()).text()
         self.wrap = wrap or (lambda name: ())
+        #: Each stage's command without its ``wrap`` (``supersede`` runs it elsewhere).
+        self.commands: dict[str, list[str]] = {}
         self.stages = self._stages()
+        #: Stages an orchestrator replaced (``supersede``): no longer supervised here (a dead
+        #: one is no failure, a lingering one may be a zombie), still stopped at the end, their
+        #: CPU and logs still counted.
+        self.retired: set[str] = set()
+        self._arriving: list[Stage] = []   # replacements the demo's loop starts next
+        self._arriving_lock = threading.Lock()
 
     # ----------------------------------------------------------------- the stages
 
@@ -455,8 +463,29 @@ class Demo:
             stages[f"replica-{i}"] = Stage(f"replica-{i}", argv, env,
                                            logs / f"replica-{i}.log")
         for name, stage in stages.items():
+            self.commands[name] = stage.argv
             stage.argv = [*self.wrap(name), *stage.argv]
         return stages
+
+    def retire(self, name: str) -> None:
+        """Supervise stage ``name`` no more: it may die or linger (see ``retired``), as a stage
+        whose host an orchestrator lost. Thread-safe, idempotent."""
+        self.retired.add(name)
+
+    def supersede(self, name: str, by: str, wrap: Sequence[str]) -> Stage:
+        """Replace stage ``name`` by a new stage ``by`` running the same command under
+        ``wrap`` (another host, reaching the same broker, Redis and checkpoint store), as an
+        orchestrator does once it lost the old one's host. Thread-safe, returns at once:
+        ``name`` is retired now (``retire``), and the demo's loop starts ``by`` at its
+        next check of the stages (its ``starts`` turns 1), then supervises it like the
+        others. Returns the new stage; its log is ``<by>.log`` beside the old one's."""
+        old = self.stages[name]
+        stage = Stage(by, [*wrap, *self.commands[name]], old.env, old.log.with_name(f"{by}.log"))
+        self.commands[by] = self.commands[name]
+        self.retire(name)
+        with self._arriving_lock:
+            self._arriving.append(stage)
+        return stage
 
     def _engine_replica(self, url: str) -> None:
         """Add the replica that drives and samples the vLLM server at ``url``; with
@@ -562,7 +591,7 @@ class Demo:
             self._sample_cpu()
             watcher.close()
         accuracy, version = self.accuracy()
-        ledger = unit_ledger(self.bootstrap, self.ns, self.recipe.name, self.store)
+        ledger = unit_ledger(self.bootstrap, self.ns, self.recipe.name, self.store, GROUP)
         scorecard = self.scorecard(ledger)
         report = write_report(self, seconds, ledger, scorecard)
         return DemoResult(reached=reached, seconds=seconds, accuracy=accuracy, version=version,
@@ -663,9 +692,15 @@ class Demo:
         """A stage that exited on its own is a failure of the demo (say which and why), but for
         one that asked to be restarted (``EXIT_RESTART``), as a supervisor would. Without
         ``replicas``: the replicas are not started yet, or were stopped on purpose; the others
-        are still supervised."""
+        are still supervised. Starts the replacements ``supersede`` asked for first, and
+        leaves the stages it retired alone."""
+        with self._arriving_lock:
+            arriving, self._arriving = self._arriving, []
+        for stage in arriving:
+            self.stages[stage.name] = stage
+            stage.start()
         for stage in self.stages.values():
-            if not replicas and stage.name.startswith("replica-"):
+            if (not replicas and stage.name.startswith("replica-")) or stage.name in self.retired:
                 continue
             if not stage.alive and stage.process.returncode == EXIT_RESTART:
                 self.restarts[stage.name] += 1
@@ -844,15 +879,26 @@ def end_offset(consumer: Consumer, topic: str) -> int:
         return -1
 
 
-def unit_ledger(bootstrap: str, ns: str, recipe: str, store: Path | str) -> dict[str, int]:
+def unit_ledger(bootstrap: str, ns: str, recipe: str, store: Path | str,
+                group: str | None = None) -> dict[str, int]:
     """Every unit the trainer acknowledged, against every unit in the log before its offsets:
     reads the checkpoints in ``store``, the units topic up to the newest one's offsets and the
     trainer's dead letters, and returns ``verify.ledger_counts`` of them (``trained_twice`` and
-    ``lost`` must be 0).
+    ``lost`` must be 0). With ``group`` (the trainer's), only the checkpoints whose
+    ``Checkpoint`` event of that group committed count: a fenced zombie's or a crashed
+    trainer's last checkpoint is written but never acknowledged, and its units were trained
+    again by the trainer that took over.
     """
+    from reef_stream.demo.verify import committed_checkpoints
     from reef_stream.engine.checkpoints import CheckpointStore, load
 
     steps = CheckpointStore(store).steps()
+    if group is not None:
+        def name(uri: str) -> str:   # step-<N>.<writer>: one directory of the store
+            return uri.rstrip("/").rsplit("/", 1)[-1]
+
+        committed = {name(e.uri) for e in committed_checkpoints(bootstrap, ns, recipe, group)}
+        steps = [c for c in steps if name(c.uri) in committed]
     if not steps:
         return {"trained": 0, "trained_twice": 0, "lost": 0}
     contents = [load(c.uri, c.sha256) for c in steps]

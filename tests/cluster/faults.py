@@ -12,16 +12,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: The fault kinds ``Fault.kind`` may name.
-KINDS = ("partition", "partition-out", "partition-in", "pause", "kill", "isolate")
+KINDS = ("partition", "partition-out", "partition-in", "pause", "kill", "isolate",
+         "pause-replace")
+#: The stages' hosts whose kill (or ``pause-replace``) the scenario's supervisor answers with
+#: a replacement on a spare host (``tests.cluster.supervisor``).
+SUPERVISED = ("processor", "trainer", "evaluator")
 
 
 @dataclass(frozen=True)
 class Fault:
     """One fault: ``kind`` (``KINDS``) of ``host``, ``at_s`` seconds after the pipeline ran
     (the first of a run) or recovered from the fault before, undone ``seconds`` later (a kill
-    only on a broker's host or the object store's: its server is restarted; ``isolate``: the
-    host cut off from the brokers' hosts only, both ways). Kinds and what undoing means:
-    ``tests.cluster.scenario``."""
+    only on a broker's host or the object store's: its server is restarted; the kill of a
+    supervised stage's host is answered by a replacement on a spare host,
+    ``tests.cluster.supervisor``, as is ``pause-replace``, whose paused processes are resumed
+    ``seconds`` after the replacement started; ``isolate``: the host cut off from the brokers'
+    hosts only, both ways). Kinds and what undoing means: ``tests.cluster.scenario``."""
 
     kind: str
     host: str

@@ -18,9 +18,14 @@ not). Kinds:
   host drops its packets to every other host, or those from them), then healed;
 - ``pause``: SIGSTOP of every process on the host for ``seconds``, then SIGCONT;
 - ``kill``: SIGKILL of every process on the host. A broker's host (``kafka-<i>`` of three)
-  gets its node restarted ``seconds`` later; the demo restarts no stage, so of the stages'
-  hosts only a replica's and the reward worker's may be killed (the others are left for a
-  scenario with a supervisor).
+  gets its node restarted ``seconds`` later; a replica's and the reward worker's host stay
+  dead; the processor's, the trainer's or the evaluator's is answered by the supervisor
+  (``tests.cluster.supervisor``), which starts the stage on a spare host ``<host>-b``;
+- ``pause-replace``: SIGSTOP of every process on a supervised stage's host, the stage started
+  on its spare host (and, the trainer's and the evaluator's, holding its fence), and
+  ``seconds`` later SIGCONT of the old one: a zombie its stage's fence must stop at its first
+  write, or, an evaluator, that its group tells to stand by (``ClusterRun.replaced`` says
+  what became of it).
 - ``isolate``: the host cut off from the brokers' hosts only, both ways (nftables drops its
   packets to them and theirs to it) for ``seconds``, then healed; its links to the object
   store, Redis and the other stages work on (a trainer that reaches the store but not the
@@ -43,8 +48,9 @@ the last, and every replica's heartbeat says it serves the newest promoted versi
 checks are: every acknowledged generation is in its topic and has exactly one outcome; no
 unit trained twice or lost (``run.unit_ledger``); the trainer's committed checkpoints form
 one chain (``verify.checkpoint_chain``); the trainer trained again after every fault
-(recovery: from the fault's end to its next step, in seconds); and, after the last fault,
-the replicas served the newest promoted version.
+(recovery: from the fault's end to its next step, in seconds); after the last fault, the
+replicas served the newest promoted version; and, where the supervisor replaced a stage,
+``ClusterRun.replacement_checks``.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ import os
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +80,7 @@ from reef_stream.servers.redis_local import LocalRedis
 from reef_stream.servers.s3_local import LocalS3
 from tests.cluster.faults import STORE_HOST, Fault, broker_hosts, stage_hosts
 from tests.cluster.hosts import Hosts
+from tests.cluster.supervisor import SUPERVISED, Replacement, Supervisor, spare_hosts
 
 #: Seconds the next fault waits, at most, for the trainer to step again after one.
 RECOVER_WAIT_S = 180.0
@@ -141,6 +149,13 @@ class ClusterRun(Checked):
     committed_uris: list[str] = field(default_factory=list)
     stored: set[str] | None = None
     secret_leaks: int | None = None
+    #: The stages the supervisor replaced, by host (``tests.cluster.supervisor``).
+    replaced: dict[str, Replacement] = field(default_factory=dict)
+    #: The writer of each committed checkpoint, in log order (a replaced trainer's, then its
+    #: replacement's).
+    writers: list[str] = field(default_factory=list)
+    #: Checkpoints with more than one committed PROMOTED or REJECTED publication.
+    decided_twice: int = 0
 
     @property
     def recover_s(self) -> float | None:
@@ -180,6 +195,28 @@ class ClusterRun(Checked):
              and all(v == self.newest_promoted for v in self.served.values()),
              f"newest promoted {self.newest_promoted}, served {self.served}"),
             *self._store_checks(),
+            *self.replacement_checks(),
+        ]
+
+    def replacement_checks(self) -> list[tuple[str, bool, str]]:
+        """What the supervisor's replacements must show (none without one): each replacement
+        started and each old stage settled (``Replacement.settled``: gone, or a resumed
+        zombie fenced at its first write, or an evaluator standing by); the committed
+        checkpoints have one writer after another, none writing again once replaced; and no
+        candidate was decided twice."""
+        if not self.replaced:
+            return []
+        blocks = [w for i, w in enumerate(self.writers) if i == 0 or w != self.writers[i - 1]]
+        return [
+            (("every replaced stage's replacement started, its old process is gone and left "
+              "nothing on its host, a resumed zombie fenced (an evaluator: fenced or standing "
+              "by)"), all(r.settled() for r in self.replaced.values()),
+             "; ".join(r.line() for r in self.replaced.values())),
+            ("no trainer commits a checkpoint once another took over",
+             len(blocks) == len(set(blocks)) and bool(blocks),
+             f"writers in log order: {blocks}"),
+            ("no candidate was decided twice", self.decided_twice == 0,
+             f"{self.decided_twice} checkpoints with more than one committed decision"),
         ]
 
     def _store_checks(self) -> list[tuple[str, bool, str]]:
@@ -196,12 +233,26 @@ class ClusterRun(Checked):
 
 
 def _restarted(fault: Fault) -> bool:
-    """Whether the fault is undone: all but the kill of a stage's host."""
+    """Whether the fault is undone: all but the kill of a stage's host (a supervised stage's
+    is replaced instead)."""
     return fault.kind != "kill" or fault.host.startswith("kafka") or fault.host == STORE_HOST
 
 
 def _seconds(value: float | None) -> str:
     return "never" if value is None else f"{value:.1f} s"
+
+
+def _decided_twice(publications: list[tuple[float, Publication]]) -> int:
+    """Checkpoints with more than one PROMOTED or REJECTED publication among
+    ``publications`` (the demo's, read committed): a zombie evaluator's decision that counted."""
+    decided = Counter(p.checkpoint_id for _, p in publications
+                      if p.decision in (Decision.PROMOTED, Decision.REJECTED))
+    return sum(1 for n in decided.values() if n > 1)
+
+
+def _fenced(log: Path) -> int:
+    """Lines of a stage's log that say a write of it was fenced (``FENCED``)."""
+    return len(FENCED.findall(log.read_text(errors="replace")))
 
 
 def newest_promoted(publications: list[tuple[float, Publication]]) -> int | None:
@@ -220,11 +271,14 @@ class Injector:
 
     def __init__(self, hosts: Hosts, demo: Demo, faults: tuple[Fault, ...],
                  say: Callable[[str], None], restart: Callable[[], None],
-                 restart_store: Callable[[], object] | None = None) -> None:
+                 restart_store: Callable[[], object] | None = None,
+                 supervisor: Supervisor | None = None) -> None:
         """``restart``: what brings a killed broker's host back (``LocalCluster.up``);
-        ``restart_store``: the object store's (``LocalS3.up``)."""
+        ``restart_store``: the object store's (``LocalS3.up``); ``supervisor``: what replaces a
+        supervised stage whose host is killed or paused."""
         self.hosts, self.demo, self.faults, self.say = hosts, demo, faults, say
         self.restart, self.restart_store = restart, restart_store
+        self.supervisor = supervisor
         self.done, self._stop = threading.Event(), threading.Event()
         #: Promoted versions when the last fault ended (``promoted_after`` counts from there).
         self.promoted_at_end: int | None = None
@@ -298,6 +352,8 @@ class Injector:
         elif f.kind == "pause":
             for pid in pids:
                 hosts.pause(pid)
+        elif self._supervised(f):
+            self._replace(f)
         else:
             hosts.kill_host(f.host)
         if _restarted(f):
@@ -309,6 +365,8 @@ class Injector:
                     hosts.resume(pid)
             elif f.host == STORE_HOST and self.restart_store is not None:
                 self.restart_store()   # blocks until S3Proxy answers
+            elif f.kind == "pause-replace":
+                self.supervisor.resume(f.host)
             else:
                 self.restart()   # blocks until every node answers
             one.undone_at = self._now()
@@ -325,6 +383,18 @@ class Injector:
                 self.say(f"the trainer did not step in the {RECOVER_WAIT_S:.0f} s after the "
                          "fault")
                 return
+
+    def _supervised(self, fault: Fault) -> bool:
+        return fault.kind in ("kill", "pause-replace") and fault.host in SUPERVISED
+
+    def _replace(self, fault: Fault) -> None:
+        """A supervised stage's host killed or paused, the stage replaced on its spare."""
+        if self.supervisor is None:
+            raise RuntimeError(f"{fault.name()} needs a supervisor to replace the stage")
+        if fault.kind == "kill":
+            self.supervisor.kill(fault.host)
+        else:
+            self.supervisor.pause(fault.host)
 
 
 def isolate(hosts: Hosts, host: str) -> None:
@@ -430,15 +500,19 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
     for fault in faults:
         if fault.host not in (*kafka, "redis", *extra, *stages):
             raise ValueError(f"no host {fault.host!r} in this scenario")
-        if fault.kind == "kill" and fault.host not in ("reward", *kafka, *extra) \
+        if fault.kind == "kill" and fault.host not in ("reward", *kafka, *extra, *SUPERVISED) \
                 and not fault.host.startswith("replica-"):
             raise ValueError("a kill of a host whose stage the demo does not restart ends the "
-                             "run; kill a broker's, a replica's, the reward worker's or the "
-                             "object store's host")
+                             "run; kill a broker's, a replica's, the reward worker's, a "
+                             "supervised stage's or the object store's host")
+        if fault.kind == "pause-replace" and fault.host not in SUPERVISED:
+            raise ValueError(f"pause-replace pauses a supervised stage's host "
+                             f"({', '.join(SUPERVISED)}), not {fault.host!r}")
+    spares = spare_hosts(faults)
     settings = dataclasses.replace(settings, home=workdir / "home")
     (workdir / "hosts").mkdir(parents=True, exist_ok=True)
     replicas = [s for s in stages if s.startswith("replica-")]
-    with Hosts([*kafka, "redis", *extra, *stages], workdir=workdir / "hosts") as hosts, \
+    with Hosts([*kafka, "redis", *extra, *stages, *spares], workdir=workdir / "hosts") as hosts, \
             contextlib.ExitStack() as stack:
         say(f"hosts on {hosts.address('redis').rsplit('.', 1)[0]}.0/24: "
             + ", ".join(f"{n} {hosts.address(n)}" for n in hosts.names))
@@ -458,8 +532,10 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
                 say(f"object store at {s3.endpoint}, checkpoints under {options.store}")
             demo = Demo(options, settings=settings, bootstrap=bootstrap, redis_url=redis_url,
                         broker_pids=(), wrap=hosts.wrap)
+            supervisor = Supervisor(hosts, demo, say)
             injector = Injector(hosts, demo, faults, say, restart=cluster.up,
-                                restart_store=None if s3 is None else s3.up)
+                                restart_store=None if s3 is None else s3.up,
+                                supervisor=supervisor)
             served = Served(demo, redis_url, replicas)
             settled: list[float] = []   # when the other stop conditions first held
 
@@ -483,12 +559,16 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
                              if injector.done.is_set() else 0,
                              promoted_after=injector.promoted_after(),
                              newest_promoted=served.newest, served=served.served)
-            events = committed_checkpoints(bootstrap, demo.ns, demo.recipe.name, GROUP)
-            run.chain = checkpoint_chain(events)
+            committed = committed_checkpoints(bootstrap, demo.ns, demo.recipe.name, GROUP)
+            run.chain = checkpoint_chain(committed)
             if s3 is not None:
-                stored_checks(run, s3, events, demo)
-            run.fenced_writes = sum(len(FENCED.findall(stage.log.read_text(errors="replace")))
-                                    for stage in demo.stages.values() if stage.log.exists())
+                stored_checks(run, s3, committed, demo)
+            run.writers = [e.uri.rstrip("/").rsplit("/", 1)[-1].partition(".")[2]
+                           for e in committed]
+            run.fenced_writes = sum(_fenced(stage.log) for stage in demo.stages.values()
+                                    if stage.log.exists())
+            run.replaced = supervisor.finish(_fenced)
+            run.decided_twice = _decided_twice(list(demo.publications))
             run.acknowledged = sum(len(path.read_text().split())
                                    for path in (workdir / "run").glob("acknowledged-*.txt"))
             return run

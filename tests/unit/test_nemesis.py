@@ -64,7 +64,7 @@ def test_a_schedule_has_at_least_one_fault_and_brokers():
 def test_with_a_store_the_nemesis_also_isolates_stages_and_kills_the_store():
     faults = [f for seed in range(50)
               for f in schedule(seed, 8, brokers=BROKERS, stages=STAGES, store="store")]
-    assert {f.kind for f in faults} == set(KINDS)
+    assert {f.kind for f in faults} == set(KINDS) - {"pause-replace"}   # unsupervised
     assert {f.host for f in faults if f.kind == "isolate"} <= set(STAGES)
     assert {f.host for f in faults if f.kind == "kill"} == {*BROKERS, "store"}
     # Without a store a seed draws what it drew before the store existed.
@@ -78,3 +78,25 @@ def test_isolate_and_a_kill_of_the_store_parse_and_say_how_long():
     # The store's S3Proxy is restarted after SECONDS, as a broker's node is.
     assert Fault.parse("kill:store:10").name() == "kill store 10s"
     assert Fault.parse("kill:replica-0").name() == "kill replica-0"
+
+
+def test_a_supervised_nemesis_also_replaces_each_supervised_stage_at_most_once():
+    # The scenario's supervisor has one spare host per supervised stage.
+    from tests.cluster.faults import SUPERVISED
+    from tests.cluster.supervisor import spare_hosts
+
+    runs = [schedule(seed, 8, brokers=BROKERS, stages=STAGES, supervised=True)
+            for seed in range(50)]
+    faults = [f for run in runs for f in run]
+    assert {f.kind for f in faults} == {*NEMESIS_KINDS, "pause-replace"}
+    assert {f.host for f in faults if f.kind == "kill"} == {*BROKERS, *SUPERVISED}
+    assert {f.host for f in faults if f.kind == "pause-replace"} == set(SUPERVISED)
+    for run in runs:
+        replaced = [f.host for f in run if f.kind == "pause-replace"
+                    or (f.kind == "kill" and f.host in SUPERVISED)]
+        assert len(replaced) == len(set(replaced))
+        assert spare_hosts(run) == [f"{host}-b" for host in replaced]
+    # Unsupervised, the draws are those of before the option: seed 1 of docs/deployment.md.
+    assert describe(schedule(1, 4, brokers=BROKERS, stages=stage_hosts(1))) == (
+        " 1. after 13 s: partition-out kafka-2 36s\n 2. after 30 s: kill kafka-2 20s\n"
+        " 3. after 25 s: kill kafka-1 8s\n 4. after 29 s: partition evaluator 47s")
