@@ -12,6 +12,11 @@ What runs (each a child process with its log under ``<run dir>/logs``):
     trainer          reef train: units -> checkpoints (every one kept: the ledger reads them)
     evaluator        reef evaluate: held-out accuracy; promotes only what does not regress
 
+``processors``, ``reward_workers`` and ``evaluators`` run that many members of the stage's
+consumer group, each a stage of its own (``members``: ``processor``, ``processor-2``, ...;
+the processors with distinct ``--instance`` ids); the evaluators after the first stand by
+until the group hands them the checkpoints.
+
 With ``engine="vllm"`` the replicas are one process (``reef_stream.demo.vllm_replica``) that
 drives and samples a vLLM server the demo starts on a Hugging Face model and stops at the end
 (``reef_stream.demo.vllm_serving``); the example methods are bound to that model by
@@ -57,8 +62,8 @@ import psutil
 from reef_stream.consumers.processor.runtime import EXIT_RESTART
 from reef_stream.core.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
 from reef_stream.core.metric_names import (
-    CONSUMER_LAG, PROCESS_CPU_SECONDS, PROCESSOR_UNITS, REWARD_SATURATED_SLOTS, STAGE_PROCESSOR,
-    STAGE_REWARD, TRAINER_STALENESS_MEAN, TRAINER_STEPS,
+    CONSUMER_LAG, PROCESS_CPU_SECONDS, PROCESSOR_UNITS, REWARD_REWARDED, REWARD_SATURATED_SLOTS,
+    STAGE_PROCESSOR, STAGE_REWARD, TRAINER_STALENESS_MEAN, TRAINER_STEPS,
 )
 from reef_stream.core.serde import SchemaRegistry
 from reef_stream.core.settings import Settings
@@ -83,7 +88,8 @@ OVERLOAD_WINDOW_S = 30.0
 CPU_SAMPLE_S = 0.5
 #: The longest the replicas wait for the other stages to report that they run.
 READY_WAIT_S = 120.0
-#: The metric stages that must report before the replicas start.
+#: The metric stages that must report before the replicas start (each as many processes as
+#: it has members: ``Demo.expected``).
 PIPELINE = ("reward", "processor", "trainer", "evaluator")
 
 
@@ -156,6 +162,26 @@ class DemoOptions:
     #: whose credentials the stages take from the environment. None: the run directory's
     #: ``checkpoints`` and ``$REEF_HOME/published``.
     store: str | None = None
+    #: Members of the processors' consumer group (stages ``processor``, ``processor-2``, ...,
+    #: with ``--instance`` 0, 1, ...), of the reward workers' (``reward``, ``reward-2``, ...)
+    #: and of the evaluators' (``evaluator``, ``evaluator-2``, ...: one decides, the others
+    #: stand by until the group hands them the checkpoints).
+    processors: int = 1
+    reward_workers: int = 1
+    evaluators: int = 1
+
+
+def members(stage: str, count: int) -> list[str]:
+    """The demo's stage names of ``count`` members of ``stage``'s group: ``stage`` first, then
+    ``stage-2``, ``stage-3``, ..."""
+    return [stage, *(f"{stage}-{i}" for i in range(2, count + 1))]
+
+
+def member_of(name: str) -> str:
+    """The stage a member's name belongs to: ``processor-2`` -> ``processor``; any other
+    name (``trainer``, ``replica-0``) as it is."""
+    base, _, number = name.rpartition("-")
+    return base if base in PIPELINE and number.isdigit() else name
 
 
 #: The engines ``DemoOptions.engine`` may name.
@@ -238,6 +264,9 @@ class Stage:
         self.name, self.argv, self.env, self.log = name, argv, env, log
         self.process: subprocess.Popen | None = None
         self.starts = 0
+        #: The pid of each process it started, in order (a wrapped one's own: ``ip netns exec``
+        #: execs it), which the stages' ``<host>.<pid>`` metric labels name.
+        self.pids: list[int] = []
         #: Start number -> the last CPU seconds sampled of that process (``sample_cpu``).
         self._cpu: dict[int, float] = {}
 
@@ -249,6 +278,7 @@ class Stage:
             out.flush()
             self.process = subprocess.Popen(self.argv, env=self.env, stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True)
+        self.pids.append(self.process.pid)
 
     @property
     def alive(self) -> bool:
@@ -304,7 +334,8 @@ class Demo:
         the run counts in the scorecard (``cpu_seconds``); None: those of this user listening
         on ``bootstrap`` on this host (``local_broker_pids``; none for a remote broker, whose
         CPU is then not counted). ``wrap``: the argv prefix each stage is started under, by
-        stage name (``reward``, ``processor``, ``trainer``, ``evaluator``, ``replica-<i>``):
+        stage name (``reward``, ``processor``, ``trainer``, ``evaluator``, ``replica-<i>``, and
+        ``members`` past the first, e.g. ``processor-2``):
         ``ip netns exec NS`` puts it on an emulated host; None: none."""
         from reef_stream.api.recipe import load_recipe
         from reef_stream.core.errors import ConfigurationError
@@ -330,6 +361,10 @@ class Demo:
             raise ConfigurationError(f"the demo's task is one of {', '.join(TASKS)} (tool: with "
                                      f"the toy engine), not {options.task!r} on "
                                      f"{options.engine!r}")
+        if min(options.processors, options.reward_workers, options.evaluators) < 1:
+            raise ConfigurationError(f"the demo runs at least one of each stage, not "
+                                     f"{options.processors} processors, {options.reward_workers} "
+                                     f"reward workers, {options.evaluators} evaluators")
         if options.canary is not None and (not 0 < options.canary <= 1
                                            or options.engine != "toy"):
             raise ConfigurationError(f"the demo's canary share is in (0, 1] on the toy engine, "
@@ -381,8 +416,13 @@ class Demo:
             "publications": declarations.publications(self.ns),
         }
         self.publications: list[tuple[float, Publication]] = []
-        #: The metric stages that reported running (``_await_pipeline``).
+        #: The metric stages that reported running (``_await_pipeline``), and the processes
+        #: (``process`` label) of each that did.
         self.running: set[str] = set()
+        self.reporting: dict[str, set[str]] = {}
+        #: Each reward worker process's running count of scored generations, by ``instance``
+        #: label (``<host>.<pid>``; ``work``).
+        self.rewarded: dict[str, int] = {}
         self.rewards: list[tuple[float, float]] = []
         #: The reward workers' call slots busy past their p99 (``saturated_slots``), by instance.
         self.saturated: dict[str, float] = {}
@@ -413,6 +453,8 @@ class Demo:
         self.wrap = wrap or (lambda name: ())
         #: Each stage's command without its ``wrap`` (``supersede`` runs it elsewhere).
         self.commands: dict[str, list[str]] = {}
+        #: Each processor stage's ``--instance`` (its ``units`` metrics' label).
+        self.instances: dict[str, str] = {}
         self.stages = self._stages()
         #: Stages an orchestrator replaced (``supersede``): no longer supervised here (a dead
         #: one is no failure, a lingering one may be a zombie), still stopped at the end, their
@@ -428,22 +470,24 @@ class Demo:
         recipe = ["--recipe", self.recipe_path,
                   *(arg for item in self.options.overrides for arg in ("--set", item))]
         logs = self.run_dir / "logs"
-        stages = {
-            "reward": Stage("reward", [*reef, "reward", *recipe, *(
-                ("--sandbox", self.options.sandbox) if self.options.sandbox != "thread" else ()),
-                *(("--faults", self.reward_faults) if self.reward_faults else ())],
-                self.env, logs / "reward.log"),
-            "processor": Stage("processor", [*reef, "process", *recipe], self.env,
-                               logs / "processor.log"),
-            "trainer": Stage("trainer", [*reef, "train", *recipe, "--group", GROUP, "--model",
-                                         MODEL, "--checkpoints", str(self.store), "--keep", "0"],
-                             self.env, logs / "trainer.log"),
-            "evaluator": Stage("evaluator", [*reef, "evaluate", *recipe, *(
-                ("--canary-share", str(self.options.canary)) if self.options.canary else ()), *(
-                ("--publish-to", f"{self.options.store.rstrip('/')}/published")
-                if self.options.store else ())],
-                self.env, logs / "evaluator.log"),
-        }
+        reward = [*reef, "reward", *recipe, *(
+            ("--sandbox", self.options.sandbox) if self.options.sandbox != "thread" else ()),
+            *(("--faults", self.reward_faults) if self.reward_faults else ())]
+        evaluate = [*reef, "evaluate", *recipe, *(
+            ("--canary-share", str(self.options.canary)) if self.options.canary else ()), *(
+            ("--publish-to", f"{self.options.store.rstrip('/')}/published")
+            if self.options.store else ())]
+        argvs = {name: reward for name in members("reward", self.options.reward_workers)}
+        for i, name in enumerate(members("processor", self.options.processors)):
+            # Distinct members of one group: a processor's instance is its static membership
+            # and transactional id (the first keeps the default, 0).
+            argvs[name] = [*reef, "process", *recipe, *(("--instance", str(i)) if i else ())]
+            self.instances[name] = str(i)
+        argvs["trainer"] = [*reef, "train", *recipe, "--group", GROUP, "--model", MODEL,
+                            "--checkpoints", str(self.store), "--keep", "0"]
+        argvs.update({name: evaluate for name in members("evaluator", self.options.evaluators)})
+        stages = {name: Stage(name, list(argv), self.env, logs / f"{name}.log")
+                  for name, argv in argvs.items()}
         for i in range(self.options.replicas if self.engine is None else 0):
             argv = [sys.executable, "-m", "reef_stream.demo.replica", "--model", MODEL,
                     *recipe,
@@ -572,7 +616,8 @@ class Demo:
                     reached = True
                     break
                 if self.options.chaos and time.monotonic() >= next_chaos:
-                    victim = self.rng.choice(["trainer", "processor"])
+                    victim = self.rng.choice(["trainer", *members(
+                        "processor", self.options.processors)])
                     self.stages[victim].kill()
                     self.kills[victim] += 1
                     self.stages[victim].start()
@@ -678,11 +723,22 @@ class Demo:
         finally:
             tally.close()
 
+    def expected(self) -> dict[str, int]:
+        """Processes of each ``PIPELINE`` stage that run at once: its members."""
+        return {"reward": self.options.reward_workers, "processor": self.options.processors,
+                "trainer": 1, "evaluator": self.options.evaluators}
+
+    def pipeline_runs(self) -> bool:
+        """Whether every member of every ``PIPELINE`` stage has reported that it runs (as many
+        processes of each stage as ``expected``; a restarted one counts again)."""
+        return all(len(self.reporting.get(stage, ())) >= count
+                   for stage, count in self.expected().items())
+
     def _await_pipeline(self, watcher: Consumer, started: float) -> None:
-        """Until every stage of ``PIPELINE`` has reported that it runs (at most
+        """Until every member of every stage of ``PIPELINE`` has reported that it runs (at most
         ``READY_WAIT_S``; the replicas are not started yet). Blocks."""
         deadline = time.monotonic() + min(READY_WAIT_S, self.options.time_limit)
-        while not set(PIPELINE) <= self.running and time.monotonic() < deadline:
+        while not self.pipeline_runs() and time.monotonic() < deadline:
             self._watch(watcher, started)
             self._check_stages(replicas=False)
             self.last_status = self.status(started)
@@ -721,6 +777,8 @@ class Demo:
                 continue
             if isinstance(event, Metric) and event.name == PROCESS_CPU_SECONDS:
                 self.running.add(event.stage)
+                self.reporting.setdefault(event.stage, set()).add(
+                    event.labels.get("process", ""))
             if isinstance(event, Publication):
                 self.publications.append((now, event))
             elif isinstance(event, Metric) and event.stage == STAGE_PROCESSOR:
@@ -729,6 +787,8 @@ class Demo:
             elif isinstance(event, Metric) and event.stage == STAGE_REWARD:
                 if event.name == REWARD_SATURATED_SLOTS:
                     self.saturated[event.labels.get("instance", "")] = event.value
+                elif event.name == REWARD_REWARDED:
+                    self.rewarded[event.labels.get("instance", "")] = int(event.value)
             elif isinstance(event, Metric) and event.stage == "trainer":
                 if event.name == "objective.reward_mean":
                     self.rewards.append((now, event.value))
@@ -758,6 +818,23 @@ class Demo:
     def units(self) -> int:
         """Units the processors committed so far, over their restarts."""
         return sum(before + last for before, last in self.units_committed.values())
+
+    def work(self) -> dict[str, int]:
+        """What each processor and reward worker stage did so far, from their metrics: units a
+        processor committed (its ``instance``, over its restarts), generations a reward worker
+        scored (``rewarded`` of each process it ran, by the pid in its ``instance`` label).
+        A processor's replacement (``supersede``) is not counted: it shares the instance."""
+        done = {}
+        for name, stage in list(self.stages.items()):
+            base = member_of(name)
+            if base == "processor" and name in self.instances:
+                before, last = self.units_committed.get(self.instances[name], (0, 0))
+                done[name] = before + last
+            elif base == "reward":
+                pids = {str(pid) for pid in stage.pids}
+                done[name] = sum(n for instance, n in self.rewarded.items()
+                                 if instance.rpartition(".")[2] in pids)
+        return done
 
     def accuracy(self) -> tuple[float | None, int | None]:
         """Held-out accuracy and version of the newest promoted publication."""
