@@ -7,7 +7,7 @@ import pytest
 
 from reef_stream.core.events import Decision, Publication
 from reef_stream.core.settings import load_settings
-from reef_stream.demo.run import Demo, DemoOptions, Sample
+from reef_stream.demo.run import Demo, DemoOptions, Sample, member_of
 
 
 def publication(version: int, decision: Decision) -> Publication:
@@ -75,3 +75,34 @@ def test_units_committed_add_up_over_a_processor_restart(demo):
     assert demo.units() == 250 + 90 + 30
     demo.count_units("0", 90)             # the same figure again: no new run
     assert demo.units() == 370
+
+
+def test_members_of_a_group_are_stages_of_their_own(tmp_path, monkeypatch):
+    """Two processors, two reward workers and an evaluator with its standby: each a stage of
+    its own with its own log, the processors distinct members (``--instance`` 0 and 1); the
+    replicas wait for every member, and each member's work is its own."""
+    monkeypatch.setenv("REEF_HOME", str(tmp_path / "home"))
+    demo = Demo(DemoOptions(run_dir=tmp_path / "run", processors=2, reward_workers=2,
+                            evaluators=2, replicas=1), settings=load_settings(),
+                bootstrap="127.0.0.1:1", redis_url="redis://127.0.0.1:1")
+    assert list(demo.stages) == ["reward", "reward-2", "processor", "processor-2", "trainer",
+                                 "evaluator", "evaluator-2", "replica-0"]
+    assert len({s.log for s in demo.stages.values()}) == len(demo.stages)
+    assert "--instance" not in demo.commands["processor"]
+    assert demo.commands["processor-2"][-2:] == ["--instance", "1"]
+    assert demo.commands["reward-2"] == demo.commands["reward"]
+    assert demo.commands["evaluator-2"] == demo.commands["evaluator"]
+    assert [member_of(n) for n in demo.stages] == [
+        "reward", "reward", "processor", "processor", "trainer", "evaluator", "evaluator",
+        "replica-0"]
+    for stage, processes in {"reward": ["h.11"], "processor": ["h.21", "h.22"],
+                             "trainer": ["h.31"], "evaluator": ["h.41", "h.42"]}.items():
+        demo.reporting[stage] = set(processes)
+    assert not demo.pipeline_runs()          # one reward worker has not reported yet
+    demo.reporting["reward"].add("h.12")
+    assert demo.pipeline_runs()
+    # reward-2 was restarted: two processes, each counting from 0
+    demo.stages["reward"].pids, demo.stages["reward-2"].pids = [11], [12, 13]
+    demo.rewarded.update({"h.11": 40, "h.12": 7, "h.13": 5})
+    demo.count_units("1", 30)
+    assert demo.work() == {"reward": 40, "reward-2": 12, "processor": 0, "processor-2": 30}
