@@ -3,6 +3,7 @@
     fault = Fault.parse("partition:trainer:50")    # Fault("partition", "trainer", 50.0)
     Fault.parse("isolate:trainer:20")             # cut off from the brokers, not the store
     broker_hosts(3), stage_hosts(1)               # the names of a scenario's hosts
+    stage_hosts(1, processors=2)                  # ... with a host for processor-2
 
 ``tests.cluster.scenario`` injects them, ``tests.cluster.nemesis`` draws them from a seed.
 """
@@ -10,6 +11,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from reef_stream.demo.run import members
 
 #: The fault kinds ``Fault.kind`` may name.
 KINDS = ("partition", "partition-out", "partition-in", "pause", "kill", "isolate",
@@ -65,7 +68,10 @@ def broker_hosts(brokers: int) -> list[str]:
     return ["kafka"] if brokers == 1 else [f"kafka-{i}" for i in range(1, brokers + 1)]
 
 
-def stage_hosts(replicas: int) -> list[str]:
-    """The stages' hosts of a scenario with ``replicas`` replicas."""
-    return ["reward", "processor", "trainer", "evaluator",
-            *(f"replica-{i}" for i in range(replicas))]
+def stage_hosts(replicas: int, *, processors: int = 1, reward_workers: int = 1,
+                evaluators: int = 1) -> list[str]:
+    """The stages' hosts of a scenario with ``replicas`` replicas and that many members of
+    the processors', reward workers' and evaluators' groups: one host each, named after its
+    stage (``reef_stream.demo.run.members``: ``processor``, ``processor-2``, ...)."""
+    return [*members("reward", reward_workers), *members("processor", processors), "trainer",
+            *members("evaluator", evaluators), *(f"replica-{i}" for i in range(replicas))]

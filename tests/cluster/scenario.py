@@ -71,7 +71,7 @@ import fsspec
 from reef_stream.core.events import Decision, Publication
 from reef_stream.core.settings import Settings
 from reef_stream.demo.faults import Checked
-from reef_stream.demo.run import GROUP, MODEL, PIPELINE, Demo, DemoOptions, DemoResult
+from reef_stream.demo.run import GROUP, MODEL, Demo, DemoOptions, DemoResult, member_of
 from reef_stream.demo.verify import checkpoint_chain, committed_checkpoints
 from reef_stream.engine.checkpoints import MANIFEST
 from reef_stream.publishing.fleet import Fleet
@@ -97,6 +97,9 @@ BUCKET = "reef"
 #: the evaluator's ``EvaluatorFenced`` ("was fenced at"), a processor's fence past its rejoins
 #: or of its transactional id, the stage loop's rejoin after one. Not the evaluator's start
 #: line ("any older evaluator of the recipe is fenced"), which every run has.
+#: An evaluator's committed decision, as its log says it (``Evaluator``'s line after the
+#: decision's transaction committed).
+DECIDED = re.compile(r"\b(?:PROMOTED|REJECTED) version \d+ of model\b")
 FENCED = re.compile(r"\bwas fenced\b|\bfenced \d+ times\b|\bis fenced too\b|"
                     r"rejoining with a new consumer", re.IGNORECASE)
 
@@ -133,6 +136,8 @@ class ClusterRun(Checked):
 
     faults: tuple[Fault, ...]
     result: DemoResult
+    #: The demo's options (its members of each group: ``member_checks``); None: not known.
+    options: DemoOptions | None = None
     injected: list[Injected] = field(default_factory=list)
     steps_after: int = 0
     promoted_after: int = 0
@@ -156,6 +161,11 @@ class ClusterRun(Checked):
     writers: list[str] = field(default_factory=list)
     #: Checkpoints with more than one committed PROMOTED or REJECTED publication.
     decided_twice: int = 0
+    #: What each processor and reward worker did (``Demo.work``: units committed,
+    #: generations scored) and the decisions each evaluator's log says it committed
+    #: (``DECIDED``), by stage; the checks on them only with several members of a group.
+    work: dict[str, int] = field(default_factory=dict)
+    decisions: dict[str, int] = field(default_factory=dict)
 
     @property
     def recover_s(self) -> float | None:
@@ -196,7 +206,27 @@ class ClusterRun(Checked):
              f"newest promoted {self.newest_promoted}, served {self.served}"),
             *self._store_checks(),
             *self.replacement_checks(),
+            *self.member_checks(),
         ]
+
+    def member_checks(self) -> list[tuple[str, bool, str]]:
+        """With several members of a group (``DemoOptions.processors``, ``reward_workers``,
+        ``evaluators``): every processor committed units and every reward worker scored
+        generations; and, where no fault touched an evaluator's host, exactly one evaluator
+        decided (a standby decides nothing while the active one lives)."""
+        options, checks = self.options, []
+        if options is None:
+            return []
+        if options.processors > 1 or options.reward_workers > 1:
+            checks.append(("every processor committed units and every reward worker scored "
+                           "generations", bool(self.work) and all(self.work.values()),
+                           str(self.work)))
+        if options.evaluators > 1 and not any(member_of(f.host) == "evaluator"
+                                              for f in self.faults):
+            deciders = [name for name, n in self.decisions.items() if n]
+            checks.append(("exactly one evaluator decided, the standby nothing",
+                           len(deciders) == 1, f"decisions by evaluator: {self.decisions}"))
+        return checks
 
     def replacement_checks(self) -> list[tuple[str, bool, str]]:
         """What the supervisor's replacements must show (none without one): each replacement
@@ -248,6 +278,11 @@ def _decided_twice(publications: list[tuple[float, Publication]]) -> int:
     decided = Counter(p.checkpoint_id for _, p in publications
                       if p.decision in (Decision.PROMOTED, Decision.REJECTED))
     return sum(1 for n in decided.values() if n > 1)
+
+
+def _decided(log: Path) -> int:
+    """Lines of an evaluator's log that say it committed a decision (``DECIDED``)."""
+    return len(DECIDED.findall(log.read_text(errors="replace"))) if log.exists() else 0
 
 
 def _fenced(log: Path) -> int:
@@ -316,7 +351,7 @@ class Injector:
     def _run(self) -> None:
         # Every stage reported running and the trainer acknowledged a step: the first fault
         # meets a pipeline at work, however slowly a loaded machine started it.
-        while not set(PIPELINE) <= self.demo.running or self.demo.steps < 1:
+        while not self.demo.pipeline_runs() or self.demo.steps < 1:
             if self._stop.wait(0.5):
                 self.done.set()
                 return
@@ -494,14 +529,15 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
     options = options or DemoOptions(replicas=1, rate=50.0, time_limit=600)
     options = dataclasses.replace(options, recipe="reef_stream.demo.recipes:sao", target=0.0,
                                   drain_s=options.drain_s or 240, run_dir=workdir / "run")
-    stages = stage_hosts(options.replicas)
+    stages = stage_hosts(options.replicas, processors=options.processors,
+                         reward_workers=options.reward_workers, evaluators=options.evaluators)
     kafka = broker_hosts(brokers)
     extra = [STORE_HOST] if store == "s3" else []
     for fault in faults:
         if fault.host not in (*kafka, "redis", *extra, *stages):
             raise ValueError(f"no host {fault.host!r} in this scenario")
-        if fault.kind == "kill" and fault.host not in ("reward", *kafka, *extra, *SUPERVISED) \
-                and not fault.host.startswith("replica-"):
+        if fault.kind == "kill" and fault.host not in (*kafka, *extra, *SUPERVISED) \
+                and member_of(fault.host) != "reward" and not fault.host.startswith("replica-"):
             raise ValueError("a kill of a host whose stage the demo does not restart ends the "
                              "run; kill a broker's, a replica's, the reward worker's, a "
                              "supervised stage's or the object store's host")
@@ -554,7 +590,8 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
                 result = demo.run(may_stop=may_stop)
             finally:
                 injector.stop()
-            run = ClusterRun(faults, result, injected=list(injector.injected),
+            run = ClusterRun(faults, result, options=options,
+                             injected=list(injector.injected),
                              steps_after=max(demo.steps - injector.steps_at_end, 0)
                              if injector.done.is_set() else 0,
                              promoted_after=injector.promoted_after(),
@@ -569,6 +606,9 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
                                     if stage.log.exists())
             run.replaced = supervisor.finish(_fenced)
             run.decided_twice = _decided_twice(list(demo.publications))
+            run.work = demo.work()
+            run.decisions = {name: _decided(stage.log) for name, stage in demo.stages.items()
+                             if member_of(name) == "evaluator"}
             run.acknowledged = sum(len(path.read_text().split())
                                    for path in (workdir / "run").glob("acknowledged-*.txt"))
             return run
