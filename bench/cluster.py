@@ -3,6 +3,7 @@
     python bench/cluster.py [--faults partition:trainer:50,pause:trainer:50] [--rate 50]
                             [--brokers 1|3] [--at 30] [--versions-after 3] [--drain 240]
                             [--store dir|s3] [--workdir DIR]
+                            [--processors N] [--reward-workers N] [--evaluators N]
     python bench/cluster.py --faults pause-replace:trainer:20+kill:processor   # one run, two
     python bench/cluster.py --nemesis SEED [--faults-count 4] [--brokers 3] [--supervised] ...
 
@@ -34,11 +35,18 @@ With ``--nemesis SEED`` there is one run instead, under ``--faults-count`` fault
 another that ``tests/cluster/nemesis.py`` draws from SEED (partitions both ways and one way,
 pauses, kills of a broker's host; with ``--store s3`` also isolations of a stage's host from
 the brokers, and the store's host among the targets); the schedule is printed first, and the
-same SEED (with the same ``--faults-count``, ``--brokers``, ``--replicas`` and ``--store``)
-gives the same schedule. Each fault
+same SEED (with the same ``--faults-count``, ``--brokers``, ``--replicas``, ``--store`` and
+members of each group) gives the same schedule. Each fault
 comes once the pipeline recovered from the one before; the run ends with the same checks.
 With ``--supervised`` the nemesis also draws ``pause-replace`` and kills of the processor's,
 the trainer's and the evaluator's hosts (each stage replaced at most once).
+
+``--processors``, ``--reward-workers`` and ``--evaluators`` run that many members of each
+stage's consumer group, each on a host of its own named after its stage (``processor-2``,
+``reward-2``, ``evaluator-2``: a fault may name them; the evaluators after the first stand by
+until the group hands them the checkpoints). With more than one, the run also checks that
+each processor committed units and each reward worker scored generations and, unless a fault
+touched an evaluator's host, that exactly one evaluator decided.
 
 One row per run: acknowledged (generations the replicas saw acknowledged), trained (units),
 shed (generations and units dead-lettered with a reason: expired, too stale, shed), lost
@@ -134,6 +142,15 @@ def main() -> int:
                         help="KRaft nodes, each on a host of its own (kafka-1..3 with 3; "
                              "replication 3, min.insync.replicas 2) [default: 1, on kafka]")
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--processors", type=int, default=1, metavar="N",
+                        help="processors in the group, hosts processor, processor-2, ... "
+                             "[default: 1]")
+    parser.add_argument("--reward-workers", type=int, default=1, metavar="N",
+                        help="reward workers in the group, hosts reward, reward-2, ... "
+                             "[default: 1]")
+    parser.add_argument("--evaluators", type=int, default=1, metavar="N",
+                        help="evaluators in the group, hosts evaluator, evaluator-2, ...: one "
+                             "decides, the others stand by [default: 1]")
     parser.add_argument("--store", choices=("dir", "s3"), default="dir",
                         help="where checkpoints live: the run directory, or S3Proxy on a host "
                              "'store' of its own [default: %(default)s]")
@@ -153,7 +170,9 @@ def main() -> int:
     KAFKA_LOGGER.setLevel(logging.CRITICAL)
     if args.nemesis is not None:
         faults = schedule(args.nemesis, args.faults_count, brokers=broker_hosts(args.brokers),
-                          stages=stage_hosts(args.replicas),
+                          stages=stage_hosts(args.replicas, processors=args.processors,
+                                             reward_workers=args.reward_workers,
+                                             evaluators=args.evaluators),
                           store=STORE_HOST if args.store == "s3" else None,
                           supervised=args.supervised)
         print(f"nemesis seed {args.nemesis}, {len(faults)} faults:\n{describe(faults)}",
@@ -168,7 +187,8 @@ def main() -> int:
         time_limit = args.time_limit
     settings = load_settings()
     options = DemoOptions(replicas=args.replicas, rate=args.rate, time_limit=time_limit,
-                          drain_s=args.drain)
+                          drain_s=args.drain, processors=args.processors,
+                          reward_workers=args.reward_workers, evaluators=args.evaluators)
     runs = []
     with tempfile.TemporaryDirectory(prefix="reef-cluster-") as tmp:
         root = args.workdir or Path(tmp)
