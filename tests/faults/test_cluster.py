@@ -1,6 +1,6 @@
 """The demo's pipeline on emulated hosts (``tests/cluster/scenario.py``), short: each part on
 a network namespace of its own (broker, Redis, the object store, two reward workers, two
-processors, the trainer, the evaluator and its standby, a replica), the trainer's checkpoints
+processors, the trainer, the evaluator and its standby, two replicas), the trainer's checkpoints
 and the evaluator's published copies at ``s3://`` URLs on S3Proxy's host. Two faults, one
 after the other: the trainer's host partitioned away for 50 s (past the consumer groups' 45 s
 session timeout) and healed, then the trainer isolated for 30 s from the broker but not from
@@ -8,11 +8,11 @@ the store (it writes a checkpoint it cannot acknowledge, aborts the step and wri
 after the heal) and healed. Then every promise is checked from the log: every acknowledged
 generation in its topic with exactly one outcome, no unit trained twice or lost, one chain of
 committed checkpoints, each of them an object in the bucket (listed through the S3 API), the
-trainer training again after each heal, the replica serving the newest promoted version after
+trainer training again after each heal, the replicas serving the newest promoted version after
 them, the store's secret in no log line or URI, both processors and both reward workers at
 work (units committed, generations scored) and exactly one evaluator deciding.
-``bench/cluster.py --store s3 --processors 2 --reward-workers 2 --evaluators 2`` runs the
-same with its table. Needs root (``ip netns``) and nft.
+``bench/cluster.py --store s3 --replicas 2 --processors 2 --reward-workers 2 --evaluators 2``
+runs the same with its table. Needs root (``ip netns``) and nft.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_a_trainer_partitioned_then_cut_off_from_the_broker_loses_and_repeats_no
         [Fault("partition", "trainer", seconds=50, at_s=15),
          Fault("isolate", "trainer", seconds=30, at_s=5)], settings=settings,
         workdir=tmp_path, versions_after=2, store="s3",
-        options=DemoOptions(replicas=1, rate=50.0, time_limit=420, drain_s=120,
+        options=DemoOptions(replicas=2, rate=50.0, time_limit=420, drain_s=120,
                             namespace=namespace, processors=2, reward_workers=2,
                             evaluators=2))
     print(run.result.line())
@@ -45,7 +45,7 @@ def test_a_trainer_partitioned_then_cut_off_from_the_broker_loses_and_repeats_no
     counts = run.counts()
     assert counts["acknowledged"] > 0 and counts["lost"] == 0
     assert counts["trained_twice"] == 0 and counts["forks"] == 0
-    assert run.served == {"replica-0": run.newest_promoted}
+    assert run.served == {"replica-0": run.newest_promoted, "replica-1": run.newest_promoted}
     # The trainer trained again once the isolation from the broker was healed.
     isolated = run.injected[1]
     assert isolated.fault.kind == "isolate" and isolated.undone_at is not None
