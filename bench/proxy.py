@@ -61,8 +61,10 @@ from reef_stream.topics.declarations import declare_topics
 
 
 def _fast_upstream(port: int, tokens: int, token_ms: float = 0.0) -> None:
-    """Serve streamed (and whole) completions in vLLM's shape, as fast as it can, or with a
-    token every ``token_ms`` milliseconds, waited off the CPU as an engine's GPU decodes."""
+    """Serve streamed (and whole) completions in vLLM's shape, as fast as it can, or with
+    token j at ``j * token_ms`` milliseconds after the first, waited off the CPU as an
+    engine's GPU decodes: the pace does not depend on how long a chunk took to write (asked
+    for logprobs and token ids, as the proxy asks, the chunks are larger)."""
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
@@ -79,6 +81,8 @@ def _fast_upstream(port: int, tokens: int, token_ms: float = 0.0) -> None:
                              "token_ids": [7] * tokens if with_ids else None}]})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         for j in range(tokens):
             choice = {"index": 0, "text": " x",
                       "logprobs": {"text_offset": [j], "token_logprobs": [-0.5],
@@ -90,8 +94,8 @@ def _fast_upstream(port: int, tokens: int, token_ms: float = 0.0) -> None:
                       "token_ids": [7 + j] if with_ids else None}
             chunk = {"id": rid, "object": "text_completion", "created": 1,
                      "model": body["model"], "choices": [choice], "usage": None}
-            if token_ms and j:
-                await asyncio.sleep(token_ms / 1000)
+            if token_ms and j:   # token j at its time, whatever writing the others took
+                await asyncio.sleep(max(0.0, started + j * token_ms / 1000 - loop.time()))
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
