@@ -491,7 +491,11 @@ class ProcessorRuntime:
         transaction is then abortable, but that error does not say so). A producer fenced
         after the transaction was open longer than its timeout gets a successor
         (``_renew_producer``) and rewinds the same way; any other fatal error, or an abort
-        that fails (e.g. being fenced), is fatal."""
+        that fails (e.g. being fenced), is fatal. Offsets refused with ``FENCED_INSTANCE_ID``
+        say that this consumer's static membership was taken by a member with its instance id:
+        the transaction is aborted and ``ConsumerFenced`` raised, so the loop rejoins with a
+        new consumer (``_rejoin``) instead of rewinding the fenced one, whose ``seek`` fails
+        with ``_STATE`` (the nemesis, seed 26, after an isolation of the processor's host)."""
         producer, counts = self._producer, Counter()
         self._commit_began = began = time.monotonic()
         try:
@@ -525,6 +529,11 @@ class ProcessorRuntime:
                 self._renew_producer(FatalError(f"the processor's transaction failed: {error}"))
             elif error.fatal():
                 raise FatalError(f"the processor's transaction failed: {error}") from exc
+            elif error.code() == KafkaError.FENCED_INSTANCE_ID:
+                self._abort_for_fence(producer, error)
+                self.aborted += 1
+                raise ConsumerFenced(f"the processor's consumer was fenced at its transaction's "
+                                     f"offsets: {error.str()}") from exc
             else:
                 log.warning("transaction failed (%s); aborting it and rebuilding state from "
                             "the changelog", error)
@@ -550,6 +559,18 @@ class ProcessorRuntime:
         self.transactions += 1
         self.counts.update(counts)
         self.stats.observe(step for _, step in steps)
+
+    @staticmethod
+    def _abort_for_fence(producer: Producer, error: KafkaError) -> None:
+        """Abort the transaction whose offsets the consumer's fence refused. The producer is
+        not the one fenced, so the abort is expected to succeed; a refused abort is logged,
+        the coordinator aborts the transaction at its timeout, and ``_rejoin``'s empty
+        transaction then says whether this producer may go on."""
+        try:
+            producer.abort_transaction(60)
+        except KafkaException as abort:
+            log.warning("the transaction the consumer's fence refused (%s) was not aborted: %s",
+                        error.str(), abort.args[0])
 
     @staticmethod
     def _retry(call: Any, attempts: int = 3) -> None:
