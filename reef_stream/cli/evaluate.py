@@ -122,12 +122,15 @@ def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None
     The default evaluator (AcceptEverything) promotes everything without
     measuring; a warning says so at start and its publications are marked
     unevaluated. Stops on SIGTERM or Ctrl-C, --max-candidates or
-    --idle-exit, and prints a one-line summary.
+    --idle-exit, and prints a one-line summary. A decision whose Kafka
+    transaction is stuck for 120 s (a client bug after a broker died) ends
+    it with status 75: restart it; nothing committed is lost.
     """
     from reef_stream.api.recipe import load_recipe
     from reef_stream.consumers.evaluator.evaluator import EvaluateOptions, EvaluatorWorker
     from reef_stream.core.settings import load_settings
     from reef_stream.publishing.fleet import Fleet
+    from reef_stream.topics.fencing import exit_for_restart
 
     settings = ctx.obj if ctx.obj is not None else load_settings()
     logging.getLogger("reef_stream.consumers.evaluator").setLevel(logging.INFO)
@@ -146,7 +149,8 @@ def evaluate(ctx: click.Context, path: str, group: str | None, model: str | None
                    "(`reef fleet --rebuild` restores it later)", err=True)
     worker = EvaluatorWorker(
         recipe, settings=settings, options=options, fleet=fleet,
-        announce=lambda text: click.secho(text, fg="red", bold=True, err=True))
+        announce=lambda text: click.secho(text, fg="red", bold=True, err=True),
+        on_stuck=exit_for_restart("evaluator"))
     serve_metrics(metrics_port)
     run_stage(worker)    # a signal stops it after the current candidate
 

@@ -10,7 +10,9 @@ by writing a checkpoint, producing a Checkpoint event and committing the
 offsets, in that order. A trainer killed at any moment (SIGKILL included) and
 restarted resumes from its newest checkpoint, trains the steps since again from
 the log, and reaches the same weights. SIGINT / SIGTERM stop it after the step
-in progress, checkpointing what it trained. ``COMMANDS`` lists the command for
+in progress, checkpointing what it trained. An acknowledgement whose Kafka
+transaction is stuck for 120 s (a client bug after a broker died) ends it with
+status 75, for its supervisor to restart it. ``COMMANDS`` lists the command for
 ``main.add_command``; also runnable as ``python -m reef_stream.cli.train``.
 """
 
@@ -72,6 +74,7 @@ def train(path: str, group: str, url: str | None, keep: int, model_name: str | N
     from reef_stream.consumers.trainer.trainer import Trainer
     from reef_stream.core.settings import load_settings
     from reef_stream.topics.connect import bootstrap_servers
+    from reef_stream.topics.fencing import exit_for_restart
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for logger in ("reef_stream.consumers.trainer", "reef_stream.engine.sharding"):
@@ -82,7 +85,7 @@ def train(path: str, group: str, url: str | None, keep: int, model_name: str | N
                       group=group, checkpoints=url, keep=keep, model_name=model_name,
                       max_steps=max_steps, idle_exit=idle_exit,
                       checkpoint_every_s=checkpoint_every_s, settings=settings,
-                      ranks_timeout_s=ranks_timeout_s)
+                      ranks_timeout_s=ranks_timeout_s, on_stuck=exit_for_restart("trainer"))
     if metrics_port:  # one port per rank on a host (torchrun sets LOCAL_RANK)
         metrics_port += int(os.environ.get("LOCAL_RANK", "0"))
     serve_metrics(metrics_port)

@@ -59,7 +59,6 @@ from typing import Any, Callable
 
 import psutil
 
-from reef_stream.consumers.processor.runtime import EXIT_RESTART
 from reef_stream.core.events import DeadLetter, Decision, Metric, Publication, RolloutUnit
 from reef_stream.core.metric_names import (
     CONSUMER_LAG, PROCESS_CPU_SECONDS, PROCESSOR_UNITS, REWARD_REWARDED, REWARD_SATURATED_SLOTS,
@@ -73,6 +72,7 @@ from reef_stream.demo.verify import GenerationOutcomes, ledger_counts, letter_un
 from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics
 from reef_stream.topics.connect import new_admin, new_consumer
+from reef_stream.topics.fencing import EXIT_RESTART
 from reef_stream.topics.kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from reef_stream.topics.reading import read_to_end
 

@@ -15,12 +15,15 @@ timeout) is recovered from at most ``MAX_REJOINS`` times in ``REJOIN_WINDOW_S``
 proved by committing one harmless tombstone (``TransactionalIdentity.prove``). The
 recovery policy itself is ``ProcessorRuntime._rejoin`` and ``_renew_producer``.
 
-``watch_commits`` reports a transaction stuck inside librdkafka (see its docstring).
+``CommitWatchdog`` reports a transaction stuck inside librdkafka (see its docstring), and
+``exit_for_restart`` ends the stage's process with ``EXIT_RESTART`` for its supervisor.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +35,10 @@ from reef_stream.topics.kafka import KafkaError, KafkaException, Producer
 
 log = logging.getLogger(__name__)
 
-#: Seconds after which an open transaction is reported stuck (``watch_commits``); a healthy
+#: The exit status of a stage that asks its supervisor to start it again (EX_TEMPFAIL): a
+#: transaction stuck inside librdkafka (``CommitWatchdog``).
+EXIT_RESTART = 75
+#: Seconds after which an open transaction is reported stuck (``CommitWatchdog``); a healthy
 #: one commits in well under a second.
 STUCK_COMMIT_S = 120.0
 #: Fences recovered from (consumer rejoins and producer renewals together) at most this often
@@ -96,27 +102,63 @@ class TransactionalIdentity:
                              f"{exc.args[0]}") from exc
 
 
-def watch_commits(stopped: threading.Event, began: Callable[[], float | None],
-                  on_stuck: Callable[[str], None] | None, name: str) -> None:
-    """Until ``stopped``: report a transaction still open ``STUCK_COMMIT_S`` after it began
-    (``began()``: when the open transaction began, monotonic; None when none is open).
+class CommitWatchdog:
+    """Reports a writer's transaction still open ``STUCK_COMMIT_S`` after it began.
 
     librdkafka's ``send_offsets_to_transaction`` can wait forever, past its timeout, for a
     group coordinator that was killed (confluentinc/librdkafka#5456, #5511, open). Nothing
-    in this process can end that call, so the watchdog tells ``on_stuck``: `reef process`
-    exits with ``EXIT_RESTART`` for its supervisor to start it again, which is as safe as
-    any crash (the next instance's ``init_transactions`` aborts the open transaction).
-    Blocks: run it on a thread of its own.
+    in the process can end that call, so the watchdog tells ``on_stuck(why)``: the CLI's
+    stages pass ``exit_for_restart``, which ends the process with ``EXIT_RESTART`` for its
+    supervisor to start it again. That is as safe as any crash: the next instance's
+    ``init_transactions`` aborts the open transaction. None: logged only (a stage run inside
+    another program, as in tests).
+
+    The writer calls ``begin()`` before its transaction and ``end()`` after it, in a
+    ``finally``; ``start(stopped)`` runs the watch on a thread of its own until ``stopped``.
+    Every transactional writer has one: the processor, the trainer, the evaluator (the
+    broker-fault test saw the evaluator stay stuck so after a controller was killed).
     """
-    reported = None
-    while not stopped.wait(1.0):
-        since = began()
-        if since is None or since == reported or time.monotonic() - since < STUCK_COMMIT_S:
-            continue
-        reported = since
-        why = (f"a transaction has not committed {STUCK_COMMIT_S:.0f} s after it began "
-               "(librdkafka can wait forever on a group coordinator that died: "
-               "confluentinc/librdkafka#5456)")
-        log.critical("processor %s: %s", name, why)
-        if on_stuck is not None:
-            on_stuck(why)
+
+    def __init__(self, name: str, on_stuck: Callable[[str], None] | None = None) -> None:
+        self.name, self.on_stuck = name, on_stuck
+        #: When the open transaction began (monotonic); None when none is open.
+        self.began: float | None = None
+
+    def begin(self) -> float:
+        """A transaction begins now; returns when (monotonic)."""
+        self.began = time.monotonic()
+        return self.began
+
+    def end(self) -> None:
+        self.began = None
+
+    def start(self, stopped: threading.Event) -> None:
+        """Watch on a daemon thread until ``stopped`` is set."""
+        threading.Thread(target=self.watch, args=(stopped,), name="reef-commit-watchdog",
+                         daemon=True).start()
+
+    def watch(self, stopped: threading.Event, every_s: float = 1.0) -> None:
+        """Until ``stopped``: report each transaction still open ``STUCK_COMMIT_S`` after it
+        began, once. Blocks."""
+        reported = None
+        while not stopped.wait(every_s):
+            since = self.began
+            if since is None or since == reported or time.monotonic() - since < STUCK_COMMIT_S:
+                continue
+            reported = since
+            why = (f"a transaction has not committed {STUCK_COMMIT_S:g} s after it began "
+                   "(librdkafka can wait forever on a group coordinator that died: "
+                   "confluentinc/librdkafka#5456)")
+            log.critical("%s: %s", self.name, why)
+            if self.on_stuck is not None:
+                self.on_stuck(why)
+
+
+def exit_for_restart(stage: str) -> Callable[[str], None]:
+    """A ``CommitWatchdog``'s ``on_stuck`` for a stage's own process: end it now with
+    ``EXIT_RESTART`` (its main thread is blocked in librdkafka, so nothing else can)."""
+    def on_stuck(why: str) -> None:
+        print(f"error: {why}; exiting with status {EXIT_RESTART} for a supervisor to restart "
+              f"this {stage} (nothing committed is lost)", file=sys.stderr, flush=True)
+        os._exit(EXIT_RESTART)
+    return on_stuck

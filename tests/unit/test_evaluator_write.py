@@ -13,6 +13,7 @@ import pytest
 
 from reef_stream.consumers.evaluator.evaluator import EvaluatorFenced, EvaluatorWorker
 from reef_stream.core.errors import FatalError
+from reef_stream.topics.fencing import CommitWatchdog
 from reef_stream.topics.kafka import KafkaError, KafkaException
 
 
@@ -33,6 +34,7 @@ class Producer:
 def _worker(error: KafkaError) -> SimpleNamespace:
     """What ``EvaluatorWorker._write`` reads of its worker, holding a producer failing so."""
     return SimpleNamespace(_fence_producer=Producer(error), group="eval-a",
+                           _watchdog=CommitWatchdog("evaluator eval-a"),
                            recipe=SimpleNamespace(name="sao"))
 
 

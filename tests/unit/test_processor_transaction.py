@@ -25,6 +25,7 @@ import pytest
 from reef_stream.consumers.processor.runtime import ProcessorRuntime
 from reef_stream.consumers.stage import ConsumerFenced
 from reef_stream.core.errors import FatalError
+from reef_stream.topics.fencing import CommitWatchdog
 from reef_stream.topics.kafka import KafkaError, KafkaException
 
 TIMED_OUT = KafkaError(KafkaError._TIMED_OUT, "1 message(s) timed out on processor-state [0]")
@@ -67,7 +68,7 @@ class Producer:
 
 def _runtime(producer: Producer, timeout_ms: int) -> SimpleNamespace:
     runtime = SimpleNamespace(
-        _producer=producer, _parts={}, _commit_began=None, aborted=0, transactions=0,
+        _producer=producer, _parts={}, _watchdog=CommitWatchdog("test"), aborted=0, transactions=0,
         transaction_timeout_ms=timeout_ms, renewed=[], rewound=[],
         _backlog=SimpleNamespace(aborted=lambda: None, committed=lambda: None),
         _consumer=SimpleNamespace(consumer_group_metadata=lambda: None),

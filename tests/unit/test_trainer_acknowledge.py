@@ -24,6 +24,7 @@ from reef_stream.consumers.trainer.trainer import Trainer, TrainerFenced
 from reef_stream.core.errors import RetryableError
 from reef_stream.engine.checkpoints import CheckpointError
 from reef_stream.core.events import TopicOffset
+from reef_stream.topics.fencing import CommitWatchdog
 from reef_stream.topics.kafka import KafkaError, KafkaException
 
 
@@ -64,6 +65,7 @@ def _trainer(producer: Producer) -> SimpleNamespace:
         store=SimpleNamespace(write=lambda contents: stored), fence_producer=producer,
         consumer=SimpleNamespace(consumer_group_metadata=lambda: None), topic="units",
         group="g", recipe=SimpleNamespace(name="r"), _abort_pending=False,
+        _watchdog=CommitWatchdog("trainer g"),
         _produce_checkpoint_event=lambda producer, stored, contents: None)
     trainer._abort = lambda producer, step: Trainer._abort(trainer, producer, step)
     trainer._fenced = lambda *args: Trainer._fenced(trainer, *args)

@@ -76,7 +76,7 @@ from reef_stream.topics import declarations
 from reef_stream.topics.connect import bootstrap_servers, new_producer
 from reef_stream.topics.dead_letters import dead_letter
 from reef_stream.topics.delivery import DELIVERY_TIMEOUT_S, deliver
-from reef_stream.topics.fencing import FENCED_CODES, TransactionalIdentity
+from reef_stream.topics.fencing import FENCED_CODES, CommitWatchdog, TransactionalIdentity
 from reef_stream.topics.kafka import Consumer, KafkaException, Message, Producer, TopicPartition
 from reef_stream.topics.metrics import MetricsWriter
 
@@ -241,7 +241,9 @@ class EvaluatorWorker:
     None leaves Redis alone (``reef fleet --rebuild`` catches up). ``announce(text)``: how the
     evaluator's ``warning`` is shown at start [default: logged at WARNING]. ``on_decision(pub)``:
     called after each publication is acknowledged and committed (on ``run``'s thread).
-    Raises ``ConfigurationError`` for bad options.
+    ``on_stuck(why)``: called when a decision's transaction stays stuck inside librdkafka
+    (``fencing.CommitWatchdog``) [default: logged only]. Raises ``ConfigurationError`` for bad
+    options.
     """
 
     def __init__(self, recipe: Recipe, *, bootstrap: str | None = None,
@@ -249,7 +251,8 @@ class EvaluatorWorker:
                  options: EvaluateOptions = EvaluateOptions(), fleet: Fleet | None = None,
                  consumer_config: dict | None = None,
                  announce: Callable[[str], None] | None = None,
-                 on_decision: Callable[[Publication], None] | None = None) -> None:
+                 on_decision: Callable[[Publication], None] | None = None,
+                 on_stuck: Callable[[str], None] | None = None) -> None:
         problems = options.problems()
         if problems:
             raise ConfigurationError(problems)
@@ -277,6 +280,9 @@ class EvaluatorWorker:
         self._last_assigned: float | None = None
         #: The transactional producer of decisions (``_fence``), once this member was assigned.
         self._fence_producer: Producer | None = None
+        #: Calls ``on_stuck(why)`` when a decision's transaction is stuck inside librdkafka
+        #: (``fencing.CommitWatchdog``; `reef evaluate` exits for its supervisor to restart it).
+        self._watchdog = CommitWatchdog(f"evaluator {self.group}", on_stuck)
         #: A person's decision requests (``run``), read while this member holds the fence;
         #: the fence (producer) they were started under.
         self._requests: DecisionRequests | None = None
@@ -319,6 +325,7 @@ class EvaluatorWorker:
         started = time.monotonic()
         if self.warning:
             self._announce(self.warning)
+        self._watchdog.start(self._stop)
         producer = new_producer(self.bootstrap, {
             "acks": "all", "enable.idempotence": True, "linger.ms": 0,
             "message.timeout.ms": int(DELIVERY_TIMEOUT_S * 1000) - 5000,
@@ -694,6 +701,7 @@ class EvaluatorWorker:
         if producer is None:
             raise FatalError(f"{what}: this evaluator is not assigned the checkpoints, so it "
                              "holds no fence and writes nothing")
+        self._watchdog.begin()
         try:
             producer.begin_transaction()
             if publication is not None:
@@ -736,6 +744,8 @@ class EvaluatorWorker:
             producer.abort_transaction(DELIVERY_TIMEOUT_S)
             raise FatalError(f"{what} could not be sent ({exc}); nothing of it counts, and a "
                              "restart decides the checkpoint again") from exc
+        finally:
+            self._watchdog.end()
 
     def _undecodable_publication(self, producer: Producer, message: Message,
                                  error: InvalidRecord) -> None:

@@ -26,8 +26,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
-import sys
 import threading
 import time
 from collections import Counter, deque
@@ -56,7 +54,9 @@ from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics, namespace_topics
 from reef_stream.topics.connect import ask_broker, new_admin, new_consumer, watermarks
 from reef_stream.topics.declarations import MiB
-from reef_stream.topics.fencing import TransactionalIdentity, watch_commits
+from reef_stream.topics.fencing import (
+    CommitWatchdog, TransactionalIdentity, exit_for_restart,
+)
 from reef_stream.topics.kafka import (
     OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition,
 )
@@ -91,8 +91,6 @@ BACKLOG_EVERY_S = 1.0
 STALL_STEPS = 3
 STALL_INTERVALS = 8
 STALL_MIN_S = 30.0
-#: `reef process`'s exit status when it stops for its supervisor to restart it (EX_TEMPFAIL).
-EXIT_RESTART = 75
 #: The cyclic collector's thresholds in a processor's own process (``tune_collector``). With
 #: the default (700, 10, 10) its collections scanned the state's live objects over and over
 #: (17% of the Python work per generation: ``docs/processor.md``). Records and states are freed
@@ -146,10 +144,9 @@ class ProcessorRuntime:
         self._identity = TransactionalIdentity(
             bootstrap, f"reef-process.{namespace}.{recipe.name}.{self.group}.{instance}",
             timeout_ms=transaction_timeout_ms, probe_topic=self.changelog, instance=instance)
-        #: ``on_stuck(why)``: called (on a watchdog thread) when a transaction has not committed
-        #: ``STUCK_COMMIT_S`` after it began; see ``fencing.watch_commits``. None: logged only.
-        self._on_stuck = on_stuck
-        self._commit_began: float | None = None
+        #: Calls ``on_stuck(why)`` (on its thread) when a transaction has not committed
+        #: ``STUCK_COMMIT_S`` after it began; see ``fencing.CommitWatchdog``. None: logged only.
+        self._watchdog = CommitWatchdog(f"processor {recipe.name}", on_stuck)
         #: Rewards per source and version, completion lengths, truncation (committed steps only).
         self.stats = RecordStats()
         self._parts: dict[int, PartitionPair] = {}
@@ -198,9 +195,7 @@ class ProcessorRuntime:
             {"recipe": self.recipe.name, "group": self.group, "instance": self.instance},
             every_s=self.metrics_every_s)
         self._ready, self._logged_at = ready, time.monotonic()
-        threading.Thread(target=watch_commits, name="reef-commit-watchdog", daemon=True,
-                         args=(self._stop, lambda: self._commit_began, self._on_stuck,
-                               self.recipe.name)).start()
+        self._watchdog.start(self._stop)
         self._checkpoints = new_consumer(self.bootstrap, f"{self.group}.checkpoints",
                                          {"isolation.level": "read_committed"})
         self._checkpoints.assign([TopicPartition(self.checkpoints_topic, p, OFFSET_BEGINNING)
@@ -497,7 +492,7 @@ class ProcessorRuntime:
         new consumer (``_rejoin``) instead of rewinding the fenced one, whose ``seek`` fails
         with ``_STATE`` (the nemesis, seed 26, after an isolation of the processor's host)."""
         producer, counts = self._producer, Counter()
-        self._commit_began = began = time.monotonic()
+        began = self._watchdog.begin()
         try:
             producer.begin_transaction()
             for p, step in steps:  # units, then dead letters (``step_records``)
@@ -553,7 +548,7 @@ class ProcessorRuntime:
             self._rewind()
             return
         finally:
-            self._commit_began = None
+            self._watchdog.end()
             for part in self._parts.values():
                 part.touched.clear()
         self.transactions += 1
@@ -666,10 +661,10 @@ def run_processor_runtime(recipe: Any, *, bootstrap: str, namespace: str, group:
                           instance: str = "0", batch: int = BATCH,
                           handle_signals: bool = True) -> ProcessorRuntime:
     """Run until SIGINT / SIGTERM (with ``handle_signals``); the runtime, for its counts. A
-    stuck transaction ends the process with ``EXIT_RESTART`` (see ``fencing.watch_commits``)."""
+    stuck transaction ends the process with ``EXIT_RESTART`` (see ``fencing.CommitWatchdog``)."""
     tune_collector()
     runtime = ProcessorRuntime(recipe, bootstrap=bootstrap, namespace=namespace, group=group,
-                               instance=instance, batch=batch, on_stuck=_exit_for_restart)
+                               instance=instance, batch=batch, on_stuck=exit_for_restart("processor"))
     stopping = stop_on_signals(runtime.stop) if handle_signals else contextlib.nullcontext()
     try:
         with stopping:
@@ -683,10 +678,3 @@ def tune_collector() -> None:
     """Set this process's cyclic-collector thresholds to ``GC_THRESHOLDS``: for a process that
     runs a processor (process-wide, so not done by ``ProcessorRuntime`` itself)."""
     gc.set_threshold(*GC_THRESHOLDS)
-
-
-def _exit_for_restart(why: str) -> None:
-    """End this process now, with ``EXIT_RESTART``: the main thread is blocked in librdkafka."""
-    print(f"error: {why}; exiting with status {EXIT_RESTART} for a supervisor to restart this "
-          "processor (nothing committed is lost)", file=sys.stderr, flush=True)
-    os._exit(EXIT_RESTART)

@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -76,7 +76,7 @@ from reef_stream.topics import declarations
 from reef_stream.topics.admin import ensure_topics, namespace_topics
 from reef_stream.topics.connect import ask_broker, new_admin, new_producer
 from reef_stream.topics.dead_letters import dead_letter
-from reef_stream.topics.fencing import FENCED_CODES, TransactionalIdentity
+from reef_stream.topics.fencing import FENCED_CODES, CommitWatchdog, TransactionalIdentity
 from reef_stream.topics.kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
 from reef_stream.topics.metrics import MetricsWriter
 from reef_stream.topics.reading import NewestFirst
@@ -208,13 +208,16 @@ class Trainer:
     backend's ``model_name``, else the group). ``max_steps``: stop once the
     trainer is at this step. ``idle_exit``: stop after this many seconds
     without a new unit (units of an unfinished step stay unacknowledged).
+    ``on_stuck(why)``: called when an acknowledgement's transaction stays stuck inside
+    librdkafka (``fencing.CommitWatchdog``) [default: logged only].
     """
 
     def __init__(self, recipe: Recipe, *, bootstrap: str, namespace: str, group: str,
                  checkpoints: str | None = None, keep: int = 5, model_name: str | None = None,
                  max_steps: int | None = None, idle_exit: float | None = None,
                  checkpoint_every_s: float | None = None,
-                 settings: Settings | None = None, ranks_timeout_s: float | None = None) -> None:
+                 settings: Settings | None = None, ranks_timeout_s: float | None = None,
+                 on_stuck: Callable[[str], None] | None = None) -> None:
         settings = settings or load_settings()
         self.recipe, self.bootstrap, self.ns, self.group = recipe, bootstrap, namespace, group
         self.topic = declarations.units(namespace, recipe.name)
@@ -224,6 +227,9 @@ class Trainer:
         self.checkpoint_every_s = checkpoint_every_s
         #: How long an exchange between data-parallel ranks waits (``Ranks.join``).
         self.ranks_timeout_s = ranks_timeout_s
+        #: Calls ``on_stuck(why)`` when an acknowledgement's transaction is stuck inside
+        #: librdkafka (``fencing.CommitWatchdog``; `reef train` exits for a restart).
+        self._watchdog = CommitWatchdog(f"trainer {group}", on_stuck)
         self.model_name = model_name or recipe.backend.model_name or group
         self.registry = SchemaRegistry.default()
         self.summary = TrainerSummary()
@@ -279,6 +285,7 @@ class Trainer:
             "acks": "all", "enable.idempotence": True, "linger.ms": 5})
         self.metrics = MetricsWriter(self.producer, self.ns, STAGE_TRAINER,
                                      {"recipe": self.recipe.name, "group": self.group})
+        self._watchdog.start(self._stop)
         if self.recipe.evaluator is not None and getattr(self.recipe.evaluator, "warning", None):
             log.info("candidate evaluator %s decides what is published (reef evaluate)",
                      self.recipe.evaluator.name)
@@ -466,6 +473,7 @@ class Trainer:
         stored = self.store.write(contents)
         failpoint("trainer.after-checkpoint", step=contents.step)
         producer = self.fence_producer
+        self._watchdog.begin()
         try:
             if self._abort_pending:   # an earlier step's transaction is still open
                 producer.abort_transaction(ACK_TIMEOUT_S)
@@ -493,6 +501,8 @@ class Trainer:
                 self.fence_producer, self._abort_pending = None, False
             raise RetryableError(f"step {contents.step} was not acknowledged: "
                                  f"{error.str()}") from exc
+        finally:
+            self._watchdog.end()
         failpoint("trainer.after-commit", step=contents.step)
         return stored
 
