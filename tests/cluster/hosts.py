@@ -49,6 +49,8 @@ SUPERNET = "10.213"
 PREFIX = "reefh"
 #: The root namespace's address on every subnet (the controlling process).
 CONTROL_HOST = 254
+#: The port a broker listens on inside its host (its controller on the next one).
+KAFKA_PORT = 9092
 
 
 class HostsUnavailable(RuntimeError):

@@ -26,8 +26,6 @@ from pathlib import Path
 from reef_stream.servers.kafka_local import LocalCluster
 from tests.cluster.hosts import Hosts
 
-#: The port the broker listens on inside its host (as ``tests.cluster.scenario``'s).
-KAFKA_PORT = 9092
 #: The ranks' rendezvous port on the first rank host (torchrun's own default).
 MASTER_PORT = 29500
 

@@ -79,7 +79,7 @@ from reef_stream.servers.kafka_local import LocalCluster
 from reef_stream.servers.redis_local import LocalRedis
 from reef_stream.servers.s3_local import LocalS3
 from tests.cluster.faults import STORE_HOST, Fault, broker_hosts, stage_hosts
-from tests.cluster.hosts import Hosts
+from tests.cluster.hosts import KAFKA_PORT, Hosts
 from tests.cluster.supervisor import SUPERVISED, Replacement, Supervisor, spare_hosts
 
 #: Seconds the next fault waits, at most, for the trainer to step again after one.
@@ -87,8 +87,6 @@ RECOVER_WAIT_S = 180.0
 #: Seconds the run waits, at most, after its other stop conditions held, for every replica to
 #: serve the newest promoted version.
 SERVED_WAIT_S = 60.0
-#: The port the broker listens on inside its host (its controller on the next one).
-KAFKA_PORT = 9092
 REDIS_PORT = 6379
 S3_PORT = 9000
 #: The object store's bucket (``store="s3"``).

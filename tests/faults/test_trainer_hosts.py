@@ -26,8 +26,8 @@ import torch
 
 from reef_stream.demo.verify import checkpoint_chain, committed_checkpoints
 from reef_stream.engine.checkpoints import CheckpointStore, load
-from tests.cluster.hosts import Hosts, links, namespaces
-from tests.cluster.ranks import KAFKA_PORT, MASTER_PORT, RankJob, broker
+from tests.cluster.hosts import KAFKA_PORT, Hosts, links, namespaces
+from tests.cluster.ranks import MASTER_PORT, RankJob, broker
 from tests.helpers import wait_until
 from tests.unit_log import create_topics, produce_units, rollout_unit
 
