@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reef_stream.demo.run import members
+from reef_stream.demo.run import member_of, members
 
 #: The fault kinds ``Fault.kind`` may name.
 KINDS = ("partition", "partition-out", "partition-in", "pause", "kill", "isolate",
@@ -20,6 +20,12 @@ KINDS = ("partition", "partition-out", "partition-in", "pause", "kill", "isolate
 #: The stages' hosts whose kill (or ``pause-replace``) the scenario's supervisor answers with
 #: a replacement on a spare host (``tests.cluster.supervisor``).
 SUPERVISED = ("processor", "trainer", "evaluator")
+
+
+def supervised(host: str) -> bool:
+    """Whether ``host`` is a supervised stage's: a member of ``SUPERVISED``'s groups
+    (``processor-2``, ``evaluator-2``, ... too)."""
+    return member_of(host) in SUPERVISED
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from tests.cluster.faults import SUPERVISED, Fault
+from tests.cluster.faults import Fault, supervised as is_supervised
 
 #: The kinds a nemesis draws from, in the order ``random.choice`` sees them.
 NEMESIS_KINDS = ("partition", "partition-out", "partition-in", "kill", "pause")
@@ -71,7 +71,7 @@ def schedule(seed: int, count: int, *, brokers: Sequence[str],
     hosts = [*brokers, *stages, *stored]
     base = STORE_NEMESIS_KINDS if store else NEMESIS_KINDS
     kinds = base + (SUPERVISED_KINDS if supervised else ())
-    replaceable = [s for s in SUPERVISED if s in stages] if supervised else []
+    replaceable = [s for s in stages if is_supervised(s)] if supervised else []
     faults = []
     for _ in range(count):
         kind = draw.choice(kinds if replaceable else base)

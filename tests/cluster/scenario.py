@@ -78,7 +78,7 @@ from reef_stream.publishing.fleet import Fleet
 from reef_stream.servers.kafka_local import LocalCluster
 from reef_stream.servers.redis_local import LocalRedis
 from reef_stream.servers.s3_local import LocalS3
-from tests.cluster.faults import STORE_HOST, Fault, broker_hosts, stage_hosts
+from tests.cluster.faults import STORE_HOST, Fault, broker_hosts, stage_hosts, supervised
 from tests.cluster.hosts import KAFKA_PORT, Hosts
 from tests.cluster.supervisor import SUPERVISED, Replacement, Supervisor, spare_hosts
 
@@ -418,7 +418,7 @@ class Injector:
                 return
 
     def _supervised(self, fault: Fault) -> bool:
-        return fault.kind in ("kill", "pause-replace") and fault.host in SUPERVISED
+        return fault.kind in ("kill", "pause-replace") and supervised(fault.host)
 
     def _replace(self, fault: Fault) -> None:
         """A supervised stage's host killed or paused, the stage replaced on its spare."""
@@ -534,14 +534,16 @@ def run_cluster(faults: tuple[Fault, ...] | list[Fault], *, settings: Settings, 
     for fault in faults:
         if fault.host not in (*kafka, "redis", *extra, *stages):
             raise ValueError(f"no host {fault.host!r} in this scenario")
-        if fault.kind == "kill" and fault.host not in (*kafka, *extra, *SUPERVISED) \
-                and member_of(fault.host) != "reward" and not fault.host.startswith("replica-"):
+        if fault.kind == "kill" and fault.host not in (*kafka, *extra) \
+                and not supervised(fault.host) and member_of(fault.host) != "reward" \
+                and not fault.host.startswith("replica-"):
             raise ValueError("a kill of a host whose stage the demo does not restart ends the "
                              "run; kill a broker's, a replica's, the reward worker's, a "
                              "supervised stage's or the object store's host")
-        if fault.kind == "pause-replace" and fault.host not in SUPERVISED:
+        if fault.kind == "pause-replace" and not supervised(fault.host):
             raise ValueError(f"pause-replace pauses a supervised stage's host "
-                             f"({', '.join(SUPERVISED)}), not {fault.host!r}")
+                             f"({', '.join(SUPERVISED)} or another member of their groups), "
+                             f"not {fault.host!r}")
     spares = spare_hosts(faults)
     settings = dataclasses.replace(settings, home=workdir / "home")
     (workdir / "hosts").mkdir(parents=True, exist_ok=True)

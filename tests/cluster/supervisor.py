@@ -6,8 +6,9 @@
     supervisor.resume("trainer")    # ... and the old one wakes up: a zombie, to be fenced
     supervisor.finish(fenced)       # after the run: what became of each old stage
 
-The stages it may replace are ``SUPERVISED``: each runs alone on the host of its name, and its
-spare is ``<host>-b`` (``spare_host``), made with the other hosts before the run
+The stages it may replace are ``SUPERVISED`` and the other members of their groups
+(``processor-2``, ``evaluator-2``: ``faults.supervised``): each runs alone on the host of its
+name, and its spare is ``<host>-b`` (``spare_host``), made with the other hosts before the run
 (``spare_hosts``). A replacement starts ``REPLACE_DELAY_S`` after the host was lost (an
 orchestrator notices late) and runs the stage's command unchanged on the spare: the same
 broker, Redis and checkpoint store (the hosts share one filesystem). The demo retires the old
@@ -25,8 +26,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reef_stream.demo.run import Demo, Stage
-from tests.cluster.faults import SUPERVISED
+from reef_stream.demo.run import Demo, Stage, member_of
+from tests.cluster.faults import SUPERVISED, supervised
 from tests.cluster.hosts import Hosts
 
 #: Seconds between the loss of a stage's host and the start of its replacement.
@@ -51,6 +52,12 @@ def _text(log: Path) -> str:
         return ""
 
 
+def _holds_fence(kind: str, log: str) -> bool:
+    """Whether a stage's log (an evaluator's) says it holds its fence now: it took it
+    (``FENCE_TAKEN``) after it last gave it up (``GAVE_UP_FENCE``)."""
+    return log.rfind(FENCE_TAKEN[kind]) > log.rfind(GAVE_UP_FENCE)
+
+
 def spare_host(host: str) -> str:
     """The host a supervised stage of ``host`` is replaced on."""
     return f"{host}-b"
@@ -60,7 +67,7 @@ def spare_hosts(faults: Iterable) -> list[str]:
     """The spares a run of ``faults`` (``tests.cluster.faults.Fault``) needs: one per
     supervised stage whose host a fault kills or pauses for a replacement. Raises ValueError
     for a stage replaced twice (one spare each)."""
-    hosts = [f.host for f in faults if f.kind in REPLACING_KINDS and f.host in SUPERVISED]
+    hosts = [f.host for f in faults if f.kind in REPLACING_KINDS and supervised(f.host)]
     if len(set(hosts)) != len(hosts):
         raise ValueError(f"a supervised stage is replaced at most once a run: {hosts}")
     return [spare_host(h) for h in hosts]
@@ -92,6 +99,9 @@ class Replacement:
     #: gave up its fence (``GAVE_UP_FENCE``: an evaluator that learnt of the revocation).
     log_at_resume: int = 0
     gave_up_fence: bool = False
+    #: An evaluator: whether it held the recipe's fence when its host was lost (False: it
+    #: stood by, another member decided).
+    held_fence: bool = True
 
     def settled(self) -> bool:
         """What must have become of the old stage: gone, with nothing left on its host; a
@@ -102,12 +112,14 @@ class Replacement:
         if self.how == "kill":
             return self.old_status is not None
         fenced = self.old_status not in (None, 0) and self.old_fenced > 0
-        return fenced or (self.stage == "evaluator" and self.gave_up_fence)
+        standing_by = self.gave_up_fence or not self.held_fence
+        return fenced or (member_of(self.stage) == "evaluator" and standing_by)
 
     def line(self) -> str:
         return (f"{self.stage}: {self.how}, replaced on {self.spare} (started "
                 f"{self.new_started}), old exit {self.old_status}, fenced {self.old_fenced}"
                 + (", gave up its fence" if self.gave_up_fence else "")
+                + ("" if self.held_fence else ", stood by (held no fence)")
                 + f", left on host {self.left_on_host}")
 
 
@@ -131,11 +143,18 @@ class Supervisor:
 
     def pause(self, host: str) -> Replacement:
         """SIGSTOP every process on ``host``, start the stage on its spare after ``delay_s``,
-        and wait (up to ``REPLACEMENT_STEP_WAIT_S``) until the replacement holds the stage's
-        fence: the trainer's trained a step, the evaluator's log says ``FENCE_TAKEN``;
+        and wait (up to ``REPLACEMENT_STEP_WAIT_S``) until the stage's fence is held again:
+        the trainer's replacement trained a step; for an evaluator that held the recipe's fence,
+        the log of another member of its group (the replacement's, or a standby's that the
+        group handed the checkpoints) says ``FENCE_TAKEN`` (a standby paused: no wait);
         ``resume`` wakes the paused processes. Returns once the replacement is started (and
-        holds the fence, or the wait ran out)."""
+        the fence is held, or the wait ran out)."""
         one = self._retire(host, "pause")
+        kind = member_of(host)
+        if kind in FENCE_TAKEN:
+            one.held_fence = _holds_fence(kind, _text(self.demo.stages[host].log))
+        others = [(stage, len(_text(stage.log))) for name, stage in self.demo.stages.items()
+                  if member_of(name) == kind and name != host]
         one.paused = self.hosts.pids(host)
         for pid in one.paused:
             self.hosts.pause(pid)
@@ -143,16 +162,21 @@ class Supervisor:
         steps = self.demo.steps
         self._replace(one)
         deadline = time.monotonic() + REPLACEMENT_STEP_WAIT_S
-        if host == "trainer":
+        if kind == "trainer":
             while self.demo.steps <= steps and one.new.alive and time.monotonic() < deadline:
                 time.sleep(0.2)
             self.say(f"supervisor: the replacement trainer is at step {self.demo.steps}")
-        elif host in FENCE_TAKEN:
-            while FENCE_TAKEN[host] not in _text(one.new.log) and one.new.alive \
-                    and time.monotonic() < deadline:
+        elif kind in FENCE_TAKEN and one.held_fence:
+            others.append((one.new, 0))
+
+            def taken() -> str | None:
+                return next((stage.name for stage, seen in others
+                             if FENCE_TAKEN[kind] in _text(stage.log)[seen:]), None)
+            while taken() is None and one.new.alive and time.monotonic() < deadline:
                 time.sleep(0.5)
-            self.say(f"supervisor: the replacement {host} holds the fence: "
-                     f"{FENCE_TAKEN[host] in _text(one.new.log)}")
+            self.say(f"supervisor: the {kind} fence is held again, by {taken()}")
+        elif kind in FENCE_TAKEN:
+            self.say(f"supervisor: {host} stood by (another member held the fence)")
         return one
 
     def resume(self, host: str) -> None:
@@ -184,9 +208,9 @@ class Supervisor:
         return self.replaced
 
     def _retire(self, host: str, how: str) -> Replacement:
-        if host not in SUPERVISED:
-            raise ValueError(f"the supervisor replaces the stages {', '.join(SUPERVISED)}, "
-                             f"not {host!r}")
+        if not supervised(host):
+            raise ValueError(f"the supervisor replaces the stages {', '.join(SUPERVISED)} and "
+                             f"the other members of their groups, not {host!r}")
         if host in self.replaced:
             raise ValueError(f"the {host} stage was replaced already this run")
         self.demo.retire(host)
