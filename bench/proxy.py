@@ -5,9 +5,11 @@
 
 Against the same upstream, at each concurrency (that many clients, each sending streamed
 ``/v1/completions`` requests back to back), it measures requests/s and the latency of whole
-streams, directly and through the proxy, interleaved; and the proxy's CPU time per request
-(its process's user + system time, read from the OS). The proxy records to a real broker
-(REEF_BOOTSTRAP_SERVERS, or a throw-away one it starts).
+streams, directly and through the proxy; and the proxy's CPU time per request (its process's
+user + system time, read from the OS). ``--repeat N`` measures N rounds of ``--seconds`` each,
+direct and proxied in ABBA order (every other round the proxy first, so that a drift of the
+machine falls on both sides alike), and pools every request of each side. The proxy records
+to a real broker (REEF_BOOTSTRAP_SERVERS, or a throw-away one it starts).
 
 The default upstream is a fast local OpenAI-compatible server (a process of its own) that
 streams ``--tokens`` tokens per request in vLLM's shape at once, so what is measured is the
@@ -161,6 +163,12 @@ class Run:
     def rate(self) -> float:
         return self.requests / self.seconds
 
+    @classmethod
+    def pooled(cls, runs: list[Run]) -> Run:
+        """One run of every request of ``runs``: their requests, seconds and latencies."""
+        return cls(sum(r.requests for r in runs), sum(r.seconds for r in runs),
+                   [latency for r in runs for latency in r.latencies_ms])
+
     def quantile(self, q: float) -> float:
         ordered = sorted(self.latencies_ms)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -213,7 +221,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of --seconds each, direct and proxied in ABBA order, "
+                             "pooled (default 1)")
     parser.add_argument("--upstream", default=None, help="another upstream, e.g. vLLM's URL")
     parser.add_argument("--model", default="fast")
     parser.add_argument("--token-ms", type=float, default=0.0,
@@ -256,20 +266,22 @@ def main() -> None:
         results: dict[int, tuple[Run, Run, float]] = {}
         try:
             for level in levels:
-                best: tuple[Run, Run, float] | None = None
-                for _ in range(args.repeat):
-                    direct = asyncio.run(_load(upstream, args.model, level, args.seconds,
-                                               args.tokens))
-                    cpu = _cpu_seconds(proxy_process)
-                    through = asyncio.run(_load(proxy_url, args.model, level, args.seconds,
-                                                args.tokens))
-                    cpu_ms = (_cpu_seconds(proxy_process) - cpu) * 1000 / max(through.requests,
-                                                                               1)
-                    if best is None or through.rate / direct.rate > best[1].rate / best[0].rate:
-                        best = (direct, through, cpu_ms)
-                assert best is not None
-                results[level] = best
-                direct, through, cpu_ms = best
+                directs, throughs, cpu = [], [], 0.0
+                for round_ in range(args.repeat):
+                    # ABBA: every other round measures the proxy first, so that a drift of
+                    # the machine over the rounds falls on both sides alike.
+                    for proxied in (False, True) if round_ % 2 == 0 else (True, False):
+                        if not proxied:
+                            directs.append(asyncio.run(_load(upstream, args.model, level,
+                                                             args.seconds, args.tokens)))
+                            continue
+                        before = _cpu_seconds(proxy_process)
+                        throughs.append(asyncio.run(_load(proxy_url, args.model, level,
+                                                          args.seconds, args.tokens)))
+                        cpu += _cpu_seconds(proxy_process) - before
+                direct, through = Run.pooled(directs), Run.pooled(throughs)
+                cpu_ms = cpu * 1000 / max(through.requests, 1)
+                results[level] = direct, through, cpu_ms
                 print(f"{level:3d} streams: direct {direct.rate:7.1f} req/s p50 "
                       f"{direct.quantile(0.5):6.2f} ms p99 {direct.quantile(0.99):6.2f} ms | "
                       f"proxy {through.rate:7.1f} req/s p50 {through.quantile(0.5):6.2f} ms "
