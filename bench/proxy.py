@@ -174,10 +174,15 @@ class Run:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _load(url: str, model: str, concurrency: int, seconds: float, tokens: int) -> Run:
-    """``concurrency`` clients sending streamed completions back to back for ``seconds``."""
-    body = json.dumps({"model": model, "prompt": "The quick brown fox", "max_tokens": tokens,
-                       "stream": True, "temperature": 1.0}).encode()
+async def _load(url: str, model: str, concurrency: int, seconds: float, tokens: int,
+                asks_all: bool = False) -> Run:
+    """``concurrency`` clients sending streamed completions back to back for ``seconds``
+    (with ``asks_all``, asking for logprobs and token ids as the proxy does)."""
+    request = {"model": model, "prompt": "The quick brown fox", "max_tokens": tokens,
+               "stream": True, "temperature": 1.0}
+    if asks_all:
+        request.update(logprobs=0, return_token_ids=True)
+    body = json.dumps(request).encode()
     headers = {"Content-Type": "application/json"}
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
@@ -229,6 +234,10 @@ def main() -> None:
     parser.add_argument("--token-ms", type=float, default=0.0,
                         help="the fast upstream streams a token every this many ms, waited "
                              "off the CPU as a GPU engine's decoding is (0: at once)")
+    parser.add_argument("--asks-all", action="store_true",
+                        help="the clients ask for logprobs and token ids themselves, as the "
+                             "proxy asks the upstream: the upstream does the same work "
+                             "direct and proxied, and the proxy strips nothing")
     parser.add_argument("--pin", action="store_true",
                         help="clients and upstream on CPU 0, proxy and broker on CPU 1")
     args = parser.parse_args()
@@ -272,12 +281,14 @@ def main() -> None:
                     # the machine over the rounds falls on both sides alike.
                     for proxied in (False, True) if round_ % 2 == 0 else (True, False):
                         if not proxied:
-                            directs.append(asyncio.run(_load(upstream, args.model, level,
-                                                             args.seconds, args.tokens)))
+                            directs.append(asyncio.run(_load(
+                                upstream, args.model, level, args.seconds, args.tokens,
+                                args.asks_all)))
                             continue
                         before = _cpu_seconds(proxy_process)
-                        throughs.append(asyncio.run(_load(proxy_url, args.model, level,
-                                                          args.seconds, args.tokens)))
+                        throughs.append(asyncio.run(_load(
+                            proxy_url, args.model, level, args.seconds, args.tokens,
+                            args.asks_all)))
                         cpu += _cpu_seconds(proxy_process) - before
                 direct, through = Run.pooled(directs), Run.pooled(throughs)
                 cpu_ms = cpu * 1000 / max(through.requests, 1)
