@@ -151,10 +151,11 @@ class Supervisor:
         the fence is held, or the wait ran out)."""
         one = self._retire(host, "pause")
         kind = member_of(host)
+        others = []   # the group's other members and their logs' sizes now (an evaluator's)
         if kind in FENCE_TAKEN:
             one.held_fence = _holds_fence(kind, _text(self.demo.stages[host].log))
-        others = [(stage, len(_text(stage.log))) for name, stage in self.demo.stages.items()
-                  if member_of(name) == kind and name != host]
+            others = [(stage, len(_text(stage.log))) for name, stage in self.demo.stages.items()
+                      if member_of(name) == kind and name != host]
         one.paused = self.hosts.pids(host)
         for pid in one.paused:
             self.hosts.pause(pid)

@@ -664,7 +664,8 @@ def run_processor_runtime(recipe: Any, *, bootstrap: str, namespace: str, group:
     stuck transaction ends the process with ``EXIT_RESTART`` (see ``fencing.CommitWatchdog``)."""
     tune_collector()
     runtime = ProcessorRuntime(recipe, bootstrap=bootstrap, namespace=namespace, group=group,
-                               instance=instance, batch=batch, on_stuck=exit_for_restart("processor"))
+                               instance=instance, batch=batch,
+                               on_stuck=exit_for_restart("processor"))
     stopping = stop_on_signals(runtime.stop) if handle_signals else contextlib.nullcontext()
     try:
         with stopping:
