@@ -530,18 +530,28 @@ class RecordingProxy:
     async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse, plan: _Plan,
                       context: _Context) -> web.StreamResponse:
         """Relay an SSE stream as it arrives (the events of one read in one write; rewritten
-        only when the plan strips), collecting the choices; record those that finished once
-        the stream ends."""
+        only when the plan strips), collecting the choices; once the upstream's stream ended,
+        record those that finished, then send the client the stream's end (its ``[DONE]`` and
+        whatever followed, held back until then, and the end of the body). So a turn is
+        journalled, and its trajectory held or ended, before the client can send the next."""
         collected = _Collected(plan.kind)
         response: web.StreamResponse | None = None
         broken: BaseException | None = None
+        end: list[bytes] = []   # from the [DONE] on
         try:
             async for events in _sse_events(upstream.content):
-                out = b"".join([_relay(event, plan, collected) for event in events])
+                out = [_relay(event, plan, collected) for event in events]
+                if not end:
+                    done = next((i for i, event in enumerate(events) if _is_done(event)), None)
+                    if done is not None:
+                        out, end = out[:done], out[done:]
+                else:
+                    out, end = [], end + out
                 if response is None:
                     response = await self._start_stream(request, upstream, plan,
                                                         collected, context)
-                await response.write(out)
+                if out:
+                    await response.write(b"".join(out))
         except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as error:
             broken = error
         if response is None:
@@ -549,12 +559,20 @@ class RecordingProxy:
                                                 context)
         if broken is not None:
             self._unrecorded("upstream_broke_stream")
+            if end:
+                await response.write(b"".join(end))
             # The client sees the stream end as abruptly as the upstream's did.
             raise ConnectionResetError(f"the upstream broke the stream: {broken}")
+        try:
+            _, generations = self._generations(collected.response(), plan, context,
+                                               streamed=collected)
+            self._record(generations)
+        except Exception:   # noqa: BLE001 - the client is served whatever recording does
+            log.exception("a stream of %s was not recorded", self.upstream)
+            self._unrecorded("recording_error")
+        if end:
+            await response.write(b"".join(end))
         await response.write_eof()
-        _, generations = self._generations(collected.response(), plan, context,
-                                           streamed=collected)
-        self._record(generations)
         return response
 
     async def _start_stream(self, request: web.Request, upstream: aiohttp.ClientResponse,
@@ -942,6 +960,12 @@ async def _sse_events(content: aiohttp.StreamReader) -> AsyncIterator[list[bytes
             yield events
     if rest:
         yield [rest]
+
+
+def _is_done(event: bytes) -> bool:
+    """Whether ``event`` is the stream's ``data: [DONE]``."""
+    body = event.strip()
+    return body.startswith(b"data:") and body[5:].strip() == b"[DONE]"
 
 
 def _relay(event: bytes, plan: _Plan, collected: _Collected) -> bytes:

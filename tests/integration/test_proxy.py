@@ -815,6 +815,93 @@ def test_a_journal_that_cannot_be_written_is_counted_and_serving_and_recording_g
     assert (g.generation_id, g.metadata["proxy.turns"]) == ("chatcmpl-broken-1:0", "2")
 
 
+class WatchedJournal:
+    """A real journal that notes, at each write, whether the client already had the end of
+    the stream being served (``at_end``, set by the client): it waits up to half a second for
+    the client to get there first, as a proxy killed right after the end would let it."""
+
+    def __init__(self, journal: TrajectoryJournal):
+        self.journal, self.path = journal, journal.path
+        self.restored, self.damaged = journal.restored, journal.damaged
+        self.at_end = threading.Event()
+        self.writes: list[tuple[str, bool]] = []
+
+    def _watched(self, name: str, *args: Any) -> None:
+        self.writes.append((name, self.at_end.wait(0.5)))
+        getattr(self.journal, name)(*args)
+
+    def hold(self, *args: Any) -> None:
+        self._watched("hold", *args)
+
+    def end(self, *args: Any) -> None:
+        self._watched("end", *args)
+
+    def done(self, *args: Any) -> None:
+        self.journal.done(*args)
+
+    def sync(self) -> None:
+        self.journal.sync()
+
+    def close(self) -> None:
+        self.journal.close()
+
+
+def stream_watching_end(url: str, body: dict, request_id: str, conversation: str,
+                        at_end: threading.Event) -> list[bytes]:
+    """A streamed chat turn, read line by line as it arrives; ``at_end`` is set once its
+    ``data: [DONE]`` (or the end of the body) came. Returns its lines."""
+    at_end.clear()
+    request = urllib.request.Request(url + "/v1/chat/completions",
+                                     data=json.dumps(body).encode(), headers={
+                                         "Content-Type": "application/json",
+                                         "X-Request-Id": request_id,
+                                         "x-reef-conversation-id": conversation})
+    lines = []
+    with urllib.request.urlopen(request, timeout=60) as response:
+        for line in response:
+            lines.append(line)
+            if line.strip() == b"data: [DONE]":
+                at_end.set()
+    at_end.set()
+    return lines
+
+
+def test_a_streamed_turn_is_journalled_before_the_client_gets_its_end(
+        proxy, kafka_bootstrap, namespace, tmp_path):
+    """A streamed turn that leaves a trajectory held, and one that ends it, are written to the
+    journal before the client gets the stream's ``[DONE]``: a proxy killed the moment the
+    client has it (who may send the next turn at once) has journalled the turn. Before, the
+    stream's end went out first and the journal was written after."""
+    journal = WatchedJournal(TrajectoryJournal(tmp_path / "spool"))
+    server = proxy(journal=journal)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    question = [{"role": "user", "content": "add 2 and 3"}]
+    called = stream_watching_end(server.url, {"model": "tiny", "messages": question,
+                                              "max_tokens": 2, "stream": True,
+                                              "tools": tools},
+                                 "watched-0", "conv-watched-0", journal.at_end)
+    assert b"data: [DONE]\n" in called
+    wait_until(lambda: journal.writes, 10, "the turn journalled")
+    assert journal.writes == [("hold", False)], "the held turn journalled first"
+
+    first = call(server.url + "/v1/chat/completions",
+                 {"model": "tiny", "messages": question, "max_tokens": 2, "tools": tools},
+                 request_id="watched-1", headers={"x-reef-conversation-id": "conv-watched-1"})
+    history = [*question, first.json()["choices"][0]["message"],
+               {"role": "tool", "tool_call_id": "call-0", "content": "5"}]
+    answer = stream_watching_end(server.url, {"model": "tiny", "messages": history,
+                                              "max_tokens": 2, "stream": True},
+                                 "watched-2", "conv-watched-1", journal.at_end)
+    assert b"data: [DONE]\n" in answer
+    wait_until(lambda: len(journal.writes) == 3, 10, "the ended trajectory journalled")
+    assert [name for name, _ in journal.writes] == ["hold", "hold", "end"]
+    assert journal.writes[2] == ("end", False), "the ended trajectory journalled first"
+    wait_recorded(server, 1)
+    (g,) = [g for g in recorded(kafka_bootstrap, namespace, server).values()
+            if g.group_id == "conv-watched-1"]
+    assert (g.generation_id, g.metadata["proxy.turns"]) == ("chatcmpl-watched-2:0", "2")
+
+
 def test_the_version_is_what_the_upstream_served_and_redaction_drops_text(
         upstream, proxy, kafka_bootstrap, namespace, tmp_path):
     version_file = tmp_path / "served-version"
