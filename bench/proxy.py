@@ -1,7 +1,7 @@
 """The recording proxy's cost: streamed completions through ``reef intake proxy`` against direct.
 
     python bench/proxy.py [--concurrency 1,16,64] [--seconds 5] [--tokens 32] [--repeat 1]
-                          [--upstream URL --model NAME]
+                          [--upstream URL --model NAME] [--token-ms T] [--think-ms M] [--pin]
 
 Against the same upstream, at each concurrency (that many clients, each sending streamed
 ``/v1/completions`` requests back to back), it measures requests/s and the latency of whole
@@ -24,6 +24,11 @@ token than the proxy (a JSON chunk written), so the proxy, which also parses, st
 records each one, cannot keep its pace on an equal core: that run measures the proxy's
 capacity, not what serving through it costs.
 
+``--think-ms M`` makes each client wait an exponential think time of mean M ms before each
+request (client i's draws from seed i, the same direct and proxied). Back to back (the
+default), paced streams of equal length keep the clients in step, so their requests reach
+the proxy in waves; live traffic does not arrive in step.
+
 ``--pin`` gives the proxy a core of its own, as it has beside a GPU-bound server whose host
 CPUs are mostly idle: the clients and the upstream run on CPU 0 in both the direct and the
 proxied runs, the proxy and the broker on CPU 1 (the other CPUs unused). Without it, on two
@@ -31,7 +36,7 @@ cores, the proxied run has three busy processes where the direct run has two, an
 measures the machine's cores as much as the proxy. The last line, for the first upstream at
 16 streams (or the largest concurrency measured below 16), is::
 
-    PROXY throughput_ratio=X added_p50_ms=X added_p99_ms=X cpu_ms_per_request=X pinned=yes|no token_ms=X
+    PROXY throughput_ratio=X added_p50_ms=X added_p99_ms=X cpu_ms_per_request=X pinned=yes|no token_ms=X think_ms=X
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import random
 import tempfile
 import time
 import uuid
@@ -175,9 +181,11 @@ class Run:
 
 
 async def _load(url: str, model: str, concurrency: int, seconds: float, tokens: int,
-                asks_all: bool = False) -> Run:
-    """``concurrency`` clients sending streamed completions back to back for ``seconds``
-    (with ``asks_all``, asking for logprobs and token ids as the proxy does)."""
+                asks_all: bool = False, think_ms: float = 0.0) -> Run:
+    """``concurrency`` clients sending streamed completions for ``seconds`` (with
+    ``asks_all``, asking for logprobs and token ids as the proxy does): back to back, or each
+    after a think time drawn from an exponential of mean ``think_ms`` (client i's draws from
+    seed i, the same on either side)."""
     request = {"model": model, "prompt": "The quick brown fox", "max_tokens": tokens,
                "stream": True, "temperature": 1.0}
     if asks_all:
@@ -189,8 +197,10 @@ async def _load(url: str, model: str, concurrency: int, seconds: float, tokens: 
     async with aiohttp.ClientSession(connector=connector) as session:
         end = time.monotonic() + seconds
 
-        async def client() -> None:
+        async def client(rng: random.Random) -> None:
             while time.monotonic() < end:
+                if think_ms:
+                    await asyncio.sleep(rng.expovariate(1000 / think_ms))
                 started = time.perf_counter()
                 async with session.post(url + "/v1/completions", data=body,
                                         headers=headers) as response:
@@ -200,7 +210,7 @@ async def _load(url: str, model: str, concurrency: int, seconds: float, tokens: 
                 latencies.append((time.perf_counter() - started) * 1000)
 
         started = time.monotonic()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
+        await asyncio.gather(*(client(random.Random(i)) for i in range(concurrency)))
         return Run(len(latencies), time.monotonic() - started, latencies)
 
 
@@ -238,6 +248,9 @@ def main() -> None:
                         help="the clients ask for logprobs and token ids themselves, as the "
                              "proxy asks the upstream: the upstream does the same work "
                              "direct and proxied, and the proxy strips nothing")
+    parser.add_argument("--think-ms", type=float, default=0.0,
+                        help="each client waits an exponential think time of this mean "
+                             "before each request (0: back to back)")
     parser.add_argument("--pin", action="store_true",
                         help="clients and upstream on CPU 0, proxy and broker on CPU 1")
     args = parser.parse_args()
@@ -283,12 +296,12 @@ def main() -> None:
                         if not proxied:
                             directs.append(asyncio.run(_load(
                                 upstream, args.model, level, args.seconds, args.tokens,
-                                args.asks_all)))
+                                args.asks_all, args.think_ms)))
                             continue
                         before = _cpu_seconds(proxy_process)
                         throughs.append(asyncio.run(_load(
                             proxy_url, args.model, level, args.seconds, args.tokens,
-                            args.asks_all)))
+                            args.asks_all, args.think_ms)))
                         cpu += _cpu_seconds(proxy_process) - before
                 direct, through = Run.pooled(directs), Run.pooled(throughs)
                 cpu_ms = cpu * 1000 / max(through.requests, 1)
@@ -309,7 +322,7 @@ def main() -> None:
           f"added_p50_ms={through.quantile(0.5) - direct.quantile(0.5):.2f} "
           f"added_p99_ms={through.quantile(0.99) - direct.quantile(0.99):.2f} "
           f"cpu_ms_per_request={cpu_ms:.2f} pinned={'yes' if args.pin else 'no'} "
-          f"token_ms={args.token_ms:g}")
+          f"token_ms={args.token_ms:g} think_ms={args.think_ms:g}")
 
 
 if __name__ == "__main__":
