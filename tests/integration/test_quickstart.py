@@ -4,14 +4,15 @@ The README marks each block with ``<!-- quickstart: NAME -->``. This test takes 
 from the README itself and runs them against the session's broker and Redis, in a directory
 of its own (a newcomer's project): step 1's block is saved as ``my_recipes.py``; steps 2 and 3
 run as bash, with ``reef`` on the PATH; step 5's stage commands each start as a process; step
-4's producer runs against a stand-in for the fleet, a small OpenAI-compatible HTTP server
-(aiohttp) answering ``/v1/completions`` in vLLM's shape (``return_token_ids``: the choice's
-``token_ids`` and ``prompt_token_ids``; ``logprobs.token_logprobs``) with deterministic
-completions. It passes once the trainer acknowledged a step (a ``Checkpoint`` event in
+4's proxy starts as a process (``VLLM_URL`` naming the fleet) in front of a stand-in for the
+fleet, a small OpenAI-compatible HTTP server (aiohttp) answering ``/v1/completions`` in
+vLLM's shape (``return_token_ids``: the choice's ``token_ids`` and ``prompt_token_ids``;
+``logprobs.token_logprobs``) with deterministic completions, and step 4's client runs against
+the proxy. It passes once the trainer acknowledged a step (a ``Checkpoint`` event in
 ``<ns>.checkpoints``), the evaluator published it and ``reef follow`` loaded it; then the
-stages are stopped with SIGTERM, as a person would stop them.
+stages and the proxy are stopped with SIGTERM, as a person would stop them.
 
-The stages start before the producer (step 5 runs beside the fleet): a generation waits 60 s
+The stages start before the client (step 5 runs beside the fleet): a generation waits 60 s
 for its feedback, and stages started late on a loaded machine could let the first ones expire.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import re
 import signal
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -39,7 +42,7 @@ from reef_stream.topics.declarations import checkpoints, publications
 from tests.helpers import events_to_end, wait_until
 
 README = (PROJECT_ROOT / "README.md").read_text()
-STEPS = ("my_recipes.py", "check", "topics", "producer", "stages")
+STEPS = ("my_recipes.py", "check", "topics", "proxy", "client", "stages")
 #: The stand-in model's vocabulary: step 1's TinyCausalLM(vocab_size=512).
 VOCAB = 512
 
@@ -160,6 +163,18 @@ def _bash(block: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedPro
     return result
 
 
+#: Where step 4's proxy listens (its --listen).
+PROXY = "http://127.0.0.1:8001"
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
 def test_the_five_steps_train_and_publish_a_unit(project, kafka_bootstrap, namespace):
     directory, env = project
     blocks = quickstart_blocks()
@@ -185,17 +200,6 @@ def test_the_five_steps_train_and_publish_a_unit(project, kafka_bootstrap, names
                 start_new_session=True)
         assert set(stages) == {"reward", "process", "train", "evaluate", "follow"}
 
-        # 4. The producer beside the stand-in fleet.
-        with StandInServer() as fleet:
-            produced = subprocess.run(
-                [sys.executable, "-c", blocks["producer"]], cwd=directory,
-                env={**env, "VLLM_URL": fleet.url}, capture_output=True, text=True,
-                timeout=180, check=False)
-            assert produced.returncode == 0, produced.stdout + produced.stderr
-            assert fleet.served == [1] * 400
-        # 400 generations and 400 thumbs, every one acknowledged by the broker.
-        assert "800 records acknowledged, 0 spooled" in produced.stdout, produced.stdout
-
         def output() -> str:
             return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}"
                              for p in sorted(logs.iterdir()))
@@ -204,6 +208,24 @@ def test_the_five_steps_train_and_publish_a_unit(project, kafka_bootstrap, names
             dead = {name: p.returncode for name, p in stages.items() if p.poll() is not None}
             assert not dead, f"stages exited: {dead}\n{output()}"
             return True
+
+        # 4. The proxy in front of the stand-in fleet, and the clients through it.
+        with StandInServer() as fleet:
+            stages["proxy"] = subprocess.Popen(
+                ["bash", "-euo", "pipefail", "-c", blocks["proxy"].rstrip().removesuffix("&")],
+                cwd=directory, env={**env, "VLLM_URL": fleet.url},
+                stdout=(logs / "proxy.out").open("w"), stderr=subprocess.STDOUT,
+                start_new_session=True)
+            wait_until(lambda: running() and _answers(PROXY + "/reef/stats"), 60,
+                       f"the proxy answering\n{output()}")
+            served = subprocess.run(
+                [sys.executable, "-c", blocks["client"]], cwd=directory, env=env,
+                capture_output=True, text=True, timeout=180, check=False)
+            assert served.returncode == 0, served.stdout + served.stderr
+            assert fleet.served == [1] * 400
+            # 400 generations and 400 thumbs, each handed to the producer.
+            counts = json.loads(urllib.request.urlopen(PROXY + "/reef/stats", timeout=10).read())
+            assert (counts["recorded"], counts["feedback"], counts["unrecorded"]) == (400, 400, {})
 
         # A step of SAO's 256 units, trained and acknowledged by its Checkpoint event.
         trained = wait_until(
