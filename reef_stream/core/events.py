@@ -402,6 +402,9 @@ class Publication:
     decided_by: str | None = None
     #: ROLLED_BACK: the version served again (``uri`` and ``sha256`` name its published copy).
     rolled_back_to: int | None = None
+    #: The recipe whose evaluator wrote it (a person's decision too: that evaluator applies it);
+    #: it decides the model's requests and canaries. None in publications written before the field.
+    recipe: str | None = None
 
 
 class DecisionKind(enum.Enum):

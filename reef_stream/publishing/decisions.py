@@ -158,24 +158,28 @@ def request_for(kind: DecisionKind, publication: Publication, *, reason: str | N
         decided_by=publication.decided_by or "", reason=reason, created_at=now_ms())
 
 
-def applied(ledger: PublicationLedger, request: DecisionRequest) -> Publication:
+def applied(ledger: PublicationLedger, request: DecisionRequest, *,
+            recipe: str) -> Publication:
     """The publication ``request`` makes against ``ledger`` now (the evaluator's, read to its
-    end); ``ConfigurationError`` saying why when it no longer applies (as ``approval``,
-    ``rejection`` and ``rollback`` do; and a rollback that would now take another version
-    out of service than the one the person saw). Pure but for a rollback's verification of
-    the target's published copy (blocks for the read)."""
+    end), written by the evaluator of ``recipe`` (its ``recipe``); ``ConfigurationError``
+    saying why when it no longer applies (as ``approval``, ``rejection`` and ``rollback`` do;
+    and a rollback that would now take another version out of service than the one the
+    person saw). Pure but for a rollback's verification of the target's published copy
+    (blocks for the read)."""
     model, by = request.model, request.decided_by
     if request.kind is DecisionKind.APPROVE:
-        return approval(ledger, model, request.version, by=by, reason=request.reason)
-    if request.kind is DecisionKind.REJECT:
-        return rejection(ledger, model, request.version, by=by, reason=request.reason or "")
-    publication = rollback(ledger, model, by=by, to=request.rolled_back_to,
-                           reason=request.reason)
-    if publication.policy_version != request.version:
-        raise ConfigurationError(
-            f"a rollback of {model!r} now takes version {publication.policy_version} out of "
-            f"service, not version {request.version} as asked: the log moved on since")
-    return publication
+        publication = approval(ledger, model, request.version, by=by, reason=request.reason)
+    elif request.kind is DecisionKind.REJECT:
+        publication = rejection(ledger, model, request.version, by=by,
+                                reason=request.reason or "")
+    else:
+        publication = rollback(ledger, model, by=by, to=request.rolled_back_to,
+                               reason=request.reason)
+        if publication.policy_version != request.version:
+            raise ConfigurationError(
+                f"a rollback of {model!r} now takes version {publication.policy_version} out "
+                f"of service, not version {request.version} as asked: the log moved on since")
+    return dataclasses.replace(publication, recipe=recipe)
 
 
 def ask(bootstrap: str, namespace: str, request: DecisionRequest,

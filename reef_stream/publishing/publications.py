@@ -51,7 +51,7 @@ from reef_stream.topics.kafka import OFFSET_BEGINNING, Consumer, KafkaError, Mes
 
 __all__ = ["CANARY_KEY_SUFFIX", "READ_TIMEOUT_S", "REJECTED_KEY_SUFFIX", "ROLLED_BACK_KEY_SUFFIX",
            "PublicationLedger", "PublicationStore", "canary_slot", "default_publication_url",
-           "publication_key", "takes_canary"]
+           "publication_key", "takes_canary", "written_by"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,16 @@ def publication_key(publication: Publication) -> bytes:
     if decision is Decision.ROLLED_BACK:
         return (publication.model + ROLLED_BACK_KEY_SUFFIX).encode()
     return (publication.model + REJECTED_KEY_SUFFIX).encode()
+
+
+def written_by(publication: Publication, recipe: str, evaluator: str) -> bool:
+    """Whether the evaluator of ``recipe`` (named ``evaluator``) wrote ``publication``: it names
+    that recipe, or, written before publications named their recipe (``recipe`` None), that
+    evaluator. Two recipes whose evaluators share a name are told apart by the first rule
+    only. Pure."""
+    if publication.recipe is not None:
+        return publication.recipe == recipe
+    return publication.evaluator == evaluator
 
 
 def canary_slot(replica_id: str) -> float:

@@ -6,7 +6,10 @@ broker: every decision in ``<ns>.publications`` is written by the one fenced wri
   for the version. Before, ``reef reject`` produced its REJECTED publication after ann's
   PROMOTED one: two decisions for version 1.
 - With no evaluator running, the command says the request stays queued and exits 1; the next
-  evaluator applies it, once, and a restarted one does not apply it again.
+  evaluator of the recipe applies it, once, and a restarted one does not apply it again. The
+  evaluator of another recipe whose evaluator has the same name (tests.recipes.promoting's,
+  also ``held-out-score``) passes it over: the publication names its recipe. Before, it
+  applied the request too, a second fenced writer deciding the model.
 - A request that does not decode is a dead letter with its reason; the evaluator goes on.
 
 The recipe is tests.recipes.approval (a promoted candidate waits for a person); the tests play
@@ -100,6 +103,10 @@ def test_a_request_no_evaluator_applied_in_time_stays_queued_and_is_applied_once
     assert queued.returncode == 1, queued
     assert "no evaluator applied the decision on tiny version 1 within 1 s" in queued.stderr
     assert f"it stays queued on {namespace}.decision-requests" in queued.stderr
+    assert [p.decision for p in decided(kafka_bootstrap, namespace)] == [Decision.CANARY]
+
+    same_name = run_evaluator("promoting", settings, idle_exit=3.0)  # another recipe's evaluator
+    assert (same_name.requests_applied, same_name.requests_refused) == (0, 0)
     assert [p.decision for p in decided(kafka_bootstrap, namespace)] == [Decision.CANARY]
 
     summary = run_evaluator("approval", settings, fleet=fleet, idle_exit=3.0)

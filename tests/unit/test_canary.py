@@ -11,7 +11,7 @@ import pytest
 
 from reef_stream.api.canary import Action, Arm, MeanDifference, Staged
 from reef_stream.consumers.evaluator.canary import (
-    Release, Tally, cadence_reason, stage, verdict_publication, waiting_reason,
+    Release, Tally, cadence_reason, judged, stage, verdict_publication, waiting_reason,
 )
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.events import (
@@ -44,9 +44,10 @@ def test_the_ledger_folds_a_canary_its_rollback_and_a_later_promotion():
     ledger = ledger_of(pub(1), canary)
     assert ledger.incumbent("m").policy_version == 1
     assert ledger.waiting("m") == canary
-    rolled = verdict_publication(canary, pub(1), _verdict(Action.ROLL_BACK), Release(), "c")
-    assert (rolled.decision, rolled.rolled_back_to, rolled.uri) == \
-        (Decision.ROLLED_BACK, 1, "/pub/v1")
+    rolled = verdict_publication(canary, pub(1), _verdict(Action.ROLL_BACK), Release(), "c",
+                                 recipe="r")
+    assert (rolled.decision, rolled.rolled_back_to, rolled.uri, rolled.recipe) == \
+        (Decision.ROLLED_BACK, 1, "/pub/v1", "r")
     ledger.record(rolled)
     ledger.record(canary)  # read back after its own end (record first): stays ended
     assert ledger.waiting("m") is None and ledger.incumbent("m").policy_version == 1
@@ -54,6 +55,31 @@ def test_the_ledger_folds_a_canary_its_rollback_and_a_later_promotion():
     ledger.record(pub(3, Decision.CANARY, share=0.5, awaiting="canary"))
     ledger.record(pub(3))
     assert ledger.waiting("m") is None and ledger.incumbent("m").policy_version == 3
+
+
+def test_of_two_recipes_whose_evaluators_share_a_name_only_the_one_that_opened_a_canary_judges_it():
+    """Both evaluators are named ``e``: the recipe in the canary's publication decides, so one
+    canary is judged by one fenced writer, not by both recipes'."""
+    ledger = ledger_of(pub(1, recipe="a"), pub(2, Decision.CANARY, share=0.5, awaiting="canary",
+                                               recipe="a"),
+                       pub(1, model="n", recipe="b"),
+                       pub(2, Decision.CANARY, model="n", share=0.5, awaiting="canary",
+                           recipe="b"))
+    assert judged(ledger, recipe="a", evaluator="e") == ["m"]
+    assert judged(ledger, recipe="b", evaluator="e") == ["n"]
+    assert judged(ledger, recipe="a", evaluator="e", only="m") == ["m"]
+    assert judged(ledger, recipe="a", evaluator="e", only="n") == []  # --model: still its own
+    assert judged(ledger, recipe="c", evaluator="e") == []
+
+
+def test_a_canary_opened_before_publications_named_their_recipe_is_judged_by_name():
+    ledger = ledger_of(pub(1), pub(2, Decision.CANARY, share=0.5, awaiting="canary"),
+                       pub(1, model="n", evaluator="other"),
+                       pub(2, Decision.CANARY, model="n", share=0.5, awaiting="canary",
+                           evaluator="other"))
+    assert judged(ledger, recipe="a", evaluator="e") == ["m"]
+    assert judged(ledger, recipe="b", evaluator="other") == ["n"]
+    assert judged(ledger, recipe="a", evaluator="e", only="n") == []
 
 
 def test_a_compacted_log_keeps_what_replicas_serve():
@@ -216,7 +242,8 @@ def test_the_release_policy_stages_what_the_offline_gate_promoted():
     assert (held.decision, held.share, held.awaiting) == (Decision.CANARY, 0.0, "approval")
     assert "approval" in waiting_reason(held)
     passed = verdict_publication(staged, pub(1), _verdict(Action.PROMOTE),
-                                 Release(canary=release.canary, require_approval=True), "c")
+                                 Release(canary=release.canary, require_approval=True), "c",
+                                 recipe="r")
     assert (passed.decision, passed.awaiting, passed.measurement["canary_mean"]) == \
         (Decision.CANARY, "approval", 0.5)
     assert Staged(HeldOutScore()).name == "held-out-score" and Staged(HeldOutScore()).evaluates

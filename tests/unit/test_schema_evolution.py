@@ -306,3 +306,24 @@ def test_a_rollout_unit_written_with_v4_reads_as_known_versions_and_v4_skips_the
     value, headers = registry.encode(unknown)
     assert registry.decode(value, headers, RolloutUnit).members[0].policy_version_known is False
     assert "policy_version_known" not in registry.decode_record(value, headers, v4)["members"][0]
+
+
+# --- publication v4 -> v5 (recipe), both ways ---------------------------------------------
+
+
+def test_a_publication_written_with_v4_reads_without_a_recipe_and_v4_skips_the_field():
+    """Publications written before they named their recipe read with ``recipe`` None (the
+    evaluator then goes by the evaluator's name, ``publications.written_by``)."""
+    registry = SchemaRegistry.default()
+    v4 = registry.by_fingerprint(schema_fingerprint(json.loads(
+        (SCHEMAS_DIR / "history" / "publication" / "v4.avsc").read_text())))
+    assert not v4.current
+    written = factories.publication(2, recipe="sao")
+    record = to_avro(written)
+    del record["recipe"]
+    decoded = registry.decode(*registry.encode_record(v4, record), events.Publication)
+    assert decoded == dataclasses.replace(written, recipe=None)
+
+    value, headers = registry.encode(written)
+    assert registry.decode(value, headers, events.Publication).recipe == "sao"
+    assert "recipe" not in registry.decode_record(value, headers, v4)

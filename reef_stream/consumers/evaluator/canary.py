@@ -43,12 +43,13 @@ from reef_stream.api.canary import Action, Arm, CanaryEvaluator, MeanDifference,
 from reef_stream.core.errors import ConfigurationError, InvalidRecord
 from reef_stream.core.events import Checkpoint, Decision, Feedback, Generation, Publication, now_ms
 from reef_stream.core.serde import SchemaRegistry
+from reef_stream.publishing.publications import PublicationLedger, written_by
 from reef_stream.topics import declarations
 from reef_stream.topics.connect import ask_broker, new_consumer
 from reef_stream.topics.kafka import Consumer, KafkaError, TopicPartition
 
 __all__ = ["AWAITING_APPROVAL", "AWAITING_CANARY", "CanaryWatch", "Release", "Tally",
-           "cadence_reason", "stage", "verdict_publication", "waiting_reason"]
+           "cadence_reason", "judged", "stage", "verdict_publication", "waiting_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -153,13 +154,14 @@ def prune_copies(store, publication: Publication, keep: int) -> None:
 
 
 def verdict_publication(canary: Publication, incumbent: Publication, verdict: Verdict,
-                        release: Release, name: str) -> Publication:
-    """The decision a PROMOTE or ROLL_BACK ``verdict`` on ``canary`` publishes."""
+                        release: Release, name: str, *, recipe: str) -> Publication:
+    """The decision a PROMOTE or ROLL_BACK ``verdict`` of the judge ``name`` on ``canary``
+    publishes, written by the evaluator of ``recipe``."""
     measurement = {**canary.measurement,
                    **{key: value for key, value in verdict.figures.items()
                       if math.isfinite(value)}}
     common = dict(measurement=measurement, created_at=now_ms(), evaluator=name,
-                  incumbent_version=incumbent.policy_version, decided_by=None)
+                  incumbent_version=incumbent.policy_version, decided_by=None, recipe=recipe)
     if verdict.action is Action.ROLL_BACK:
         return dataclasses.replace(
             canary, decision=Decision.ROLLED_BACK, awaiting=None,
@@ -174,6 +176,17 @@ def verdict_publication(canary: Publication, incumbent: Publication, verdict: Ve
             **common)
     return dataclasses.replace(canary, decision=Decision.PROMOTED, share=None, awaiting=None,
                                reason=f"canary passed: {verdict.reason}", **common)
+
+
+def judged(ledger: PublicationLedger, *, recipe: str, evaluator: str,
+           only: str | None = None) -> list[str]:
+    """The models (of ``only`` alone, when given) whose version waiting for a decision the
+    evaluator of ``recipe`` (named ``evaluator``) judges: the one it wrote (``written_by``:
+    by the publication's recipe; by the evaluator's name for one written before publications
+    named their recipe). So of two recipes whose evaluators share a name, only the one that
+    opened a canary judges it. Pure."""
+    return [m for m in ledger.models() if only in (None, m)
+            and (w := ledger.waiting(m)) is not None and written_by(w, recipe, evaluator)]
 
 
 # --------------------------------------------------------------------------- the fold
@@ -336,16 +349,17 @@ class CanaryRunner:
         self._watches: dict[str, CanaryWatch] = {}
         self._every_s, self._last = every_s, 0.0
 
-    def decisions(self, ledger, opened_by: str, model: str | None = None) -> list[Publication]:
+    def decisions(self, ledger: PublicationLedger, *, recipe: str, evaluator: str,
+                  model: str | None = None) -> list[Publication]:
         """The canary decisions due now (the ledger read by the caller) on the open canaries
-        that the evaluator named ``opened_by`` opened (of ``model`` only, if given)."""
+        that the evaluator of ``recipe``, named ``evaluator``, judges (``judged``; of
+        ``model`` only, if given)."""
         judge = self.release.canary
         if judge is None or time.monotonic() - self._last < self._every_s:
             return []
         self._last = time.monotonic()
         found = []
-        models = [m for m in ledger.models() if model in (None, m)
-                  and (w := ledger.waiting(m)) is not None and w.evaluator == opened_by]
+        models = judged(ledger, recipe=recipe, evaluator=evaluator, only=model)
         for model in set(models) | set(self._watches):
             canary, incumbent = ledger.waiting(model), ledger.incumbent(model)
             watch = self._watches.get(model)
@@ -367,7 +381,7 @@ class CanaryRunner:
             verdict = watch.step()
             if verdict is not None:
                 found.append(verdict_publication(canary, incumbent, verdict, self.release,
-                                                 judge.name))
+                                                 judge.name, recipe=recipe))
         return found
 
     def close(self) -> None:

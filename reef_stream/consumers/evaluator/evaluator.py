@@ -389,13 +389,15 @@ class EvaluatorWorker:
                           measure=measure)
 
     def _judge_canaries(self, ledger: PublicationLedger) -> None:
-        """Publish the canary decisions due (``CanaryRunner``) on the canaries this evaluator
-        opened (by its name), each in a transaction of its own (``_write``; no offset goes with
-        them). Only the member that holds the fence judges: a standby decides nothing."""
+        """Publish the canary decisions due (``CanaryRunner``) on the canaries this recipe's
+        evaluator opened (``judged``), each in a transaction of its own (``_write``; no offset
+        goes with them). Only the member that holds the fence judges: a standby decides
+        nothing."""
         if self._fence_producer is None:
             return
-        for publication in self._canary.decisions(ledger, self.evaluator.name,
-                                                  self.options.model):
+        for publication in self._canary.decisions(ledger, recipe=self.recipe.name,
+                                                  evaluator=self.evaluator.name,
+                                                  model=self.options.model):
             self._write(publication, {}, None, f"the canary decision on {publication.model} "
                                                f"version {publication.policy_version}")
             ledger.record(publication)
@@ -438,10 +440,12 @@ class EvaluatorWorker:
                                    letter)])
                 log.warning("dead-lettered %s: undecodable decision request: %s", where, error)
                 continue
-            if not owns(ledger, request.model, self.evaluator.name, self.options.model):
+            if not owns(ledger, request.model, recipe=self.recipe.name,
+                        evaluator=self.evaluator.name, only=self.options.model):
                 self._write(None, offsets, consumer, f"the offset of request {where}")
                 continue
-            publication, outcome = outcome_of(ledger, request, self.group)
+            publication, outcome = outcome_of(ledger, request, self.group,
+                                              recipe=self.recipe.name)
             self._write(publication, offsets, consumer,
                         f"the {request.kind.value.lower()} request {request.request_id} on "
                         f"{request.model} version {request.version}",
@@ -647,6 +651,7 @@ class EvaluatorWorker:
             checkpoint_id=candidate.checkpoint_id, uri=uri, sha256=candidate.sha256,
             decision=selection.decision, reason=selection.reason,
             evaluator=self.evaluator.name, evaluated=bool(self.evaluator.evaluates),
+            recipe=self.recipe.name,
             measurement=dict(measurement.values),
             incumbent_version=None if incumbent is None else incumbent.policy_version,
             created_at=now_ms(), checkpoint_created_at=candidate.created_at,

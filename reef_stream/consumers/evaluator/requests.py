@@ -5,15 +5,17 @@
 evaluator, the one that holds the recipe's fence, reads them in order (``DecisionRequests``,
 from the recipe's committed position on that topic, ``requests_group``: whatever the
 evaluator's own consumer group, as the fence is the recipe's) and, for a request on a model
-it decides (``owns``), builds the decision against its own ledger at that moment (``outcome_of``, with
-``reef_stream.publishing.decisions.applied``). One transaction then holds the publication (if
-the decision applies), the ``DecisionOutcome`` (applied, or refused with the reason) and the
-request's offset (``EvaluatorWorker._apply_requests``). So a request built on a read the log
-has moved past since is refused, never published as a second decision; a zombie evaluator
-fails at its first write (``EvaluatorFenced``) and nothing it wrote counts; a refused request
-never stops the evaluator, and one that does not decode is a dead letter in the same
-transaction as its offset. A request on a model another recipe's evaluator decides is passed
-over (only its offset is committed, for this recipe).
+it decides (``owns``: the model's latest publication names its recipe), builds the decision
+against its own ledger at that moment (``outcome_of``, with
+``reef_stream.publishing.decisions.applied``, which names the recipe in it). One transaction
+then holds the publication (if the decision applies), the ``DecisionOutcome`` (applied, or
+refused with the reason) and the request's offset (``EvaluatorWorker._apply_requests``). So a
+request built on a read the log has moved past since is refused, never published as a second
+decision; a zombie evaluator fails at its first write (``EvaluatorFenced``) and nothing it
+wrote counts; a refused request never stops the evaluator, and one that does not decode is a
+dead letter in the same transaction as its offset. A request on a model another recipe's
+evaluator decides is passed over (only its offset is committed, for this recipe), even when
+the two recipes' evaluators share a name.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import logging
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.events import DecisionOutcome, DecisionRequest, Publication, now_ms
 from reef_stream.publishing.decisions import applied, decision_line
-from reef_stream.publishing.publications import PublicationLedger
+from reef_stream.publishing.publications import PublicationLedger, written_by
 from reef_stream.topics import declarations
 from reef_stream.topics.connect import ask_broker, new_consumer
 from reef_stream.topics.kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
@@ -43,24 +45,28 @@ def requests_group(namespace: str, recipe: str) -> str:
     return f"{namespace}.decide.{recipe}"
 
 
-def owns(ledger: PublicationLedger, model: str, evaluator: str, only: str | None) -> bool:
-    """Whether the evaluator named ``evaluator`` (deciding only model ``only``, when given)
-    decides ``model``: it is ``only``, or else the model's version waiting for a decision, or
-    its incumbent, was published by that evaluator. (Two recipes whose evaluators share a name
-    must each be run with ``--model``.)"""
+def owns(ledger: PublicationLedger, model: str, *, recipe: str, evaluator: str,
+         only: str | None) -> bool:
+    """Whether the evaluator of ``recipe`` (named ``evaluator``; deciding only model ``only``,
+    when given) decides ``model``: it is ``only``, or else the model's version waiting for a
+    decision, or its incumbent, was written by that recipe's evaluator (``written_by``: by
+    the publication's recipe; by the evaluator's name for one written before publications
+    named their recipe). So of two recipes whose evaluators share a name, only the one that
+    published the model answers its requests. Pure."""
     if only is not None:
         return model == only
     latest = ledger.waiting(model) or ledger.incumbent(model)
-    return latest is not None and latest.evaluator == evaluator
+    return latest is not None and written_by(latest, recipe, evaluator)
 
 
-def outcome_of(ledger: PublicationLedger, request: DecisionRequest,
-               group: str) -> tuple[Publication | None, DecisionOutcome]:
-    """The publication ``request`` makes against ``ledger`` now (None when it no longer
-    applies) and its outcome: applied with the decision's line, or refused with the
-    ``ConfigurationError``'s text. Blocks only for a rollback's verification of its target."""
+def outcome_of(ledger: PublicationLedger, request: DecisionRequest, group: str, *,
+               recipe: str) -> tuple[Publication | None, DecisionOutcome]:
+    """The publication ``request`` makes against ``ledger`` now when the evaluator of
+    ``recipe`` applies it (None when it no longer applies) and its outcome: applied with the
+    decision's line, or refused with the ``ConfigurationError``'s text. Blocks only for a
+    rollback's verification of its target."""
     try:
-        publication = applied(ledger, request)
+        publication = applied(ledger, request, recipe=recipe)
     except ConfigurationError as error:
         return None, DecisionOutcome(
             request_id=request.request_id, model=request.model, applied=False,
