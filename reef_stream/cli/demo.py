@@ -90,8 +90,9 @@ from reef_stream.cli.recipe_options import set_option
 @click.option("--device-model", default=None, metavar="gen_ms=G,train_ms=T[,batch=B]",
               help="Model accelerators as wall-clock waits off the CPU: a batch of up to B "
                    "completions costs G ms of its replica's device, a trained sample T ms of "
-                   "the trainer's (reef_stream.demo.devices; default B 32). Changes no "
-                   "computation. [default: none]")
+                   "the trainer's, the toy's own sampling and training counted toward them "
+                   "(reef_stream.demo.devices; default B 32). Changes no computation. "
+                   "[default: none]")
 @click.pass_context
 def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate: float | None,
          partitions: int, target: float, time_limit: float, chaos: bool, run_dir: Path | None,

@@ -7,9 +7,12 @@
 
 A sampled completion costs ``gen_ms`` of its replica's device time, and a replica's device runs
 up to ``batch`` completions at once (a batch of up to ``batch`` costs one ``gen_ms``); a trained
-sample costs ``train_ms`` of the trainer's device time. The wait is ``time.sleep``: off the CPU,
-as a GPU kernel is for the host. The model changes no computation -- it only adds waits -- so
-nothing lost, bitwise resume and the same weights for the same log all hold with it on.
+sample costs ``train_ms`` of the trainer's device time. The toy model's own sampling and its
+forward and backward passes are what that device time stands for, so they count toward it:
+the clock pads the work to the modelled time (``DeviceClock.pad_ms``), and only work that took
+longer than the model says is busy for as long as it took. The pad is ``time.sleep``: off the
+CPU, as a GPU kernel is for the host. The model changes no computation -- it only adds waits --
+so nothing lost, bitwise resume and the same weights for the same log all hold with it on.
 
 Off by default. ``reef demo --device-model SPEC`` gives it to the replicas (``--device-model``
 of ``reef_stream.demo.replica``) and to the trainer, through ``REEF_DEVICE_MODEL`` and
@@ -30,6 +33,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from reef_stream.core.errors import ConfigurationError
 
@@ -150,23 +156,27 @@ class DeviceModel:
 
 
 class DeviceClock:
-    """One modelled device: ``wait_ms`` sleeps (off the CPU) and adds the wait to ``busy_s``.
+    """One modelled device: ``wait_ms`` sleeps (off the CPU) and adds the wait to ``busy_s``;
+    ``pad_ms`` counts the work done since a time toward the modelled time and sleeps the rest.
+    ``waited_s`` is what was slept (or only counted), ``busy_s`` the device's whole busy time.
 
-    With ``sleep=False`` it only counts: ``wait_ms`` adds the wait to ``busy_s`` and returns at
-    once. That is for a loop that does nothing else while its device is busy (the synchronous
-    loop): its stopwatch adds ``busy_s`` instead of sleeping it, the same figure without the
-    wall-clock wait (``reef_stream.demo.sync``); its ``busy_fraction`` then means nothing.
+    With ``sleep=False`` it only counts: a wait is added to ``busy_s`` and ``waited_s`` and
+    returns at once. That is for a loop that does nothing else while its device is busy (the
+    synchronous loop): its stopwatch adds ``waited_s`` instead of sleeping it, the same figure
+    without the wall-clock wait (``reef_stream.demo.sync``); its ``busy_fraction`` then means
+    nothing.
 
-    ``busy_fraction`` is ``busy_s`` over the span from the start of the first wait to the end
-    of the last. With ``report``, the figures are written there as JSON (``write``) at most every
-    ``REPORT_EVERY_S`` and whenever ``write`` is called. Thread-safe; ``wait_ms`` blocks for its
-    wait.
+    ``busy_fraction`` is ``busy_s`` over the span from the start of the first busy time to the
+    end of the last. With ``report``, the figures are written there as JSON (``write``) at most
+    every ``REPORT_EVERY_S`` and whenever ``write`` is called. Thread-safe; ``wait_ms`` and
+    ``pad_ms`` block for their wait.
     """
 
     def __init__(self, name: str, report: Path | None = None, *, sleep: bool = True) -> None:
         self.name, self.report, self.sleep = name, report, sleep
         self._lock = threading.Lock()
         self.busy_s = 0.0
+        self.waited_s = 0.0
         self.waits = 0
         self.first: float | None = None   # time.time() at the start of the first wait
         self.last: float | None = None    # time.time() at the end of the last
@@ -177,18 +187,26 @@ class DeviceClock:
         Does nothing for 0."""
         if milliseconds <= 0:
             return
+        self.pad_ms(milliseconds, time.time())
+
+    def pad_ms(self, milliseconds: float, since: float) -> None:
+        """Be busy for ``milliseconds`` from ``since`` (``time.time()`` when the work the device
+        stands for began: the toy's sampling, or its forward pass): the time since counts toward
+        them and the rest is slept (only counted with ``sleep=False``). Work that took longer
+        is busy for as long as it took, with no wait."""
         started = time.time()
-        if self.sleep:
-            time.sleep(milliseconds / 1000.0)
+        rest = max(milliseconds / 1000.0 - (started - since), 0.0)
+        if self.sleep and rest > 0:
+            time.sleep(rest)
             ended = time.time()
-            busy = ended - started
+            rest = ended - started
         else:
-            busy = milliseconds / 1000.0
-            ended = started + busy
+            ended = started + rest
         with self._lock:
-            self.busy_s += busy
+            self.busy_s += ended - since
+            self.waited_s += rest
             self.waits += 1
-            self.first = started if self.first is None else self.first
+            self.first = since if self.first is None else min(self.first, since)
             self.last = ended
         if self.report is not None and ended - self._written >= REPORT_EVERY_S:
             self.write()
@@ -201,12 +219,13 @@ class DeviceClock:
             return min(self.busy_s / (self.last - self.first), 1.0)
 
     def figures(self) -> dict[str, Any]:
-        """What ``write`` writes: the name, ``busy_s``, ``waits``, ``first``, ``last`` (unix
-        seconds) and ``busy_fraction``."""
+        """What ``write`` writes: the name, ``busy_s``, ``waited_s``, ``waits``, ``first``,
+        ``last`` (unix seconds) and ``busy_fraction``."""
         fraction = self.busy_fraction()
         with self._lock:
-            return {"name": self.name, "busy_s": self.busy_s, "waits": self.waits,
-                    "first": self.first, "last": self.last, "busy_fraction": fraction}
+            return {"name": self.name, "busy_s": self.busy_s, "waited_s": self.waited_s,
+                    "waits": self.waits, "first": self.first, "last": self.last,
+                    "busy_fraction": fraction}
 
     def write(self) -> None:
         """Write ``figures()`` to ``report`` (atomically: a reader never sees half of it)."""
@@ -217,6 +236,21 @@ class DeviceClock:
         partial = self.report.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         partial.write_text(json.dumps(self.figures()))
         os.replace(partial, self.report)
+
+
+def _parameters_of(tensor: Any) -> list[Any]:
+    """The leaf tensors (parameters) ``tensor``'s autograd graph accumulates gradients into."""
+    leaves, seen, nodes = [], set(), [tensor.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)   # an AccumulateGrad node's parameter
+        if variable is not None:
+            leaves.append(variable)
+        nodes.extend(following for following, _ in node.next_functions)
+    return leaves
 
 
 def read_reports(folder: Path) -> dict[str, dict[str, Any]]:
@@ -230,18 +264,45 @@ def read_reports(folder: Path) -> dict[str, dict[str, Any]]:
 
 class DeviceTimedLoss:
     """A loss that also keeps the trainer's modelled device busy: each call computes ``loss``
-    unchanged, then waits ``model.training_ms`` for the micro batch's samples on ``clock``.
-    The backend reads a loss's optional ``extra_inputs`` and ``kl``: both are ``loss``'s."""
+    unchanged; the micro batch's forward pass, loss and backward pass are its device's work,
+    padded at the end of the backward pass to ``model.training_ms`` for its samples on
+    ``clock`` (``DeviceClock.pad_ms``). The backend reads a loss's optional ``extra_inputs``
+    and ``kl``: both are ``loss``'s.
+
+    The work is timed by two torch hooks, put in place at the first call (so only a process
+    that trains has them): every module's forward pre-hook notes when the first forward since
+    the last pad began (the model's, or a no-grad one the step needs, such as the proximal
+    policy's), and a hook on the gradients of the parameters the loss depends on (found in its
+    autograd graph) pads once they are all computed. The first micro batch's forward, before
+    the hooks, is not counted. A micro batch whose backward never runs (its loss not finite:
+    the step fails) is not padded."""
 
     def __init__(self, loss: Any, model: DeviceModel, clock: DeviceClock) -> None:
         self.loss, self.model, self.clock = loss, model, clock
         self.extra_inputs = getattr(loss, "extra_inputs", ())
         self.kl = getattr(loss, "kl", None)
+        self._began: float | None = None    # time.time() at the first forward since a pad
+        self._samples = 0                   # of the micro batch awaiting its backward's end
+        self._handles: list[Any] = []
 
     def __call__(self, inputs: Any) -> Any:
         output = self.loss(inputs)
-        self.clock.wait_ms(self.model.training_ms(int(inputs.mask.shape[0])))
+        if not self._handles:
+            self._began = time.time()
+            self._handles = [register_module_forward_pre_hook(self._forward_began),
+                             register_multi_grad_hook(_parameters_of(output.loss),
+                                                      self._backward_ended)]
+        self._samples = int(inputs.mask.shape[0])
         return output
+
+    def _forward_began(self, _module: Any, _inputs: Any) -> None:
+        if self._began is None:
+            self._began = time.time()
+
+    def _backward_ended(self, _gradients: Any) -> None:
+        if self._samples and self._began is not None:
+            self.clock.pad_ms(self.model.training_ms(self._samples), self._began)
+        self._samples, self._began = 0, None
 
     def __repr__(self) -> str:
         return f"DeviceTimedLoss({self.loss!r}, {self.model.spec()})"

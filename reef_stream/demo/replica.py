@@ -349,10 +349,11 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16,
             if max_generations is not None:
                 batch = batch[:max(1, -(-(max_generations - sender.sent) // per_prompt))]
             prompts_ids = prompt_tensor([p for p in batch for _ in range(per_prompt)])
+            began = time.time()
             completions = sampler(model, prompts_ids, temperature=temperature,
                                   generator=generator)
-            if clock is not None and device is not None:
-                clock.wait_ms(device.generation_ms(len(prompts_ids)))
+            if clock is not None and device is not None:   # the sampling counts toward it
+                clock.pad_ms(device.generation_ms(len(prompts_ids)), began)
 
             def generations(batch=batch, version=version, completions=completions):
                 for i, problem in enumerate(batch):

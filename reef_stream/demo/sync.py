@@ -17,13 +17,15 @@ process, one thing after the other. Each step:
    as the trainer does (units carried over to the next step when the processor emitted more).
 
 With a device model (``device``, ``reef_stream.demo.devices``) the loop uses the same modelled
-devices in turn, as a synchronous RL loop does: each sampling call waits its generation's device
+devices in turn, as a synchronous RL loop does: each sampling call takes its generation's device
 time spread over ``replicas`` replicas' devices (``DeviceModel.generation_ms``), each step its
 training's (``DeviceModel.training_ms`` of the samples trained, per epoch), both on the
-stopwatch. The waits change no computation. With ``sleep_device=False`` they are counted on
-the stopwatch instead of slept: the loop does nothing else while a device of its is busy, so
-the figure is the same without the wall-clock wait, and several seeds' runs take minutes, not
-an hour (``bench/loop.py --sync-seeds``).
+stopwatch; the toy's sampling, and its training step, count toward them and the clock waits
+the rest (``DeviceClock.pad_ms``), as the live loop's replicas and trainer do. The waits change
+no computation. With ``sleep_device=False`` they are counted on the stopwatch instead of
+slept: the loop does nothing else while a device of its is busy, so the figure is the same
+without the wall-clock wait, and several seeds' runs take minutes, not an hour
+(``bench/loop.py --sync-seeds``).
 
 With ``lag`` k, each step samples from the weights of k steps before (stamped with that
 version), as a live loop's replicas serve a version behind its trainer: what staleness alone
@@ -76,8 +78,8 @@ class SyncResult:
     generations sampled (``steps`` x the samples a step consumes, for the demo's recipes);
     ``units``: units trained. ``curve``: ``(step, seconds, measured value)`` per measurement,
     the first of version 0 (the untrained model). ``threads``: torch's intra-op threads.
-    ``generation_busy_s`` / ``training_busy_s``: the modelled devices' waits on the stopwatch
-    (0 without a device model).
+    ``generation_busy_s`` / ``training_busy_s``: the modelled devices' busy time on the
+    stopwatch, the toy's own sampling and training inside it (0 without a device model).
     """
 
     recipe: str
@@ -148,6 +150,12 @@ class SynchronousLoop:
         """Seconds the modelled devices were busy so far, generating and training."""
         return self.generation_clock.busy_s + self.training_clock.busy_s
 
+    @property
+    def device_waited_s(self) -> float:
+        """Seconds the modelled devices waited so far (slept, or only counted), beyond the toy's
+        own work that counted toward their time."""
+        return self.generation_clock.waited_s + self.training_clock.waited_s
+
     # ----------------------------------------------------------------- one step
 
     def rollouts(self, prompts: int) -> tuple[list[Generation], list[Feedback]]:
@@ -159,12 +167,13 @@ class SynchronousLoop:
             policy, version = self.lagged, max(self.version - self.lag, 0)
             policy.load_state_dict(self.lag_versions[0])
         policy.eval()
+        began = time.time()
         completions = sample(policy, prompt_tensor(
             [p for p in batch for _ in range(self.group_size)]), temperature=TEMPERATURE,
             generator=self.generator)
-        if self.device is not None:
-            self.generation_clock.wait_ms(self.device.generation_ms(
-                prompts * self.group_size, self.replicas))
+        if self.device is not None:   # the sampling counts toward its device time
+            self.generation_clock.pad_ms(self.device.generation_ms(
+                prompts * self.group_size, self.replicas), began)
         generations = []
         for i, problem in enumerate(batch):
             group_id = uuid.uuid4().hex if self.group_size > 1 else None
@@ -205,10 +214,11 @@ class SynchronousLoop:
             self.waiting += self.units_of(*self.rollouts(need - len(self.waiting)))
         units, self.waiting = self.waiting[:need], self.waiting[need:]
         result = self.recipe.objective.compute(units, self.state)
+        began = time.time()
         metrics = self.backend.train_step(units, result, self.version + 1)
-        if self.device is not None:
+        if self.device is not None:   # the forward and backward passes count toward it
             trained = sum(len(unit_members(u)) for u in units) * self.recipe.schedule.epochs
-            self.training_clock.wait_ms(self.device.training_ms(trained))
+            self.training_clock.pad_ms(self.device.training_ms(trained), began)
         self.state = result.proposed_state
         self.version += 1
         self.units_trained += len(units)
@@ -272,11 +282,11 @@ def run_synchronous(recipe: Recipe | str = "reef_stream.demo.recipes:sao", *, ta
         elapsed = 0.0
         while curve[-1][2] < target and elapsed < time_limit \
                 and (max_steps is None or loop.version < max_steps):
-            started, busy = time.perf_counter(), loop.device_busy_s
+            started, waited = time.perf_counter(), loop.device_waited_s
             loop.step()
             elapsed += time.perf_counter() - started
             if not sleep_device:
-                elapsed += loop.device_busy_s - busy
+                elapsed += loop.device_waited_s - waited
             if loop.version % measure_every == 0:
                 curve.append((loop.version, elapsed, loop.measure()))   # not on the stopwatch
         if curve[-1][0] != loop.version:

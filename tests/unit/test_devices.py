@@ -100,6 +100,49 @@ def test_a_device_clock_waits_off_the_cpu_and_reports_its_busy_time(tmp_path):
     assert DeviceClock("idle").busy_fraction() is None
 
 
+def test_a_device_clock_counts_the_work_since_toward_its_time_and_waits_the_rest():
+    """``pad_ms``: the toy's own work (here 50 ms of CPU) is the device's work, so it counts
+    toward the modelled time and only the rest is slept; work longer than the model says is
+    busy for as long as it took, with no wait."""
+    def work(seconds: float) -> None:
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            pass
+
+    clock = DeviceClock("trainer")
+    began = time.time()
+    work(0.05)
+    clock.pad_ms(200, began)
+    assert time.time() - began >= 0.2 and clock.busy_s >= 0.2
+    assert clock.waited_s <= clock.busy_s - 0.05       # the work was not waited again
+    busy, waited = clock.busy_s, clock.waited_s
+    began = time.time()
+    work(0.1)
+    clock.pad_ms(20, began)                           # took longer than modelled
+    assert clock.waited_s == waited and clock.busy_s - busy >= 0.1 and clock.waits == 2
+
+
+def test_the_timed_loss_counts_the_forward_and_backward_passes_toward_train_ms():
+    """The trainer's device time per micro batch is its samples' ``train_ms``, its forward
+    and backward passes inside it: at ``train_ms=0`` the clock counts only those passes and
+    waits nothing; at 1 s a sample (counted, not slept) it counts exactly the modelled time
+    and waits less than it by the passes' time."""
+    samples = recipes.sao.schedule.units_per_step
+    clocks = {}
+    for train_ms in (0.0, 1000.0):
+        clock = DeviceClock("trainer", sleep=False)
+        recipe = recipes.timed(recipes.sao, DeviceModel(gen_ms=0, train_ms=train_ms), clock)
+        with torch.random.fork_rng(devices=[]):
+            SynchronousLoop(recipe, seed=3).step()
+        clocks[train_ms] = clock
+    passes = clocks[0.0]
+    assert passes.waits >= 1 and passes.busy_s > 0 and passes.waited_s == 0
+    modelled = clocks[1000.0]
+    assert modelled.waits == passes.waits
+    assert modelled.busy_s == pytest.approx(samples * recipes.sao.schedule.epochs * 1.0)
+    assert 0 < modelled.busy_s - modelled.waited_s < 60    # the passes, not waited again
+
+
 def test_the_timed_loss_keeps_the_loss_s_declared_inputs():
     family = recipes.sao.objective.loss_family
     loss = dict(recipes.sao.backend.losses).get(family, family.reference)
@@ -162,7 +205,7 @@ def test_the_demo_gives_its_replicas_and_its_trainer_the_model(tmp_path, monkeyp
 def test_a_counted_device_gives_the_slept_run_s_weights_and_its_modelled_time():
     """``sleep_device=False`` (``bench/loop.py``'s synchronous seeds): the same computation as
     sleeping the waits, every modelled millisecond on the stopwatch, none of it slept."""
-    device = DeviceModel(gen_ms=20, train_ms=0.05, batch=32)
+    device = DeviceModel(gen_ms=100, train_ms=2, batch=32)   # longer than the toy's work
     runs = {}
     for sleep in (True, False):
         with torch.random.fork_rng(devices=[]):
@@ -176,20 +219,23 @@ def test_a_counted_device_gives_the_slept_run_s_weights_and_its_modelled_time():
         assert torch.equal(slept[name], counted[name]), name
     samples = recipes.sao.schedule.units_per_step
     g, t = device.step_ms(samples, 2, recipes.sao.schedule.epochs)
-    assert counted_loop.device_busy_s == pytest.approx(2 * (g + t) / 1000)
+    # Every modelled millisecond; more only where the toy's own work, which counts toward
+    # it, took longer than modelled on a loaded machine.
+    assert 2 * (g + t) / 1000 <= counted_loop.device_busy_s < 2 * (g + t) / 1000 + 1.0
     assert slept_loop.device_busy_s >= 2 * (g + t) / 1000 * 0.99
 
 
 def test_a_counted_synchronous_run_puts_its_device_time_on_the_stopwatch(monkeypatch):
-    # 20.256 s a step, never slept: a step's own CPU time, however loaded the machine, stays
-    # far below the 9.7 s between the first step's end and the limit.
-    device = DeviceModel(gen_ms=5000, train_ms=1, batch=32)
+    # 22.56 s a step, never slept: a step's own CPU time, however loaded the machine, stays
+    # far below the 7.4 s between the first step's end and the limit, and below its modelled
+    # time (which it counts toward).
+    device = DeviceModel(gen_ms=5000, train_ms=10, batch=32)
     slept = []
     sleep = time.sleep
     monkeypatch.setattr(time, "sleep", lambda s: (slept.append(s), sleep(s)))
     result = run_synchronous(recipes.sao, target=1.01, time_limit=30.0, seed=1, device=device,
                              replicas=2, sleep_device=False)
-    assert result.steps == 2          # 20.3 s, then 40.5 s: past the limit
+    assert result.steps == 2          # 22.6 s, then 45.1 s: past the limit
     assert result.seconds >= result.generation_busy_s + result.training_busy_s == \
-        pytest.approx(2 * 20.256)
+        pytest.approx(2 * 22.56)
     assert not [s for s in slept if s >= 0.1]      # counted, not slept
