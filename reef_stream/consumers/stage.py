@@ -251,7 +251,11 @@ class StageOptions:
     ``stage``: the name its dead letters carry. ``topics``: what it reads. ``namespace``: whose
     dead-letters topic. ``reads``: what a record is, in a dead letter's reason. ``membership``:
     ``Group(name)`` or ``Reader()``. ``batch``: most messages taken from the client at a time.
-    ``poll_timeout``: seconds a fetch waits. ``join_timeout``: how long a stop waits for
+    ``poll_timeout``: seconds a fetch waits for its first message. ``fill_batch``: a fetch
+    waits the whole ``poll_timeout`` unless ``batch`` messages arrive sooner (librdkafka's
+    ``consume``), a batching interval for a stage that does one transaction per fetch (the
+    processor); without it (the default) a fetch returns as soon as a message is there, with
+    whatever else the client holds then. ``join_timeout``: how long a stop waits for
     ``join``. ``commit_every_s``: the loop commits at most this often while running (0:
     whenever something became committable), asynchronously with ``asynchronous_commits``.
     ``consumer_config``: overrides of the consumer's settings."""
@@ -263,6 +267,7 @@ class StageOptions:
     membership: Group | Reader
     batch: int = 1
     poll_timeout: float = 0.2
+    fill_batch: bool = False
     join_timeout: float = JOIN_TIMEOUT_S
     commit_every_s: float = 0.0
     asynchronous_commits: bool = False
@@ -460,6 +465,22 @@ class StageLoop:
 
     # ----------------------------------------------------------------- one iteration
 
+    def _fetch(self, timeout: float) -> list[Message]:
+        """Up to ``batch`` messages: with ``fill_batch``, librdkafka's ``consume``, which waits
+        ``timeout`` unless the batch fills sooner; otherwise what the client holds, or, when it
+        holds nothing, the first message to arrive within ``timeout`` and what came with it.
+        (A stage that needs a step of messages must not wait out ``timeout`` at every fetch
+        for a batch that will not fill: the trainer's device idled 0.2 s a fetch.)"""
+        batch = self.options.batch
+        if self.options.fill_batch or batch == 1:
+            return self.consumer.consume(batch, timeout)
+        fetched = self.consumer.consume(batch, 0)
+        if not fetched:
+            fetched = self.consumer.consume(1, timeout)
+            if fetched:
+                fetched += self.consumer.consume(batch - 1, 0)
+        return fetched
+
     def _run_once(self) -> None:
         self._raise_callback_error()
         self.strategy.poll()
@@ -469,8 +490,7 @@ class StageLoop:
             # paused: poll on (heartbeats, rebalances), offering the held messages again soon
             before = now_ms()
             timeout = self.options.poll_timeout
-            fetched = self.consumer.consume(self.options.batch,
-                                            timeout / 2 if self._paused else timeout)
+            fetched = self._fetch(timeout / 2 if self._paused else timeout)
             self._raise_callback_error()
             if not self._pending:
                 self._pending = deque(fetched)

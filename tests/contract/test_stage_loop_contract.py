@@ -9,6 +9,7 @@ fenced static member that rejoins."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -419,6 +420,37 @@ def test_a_reader_reads_every_partition_from_the_beginning_and_commits_nothing(b
     (group,) = groups
     assert group.startswith("reef-reader-")
     assert all(backend.committed(group, topic, p) < 0 for p in range(3))
+
+
+class Counting(Taking):
+    """Stops once ``count`` records were handed to it."""
+
+    def __init__(self, topic: str, count: int) -> None:
+        super().__init__(topic)
+        self.count = count
+
+    def submit(self, message):
+        super().submit(message)
+        if len(self.events) == self.count:
+            self.loop.stop()
+
+
+def test_a_fetch_hands_over_what_arrived_without_waiting_for_its_batch_to_fill(backend):
+    """A stage that needs a few records must not wait out ``poll_timeout`` at every fetch for
+    a batch that will not fill (librdkafka's ``consume`` waits for ``num_messages`` or the
+    timeout): 5 records with a batch of 1000 and a poll timeout of 30 s are handed over at
+    once. Before, on Kafka, the fetch took the whole 30 s."""
+    topic = f"{backend.namespace}.prompt"
+    backend.create(topic, 1)
+    backend.produce(topic, _records(bad=set())[:5])
+    strategy = Counting(topic, 5)
+    strategy.loop = StageLoop(strategy, StageOptions(
+        stage="test", topics=(topic,), namespace=backend.namespace, reads="test record",
+        membership=Reader(), batch=1000, poll_timeout=30.0), consumers=backend.consumers)
+    started = time.monotonic()
+    _run(strategy.loop)
+    assert [offset for _, _, offset in strategy.events] == [0, 1, 2, 3, 4]
+    assert time.monotonic() - started < 15, "the fetch waited for its batch to fill"
 
 
 class Rejoins(Taking):

@@ -207,7 +207,8 @@ class ProcessorRuntime:
             _Processing(self), StageOptions(
                 stage=STAGE, topics=tuple(self._topics), namespace=self.ns,
                 reads="generation or feedback", membership=Group(self.group),
-                batch=self.batch, poll_timeout=POLL_TIMEOUT_S, consumer_config={
+                # One transaction per fetch: a fetch waits POLL_TIMEOUT_S for a batch.
+                batch=self.batch, poll_timeout=POLL_TIMEOUT_S, fill_batch=True, consumer_config={
                     # static membership: a restarted instance takes its predecessor's place
                     "group.instance.id": f"{self.group}.{self.instance}",
                     "partition.assignment.strategy": "range",  # co-partitioned (module doc)

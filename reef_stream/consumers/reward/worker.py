@@ -273,7 +273,7 @@ class RewardWorker(CallSlots):
             StageLoop(_Rewards(self, producer), StageOptions(
                 stage=STAGE, topics=(self.topic,), namespace=self.namespace, reads="generation",
                 membership=Group(self.group), batch=CONSUME_BATCH, poll_timeout=0.1,
-                join_timeout=self.options.grace, commit_every_s=COMMIT_INTERVAL_S,
+                fill_batch=True, join_timeout=self.options.grace, commit_every_s=COMMIT_INTERVAL_S,
                 asynchronous_commits=True, consumer_config=self._consumer_config),
                 consumers=kafka_consumers(self.bootstrap), producer=None,
                 metrics=self._metrics.writer, stop_event=self._finish, logger=log).run()
