@@ -2,6 +2,7 @@
 
     python bench/broker_requests.py [--seconds 75] [--device-model [SPEC]] [--replicas 2]
                                     [--rate 300] [--runs 1] [--code TREE,TREE,...]
+                                    [--jvm=FLAG ...]
 
 Starts one local broker whose request logger (``kafka.request.logger``) writes every completed
 request at DEBUG to a file of its own, and one Redis; then runs ``reef demo`` ``--runs`` times
@@ -11,16 +12,21 @@ process holds it (every second), so each request is put to a stage (``replica-0`
 ``processor``, ``reward``, ``trainer``, ``evaluator``; ``demo`` is the demo's own process and
 its watchers; ``broker`` the broker's connections to itself). Per run it prints the requests
 per second by stage and API, the same per generation, the fetches' mean wait at the broker
-(``remoteTimeMs``: how long a fetch was held for data), and the broker's CPU per generation:
+(``remoteTimeMs``: how long a fetch was held for data), their totals by stage and by API,
+the CPU of the broker's threads by name (the JIT's ``C2 CompilerThread``s, the request
+threads ``data-plane-kafka-*``, ...) and the broker's CPU per generation:
 
-    REQUESTS stage=... api=... per_s=... per_generation=...
+    REQUESTS run=... stage=... api=... count=... per_s=... per_generation=...
+    BY_STAGE run=... <stage>=<per s> ...        BY_API run=... <api>=<per s> ...
+    BROKER_THREADS run=... <thread name>=<CPU s> ...
     BROKER run=... generated=... seconds=... requests_per_s=... broker_cpu_ms_per_generation=...
 
 ``--code``: one run per source tree given, in order, the stages importing ``reef_stream`` from
 it (their PYTHONPATH), on the same broker: an A/B of two commits in one invocation, e.g.
 ``--code A,B,B,A`` with A and B two worktrees (a fresh broker compiles its hot paths over its
-first minutes, so the same broker for both sides, in ABBA order). Counts do not depend on the
-machine's load; CPU seconds do. Figures, never assertions.
+first minutes, so the same broker for both sides, in ABBA order). ``--jvm=FLAG``: a flag added
+to the broker's JVM. Counts do not depend on the machine's load; CPU seconds do. Figures,
+never assertions.
 """
 
 from __future__ import annotations
