@@ -78,6 +78,11 @@ JOIN_TIMEOUT_S = 30.0
 #: one (the broker's CPU is per request), at the cost of at most that wait per hop.
 FETCH_MIN_BYTES = 64 * 1024
 FETCH_WAIT_MAX_MS = 50
+#: A consumer of a sparse topic (a record every second or so: checkpoints, publications)
+#: overrides both: the broker answers its fetch as soon as one record arrives, and an idle one
+#: asks twice a second instead of every ``FETCH_WAIT_MAX_MS`` (the broker's requests/s).
+SPARSE_FETCH: Mapping[str, int] = MappingProxyType({"fetch.min.bytes": 1,
+                                                    "fetch.wait.max.ms": 500})
 
 #: A position: (topic, partition) -> the next offset to read.
 Positions = Mapping[tuple[str, int], int]

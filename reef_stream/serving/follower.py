@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from reef_stream.consumers.stage import (
-    PartitionEnd, Reader, Rebalancing, StageLoop, StageOptions, kafka_consumers,
+    SPARSE_FETCH, PartitionEnd, Reader, Rebalancing, StageLoop, StageOptions, kafka_consumers,
 )
 from reef_stream.core.errors import (
     ConfigurationError, FatalError, InvalidRecord, ReefError, RetryableError,
@@ -330,7 +330,9 @@ class Follower:
             following.loop = StageLoop(following, StageOptions(
                 stage=STAGE_FOLLOWER, topics=(ledger.topic,), namespace=self.namespace,
                 reads="publication", membership=Reader(), poll_timeout=0.5,
-                consumer_config={"enable.partition.eof": True, **(self._consumer_config or {})}),
+                # publications are sparse: a fetch is answered as one arrives (SPARSE_FETCH)
+                consumer_config={"enable.partition.eof": True, **SPARSE_FETCH,
+                                 **(self._consumer_config or {})}),
                 consumers=kafka_consumers(self.bootstrap), stop_event=self._stop, logger=log)
             following.loop.run()
         except BaseException as error:

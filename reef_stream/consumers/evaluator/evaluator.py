@@ -54,8 +54,8 @@ from reef_stream.consumers.evaluator.canary import (
 from reef_stream.consumers.evaluator.requests import DecisionRequests, outcome_of, owns
 from reef_stream.consumers.evaluator.superseding import superseded_reason, superseding
 from reef_stream.consumers.stage import (
-    CommitsItself, DeadLetters, FetchEnd, Group, Positions, Rebalancing, StageLoop, StageOptions,
-    kafka_consumers,
+    SPARSE_FETCH, CommitsItself, DeadLetters, FetchEnd, Group, Positions, Rebalancing, StageLoop,
+    StageOptions, kafka_consumers,
 )
 from reef_stream.core.errors import ConfigurationError, FatalError, InvalidRecord
 from reef_stream.core.events import Checkpoint, Decision, DecisionRequest, Publication, now_ms
@@ -349,7 +349,8 @@ class EvaluatorWorker:
                 _Decisions(self, ledger, metrics), StageOptions(
                     stage=STAGE, topics=(self.topic,), namespace=self.namespace,
                     reads="checkpoint event", membership=Group(self.group),
-                    consumer_config={"max.poll.interval.ms": 3_600_000,
+                    # checkpoints are sparse: a fetch is answered as one arrives (SPARSE_FETCH)
+                    consumer_config={"max.poll.interval.ms": 3_600_000, **SPARSE_FETCH,
                                      **self._consumer_config}),
                 consumers=kafka_consumers(self.bootstrap), producer=producer,
                 registry=self._registry, metrics=metrics, stop_event=self._stop, logger=log,
