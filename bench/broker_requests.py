@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common import figure, run, say  # first: it sets sys.path
+from common import figure, run, run_and_say, say  # first: it sets sys.path
 
 import psutil
 
@@ -249,7 +249,10 @@ def main() -> int:
                 threads = thread_cpu(broker_pids)
                 since = time.time()
                 with PortMap(demo, broker_port, broker_pids) as ports:
-                    result = live_run_on(demo, options, number, len(trees))
+                    label = f"run {number}/{len(trees)}"
+                    say(f"{label}: reef demo --device-model {options.device_model} for "
+                        f"{options.time_limit:g} s (namespace {demo.ns})")
+                    result = run_and_say(demo, label)
                 until = time.time()
                 broker_cpu = sum(process_cpu_seconds(pid) or 0.0
                                  for pid in broker_pids) - broker_cpu
@@ -263,16 +266,6 @@ def main() -> int:
             redis.down()
             cluster.down()
     return 0
-
-
-def live_run_on(demo: Demo, options: DemoOptions, number: int, runs: int):
-    say(f"run {number}/{runs}: reef demo --device-model {options.device_model} for "
-        f"{options.time_limit:g} s (namespace {demo.ns})")
-    result = demo.run()
-    say(f"run {number}/{runs}: {result.line()}")
-    if result.scorecard is not None:
-        print("\n".join(result.scorecard.lines()), flush=True)
-    return result
 
 
 def report(number: int, result, logs: list[Path], since: float, until: float,

@@ -123,6 +123,11 @@ def live_run(options: DemoOptions, settings: Settings, at: Servers, label: str) 
                         *(f"--set {o}" for o in options.overrides)])
     say(f"{label}: {command} (namespace {demo.ns}, {options.replicas} replicas x "
         f"{options.rate:g}/s)")
+    return run_and_say(demo, label)
+
+
+def run_and_say(demo: Demo, label: str) -> DemoResult:
+    """``demo.run()``, then its result line and its scorecard, each said under ``label``."""
     result = demo.run()
     say(f"{label}: {result.line()}")
     if result.scorecard is not None:
