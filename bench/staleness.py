@@ -2,6 +2,7 @@
 sampling from weights a few steps old.
 
     python bench/staleness.py [--lags 0,1,2,4] [--seeds 5] [--target 0.5] [--only sao,grpo,...]
+                              [--set backend.optimizer.lr=2e-3 ...]
 
 A live loop's samples come from a version behind its trainer (the demo's staleness mean is
 1.5 to 1.7), and ``bench/loop.py``'s ``samples_ratio`` compares its samples to the target
@@ -39,7 +40,7 @@ from collections.abc import Callable
 from common import chosen, figure, run, say  # first: it puts the project on sys.path
 
 from reef_stream.api.losses import ClippedPolicyGradient
-from reef_stream.api.recipe import Recipe, load_recipe
+from reef_stream.api.recipe import Recipe, apply_overrides, load_recipe
 from reef_stream.api.variants import (
     AdvantageNormalisation, BehaviourWeightLevel, BehaviourWeightMode, DecoupledProximal,
 )
@@ -79,6 +80,10 @@ def main() -> int:
     parser.add_argument("--max-steps", type=int, default=400,
                         help="a run that has not reached the target by then stops and counts "
                              "its samples so far (default 400)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="FIELD=VALUE",
+                        help="override a field of every variant's recipe, as reef's --set does "
+                             "(e.g. --set backend.optimizer.lr=2e-3); repeatable")
     args, variants = chosen(parser, list(VARIANTS), "variants")
     lags = sorted({int(lag) for lag in args.lags.split(",") if lag.strip()})
     if not lags or lags[0] < 0:
@@ -90,7 +95,7 @@ def main() -> int:
 
     lines = []
     for name in variants:
-        recipe = VARIANTS[name]()
+        recipe = apply_overrides(VARIANTS[name](), args.overrides)
         samples: dict[int, float] = {}
         for lag in lags:
             counts, steps, unreached = [], [], 0
@@ -107,6 +112,7 @@ def main() -> int:
                 + f"; median {samples[lag]:g} samples, "
                   f"{samples[lag] / samples[0]:.2f} x lag 0")
         lines.append(f"STALENESS variant={name} target={args.target:g} seeds={args.seeds} "
+                     + "".join(f"set={item} " for item in args.overrides)
                      + " ".join(f"lag{lag}={samples[lag]:g}" for lag in lags) + " "
                      + " ".join(f"ratio_lag{lag}={figure(samples[lag] / samples[0])}"
                                 for lag in lags if lag))

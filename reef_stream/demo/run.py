@@ -396,6 +396,7 @@ class Demo:
         # the evaluator keeps published copies and the replicas their spools).
         self.env = {**os.environ, "REEF_BOOTSTRAP_SERVERS": bootstrap, "REEF_REDIS_URL": redis_url,
                     "REEF_NAMESPACE": self.ns, "REEF_HOME": str(settings.home),
+                    "REEF_STUCK_COMMIT_S": f"{settings.stuck_commit_s:g}",
                     "PYTHONUNBUFFERED": "1"}
         if options.engine == "vllm":
             # The stages share two cores with the vLLM server: with torch's default of a thread

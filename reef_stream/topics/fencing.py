@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 
 from reef_stream.core.errors import FatalError
+from reef_stream.core.settings import DEFAULT_STUCK_COMMIT_S
 from reef_stream.topics.connect import new_producer
 from reef_stream.topics.declarations import MiB
 from reef_stream.topics.kafka import KafkaError, KafkaException, Producer
@@ -38,9 +39,6 @@ log = logging.getLogger(__name__)
 #: The exit status of a stage that asks its supervisor to start it again (EX_TEMPFAIL): a
 #: transaction stuck inside librdkafka (``CommitWatchdog``).
 EXIT_RESTART = 75
-#: Seconds after which an open transaction is reported stuck (``CommitWatchdog``); a healthy
-#: one commits in well under a second.
-STUCK_COMMIT_S = 120.0
 #: Fences recovered from (consumer rejoins and producer renewals together) at most this often
 #: in ``REJOIN_WINDOW_S`` seconds.
 MAX_REJOINS = 3
@@ -103,7 +101,9 @@ class TransactionalIdentity:
 
 
 class CommitWatchdog:
-    """Reports a writer's transaction still open ``STUCK_COMMIT_S`` after it began.
+    """Reports a writer's transaction still open ``stuck_after_s`` after it began (the
+    stages pass ``Settings.stuck_commit_s``, ``REEF_STUCK_COMMIT_S``; a healthy transaction
+    commits in well under a second).
 
     librdkafka's ``send_offsets_to_transaction`` can wait forever, past its timeout, for a
     group coordinator that was killed (confluentinc/librdkafka#5456, #5511, open). Nothing
@@ -119,8 +119,9 @@ class CommitWatchdog:
     broker-fault test saw the evaluator stay stuck so after a controller was killed).
     """
 
-    def __init__(self, name: str, on_stuck: Callable[[str], None] | None = None) -> None:
-        self.name, self.on_stuck = name, on_stuck
+    def __init__(self, name: str, on_stuck: Callable[[str], None] | None = None, *,
+                 stuck_after_s: float = DEFAULT_STUCK_COMMIT_S) -> None:
+        self.name, self.on_stuck, self.stuck_after_s = name, on_stuck, stuck_after_s
         #: When the open transaction began (monotonic); None when none is open.
         self.began: float | None = None
 
@@ -138,15 +139,16 @@ class CommitWatchdog:
                          daemon=True).start()
 
     def watch(self, stopped: threading.Event, every_s: float = 1.0) -> None:
-        """Until ``stopped``: report each transaction still open ``STUCK_COMMIT_S`` after it
+        """Until ``stopped``: report each transaction still open ``stuck_after_s`` after it
         began, once. Blocks."""
         reported = None
         while not stopped.wait(every_s):
             since = self.began
-            if since is None or since == reported or time.monotonic() - since < STUCK_COMMIT_S:
+            if since is None or since == reported \
+                    or time.monotonic() - since < self.stuck_after_s:
                 continue
             reported = since
-            why = (f"a transaction has not committed {STUCK_COMMIT_S:g} s after it began "
+            why = (f"a transaction has not committed {self.stuck_after_s:g} s after it began "
                    "(librdkafka can wait forever on a group coordinator that died: "
                    "confluentinc/librdkafka#5456)")
             log.critical("%s: %s", self.name, why)

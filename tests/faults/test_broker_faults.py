@@ -12,6 +12,8 @@ same holds without faults: ``bench/broker_faults.py --no-faults``); the bench ru
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from reef_stream.demo.faults import Timeline, run_broker_faults
@@ -22,13 +24,17 @@ from reef_stream.demo.run import DemoOptions
 def test_the_loop_survives_a_killed_a_paused_and_a_controller_broker(settings, tmp_path,
                                                                        namespace):
     # Target 0: the run stops on versions_after, 10 versions promoted after the last fault.
-    # The drain outlasts the stuck-commit watchdog (120 s, then status 75 and a restart): a
-    # processor stuck on a dead coordinator just before it still settles it all. The time
-    # limit leaves room for one restart (the evaluator stuck so, in a CI run, before every
-    # writer had the watchdog) and ten promotions after it; a healthy run stops at its tenth.
+    # A writer stuck in a transaction on a dead coordinator (the processor is, in most runs,
+    # after the controller's kill) exits for a restart once stuck_commit_s passed, 40 s here
+    # (REEF_STUCK_COMMIT_S; 120 s by default, which cost CI 80 s a run); a healthy commit
+    # through the 12-s pause takes seconds. The drain outlasts the watchdog: a writer stuck
+    # just before it still settles it all. The time limit leaves room for a restart and ten
+    # promotions after it; a healthy run stops at its tenth.
+    stuck_commit_s = 40.0
     options = DemoOptions(target=0.0, rate=75.0, time_limit=480, drain_s=300,
                           run_dir=tmp_path / "run", namespace=namespace)
-    run = run_broker_faults(options, settings=settings, workdir=tmp_path,
+    run = run_broker_faults(options, settings=dataclasses.replace(
+                                settings, stuck_commit_s=stuck_commit_s), workdir=tmp_path,
                             timeline=Timeline(first_s=45, gap_s=10, down_s=5, pause_s=12),
                             versions_after=10)
     print(run.result.line())

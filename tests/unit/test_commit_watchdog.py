@@ -24,7 +24,6 @@ import pytest
 from reef_stream.consumers.evaluator.evaluator import EvaluatorWorker
 from reef_stream.consumers.processor.runtime import ProcessorRuntime
 from reef_stream.consumers.trainer.trainer import Trainer
-from reef_stream.topics import fencing
 from reef_stream.topics.fencing import EXIT_RESTART, CommitWatchdog
 
 STUCK_S = 0.3
@@ -82,15 +81,15 @@ def _evaluator(producer, watchdog) -> None:
 @pytest.mark.parametrize("write", [_processor, _trainer, _evaluator],
                          ids=["processor", "trainer", "evaluator"])
 def test_a_writer_stuck_in_its_transaction_is_reported_and_its_writes_watched(
-        monkeypatch, write):
-    monkeypatch.setattr(fencing, "STUCK_COMMIT_S", STUCK_S)
+        write):
     producer, reports = StuckProducer(), []
 
     def on_stuck(why: str) -> None:
         reports.append(why)
         producer.released.set()
 
-    watchdog, stopped = CommitWatchdog("writer", on_stuck), threading.Event()
+    watchdog = CommitWatchdog("writer", on_stuck, stuck_after_s=STUCK_S)
+    stopped = threading.Event()
     watching = threading.Thread(target=watchdog.watch, args=(stopped, 0.02))
     watching.start()
     try:
@@ -103,9 +102,9 @@ def test_a_writer_stuck_in_its_transaction_is_reported_and_its_writes_watched(
     assert watchdog.began is None   # the transaction ended: nothing left to report
 
 
-def test_a_transaction_that_commits_in_time_is_never_reported(monkeypatch):
-    monkeypatch.setattr(fencing, "STUCK_COMMIT_S", STUCK_S)
-    watchdog, stopped, reports = CommitWatchdog("writer", print), threading.Event(), []
+def test_a_transaction_that_commits_in_time_is_never_reported():
+    watchdog = CommitWatchdog("writer", print, stuck_after_s=STUCK_S)
+    stopped, reports = threading.Event(), []
     watchdog.on_stuck = reports.append
     watching = threading.Thread(target=watchdog.watch, args=(stopped, 0.02))
     watching.start()

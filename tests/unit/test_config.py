@@ -90,6 +90,16 @@ def test_the_intake_token_is_not_in_the_settings_repr():
     assert settings.intake_token == "tok-123" and "tok-123" not in repr(settings)
 
 
+def test_the_stuck_commit_threshold_is_read_as_seconds_above_zero():
+    assert load_settings({}).stuck_commit_s == 120.0
+    assert load_settings({"REEF_STUCK_COMMIT_S": " 45 "}).stuck_commit_s == 45.0
+    for bad in ("0", "-3", "soon", "inf", "nan"):
+        with pytest.raises(ConfigurationError) as caught:
+            load_settings({"REEF_STUCK_COMMIT_S": bad})
+        assert caught.value.problems == [
+            f"REEF_STUCK_COMMIT_S={bad!r} is not a number of seconds above 0"]
+
+
 def test_bad_kafka_security_settings_are_reported_together_without_secrets(tmp_path):
     with pytest.raises(ConfigurationError) as caught:
         load_settings({

@@ -282,7 +282,8 @@ class EvaluatorWorker:
         self._fence_producer: Producer | None = None
         #: Calls ``on_stuck(why)`` when a decision's transaction is stuck inside librdkafka
         #: (``fencing.CommitWatchdog``; `reef evaluate` exits for its supervisor to restart it).
-        self._watchdog = CommitWatchdog(f"evaluator {self.group}", on_stuck)
+        self._watchdog = CommitWatchdog(f"evaluator {self.group}", on_stuck,
+                                        stuck_after_s=settings.stuck_commit_s)
         #: A person's decision requests (``run``), read while this member holds the fence;
         #: the fence (producer) they were started under.
         self._requests: DecisionRequests | None = None

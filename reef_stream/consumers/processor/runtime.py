@@ -48,6 +48,7 @@ from reef_stream.core.errors import FatalError, InvalidRecord
 from reef_stream.core.events import Checkpoint, now_ms
 from reef_stream.core.processes import stop_on_signals
 from reef_stream.core.serde import SchemaRegistry
+from reef_stream.core.settings import DEFAULT_STUCK_COMMIT_S
 from reef_stream.engine.join import ProcessorState, Step
 from reef_stream.engine.snapshots import loads_snapshot
 from reef_stream.topics import declarations
@@ -111,7 +112,8 @@ class ProcessorRuntime:
                  max_unit_bytes: int | None = None,
                  on_stuck: Callable[[str], None] | None = None,
                  transaction_timeout_ms: int = TRANSACTION_TIMEOUT_MS,
-                 stall_min_s: float = STALL_MIN_S):
+                 stall_min_s: float = STALL_MIN_S,
+                 stuck_commit_s: float = DEFAULT_STUCK_COMMIT_S):
         self.recipe, self.ns = recipe, namespace
         #: The producer's ``transaction.timeout.ms``: the broker aborts (and fences) a
         #: transaction open longer (see ``_renew_producer``).
@@ -145,8 +147,9 @@ class ProcessorRuntime:
             bootstrap, f"reef-process.{namespace}.{recipe.name}.{self.group}.{instance}",
             timeout_ms=transaction_timeout_ms, probe_topic=self.changelog, instance=instance)
         #: Calls ``on_stuck(why)`` (on its thread) when a transaction has not committed
-        #: ``STUCK_COMMIT_S`` after it began; see ``fencing.CommitWatchdog``. None: logged only.
-        self._watchdog = CommitWatchdog(f"processor {recipe.name}", on_stuck)
+        #: ``stuck_commit_s`` after it began; see ``fencing.CommitWatchdog``. None: logged only.
+        self._watchdog = CommitWatchdog(f"processor {recipe.name}", on_stuck,
+                                        stuck_after_s=stuck_commit_s)
         #: Rewards per source and version, completion lengths, truncation (committed steps only).
         self.stats = RecordStats()
         self._parts: dict[int, PartitionPair] = {}
@@ -660,13 +663,16 @@ def _key_str(key: bytes) -> str:
 
 def run_processor_runtime(recipe: Any, *, bootstrap: str, namespace: str, group: str | None = None,
                           instance: str = "0", batch: int = BATCH,
-                          handle_signals: bool = True) -> ProcessorRuntime:
+                          handle_signals: bool = True,
+                          stuck_commit_s: float = DEFAULT_STUCK_COMMIT_S) -> ProcessorRuntime:
     """Run until SIGINT / SIGTERM (with ``handle_signals``); the runtime, for its counts. A
-    stuck transaction ends the process with ``EXIT_RESTART`` (see ``fencing.CommitWatchdog``)."""
+    transaction still open ``stuck_commit_s`` after it began ends the process with
+    ``EXIT_RESTART`` (see ``fencing.CommitWatchdog``)."""
     tune_collector()
     runtime = ProcessorRuntime(recipe, bootstrap=bootstrap, namespace=namespace, group=group,
                                instance=instance, batch=batch,
-                               on_stuck=exit_for_restart("processor"))
+                               on_stuck=exit_for_restart("processor"),
+                               stuck_commit_s=stuck_commit_s)
     stopping = stop_on_signals(runtime.stop) if handle_signals else contextlib.nullcontext()
     try:
         with stopping:

@@ -229,7 +229,8 @@ class Trainer:
         self.ranks_timeout_s = ranks_timeout_s
         #: Calls ``on_stuck(why)`` when an acknowledgement's transaction is stuck inside
         #: librdkafka (``fencing.CommitWatchdog``; `reef train` exits for a restart).
-        self._watchdog = CommitWatchdog(f"trainer {group}", on_stuck)
+        self._watchdog = CommitWatchdog(f"trainer {group}", on_stuck,
+                                        stuck_after_s=settings.stuck_commit_s)
         self.model_name = model_name or recipe.backend.model_name or group
         self.registry = SchemaRegistry.default()
         self.summary = TrainerSummary()
