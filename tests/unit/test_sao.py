@@ -324,7 +324,7 @@ def test_reef_check_prints_the_sao_contract():
         "evaluates candidates before promoting them",
         "reward:    feedback source 'exact_match' (reef reward)",
         "sampling:  ungrouped: one completion per prompt",
-        "model:     reef_stream.demo.task.policy_model; optimizer AdamW(lr=0.001",
+        "model:     reef_stream.demo.task.policy_model; optimizer AdamW(lr=0.0004",
     ]:
         assert expected in out, expected
 
