@@ -24,12 +24,13 @@ from reef_stream.demo.run import DemoOptions
 def test_the_loop_survives_a_killed_a_paused_and_a_controller_broker(settings, tmp_path,
                                                                        namespace):
     # Target 0: the run stops on versions_after, 10 versions promoted after the last fault.
-    # A writer stuck in a transaction on a dead coordinator (the processor is, in most runs,
+    # A writer stuck in a transaction on a dead coordinator (the processor is, in some runs,
     # after the controller's kill) exits for a restart once stuck_commit_s passed, 40 s here
-    # (REEF_STUCK_COMMIT_S; 120 s by default, which cost CI 80 s a run); a healthy commit
-    # through the 12-s pause takes seconds. The drain outlasts the watchdog: a writer stuck
-    # just before it still settles it all. The time limit leaves room for a restart and ten
-    # promotions after it; a healthy run stops at its tenth.
+    # (REEF_STUCK_COMMIT_S; at the default 120 s a stuck run took 285 s in CI, one that was
+    # not stuck 138 s); a healthy commit through the 12-s pause takes seconds. The drain
+    # outlasts the watchdog: a writer stuck just before it still settles it all. The time
+    # limit leaves room for a restart and ten promotions after it; a healthy run stops at
+    # its tenth.
     stuck_commit_s = 40.0
     options = DemoOptions(target=0.0, rate=75.0, time_limit=480, drain_s=300,
                           run_dir=tmp_path / "run", namespace=namespace)
