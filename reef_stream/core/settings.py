@@ -31,6 +31,7 @@ Nothing else in the package reads the environment.
 from __future__ import annotations
 
 import importlib.resources
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -198,8 +199,8 @@ def _positive_seconds(env: Mapping[str, str], name: str, default: float,
     try:
         seconds = float(text)
     except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
+        seconds = 0.0
+    if not (math.isfinite(seconds) and seconds > 0):
         problems.append(f"{name}={text!r} is not a number of seconds above 0")
         return default
     return seconds
