@@ -5,7 +5,7 @@
 On one broker and Redis (``common.servers``: the configured ones, or started under a temporary
 REEF_HOME) it runs ``reef demo`` twice, each in a fresh namespace:
 
-1. the toy demo at its defaults (2 replicas x 300/s of the toy transformer);
+1. the toy demo at its defaults (2 replicas x 400/s of the toy transformer);
 2. ``reef demo --engine vllm``: the tiny Qwen2-style Hugging Face policy served by a real
    vLLM server the demo starts (``reef_stream.demo.vllm_serving``), one replica at ``--rate``.
 

@@ -16,7 +16,7 @@ In one invocation, on this machine:
    (REEF_BOOTSTRAP_SERVERS / REEF_REDIS_URL, when set, are used instead and nothing is
    started; the broker's CPU then counts only if it runs on this host, as this user);
 3. the live loop, ``reef demo`` with its defaults (every stage a process, 2 replicas at
-   300 generations/s, or ``--replicas`` x ``--rate``), ``--runs`` times, each in a fresh namespace; each run's scorecard
+   400 generations/s, or ``--replicas`` x ``--rate``), ``--runs`` times, each in a fresh namespace; each run's scorecard
    (``reef_stream.ops.scorecard``, defined in docs/metrics.md) is printed when it ends.
 
 The last line is

@@ -5,7 +5,8 @@
 
 Each cell is one run on one broker (REEF_BOOTSTRAP_SERVERS, or a throw-away one), in a fresh
 namespace: the demo task's generations (``reef_stream.demo.task``, ids ``rf-<n>``) offered at
-the demo's default rate (``--rate-thread`` 600/s: 2 replicas x 300; ``--rate-process`` 200/s:
+the demo's rate (``--rate-thread`` 600/s: 2 replicas x 300, its default when the figures in
+docs/benchmarks.md were taken, 2 x 400 since; ``--rate-process`` 200/s:
 2 x 100, ``reef demo --sandbox process``'s) for ``--seconds``, to a ``RewardWorker`` in this
 process over the demo recipe's reward (exact match) with the cell's faults applied exactly as
 ``reef reward --faults`` applies them (``reef_stream.demo.reward_faults.applied``), with the

@@ -51,10 +51,10 @@ from reef_stream.cli.recipe_options import set_option
                    "with --engine vllm 1, the only choice: one process drives the server's "
                    "reloads and orders its requests against them].")
 @click.option("--rate", type=click.FloatRange(min=1), default=None,
-              metavar="PER_SECOND", help="Generations per second per replica (2 x 300 is about "
-                                         "twice what the trainer trains on two cores: the "
+              metavar="PER_SECOND", help="Generations per second per replica (2 x 400 is a little "
+                                         "more than the trainer trains on two cores: the "
                                          "recipe's max_backlog_steps sheds the surplus) "
-                                         "[default: 300; with --engine vllm or --sandbox "
+                                         "[default: 400; with --engine vllm or --sandbox "
                                          "process 100].")
 @click.option("--partitions", type=click.IntRange(1, 64), default=2, show_default=True,
               help="Partitions of the run's generations, feedback and units topics (one "
@@ -134,7 +134,7 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
     from reef_stream.cli.servers import kafka_up, redis_up
     from reef_stream.core.processes import interrupt_on_sigterm
     from reef_stream.core.settings import load_settings
-    from reef_stream.demo.run import Demo, DemoOptions
+    from reef_stream.demo.run import DEFAULT_RATE, Demo, DemoOptions
     from reef_stream.topics.connect import bootstrap_servers, redis_url
 
     if task == "tool" and engine != "toy":
@@ -148,7 +148,7 @@ def demo(ctx: click.Context, path: str, engine: str, replicas: int | None, rate:
                                "--replicas out or give 1")
     replicas = replicas or (1 if engine == "vllm" else 2)
     rate = rate or (VLLM_RATE if engine == "vllm" else SANDBOX_RATE if sandbox == "process"
-                    else 300.0)
+                    else DEFAULT_RATE)
     settings = load_settings()
     if not settings.bootstrap_servers:
         ctx.invoke(kafka_up)

@@ -80,6 +80,8 @@ from reef_stream.topics.reading import read_to_end
 MODEL = "policy"
 #: The trainer's consumer group.
 GROUP = "demo"
+#: Generations per second per replica by default (``DemoOptions.rate``, ``reef demo --rate``).
+DEFAULT_RATE = 400.0
 #: Seconds a stage gets to stop on SIGTERM before it is killed.
 STOP_GRACE_S = 15.0
 #: Seconds of history ``Demo.overloaded`` compares the units emitted and trained over.
@@ -103,12 +105,13 @@ class DemoOptions:
     #: ``FIELD=VALUE`` overrides of the recipe (``--set``), given to every stage alike.
     overrides: tuple[str, ...] = ()
     replicas: int = 2
-    #: Generations per second per replica. Two replicas at 300/s make about twice what the
-    #: trainer trains on two cores (~1.3 steps of 256 a second): as on live traffic, serving
-    #: outruns training, and the recipe's backlog bound (SAO's: 2 steps) sheds the surplus so
-    #: the trainer takes fresh samples at its own pace. Unbounded, the surplus only waits
-    #: until it is too stale.
-    rate: float = 300.0
+    #: Generations per second per replica. Two replicas at 400/s are a little more than the
+    #: trainer trains on two cores (about 780 samples a second, three steps of 256): as on
+    #: live traffic, serving may outrun training, and the recipe's backlog bound (SAO's: 2
+    #: steps) sheds the surplus so the trainer takes fresh samples at its own pace. Unbounded,
+    #: the surplus only waits until it is too stale (figures: ``docs/history.md``, "The
+    #: demo's rates").
+    rate: float = DEFAULT_RATE
     #: Partitions of the run's generations, feedback and units topics. The demo runs one
     #: processor and one trainer, and the client sends one produce request per partition: at
     #: 2 x 300/s, 6 partitions cost the broker 2.5x the CPU of 2 (docs/benchmarks.md).
