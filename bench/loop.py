@@ -38,7 +38,8 @@ With ``--device-model [gen_ms=G,train_ms=T[,batch=B]]`` (no value: the default,
 ``reef_stream.demo.devices.DEFAULT_SPEC``) both loops run on the modelled accelerators
 (``reef demo --device-model``; the synchronous loop uses the same ``--replicas`` devices and the
 trainer's in turn; its devices' time is counted on its stopwatch, not slept, which is the
-same figure for a loop that does nothing while they wait), raw Kafka is measured once on the same broker, and the last line is
+same figure for a loop that does nothing while they wait), raw Kafka is measured after the live
+runs on the same (by then warm) broker, and the last line is
 
     SCORECARD device_model=G/T sync_s=... live_s=... speedup=... bound=... overlap_efficiency=...
     samples_ratio=... trainer_busy=... staleness_mean=... goodput=... infra_cpu_vs_raw=...
@@ -54,8 +55,13 @@ to the target, live (the scorecard's, median over the live runs) over sync (medi
 seeds); ``trainer_busy`` and ``replicas_busy``: each
 modelled device's waits over the span from its first wait to its last (the replicas': their
 mean), median over the live runs; ``infra_cpu_vs_raw``: the CPU of the reward worker, the
-processor and the broker per generation over raw Kafka's CPU per record (produce and consume
-records of a generation's encoded size through the same broker, broker plus client CPU).
+processor and the broker per generation (median over the live runs) over raw Kafka's CPU per
+record carrying the same traffic: records of a generation's encoded size through the same
+broker at the live runs' median generations a second, in the replicas' rounds from one
+producer per replica, read back as they come, for ``--raw-seconds``, broker plus client CPU
+(``bench/raw.py``). The line above also gives raw Kafka's burst figure (``--raw-records``
+sent as fast as they go, then read: its best case, which moves with the broker's JIT) and
+the ratio against it, ``infra_cpu_vs_raw_burst``.
 ``--quick``: one live run to accuracy ``QUICK_TARGET`` within ``QUICK_TIME_LIMIT`` s each
 (minutes, not a figure to compare against the full run's).
 """
@@ -70,16 +76,18 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from common import demo_arguments, figure, live_run, run, say, servers  # first: it puts the project on sys.path
+from common import Servers, demo_arguments, figure, live_run, run, say, servers  # first: it puts the project on sys.path
 
-from raw import raw_cpu_per_record
+from raw import paced_raw_cpu_per_record, raw_cpu_per_record
 
 from reef_stream.api.recipe import load_recipe
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.core.settings import load_settings
 from reef_stream.demo.devices import DEFAULT_SPEC, DeviceModel, read_reports
 from reef_stream.demo.recipes import stage_recipe
+from reef_stream.demo.replica import round_prompts
 from reef_stream.demo.run import DemoOptions, DemoResult
 from reef_stream.demo.sync import SyncResult, run_synchronous
 from reef_stream.ops.scorecard import INFRA
@@ -167,6 +175,31 @@ def infra_cpu_per_generation(result: DemoResult) -> float | None:
     return sum(card.cpu_seconds.get(k, 0.0) for k in INFRA) / card.generated
 
 
+def raw_kafka(at: Servers, runs: list[DemoResult], recipe: Any,
+              args: argparse.Namespace) -> tuple[float | None, float]:
+    """Raw Kafka's CPU per record on ``at``'s broker: carrying the live runs' traffic (their
+    median generations a second, in the replicas' rounds; None when no run has a scorecard),
+    and its burst (see the module docstring)."""
+    stamp = time.strftime("%H%M%S")
+    rate = _median([c.generated / c.seconds for c in (r.scorecard for r in runs)
+                    if c is not None and c.seconds > 0])
+    paced = None
+    if rate:
+        group = max(recipe.group_size, 1)
+        round_size = round_prompts(group) * group
+        paced = paced_raw_cpu_per_record(
+            at.bootstrap, f"rawpaced{stamp}", rate=rate, seconds=args.raw_seconds,
+            round_size=round_size, producers=args.replicas, broker_pids=at.broker_pids or [])
+        say(f"raw Kafka at the live runs' rate: {1000 * paced:.3f} ms of CPU per record (broker "
+            f"plus client; {rate:.0f} records a second in rounds of {round_size} from "
+            f"{args.replicas} producers for {args.raw_seconds:g} s)")
+    burst = raw_cpu_per_record(at.bootstrap, f"rawburst{stamp}", args.raw_records,
+                               at.broker_pids or [])
+    say(f"raw Kafka's burst: {1000 * burst:.3f} ms of CPU per record ({args.raw_records} "
+        f"records as fast as they go, then read)")
+    return paced, burst
+
+
 def device_scorecard_line(device: DeviceModel, bound: float, sync: Synchronous,
                           runs: list[DemoResult], devices: list[dict[str, float | None]],
                           raw_per_record: float | None, time_limit: float) -> str:
@@ -217,9 +250,11 @@ def main() -> int:
                         help="seeds of the synchronous loop, whose medians are the baseline "
                              "(default 5: one seed's samples to the target vary by more than "
                              "two to one)")
+    parser.add_argument("--raw-seconds", type=float, default=30.0,
+                        help="seconds of raw Kafka at the live runs' rate (--device-model; "
+                             "default 30)")
     parser.add_argument("--raw-records", type=int, default=20000,
-                        help="records of the raw Kafka measurement (--device-model; default "
-                             "20000)")
+                        help="records of raw Kafka's burst (--device-model; default 20000)")
     demo_arguments(parser)
     args = parser.parse_args()
     if args.quick:
@@ -266,18 +301,13 @@ def main() -> int:
 
     runs: list[DemoResult] = []
     devices: list[dict[str, float | None]] = []
-    raw_per_record = None
+    raw_per_record = raw_burst = None
     with tempfile.TemporaryDirectory(prefix="reef-loop-") as tmp:
         home = Path(tmp)
         environ = {**os.environ, "REEF_HOME": str(home)}
         settings = load_settings(environ)
         with servers(settings, home) as at:
             say(f"broker {at.bootstrap}, redis {at.redis_url}, REEF_HOME {home}")
-            if device is not None:
-                raw_per_record = raw_cpu_per_record(at.bootstrap, f"raw{time.strftime('%H%M%S')}",
-                                                    args.raw_records, at.broker_pids or [])
-                say(f"raw Kafka: {1000 * raw_per_record:.3f} ms of CPU per record (broker plus "
-                    f"client, {args.raw_records} records of a generation's size)")
             for number in range(1, args.runs + 1):
                 options = DemoOptions(recipe=args.recipe, overrides=tuple(args.overrides),
                                       target=args.target,
@@ -297,6 +327,8 @@ def main() -> int:
                 if not result.reached:
                     say(f"live run {number} did NOT reach {args.target:g}: it counts as the time "
                         f"limit, {args.time_limit:g} s")
+            if device is not None:
+                raw_per_record, raw_burst = raw_kafka(at, runs, recipe, args)
 
     unreached = [i for i, r in enumerate(runs, 1) if not r.reached]
     print()
@@ -317,6 +349,7 @@ def main() -> int:
         return 0
     assert bound is not None
     trained = _median([float(r.scorecard.trained) for r in runs if r.scorecard is not None])
+    infra = _median([infra_cpu_per_generation(r) for r in runs])
     live_s = statistics.median(live_seconds(r, args.time_limit) for r in runs)
     sync_s = sync.seconds
     # Samples per second, live over sync: the speedup with the samples' efficiency left out.
@@ -325,8 +358,9 @@ def main() -> int:
     print(f"replicas_busy={figure(_median([d['replicas_busy'] for d in devices]))} "
           f"samples_per_s_speedup={figure(rate_speedup)} "
           f"raw_cpu_ms_per_record={figure(None if raw_per_record is None else 1000 * raw_per_record)} "
-          f"infra_cpu_ms_per_generation="
-          f"{figure(_median([(i * 1000 if i is not None else None) for i in map(infra_cpu_per_generation, runs)]))}")
+          f"raw_burst_cpu_ms_per_record={figure(None if raw_burst is None else 1000 * raw_burst)} "
+          f"infra_cpu_ms_per_generation={figure(None if infra is None else 1000 * infra)} "
+          f"infra_cpu_vs_raw_burst={figure(infra / raw_burst if infra and raw_burst else None)}")
     print(device_scorecard_line(device, bound, sync, runs, devices, raw_per_record,
                                 args.time_limit), flush=True)
     return 0

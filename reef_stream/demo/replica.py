@@ -90,6 +90,12 @@ CATCH_UP_S = 1.0
 ROUND_COMPLETIONS = 32
 
 
+def round_prompts(group_size: int = 1) -> int:
+    """Prompts a sampling round draws by default: enough for ``ROUND_COMPLETIONS``
+    completions of ``group_size`` each (1: ungrouped), at least 8."""
+    return max(8, -(-ROUND_COMPLETIONS // group_size))
+
+
 class Pacer:
     """Paces rounds at ``rate`` items per second, making up at most ``catch_up_s`` seconds of
     items after falling behind (a stall is not followed by a burst of everything missed)."""
@@ -294,7 +300,7 @@ def run_replica(model_name: str, *, grouped: bool, group_size: int = 16,
     """
     problems = []
     if prompts is None:
-        prompts = max(8, -(-ROUND_COMPLETIONS // (group_size if grouped else 1)))
+        prompts = round_prompts(group_size if grouped else 1)
     if group_size < 1 or (grouped and group_size < 2):
         problems.append(f"group_size must be at least 2 for grouped sampling, not {group_size}")
     if prompts < 1:
