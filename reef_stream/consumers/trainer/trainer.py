@@ -294,11 +294,10 @@ class Trainer:
             _Steps(self), StageOptions(
                 stage=STAGE_TRAINER, topics=(self.topic,), namespace=self.ns, reads="unit",
                 membership=Group(self.group), batch=CONSUME_BATCH, poll_timeout=0.2,
-                # Units become readable a processor transaction at a time (about ten a
-                # second), so the broker answers as each commits (1 byte) instead of holding
-                # the fetch up to 100 ms for 64 KB: a step's last units reach the trainer that
-                # much sooner, at about as many fetches (docs/benchmarks.md, "The trainer's
-                # fetch").
+                # Units become readable a processor transaction at a time, so the broker
+                # answers as each commits (1 byte) instead of holding the fetch up to 100 ms
+                # for 64 KB: a step's last units reach the trainer that much sooner, for a
+                # quarter more fetches (docs/benchmarks.md, "The trainer's fetch").
                 consumer_config={"isolation.level": "read_committed",
                                  "enable.partition.eof": True, "fetch.min.bytes": 1,
                                  "fetch.wait.max.ms": 100}),
