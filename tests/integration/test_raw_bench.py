@@ -1,6 +1,6 @@
 """``bench/raw.py``, the baseline ``bench/loop.py`` divides the loop's infra CPU by: it sends
-exactly the records it divides by, at the pace and in the rounds it is given, and reads
-every one back, through the real broker."""
+exactly the records it divides by (whole rounds), no faster than its pace, and reads every one
+back, through the real broker."""
 
 from __future__ import annotations
 
