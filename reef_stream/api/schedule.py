@@ -9,6 +9,12 @@ reshuffled with ``seed`` when ``shuffle`` is set.
   behind the newest checkpoint is dropped as too stale (a dead letter), never trained.
 - ``max_backlog_steps``: beyond ``max_backlog_steps * units_per_step`` units no checkpoint
   has taken, the processor sheds the units it completes (SHED, a dead letter); None: no bound.
+- ``backlog_wait_s``: while that backlog is full, the processor holds what it reads (unoffered,
+  its offsets uncommitted) for up to this many seconds before it sheds. The trainer's next
+  checkpoint, if it comes meanwhile, makes room, and what would have been shed is trained: the
+  processor learns of a step only once its checkpoint is committed and read, so a bound that
+  sheds at once sheds every step what arrives in that gap, and the trainer then waits for it
+  (``docs/history.md``, "Waiting for the checkpoint"). 0: shed at once.
 - ``unknown_version``: what becomes of a generation whose producer could not tell its policy
   version (``Generation.policy_version_known`` False: ``reef intake proxy`` marks one recorded
   across a reload). ``reject`` (the default) dead-letters it (``processor.unknown_version``),
@@ -28,6 +34,7 @@ listing every problem. Why a short backlog and what a cadence costs:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from reef_stream.core.errors import ConfigurationError
@@ -57,6 +64,8 @@ class Schedule:
     max_staleness: int
     #: In steps of units waiting for the trainer; None: unbounded (see the module docstring).
     max_backlog_steps: int | None = None
+    #: Seconds a full backlog holds the processor's input before it sheds; 0: at once.
+    backlog_wait_s: float = 0.0
     #: Steps per checkpoint: the trainer acknowledges every this many (module docstring).
     checkpoint_every: int = 1
     #: A generation of unknown policy version: ``reject`` or ``stalest`` (module docstring).
@@ -90,6 +99,8 @@ class Schedule:
             + ("" if self.max_backlog_steps is None else
                f", backlog at most {self.max_backlog_steps} step"
                f"{'' if self.max_backlog_steps == 1 else 's'} of units")
+            + ("" if not self.backlog_wait_s else
+               f" (held up to {self.backlog_wait_s:g} s for a checkpoint before shedding)")
             + ("" if self.checkpoint_every == 1 else
                f", a checkpoint every {self.checkpoint_every} steps")
             + ("" if self.unknown_version == REJECT else
@@ -124,6 +135,13 @@ def schedule_problems(schedule: Schedule) -> list[str]:
                                 or backlog < 1):
         problems.append(f"schedule.max_backlog_steps must be None or an integer of at least 1, "
                         f"got {backlog!r}")
+    wait = schedule.backlog_wait_s
+    if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait < math.inf:
+        problems.append(f"schedule.backlog_wait_s must be a number of seconds of at least 0, "
+                        f"got {wait!r}")
+    elif wait and backlog is None:
+        problems.append(f"schedule.backlog_wait_s ({wait:g} s) holds a full backlog, and "
+                        "schedule.max_backlog_steps is None (no bound): set both or neither")
     if {"checkpoint_every", "max_staleness"} <= valid \
             and schedule.checkpoint_every > schedule.max_staleness + 1:
         problems.append(

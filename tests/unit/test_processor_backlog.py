@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from reef_stream.api.schedule import Schedule
-from reef_stream.consumers.processor.backlog import UnitBacklog, share
+from reef_stream.consumers.processor.backlog import BacklogWait, UnitBacklog, share
 from reef_stream.core.errors import ConfigurationError
 from reef_stream.engine.join import Outcome, ProcessorState
 from reef_stream.engine.snapshots import dumps_snapshot, loads_snapshot
@@ -182,3 +182,20 @@ def test_instances_of_a_group_emit_the_bound_together_in_one_batch_not_each_of_t
     # 4 partitions, a bound of 16 units, 10 units complete on every partition in one batch:
     # each instance emits its share (16 / instances), all of them 16, not 16 each.
     assert _one_batch(instances, partitions=4, bound=16, complete_per_partition=10) == 16
+
+
+def test_a_full_backlog_holds_for_the_wait_from_when_it_was_first_found_full():
+    wait = BacklogWait(0.5)
+    assert not wait.holding(full=False, now=9.0)
+    assert wait.holding(full=True, now=10.0)          # first found full: the wait starts
+    assert wait.holding(full=True, now=10.49)
+    assert not wait.holding(full=True, now=10.5)      # waited 0.5 s: shed from here on
+    assert not wait.holding(full=True, now=12.0)      # still full: no second wait
+    assert not wait.holding(full=False, now=12.1)     # room (a checkpoint passed units)
+    assert wait.holding(full=True, now=13.0)          # full again: a wait of its own
+    assert not wait.holding(full=True, now=13.5)
+
+
+def test_a_wait_of_zero_never_holds():
+    wait = BacklogWait(0.0)
+    assert not any(wait.holding(full=True, now=t) for t in (0.0, 0.0, 1.0))

@@ -47,6 +47,15 @@ def test_a_checkpoint_cadence_widens_the_backlog_bound_by_the_steps_between_chec
     assert schedule().checkpoint_every == 1 and "checkpoint" not in schedule().describe()
 
 
+def test_a_full_backlog_may_wait_for_a_checkpoint_before_shedding():
+    s = schedule(max_backlog_steps=2, backlog_wait_s=0.5)
+    assert s.max_backlog_units == 16
+    assert s.describe().endswith("backlog at most 2 steps of units (held up to 0.5 s for a "
+                                 "checkpoint before shedding)")
+    assert schedule(max_backlog_steps=2).backlog_wait_s == 0.0
+    assert "held" not in schedule(max_backlog_steps=2).describe()
+
+
 def test_every_problem_is_listed_at_once():
     with pytest.raises(ConfigurationError) as caught:
         schedule(units_per_step=10, optimizer_batch_size=4, micro_batch_size=3, epochs=0,
@@ -72,6 +81,17 @@ def test_every_problem_is_listed_at_once():
                                "least 1, got 0"),
     ({"max_backlog_steps": 1.5}, "schedule.max_backlog_steps must be None or an integer of at "
                                  "least 1, got 1.5"),
+    ({"backlog_wait_s": -0.1, "max_backlog_steps": 2},
+     "schedule.backlog_wait_s must be a number of seconds of at least 0, got -0.1"),
+    ({"backlog_wait_s": float("nan"), "max_backlog_steps": 2},
+     "schedule.backlog_wait_s must be a number of seconds of at least 0, got nan"),
+    ({"backlog_wait_s": float("inf"), "max_backlog_steps": 2},
+     "schedule.backlog_wait_s must be a number of seconds of at least 0, got inf"),
+    ({"backlog_wait_s": True, "max_backlog_steps": 2},
+     "schedule.backlog_wait_s must be a number of seconds of at least 0, got True"),
+    ({"backlog_wait_s": 0.5}, "schedule.backlog_wait_s (0.5 s) holds a full backlog, and "
+                              "schedule.max_backlog_steps is None (no bound): set both or "
+                              "neither"),
     ({"checkpoint_every": 0}, "schedule.checkpoint_every must be at least 1, got 0"),
     ({"checkpoint_every": 3}, "schedule.checkpoint_every (3) must be at most max_staleness + 1 "
                               "(2): versions reach serving only at checkpoints, so every sample "

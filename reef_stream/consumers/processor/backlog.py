@@ -22,7 +22,14 @@ it is emitted: between two estimates (within a batch) a unit stands for the unit
 instances emit meanwhile too. Counted one against the whole bound instead, each of N
 instances could emit the whole bound in one batch, N bounds together. A restarted
 instance does not know the units it wrote before: it errs low until the trainer's next
-checkpoint passes them. Pure; no clock, no client.
+checkpoint passes them.
+
+``BacklogWait`` says when a full backlog holds the processor's input instead of shedding it
+(``schedule.backlog_wait_s``). The processor learns that the trainer took a step only once
+its checkpoint is committed and read (tens of milliseconds to a fetch later), and until then
+it counts that step's units as waiting: a bound that sheds at once sheds, every step, what
+arrives in that gap, and at an exact balance of generation and training the trainer then
+waits for as long for its next step's units. Pure; no clock, no client.
 """
 
 from __future__ import annotations
@@ -84,3 +91,30 @@ def share(bound: int, mine: int, of: int) -> int:
     itself: ``bound * mine / of``, rounded up (all of it while it holds them all). Its own
     units reach it exactly when ``estimate(mine, of)`` reaches ``bound``."""
     return bound if mine >= of else -(-bound * mine // of)
+
+
+class BacklogWait:
+    """Whether a full backlog holds the processor's input (``schedule.backlog_wait_s``): from
+    the first fetch that finds it full, for ``wait_s`` seconds; after that what completes is
+    shed, as without a wait, until the backlog has room again (a checkpoint passed units),
+    and the next full backlog waits afresh. The caller gives the time.
+
+        wait = BacklogWait(0.5)
+        wait.holding(full=True, now=10.0)    # True: the first fetch that finds it full
+        wait.holding(full=True, now=10.6)    # False: waited 0.5 s; shed
+        wait.holding(full=False, now=10.7)   # False: room; the next full backlog waits again
+    """
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self._since: float | None = None   # when the backlog was first found full
+
+    def holding(self, *, full: bool, now: float) -> bool:
+        """Whether to hold this fetch's records: the backlog is ``full`` and has been for less
+        than ``wait_s`` (never with a wait of 0)."""
+        if not full or self.wait_s <= 0:
+            self._since = None
+            return False
+        if self._since is None:
+            self._since = now
+        return now - self._since < self.wait_s

@@ -16,7 +16,9 @@ other topic (``consumers.processor.pairs``). ``group.instance.id`` is ``--instan
 restart fences its predecessor (``reef_stream.topics.fencing``). With
 ``max_backlog_steps`` the units waiting for the trainer are bounded and the surplus SHED
 (``consumers.processor.backlog``; a trainer stalled ``STALL_STEPS`` intervals, at least
-``STALL_MIN_S``, suspends the bound). Beside it: ``pairs``, ``offers``, ``step_records``,
+``STALL_MIN_S``, suspends the bound), after holding what it reads for up to
+``schedule.backlog_wait_s`` while the bound is full, for a checkpoint to make room
+(``backlog.BacklogWait``). Beside it: ``pairs``, ``offers``, ``step_records``,
 ``changelog``, ``backlog``, ``metrics``. The long form: ``docs/processor.md`` ("How the
 runtime works"); measurements and why not faust-streaming: the same file.
 """
@@ -32,7 +34,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from reef_stream.consumers.processor.backlog import UnitBacklog, share
+from reef_stream.consumers.processor.backlog import BacklogWait, UnitBacklog, share
 from reef_stream.consumers.processor.changelog import changelog, changelog_topic, read_changelog
 from reef_stream.consumers.processor.metrics import ProcessorMetrics
 from reef_stream.consumers.processor.offers import decode_offers
@@ -170,6 +172,7 @@ class ProcessorRuntime:
         #: written, when the newest checkpoint came (monotonic) and the last intervals between
         #: checkpoints.
         self._backlog = UnitBacklog()
+        self._wait = BacklogWait(recipe.schedule.backlog_wait_s)
         self.backlog: int | None = None
         self._backlog_at = 0.0
         self._checkpoint_at: float | None = None
@@ -371,6 +374,12 @@ class ProcessorRuntime:
             steps += [(p, part.state.observe_checkpoint(self.newest_checkpoint))
                       for p, part in self._parts.items()]
             self._observed = self.newest_checkpoint
+        if self._wait.holding(full=self._full(), now=time.monotonic()):
+            # The records read stay in their pairs, unoffered; the next fetch decides again.
+            self.counts["fetches.held"] += 1
+            if steps:
+                self._commit(steps, bad, positions)
+            return
         emitted = 0  # units of this batch, so far
         for p, part in self._parts.items():
             if self.backlog is not None:
@@ -463,6 +472,12 @@ class ProcessorRuntime:
         if self._metrics is not None and time.monotonic() - self._backlog_at >= BACKLOG_EVERY_S:
             self._backlog_at = time.monotonic()
             self._metrics.writer.write(metric_names.PROCESSOR_TRAINER_BACKLOG, self.backlog)
+
+    def _full(self) -> bool:
+        """Whether the backlog bound is in force and reached (``_observe_backlog``'s figure)."""
+        bound = self.recipe.schedule.max_backlog_units
+        return (bound is not None and self.newest_checkpoint is not None and bool(self._parts)
+                and not self._suspended and self.backlog is not None and self.backlog >= bound)
 
     def _partition_count(self, topic: str) -> int:
         metadata = self._checkpoints.list_topics(topic, timeout=30).topics[topic]
