@@ -346,6 +346,14 @@ class ProcessorState(Generic[UnitT]):
         ``reef_stream.api.schedule``)."""
         self._backlog = max(int(units), 0)
 
+    def backlog_room(self) -> int | None:
+        """How many more units may be emitted before what completes is shed (``observe_backlog``,
+        and each unit emitted since): 0 when full; None while nothing is shed (no bound, or no
+        checkpoint observed yet)."""
+        if self.max_backlog is None or self._newest is None:
+            return None
+        return max(self.max_backlog - self._backlog, 0)
+
     def observe_checkpoint(self, policy_version: int) -> Step:
         """Learn that a checkpoint of ``policy_version`` exists. Non-blocking, idempotent.
         When it is the newest yet, every pending generation now more than

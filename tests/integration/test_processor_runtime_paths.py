@@ -293,44 +293,46 @@ def test_units_past_the_backlog_bound_are_shed_until_a_checkpoint_passes_them(
 
 def test_a_full_backlog_holds_what_it_reads_for_a_checkpoint_and_sheds_only_after_the_wait(
         kafka_bootstrap, namespace):
-    """``schedule.backlog_wait_s``: with the bound (one step: 8 units) full, what the processor
-    reads is held, not shed; a checkpoint that comes within the wait lets it through as
-    units. A full backlog that no checkpoint relieves sheds what it holds once the wait is
-    over, and not before."""
+    """``schedule.backlog_wait_s``: once the bound (one step: 8 units) is full, what the
+    processor reads is held, not shed, from the record that would complete the 9th unit on,
+    within one fetch too; a checkpoint that comes within the wait lets it through as units. A
+    full backlog that no checkpoint relieves sheds what it holds once the wait is over, and
+    not before."""
     wait_s = 6.0
     create_topics(kafka_bootstrap, namespace)
     bounded = dataclasses.replace(RECIPE, schedule=dataclasses.replace(
         RECIPE.schedule, max_backlog_steps=1, backlog_wait_s=wait_s))
     _checkpoint_at(kafka_bootstrap, namespace, 3, {})
-    work = fresh(make_workload(windows=3, groups_per_window=8, seed=19), version=3)
+    work = fresh(make_workload(windows=2, groups_per_window=12, seed=19), version=3)
     runtime = ProcessorRuntime(bounded, bootstrap=kafka_bootstrap, namespace=namespace,
                                instance="waiting", log_every_s=5)
     thread = threading.Thread(target=runtime.run, daemon=True)
     thread.start()
     try:
         wait_for(lambda: runtime.newest_checkpoint == 3, 60, "the checkpoint")
-        produce(kafka_bootstrap, namespace, work.windows[:1])
+        produce(kafka_bootstrap, namespace, work.windows[:1])      # 12 groups, one flush
         wait_for(lambda: runtime.counts["units"] == 8, 30, "the first step's units")
-        produce(kafka_bootstrap, namespace, work.windows[1:2])     # the backlog is full
         wait_for(lambda: runtime.counts["fetches.held"] > 0, 30, "a held fetch")
         _checkpoint_at(kafka_bootstrap, namespace, 4, _units_end(kafka_bootstrap, namespace))
-        wait_for(lambda: runtime.counts["units"] == 16, 30, "the held groups as units")
-        full_at = time.monotonic()   # the second step's units fill the backlog again
+        wait_for(lambda: runtime.counts["units"] == 12, 30, "the held groups as units")
         assert runtime.counts["generations.shed"] == 0, runtime.counts
-        produce(kafka_bootstrap, namespace, work.windows[2:])      # no checkpoint comes now
+        produce(kafka_bootstrap, namespace, work.windows[1:])      # no checkpoint comes now
+        wait_for(lambda: runtime.counts["units"] == 16, 30, "the bound full again")
+        full_at = time.monotonic()
         wait_for(lambda: runtime.counts["generations.shed"] > 0, 30, "the shed after the wait")
         waited = time.monotonic() - full_at
         back = read_back(kafka_bootstrap, namespace, work, alive=thread.is_alive)
     finally:
         runtime.stop()
         thread.join(30)
-    # The wait runs from the first fetch that found the backlog full, after full_at minus the
+    # The wait runs from the first fetch that found the backlog full, after full_at less the
     # polling step of wait_for: the shed cannot come sooner.
     assert waited >= wait_s - 0.5, waited
     shed = {g for g, reason in back.reasons.items() if "wait for the trainer" in reason}
     in_units = {g for members in back.units.values() for g in members}
-    assert shed == {g for g in work.complete if g.startswith("w002")}, sorted(shed)
-    assert in_units == {g for g in work.complete if not g.startswith("w002")}
+    second = {g for g in work.complete if g.startswith("w001")}
+    assert shed < second and len(shed) == 8 * len(second) // 12, sorted(shed)
+    assert in_units == work.complete - shed
     assert back.kinds["processor.shed"] == len(shed)
     assert all(n == 1 for n in back.generation_letters.values())
     assert back.unit_records == len(back.units) == runtime.counts["units"] == 16

@@ -199,3 +199,15 @@ def test_a_full_backlog_holds_for_the_wait_from_when_it_was_first_found_full():
 def test_a_wait_of_zero_never_holds():
     wait = BacklogWait(0.0)
     assert not any(wait.holding(full=True, now=t) for t in (0.0, 0.0, 1.0))
+
+
+def test_the_room_left_is_the_bound_less_the_backlog_and_none_while_nothing_is_shed():
+    state = ProcessorState(GROUPED, recipe="test", max_staleness=8, max_backlog=2)
+    assert state.backlog_room() is None            # no checkpoint yet: no trainer, no shed
+    state.observe_checkpoint(5)
+    assert state.backlog_room() == 2
+    _, units = _joined(state, "a", at=1)
+    assert len(units) == 1 and state.backlog_room() == 1   # each unit emitted counts
+    state.observe_backlog(7)
+    assert state.backlog_room() == 0               # past the bound: 0, not negative
+    assert ProcessorState(GROUPED, recipe="test", max_staleness=8).backlog_room() is None

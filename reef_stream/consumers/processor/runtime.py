@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from reef_stream.consumers.processor.backlog import BacklogWait, UnitBacklog, share
@@ -393,10 +394,7 @@ class ProcessorRuntime:
                     caught.append(self._caught_up(p))
                 return caught[0]
 
-            offers = decode_offers(self.registry, self.generations, p,
-                                   part.ready(caught_up, MAX_IDLE_S), positions, bad)
-            if offers:
-                steps.append((p, part.state.offer_all(offers)))
+            self._offer(p, part, part.ready(caught_up, MAX_IDLE_S), steps, positions, bad)
             due = part.state.next_deadline()
             if due is not None:
                 now = part.state.clock
@@ -411,6 +409,25 @@ class ProcessorRuntime:
         if not positions and not steps:
             return
         self._commit(steps, bad, positions)
+
+    def _offer(self, p: int, part: PartitionPair, ready: Iterator[tuple[str, Any, int]],
+               steps: list[tuple[int, Step]], positions: dict[tuple[str, int], int],
+               bad: list[Any]) -> None:
+        """Offer ``ready``'s records to ``part``'s state (a ``Step`` into ``steps``). With a
+        wait for a full backlog (``schedule.backlog_wait_s``): at most as many records at a
+        time as there is room for units (a record completes at most one group), and none once
+        the backlog is full while the wait lasts: they stay held in the pair. Else all of
+        them, and the state sheds what completes past the bound."""
+        while True:
+            room = part.state.backlog_room() if self._wait.wait_s else None
+            if room == 0 and self._wait.holding(full=True, now=time.monotonic()):
+                return
+            chunk = list(itertools.islice(ready, room)) if room else ready
+            offers = decode_offers(self.registry, self.generations, p, chunk, positions, bad)
+            if offers:
+                steps.append((p, part.state.offer_all(offers)))
+            if not room or len(chunk) < room:   # all of them, or all there were
+                return
 
     def _read_checkpoints(self) -> None:
         """Take in the Checkpoint events published since the last call (never blocks).
