@@ -41,9 +41,13 @@ LEARNING_RATE = 4e-4
 # the trainer: evaluating and publishing take time). At most 2 steps of units wait for the
 # trainer (max_backlog_steps): what completes beyond is shed, counted, so that when replicas
 # outrun the trainer it trains fresh samples at its own pace. Why 2 and not 1 or none:
-# docs/history.md ("SAO's schedule").
+# docs/history.md ("SAO's schedule"). A full backlog holds what the processor reads for up to
+# 0.5 s (backlog_wait_s) before shedding: the checkpoint that makes room comes a step after
+# the last one, and what arrived meanwhile then trains instead of being shed
+# (docs/history.md, "Waiting for the checkpoint").
 SCHEDULE = Schedule(units_per_step=256, optimizer_batch_size=256, micro_batch_size=256,
-                    epochs=1, shuffle=True, seed=0, max_staleness=16, max_backlog_steps=2)
+                    epochs=1, shuffle=True, seed=0, max_staleness=16, max_backlog_steps=2,
+                    backlog_wait_s=0.5)
 
 
 def recipe(*, model: Callable[[], Any], reward: RewardFunction | None,
