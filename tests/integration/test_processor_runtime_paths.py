@@ -251,17 +251,26 @@ def _units_end(bootstrap: str, namespace: str) -> dict[int, int]:
         consumer.close()
 
 
-def test_units_past_the_backlog_bound_are_shed_until_a_checkpoint_passes_them(
-        kafka_bootstrap, namespace):
-    create_topics(kafka_bootstrap, namespace)
-    bounded = dataclasses.replace(RECIPE, schedule=dataclasses.replace(
-        RECIPE.schedule, max_backlog_steps=2))                      # 2 steps of 8: 16 units
-    _checkpoint_at(kafka_bootstrap, namespace, 3, {})               # a trainer, at the start
-    work = fresh(make_workload(windows=6, groups_per_window=10, seed=13), version=3)
-    runtime = ProcessorRuntime(bounded, bootstrap=kafka_bootstrap, namespace=namespace,
-                               instance="bounded", log_every_s=5)
+def _start_bounded(bootstrap: str, namespace: str, instance: str,
+                   **schedule) -> tuple[ProcessorRuntime, threading.Thread]:
+    """A processor of ``RECIPE`` with ``schedule``'s fields changed, run in a thread, after a
+    checkpoint at version 3 (a trainer exists from the start)."""
+    create_topics(bootstrap, namespace)
+    bounded = dataclasses.replace(RECIPE, schedule=dataclasses.replace(RECIPE.schedule,
+                                                                       **schedule))
+    _checkpoint_at(bootstrap, namespace, 3, {})
+    runtime = ProcessorRuntime(bounded, bootstrap=bootstrap, namespace=namespace,
+                               instance=instance, log_every_s=5)
     thread = threading.Thread(target=runtime.run, daemon=True)
     thread.start()
+    return runtime, thread
+
+
+def test_units_past_the_backlog_bound_are_shed_until_a_checkpoint_passes_them(
+        kafka_bootstrap, namespace):
+    work = fresh(make_workload(windows=6, groups_per_window=10, seed=13), version=3)
+    runtime, thread = _start_bounded(kafka_bootstrap, namespace, "bounded",
+                                     max_backlog_steps=2)   # 2 steps of 8: 16 units
     try:
         wait_for(lambda: runtime.newest_checkpoint == 3, 60, "the checkpoint")
         produce(kafka_bootstrap, namespace, work.windows[:3], pause_s=1.5)
@@ -299,15 +308,9 @@ def test_a_full_backlog_holds_what_it_reads_for_a_checkpoint_and_sheds_only_afte
     full backlog that no checkpoint relieves sheds what it holds once the wait is over, and
     not before."""
     wait_s = 6.0
-    create_topics(kafka_bootstrap, namespace)
-    bounded = dataclasses.replace(RECIPE, schedule=dataclasses.replace(
-        RECIPE.schedule, max_backlog_steps=1, backlog_wait_s=wait_s))
-    _checkpoint_at(kafka_bootstrap, namespace, 3, {})
     work = fresh(make_workload(windows=2, groups_per_window=12, seed=19), version=3)
-    runtime = ProcessorRuntime(bounded, bootstrap=kafka_bootstrap, namespace=namespace,
-                               instance="waiting", log_every_s=5)
-    thread = threading.Thread(target=runtime.run, daemon=True)
-    thread.start()
+    runtime, thread = _start_bounded(kafka_bootstrap, namespace, "waiting",
+                                     max_backlog_steps=1, backlog_wait_s=wait_s)
     try:
         wait_for(lambda: runtime.newest_checkpoint == 3, 60, "the checkpoint")
         produce(kafka_bootstrap, namespace, work.windows[:1])      # 12 groups, one flush
