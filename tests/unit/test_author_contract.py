@@ -328,7 +328,7 @@ def test_a_bad_set_is_one_configuration_error_listing_every_problem():
         "--set 'nothing': expected FIELD=VALUE (e.g. schedule.max_staleness=4)",
         "--set schedule.max_stalness: schedule (Schedule) has no field 'max_stalness'; its "
         "fields: units_per_step, optimizer_batch_size, micro_batch_size, epochs, shuffle, seed, "
-        "max_staleness, max_backlog_steps, checkpoint_every, unknown_version",
+        "max_staleness, max_backlog_steps, backlog_wait_s, checkpoint_every, unknown_version",
         "--set schedule.seed: schedule.seed takes an integer, got 'x'",
         "--set objective.decay: StreamingAdvantage.decay must be in [0, 1), got 1.5",
         "--set backend.losses.x: backend.losses is a dict, which has no fields to set; edit the "
